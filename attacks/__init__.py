@@ -1,0 +1,1 @@
+"""Membership inference attacks on trained runs (signals, attacks, metrics)."""

@@ -1,0 +1,1 @@
+"""Federated algorithms, one family per module."""

@@ -1,0 +1,1 @@
+"""Datasets, readers, partitioners and the membership split."""

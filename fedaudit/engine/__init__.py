@@ -1,0 +1,1 @@
+"""Engines that run clients: in-process (local) and, later, Flower."""

@@ -1,0 +1,1 @@
+"""The DP primitive (per-sample gradients, clipping, noise, Poisson sampling) and accounting."""

@@ -1,0 +1,1 @@
+"""Reports: tables, figures, HTML/PDF compliance reports and comparisons."""
