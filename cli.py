@@ -1,0 +1,181 @@
+"""The ``fedaudit`` command line: parse, validate, call the packages.
+
+Errors a user can cause end with one sentence on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+USER_ERROR_EXIT = 2
+
+# train option name -> "section.field" of RunConfig
+TRAIN_OPTION_FIELDS: dict[str, str] = {
+    "algorithm": "federated.algorithm",
+    "rounds": "federated.rounds",
+    "client_fraction": "federated.client_fraction",
+    "weighting": "federated.weighting",
+    "server_lr": "federated.server_lr",
+    "local_epochs": "federated.local_epochs",
+    "lr": "federated.client_lr",
+    "momentum": "federated.momentum",
+    "batch_size": "federated.batch_size",
+    "mu": "federated.mu",
+    "lr_schedule": "federated.lr_schedule",
+    "dataset": "data.dataset",
+    "data_dir": "data.data_dir",
+    "download": "data.download",
+    "partition": "data.partition",
+    "num_clients": "data.num_clients",
+    "holdout_fraction": "data.holdout_fraction",
+    "model": "model.arch",
+    "width": "model.width",
+    "depth": "model.depth",
+    "dp": "privacy.dp",
+    "noise_multiplier": "privacy.noise_multiplier",
+    "max_grad_norm": "privacy.max_grad_norm",
+    "target_epsilon": "privacy.target_epsilon",
+    "delta": "privacy.delta",
+    "accountant": "privacy.accountant",
+    "seed": "seed",
+    "device": "device",
+}
+
+
+def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn the packages' user-facing errors into one sentence on stderr and exit code 2."""
+    from fedaudit.config import ConfigError
+    from fedaudit.data import DataError, PartitionError
+    from fedaudit.models import ModelError
+    from fedaudit.privacy.accounting import AccountingError
+    from fedaudit.runs import RunError
+    from fedaudit.training import TrainingError
+
+    handled = (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except handled as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(USER_ERROR_EXIT)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="fedaudit")
+def main() -> None:
+    """fedaudit: train federated models with record-level DP and audit how much they leak."""
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML or JSON file with the configuration (sections data, model, federated, privacy); options given here override it.")
+@click.option("--algorithm", type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]), help="Federated algorithm. [default: fedavg]")
+@click.option("--dp/--no-dp", default=None, help="Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx). [default: off]")
+@click.option("--noise-multiplier", type=float, help="sigma: Gaussian noise std relative to the clipping norm. [default with --dp: 1.0]")
+@click.option("--max-grad-norm", type=float, help="C: per-sample gradient clipping norm. [default: 0.1 fedavg/fedsgd, 0.2 fedprox]")
+@click.option("--target-epsilon", type=float, help="Calibrate sigma so that epsilon after the last round is at most this.")
+@click.option("--delta", type=float, help="delta of (epsilon, delta)-DP. [default: 1e-5]")
+@click.option("--accountant", type=click.Choice(["rdp", "prv"]), help="Privacy accountant. [default: rdp]")
+@click.option("--dataset", help="digits, mnist, fashion-mnist or cifar10. [default: digits]")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Directory holding the dataset files (torchvision root layout or flat).")
+@click.option("--download/--no-download", default=None, help="Allow torchvision to download the dataset into --data-dir.")
+@click.option("--partition", help="iid, classes:K or dirichlet:ALPHA. [default: classes:2]")
+@click.option("--num-clients", type=int, help="Number of clients K. [default: 5]")
+@click.option("--holdout-fraction", type=float, help="Fraction of the training split held out as non-members for auditing. [default: 0.1]")
+@click.option("--model", type=click.Choice(["convnet", "mlp"]), help="Architecture. [default: convnet]")
+@click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128]")
+@click.option("--depth", type=int, help="Blocks (ConvNet) or hidden layers (MLP). [default: 3]")
+@click.option("--rounds", type=int, help="Communication rounds M. [default: 10]")
+@click.option("--client-fraction", type=float, help="Fraction p of clients selected per round. [default: 1.0]")
+@click.option("--weighting", type=click.Choice(["num_examples", "uniform"]), help="Aggregation weights N_k/N or 1/K. [default: num_examples]")
+@click.option("--server-lr", type=float, help="Server learning rate eta_s. [default: 1.0]")
+@click.option("--local-epochs", type=int, help="Local epochs E. [default: 5]")
+@click.option("--lr", type=float, help="Client learning rate eta_c. [default: 0.1]")
+@click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
+@click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256]")
+@click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
+@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), help="Client learning rate over rounds. [default: constant]")
+@click.option("--seed", type=int, help="Seed of every random choice in the run. [default: 0]")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train. [default: auto]")
+@click.option("--out", type=click.Path(), help="Run directory to create.")
+@click.option("--resume", "resume_dir", type=click.Path(), help="Continue the interrupted run in this directory (only --rounds may change).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing run at --out.")
+@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.pass_context
+@user_errors
+def train(ctx: click.Context, config_file: str | None, out: str | None, resume_dir: str | None, overwrite: bool,
+          progress: bool, **options: Any) -> None:
+    """Train a federated model and write a run directory (config, membership, metrics, ledger, weights)."""
+    from fedaudit.config import RunConfig, load_config_file
+    from fedaudit import training
+
+    given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+    if resume_dir is not None:
+        extra = sorted(given - {"rounds", "device"}) + (["config"] if config_file else []) + (["out"] if out else [])
+        if extra:
+            raise training.TrainingError(
+                f"--resume continues a run with its stored configuration; only --rounds may be given with it, not --{extra[0].replace('_', '-')}."
+            )
+        result = training.resume(resume_dir, rounds=options.get("rounds"), progress=progress)
+    else:
+        if out is None:
+            raise training.TrainingError("--out is required: the directory the run is written to.")
+        config = load_config_file(config_file) if config_file else RunConfig()
+        config = config.with_overrides({TRAIN_OPTION_FIELDS[name]: options[name] for name in options})
+        result = training.train(config, out, overwrite=overwrite, progress=progress)
+    eps = f", epsilon {result.epsilon:.3f}" if result.epsilon != float("inf") else ""
+    click.echo(f"Run written to {Path(result.run_dir)} (test accuracy {result.test_accuracy:.4f}{eps})")
+
+
+@main.command()
+@click.option("--noise-multiplier", type=float, help="sigma of the Sampled Gaussian Mechanism.")
+@click.option("--target-epsilon", type=float, help="Instead of sigma: print the smallest sigma reaching this epsilon.")
+@click.option("--sample-rate", type=float, required=True, help="q = B / N_k.")
+@click.option("--steps", type=int, required=True, help="DP queries per client per round T.")
+@click.option("--rounds", type=int, required=True, help="Rounds M.")
+@click.option("--client-fraction", type=float, default=1.0, show_default=True, help="Client selection probability p.")
+@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True)
+@user_errors
+def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample_rate: float, steps: int, rounds: int,
+            client_fraction: float, delta: float, accountant: str) -> None:
+    """Epsilon after each round for DP-SGD clients (two-rate accounting, ALGORITHMS.md section 5)."""
+    import pandas as pd
+
+    from fedaudit.privacy.accounting import AccountingError, calibrate_noise_multiplier, epsilon_per_round
+
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise AccountingError("Give exactly one of --noise-multiplier and --target-epsilon.")
+    common = dict(sample_rate=sample_rate, queries_per_round=steps, rounds=rounds, client_fraction=client_fraction,
+                  delta=delta, accountant=accountant)
+    sigma = noise_multiplier if target_epsilon is None else calibrate_noise_multiplier(target_epsilon=target_epsilon, **common)
+    eps = epsilon_per_round(noise_multiplier=sigma, **common)
+    table = pd.DataFrame({"round": range(1, rounds + 1), "epsilon": eps})
+    click.echo(f"accountant={accountant} delta={delta:g} sigma={sigma:.6g} q={sample_rate:g} T={steps} p={client_fraction:g}")
+    click.echo(table.to_string(index=False))
+    if target_epsilon is None:
+        click.echo(f"epsilon={eps[-1]:.6g}")
+    else:
+        click.echo(f"noise_multiplier={sigma:.6g}")
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Also look in this directory.")
+@user_errors
+def datasets(data_dir: str | None) -> None:
+    """List the datasets fedaudit reads, where each was found, and its size."""
+    from fedaudit.data import dataset_table
+
+    click.echo(dataset_table(data_dir).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The client/server seam shared by every algorithm and engine.
+
+A client is a function of (global parameters, its data, round context)
+returning a :class:`ClientMessage`; a server is a function of (global
+parameters, messages) returning new global parameters. Messages hold plain
+tensors plus metadata, so the same algorithm runs in-process or under Flower,
+and an audit can look at exactly what crossed the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fedaudit.config import RunConfig
+from fedaudit.privacy.accounting import SGMEvent
+
+TensorDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's training records (already on the training device)."""
+
+    client_id: int
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What every participant knows about the current round."""
+
+    round: int  # 0-based index of the round being run
+    rounds: int
+    config: RunConfig
+    device: torch.device
+
+    def cosine_lr(self, base_lr: float) -> float:
+        """``base_lr`` with cosine decay over rounds (round 0 uses the full rate)."""
+        if self.config.federated.lr_schedule == "constant":
+            return base_lr
+        return base_lr * 0.5 * (1.0 + math.cos(math.pi * self.round / self.rounds))
+
+
+@dataclass
+class ClientMessage:
+    """What a client sends to the server after a round.
+
+    ``payload`` holds the tensors that cross the wire (a model delta, or a
+    synthetic set); ``privacy_events`` are the DP queries the client made on
+    its records this round (the accountant also applies its own worst case).
+    """
+
+    client_id: int
+    num_examples: int
+    payload: TensorDict
+    metrics: dict[str, float] = field(default_factory=dict)
+    privacy_events: list[SGMEvent] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor payload sent upstream."""
+        return sum(t.numel() * t.element_size() for t in self.payload.values())
+
+
+@dataclass(frozen=True)
+class ServerResult:
+    """New global parameters and what the server measured while computing them."""
+
+    params: TensorDict
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Algorithm(Protocol):
+    """A federated algorithm: a client update, a server update, and its worst-case DP query count."""
+
+    name: str
+
+    def client_update(
+        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator
+    ) -> ClientMessage:
+        """Run one round on a client; ``model`` is a scratch module the client may overwrite."""
+
+    def server_update(
+        self, model: nn.Module, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext,
+        generator: torch.Generator,
+    ) -> ServerResult:
+        """Combine the selected clients' messages into the next global parameters."""
+
+    def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
+        """Worst-case number of DP queries a client with ``num_examples`` records makes per round."""
+
+
+def aggregation_weights(messages: list[ClientMessage], weighting: str) -> list[float]:
+    """N_k / sum N_k over the received messages, or uniform weights."""
+    if weighting == "uniform":
+        return [1.0 / len(messages)] * len(messages)
+    total = sum(m.num_examples for m in messages)
+    return [m.num_examples / total for m in messages]
+
+
+def clone_params(params: TensorDict) -> TensorDict:
+    """Independent copies of a parameter dict."""
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def load_params(model: nn.Module, params: TensorDict) -> None:
+    """Copy ``params`` into the model's parameters in place (no autograd history)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+
+
+def flat_distance(a: TensorDict, b: TensorDict) -> float:
+    """||a - b||_2 over all parameters flattened into one vector (the trust-region distance)."""
+    total = sum(float((a[name] - b[name]).pow(2).sum()) for name in a)
+    return math.sqrt(total)

@@ -1,0 +1,130 @@
+"""Gradient-sharing baselines: FedAvg, FedProx, FedSGD and their record-level DP variants.
+
+Clients run local SGD from the global model and send their model delta; the
+server adds the weighted mean delta times the server learning rate. With DP,
+every local step is one query of the shared DP primitive on a Poisson batch
+(DP-FedAvg / DP-FedProx, "local DP-SGD"). FedProx's proximal gradient
+mu (w - w_g) is added *after* the noise: it does not touch data, so it costs
+no privacy, and putting it into the loss would be discarded by the clipping
+(the bug ALGORITHMS.md warns about).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedaudit.algorithms.base import (
+    ClientData,
+    ClientMessage,
+    RoundContext,
+    ServerResult,
+    TensorDict,
+    aggregation_weights,
+    clone_params,
+    load_params,
+)
+from fedaudit.config import RunConfig
+from fedaudit.privacy.accounting import SGMEvent
+from fedaudit.privacy.primitive import dp_gradient, poisson_sample
+
+
+class FedAvg:
+    """FedAvg (``mu == 0``), FedProx (``mu > 0``) or FedSGD (``single_step``), with optional record-level DP."""
+
+    def __init__(self, name: str, *, mu: float = 0.0, single_step: bool = False) -> None:
+        self.name = name
+        self.mu = mu
+        self.single_step = single_step
+
+    def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
+        """DP queries per round: one for FedSGD, else E * floor(N_k / B) Poisson batches."""
+        if self.single_step:
+            return 1
+        return config.federated.local_epochs * max(1, num_examples // config.federated.batch_size)
+
+    def client_update(
+        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator
+    ) -> ClientMessage:
+        """Local training from the global model; the message carries the model delta."""
+        fed = ctx.config.federated
+        load_params(model, global_params)
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=ctx.cosine_lr(fed.client_lr), momentum=fed.momentum)
+        if ctx.config.privacy.dp:
+            events, metrics = self._train_dp(model, optimizer, global_params, data, ctx, generator)
+        else:
+            events, metrics = [], self._train_plain(model, optimizer, global_params, data, ctx, generator)
+        delta = {name: p.detach() - global_params[name] for name, p in model.named_parameters()}
+        return ClientMessage(
+            client_id=data.client_id, num_examples=data.num_examples, payload=delta, metrics=metrics, privacy_events=events
+        )
+
+    def server_update(
+        self, model: nn.Module, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext,
+        generator: torch.Generator,
+    ) -> ServerResult:
+        """w_g <- w_g + eta_s * sum_k weight_k * delta_k."""
+        weights = aggregation_weights(messages, ctx.config.federated.weighting)
+        new = clone_params(global_params)
+        for weight, message in zip(weights, messages):
+            for name in new:
+                new[name] += ctx.config.federated.server_lr * weight * message.payload[name].to(new[name].device)
+        return ServerResult(params=new)
+
+    def _apply_prox(self, model: nn.Module, global_params: TensorDict) -> None:
+        if self.mu > 0:
+            for name, p in model.named_parameters():
+                p.grad.add_(p.detach() - global_params[name], alpha=self.mu)
+
+    def _train_plain(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, global_params: TensorDict, data: ClientData,
+        ctx: RoundContext, generator: torch.Generator,
+    ) -> dict[str, float]:
+        fed = ctx.config.federated
+        n = data.num_examples
+        if self.single_step:
+            batches = [torch.arange(n, device=data.x.device)]
+        else:
+            batches = [
+                batch
+                for _ in range(fed.local_epochs)
+                for batch in torch.randperm(n, generator=generator, device=generator.device).split(fed.batch_size)
+            ]
+        losses = []
+        for idx in batches:
+            optimizer.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(data.x[idx]), data.y[idx])
+            loss.backward()
+            self._apply_prox(model, global_params)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        return {"train_loss": sum(losses) / len(losses), "local_steps": float(len(batches))}
+
+    def _train_dp(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, global_params: TensorDict, data: ClientData,
+        ctx: RoundContext, generator: torch.Generator,
+    ) -> tuple[list[SGMEvent], dict[str, float]]:
+        priv = ctx.config.privacy
+        batch_size = ctx.config.federated.batch_size
+        n = data.num_examples
+        sample_rate = batch_size / n
+        steps = self.queries_per_round(ctx.config, n)
+        for _ in range(steps):
+            idx = poisson_sample(n, sample_rate, generator=generator)
+            result = dp_gradient(
+                model,
+                data.x[idx],
+                data.y[idx],
+                noise_multiplier=priv.noise_multiplier,
+                max_grad_norm=priv.max_grad_norm,
+                expected_batch_size=batch_size,
+                generator=generator,
+            )
+            for name, p in model.named_parameters():
+                p.grad = result.grads[name]
+            self._apply_prox(model, global_params)
+            optimizer.step()
+        event = SGMEvent(noise_multiplier=priv.noise_multiplier, sample_rate=sample_rate, steps=steps)
+        return [event], {"local_steps": float(steps)}

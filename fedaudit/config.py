@@ -1,0 +1,254 @@
+"""Run configuration: one frozen dataclass per concern, validated, JSON/YAML round-trip.
+
+A :class:`RunConfig` is what ``fedaudit train`` resolves from defaults, a
+``--config`` file and command-line overrides; :meth:`RunConfig.resolved`
+writes every algorithm-dependent default out, and that resolved form is what
+``config.json`` in the run directory holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+ALGORITHMS = ("fedavg", "fedprox", "fedsgd", "fedlap")
+DEVICES = ("auto", "cpu", "cuda")
+WEIGHTINGS = ("num_examples", "uniform")
+LR_SCHEDULES = ("constant", "cosine")
+ACCOUNTANTS = ("rdp", "prv")
+
+# Clipping norms of the authors' DP configurations, per algorithm (ALGORITHMS.md sections 3 and 4).
+DEFAULT_MAX_GRAD_NORM = {"fedavg": 0.1, "fedsgd": 0.1, "fedprox": 0.2, "fedlap": 1.0}
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value (one clear sentence for the user)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which data, how it is split over clients, and how much is held out as non-members."""
+
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = False
+    partition: str = "classes:2"
+    num_clients: int = 5
+    holdout_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The global model's architecture."""
+
+    arch: str = "convnet"
+    width: int = 128
+    depth: int = 3
+
+
+@dataclass(frozen=True)
+class FederatedConfig:
+    """The federated optimisation: algorithm, rounds, participation and client/server optimisers.
+
+    ``None`` means "the algorithm's default", filled in by :meth:`RunConfig.resolved`.
+    """
+
+    algorithm: str = "fedavg"
+    rounds: int = 10
+    client_fraction: float = 1.0
+    weighting: str = "num_examples"
+    server_lr: float = 1.0
+    local_epochs: int = 5
+    client_lr: float | None = None
+    momentum: float = 0.0
+    batch_size: int = 256
+    mu: float = 0.1
+    lr_schedule: str | None = None
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Record-level DP: the mechanism's parameters and how it is accounted."""
+
+    dp: bool = False
+    noise_multiplier: float | None = None
+    max_grad_norm: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    calibrated: bool = False
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines a run; the same config and seed give the same run."""
+
+    seed: int = 0
+    device: str = "auto"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (JSON/YAML serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """Build from a nested dict; unknown sections or keys are errors (typos must not pass silently)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("The configuration must be a mapping of sections (data, model, federated, privacy).")
+        sections = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                raise ConfigError(f"Unknown configuration key '{key}'; expected one of: {', '.join(sections)}.")
+            section_type = _SECTION_TYPES.get(key)
+            if section_type is None:
+                kwargs[key] = value
+            else:
+                kwargs[key] = _build_section(section_type, key, value)
+        return cls(**kwargs)
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "RunConfig":
+        """Apply ``{"section.field": value}`` or ``{"field": value}`` overrides (``None`` values are ignored)."""
+        config = self
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            if "." in dotted:
+                section, name = dotted.split(".", 1)
+                current = getattr(config, section)
+                try:
+                    config = replace(config, **{section: replace(current, **{name: value})})
+                except TypeError as exc:
+                    raise ConfigError(f"Unknown configuration key '{dotted}'.") from exc
+            else:
+                config = replace(config, **{dotted: value})
+        return config
+
+    def resolved(self) -> "RunConfig":
+        """Fill in algorithm-dependent defaults and validate; the result has no ``None`` where a value is used."""
+        fed = self.federated
+        priv = self.privacy
+        algorithm = fed.algorithm
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(f"Unknown algorithm '{algorithm}'; choose one of: {', '.join(ALGORITHMS)}.")
+        fed = replace(
+            fed,
+            client_lr=fed.client_lr if fed.client_lr is not None else 0.1,
+            lr_schedule=fed.lr_schedule if fed.lr_schedule is not None else "constant",
+        )
+        if priv.dp:
+            priv = replace(
+                priv,
+                max_grad_norm=priv.max_grad_norm if priv.max_grad_norm is not None else DEFAULT_MAX_GRAD_NORM[algorithm],
+                noise_multiplier=(
+                    priv.noise_multiplier
+                    if priv.noise_multiplier is not None or priv.target_epsilon is not None
+                    else 1.0
+                ),
+            )
+        config = replace(self, federated=fed, privacy=priv)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
+        _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
+        _check(isinstance(self.seed, int) and self.seed >= 0, f"--seed must be a non-negative integer, got {self.seed!r}.")
+        d, m, f, p = self.data, self.model, self.federated, self.privacy
+        _check(_is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}.")
+        _check(_is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
+               f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.")
+        _check(_is_int(m.width) and m.width >= 1, f"--width must be a positive integer, got {m.width!r}.")
+        _check(_is_int(m.depth) and m.depth >= 0, f"--depth must be a non-negative integer, got {m.depth!r}.")
+        _check(_is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
+        _check(_is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
+               f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.")
+        _check(f.weighting in WEIGHTINGS, f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{f.weighting}'.")
+        _check(_is_number(f.server_lr) and f.server_lr > 0, f"--server-lr must be positive, got {f.server_lr!r}.")
+        _check(_is_int(f.local_epochs) and f.local_epochs >= 1, f"--local-epochs must be a positive integer, got {f.local_epochs!r}.")
+        _check(f.client_lr is None or (_is_number(f.client_lr) and f.client_lr > 0), f"--lr must be positive, got {f.client_lr!r}.")
+        _check(_is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
+        _check(_is_int(f.batch_size) and f.batch_size >= 1, f"--batch-size must be a positive integer, got {f.batch_size!r}.")
+        _check(_is_number(f.mu) and f.mu >= 0, f"--mu must be non-negative, got {f.mu!r}.")
+        _check(f.lr_schedule is None or f.lr_schedule in LR_SCHEDULES,
+               f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{f.lr_schedule}'.")
+        _check(p.accountant in ACCOUNTANTS, f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{p.accountant}'.")
+        _check(_is_number(p.delta) and 0.0 < p.delta < 1.0, f"--delta must be in (0, 1), got {p.delta!r}.")
+        if p.dp:
+            _check(p.noise_multiplier is None or (_is_number(p.noise_multiplier) and p.noise_multiplier > 0),
+                   f"--noise-multiplier must be positive with --dp, got {p.noise_multiplier!r}.")
+            _check(p.max_grad_norm is None or (_is_number(p.max_grad_norm) and p.max_grad_norm > 0),
+                   f"--max-grad-norm must be positive with --dp, got {p.max_grad_norm!r}.")
+            _check(p.target_epsilon is None or (_is_number(p.target_epsilon) and p.target_epsilon > 0),
+                   f"--target-epsilon must be positive, got {p.target_epsilon!r}.")
+            _check(not (p.target_epsilon is not None and p.noise_multiplier is not None and not p.calibrated),
+                   "Give either --noise-multiplier or --target-epsilon, not both.")
+        else:
+            _check(p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
+                   "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.")
+
+
+def load_config_file(path: str | Path) -> RunConfig:
+    """Read a YAML or JSON configuration file (nested sections, as config.json writes them)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"Cannot read the configuration file {path}: {exc.strerror or exc}.") from exc
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"The configuration file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}.") from exc
+    if data is None:
+        data = {}
+    config = RunConfig.from_dict(data)
+    config.validate()
+    return config
+
+
+def mark_calibrated(config: RunConfig, noise_multiplier: float) -> RunConfig:
+    """Record the noise multiplier found for ``target_epsilon``; config.json then keeps both."""
+    return replace(config, privacy=replace(config.privacy, noise_multiplier=float(noise_multiplier), calibrated=True))
+
+
+def _build_section(section_type: type, name: str, value: Any) -> Any:
+    if value is None:
+        return section_type()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"Configuration section '{name}' must be a mapping.")
+    known = {f.name for f in fields(section_type)}
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"Unknown key '{key}' in configuration section '{name}'; expected one of: {', '.join(sorted(known))}.")
+    return section_type(**dict(value))
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "federated": FederatedConfig,
+    "privacy": PrivacyConfig,
+}

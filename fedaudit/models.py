@@ -1,0 +1,101 @@
+"""Models: the paper's ConvNet and an MLP for small inputs.
+
+Both are plain ``nn.Module``s without in-place state (no BatchNorm), so that
+per-sample gradients (vmap over functional_call) and double backward work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ARCHITECTURES = ("convnet", "mlp")
+
+
+class ModelError(ValueError):
+    """A model configuration that cannot be built (one clear sentence)."""
+
+
+class ConvNet(nn.Module):
+    """ConvNet of the dataset-distillation literature used by FedLAP-DP.
+
+    ``depth`` blocks of Conv3x3 -> GroupNorm(width, width) -> ReLU -> AvgPool2d(2),
+    then a linear head. GroupNorm with one group per channel is instance norm
+    with an affine transform: it normalises each example on its own, so
+    per-sample gradients are well defined (BatchNorm would mix examples).
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        channels, height, width_px = input_shape
+        if depth < 1:
+            raise ModelError(f"ConvNet depth must be at least 1, got {depth}.")
+        if min(height, width_px) < 2**depth:
+            raise ModelError(
+                f"ConvNet of depth {depth} halves the image {depth} times, which needs inputs of at least "
+                f"{2 ** depth}x{2 ** depth} pixels, but the data is {height}x{width_px}; use a smaller --depth."
+            )
+        layers: list[nn.Module] = []
+        in_channels = channels
+        for _ in range(depth):
+            layers += [
+                nn.Conv2d(in_channels, width, kernel_size=3, padding=1),
+                nn.GroupNorm(width, width, affine=True),
+                nn.ReLU(),
+                nn.AvgPool2d(kernel_size=2, stride=2),
+            ]
+            in_channels = width
+            height, width_px = height // 2, width_px // 2
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(width * height * width_px, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network on flattened inputs (``depth`` hidden layers of ``width`` units)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, width: int = 128, depth: int = 2) -> None:
+        super().__init__()
+        if depth < 0:
+            raise ModelError(f"MLP depth must be at least 0, got {depth}.")
+        in_features = input_shape[0] * input_shape[1] * input_shape[2]
+        layers: list[nn.Module] = [nn.Flatten()]
+        for _ in range(depth):
+            layers += [nn.Linear(in_features, width), nn.ReLU()]
+            in_features = width
+        layers.append(nn.Linear(in_features, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What is needed to rebuild a model from a run directory (no pickled objects)."""
+
+    arch: str
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    width: int
+    depth: int
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Build the model described by ``spec`` with PyTorch's default initialisation (seed the caller's RNG)."""
+    if spec.width < 1:
+        raise ModelError(f"Model width must be at least 1, got {spec.width}.")
+    if spec.arch == "convnet":
+        return ConvNet(spec.input_shape, spec.num_classes, width=spec.width, depth=spec.depth)
+    if spec.arch == "mlp":
+        return MLP(spec.input_shape, spec.num_classes, width=spec.width, depth=spec.depth)
+    raise ModelError(f"Unknown model '{spec.arch}'; choose one of: {', '.join(ARCHITECTURES)}.")
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Number of trainable scalars in ``model``."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,611 @@
+"""Record-level privacy accounting for federated DP: two-rate RDP, PRV, calibration and the run's ledger.
+
+A client that takes part in a round answers T DP queries, each a Sampled
+Gaussian Mechanism (SGM) with noise multiplier sigma. A record is touched by
+the first query of a round with probability q1 = p * q (its client is selected
+with probability p, then Poisson-sampled with q = B / N_k) and by every later
+query of that round with q2 = q (ALGORITHMS.md section 5). Over M rounds::
+
+    RDP(alpha) = M * rdp_SGM(alpha | q1, sigma) + M * (T - 1) * rdp_SGM(alpha | q2, sigma)
+
+Mechanisms are small immutable :class:`SGMEvent` records (noise multiplier,
+sample rate, steps), in the style of Google's dp-accounting; the arithmetic
+is Opacus': per-order RDP from ``opacus.accountants.analysis.rdp.compute_rdp``
+on ``RDPAccountant.DEFAULT_ALPHAS``, converted to (epsilon, delta) with
+Balle et al. 2020 (``get_privacy_spent``), or numerical composition with
+``opacus.accountants.PRVAccountant``.
+
+Example:
+    >>> events = round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=50, client_fraction=0.1)
+    >>> eps = compute_epsilon(compose(events * 20), delta=1e-5)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+from scipy.optimize import brentq
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis.prv import Domain
+from opacus.accountants.analysis.rdp import compute_rdp as _opacus_compute_rdp
+from opacus.accountants.analysis.rdp import get_privacy_spent as _opacus_get_privacy_spent
+
+__all__ = [
+    "ACCOUNTANTS",
+    "RDP_ORDERS",
+    "AccountingError",
+    "SGMEvent",
+    "round_events",
+    "compose",
+    "compute_rdp",
+    "compute_epsilon",
+    "epsilon_per_round",
+    "calibrate_noise_multiplier",
+    "PrivacyLedger",
+]
+
+ACCOUNTANTS = ("rdp", "prv")
+
+RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
+"""Opacus' RDP orders: 1.1..10.9 in steps of 0.1, then 12..63."""
+
+_ORDERS = np.asarray(RDP_ORDERS)
+
+_PRV_EPS_ERROR = 0.01
+"""Opacus' default accuracy of the PRV epsilon (its delta error is delta / 1000)."""
+
+_PRV_MAX_GRID = 10_000_000
+"""Largest PRV discretisation grid we let Opacus allocate (about 200 bytes a point, so ~2 GB)."""
+
+_CALIBRATION_RTOL = 1e-3
+_SIGMA_MIN = 1e-3
+_SIGMA_MAX = 1e6
+
+
+class AccountingError(ValueError):
+    """Bad accounting input a user can cause (out-of-range sigma, q, steps, delta, unreachable target)."""
+
+
+def _check_real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise AccountingError(f"{name} must be a real number, got {value!r}.")
+    return float(value)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise AccountingError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _check_fraction(name: str, value: Any) -> float:
+    """A probability in (0, 1]: sample rates and client fractions."""
+    x = _check_real(name, value)
+    if not 0.0 < x <= 1.0:
+        raise AccountingError(f"{name} must be in (0, 1], got {value!r}.")
+    return x
+
+
+def _check_delta(delta: Any) -> float:
+    x = _check_real("delta", delta)
+    if not 0.0 < x < 1.0:
+        raise AccountingError(f"delta must be in (0, 1), got {delta!r}.")
+    return x
+
+
+def _check_accountant(accountant: Any) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise AccountingError(f"accountant must be one of {', '.join(map(repr, ACCOUNTANTS))}, got {accountant!r}.")
+    return accountant
+
+
+def _check_noise_multiplier(value: Any) -> float:
+    x = _check_real("noise_multiplier", value)
+    if not 0.0 <= x < math.inf:
+        raise AccountingError(f"noise_multiplier must be finite and >= 0 (0 means no privacy), got {value!r}.")
+    return x
+
+
+@dataclass(frozen=True)
+class SGMEvent:
+    """``steps`` applications of the Sampled Gaussian Mechanism with one noise multiplier and sample rate.
+
+    ``noise_multiplier == 0`` is allowed and means no privacy (epsilon is infinite);
+    fields are normalised to ``float``/``int`` so events compare and serialise exactly.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", _check_noise_multiplier(self.noise_multiplier))
+        object.__setattr__(self, "sample_rate", _check_fraction("sample_rate", self.sample_rate))
+        object.__setattr__(self, "steps", _check_int("steps", self.steps, minimum=0))
+
+    def to_dict(self) -> dict[str, float | int]:
+        """JSON-ready form: ``{"noise_multiplier": s, "sample_rate": q, "steps": n}``."""
+        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SGMEvent:
+        """Inverse of :meth:`to_dict`; raises :class:`AccountingError` on a malformed entry."""
+        if not isinstance(d, Mapping) or set(d) != {"noise_multiplier", "sample_rate", "steps"}:
+            raise AccountingError(f"An SGM event needs exactly noise_multiplier, sample_rate and steps, got {d!r}.")
+        return cls(noise_multiplier=d["noise_multiplier"], sample_rate=d["sample_rate"], steps=d["steps"])
+
+    def _key(self) -> tuple[float, float, int]:
+        return (self.noise_multiplier, self.sample_rate, self.steps)
+
+
+def round_events(
+    *, noise_multiplier: float, sample_rate: float, queries_per_round: int, client_fraction: float = 1.0
+) -> list[SGMEvent]:
+    """One round of one client: the first query at rate ``client_fraction * sample_rate``, the rest at ``sample_rate``.
+
+    Returns ``[SGMEvent(s, p*q, 1), SGMEvent(s, q, T-1)]`` without zero-step
+    events; with ``client_fraction == 1`` both rates coincide and the round is
+    the single event ``SGMEvent(s, q, T)``.
+    """
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_fraction("sample_rate", sample_rate)
+    p = _check_fraction("client_fraction", client_fraction)
+    t = _check_int("queries_per_round", queries_per_round, minimum=1)
+    first = SGMEvent(noise_multiplier=sigma, sample_rate=p * q, steps=1)
+    rest = SGMEvent(noise_multiplier=sigma, sample_rate=q, steps=t - 1)
+    return compose([first, rest])
+
+
+def compose(events: Iterable[SGMEvent]) -> list[SGMEvent]:
+    """Merge events with equal (noise multiplier, sample rate) by summing steps, in first-seen order.
+
+    Zero-step events contribute nothing and are dropped.
+    """
+    steps: dict[tuple[float, float], int] = {}
+    for event in events:
+        if not isinstance(event, SGMEvent):
+            raise AccountingError(f"Expected SGMEvent objects, got {type(event).__name__}.")
+        key = (event.noise_multiplier, event.sample_rate)
+        steps[key] = steps.get(key, 0) + event.steps
+    return [SGMEvent(noise_multiplier=s, sample_rate=q, steps=n) for (s, q), n in steps.items() if n > 0]
+
+
+@lru_cache(maxsize=4096)
+def _rdp_one_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
+    """Opacus' RDP of one SGM step at every order in :data:`RDP_ORDERS` (cached, read-only)."""
+    rdp = np.asarray(
+        _opacus_compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(RDP_ORDERS)),
+        dtype=np.float64,
+    )
+    rdp.setflags(write=False)
+    return rdp
+
+
+def _rdp_of(history: tuple[tuple[float, float, int], ...]) -> np.ndarray:
+    if not history:
+        return np.zeros_like(_ORDERS)
+    curves = np.stack([_rdp_one_step(s, q) for s, q, _ in history])
+    steps = np.array([n for _, _, n in history], dtype=np.float64)
+    return steps @ curves
+
+
+def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
+    """Balle et al. 2020 conversion, exactly Opacus' ``get_privacy_spent`` over :data:`RDP_ORDERS`."""
+    with warnings.catch_warnings():
+        # Opacus warns when the optimum sits at an end of its own fixed orders; the orders are part of the spec.
+        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
+        eps, _ = _opacus_get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=delta)
+    return float(eps)
+
+
+def _prv_domain(history: tuple[tuple[float, float, int], ...], delta: float) -> Domain:
+    """The grid Opacus' PRVAccountant discretises on (``compute_safe_domain_size``, mesh), from our cached RDP."""
+    delta_error = delta / 1000
+    total = sum(n for _, _, n in history)
+    half_width = _rdp_to_epsilon(_rdp_of(history), delta_error / 4)
+    for s, q, _ in history:
+        half_width = max(half_width, _rdp_to_epsilon(_rdp_one_step(s, q), delta_error / (8 * total)))
+    half_width = max(half_width, _PRV_EPS_ERROR) + 3
+    mesh = _PRV_EPS_ERROR / math.sqrt(total * math.log(12 / delta_error) / 2)
+    return Domain.create_aligned(-half_width, half_width, mesh)
+
+
+class _PRVAccountantWithDomain(PRVAccountant):
+    """Opacus' PRVAccountant on a precomputed domain: Opacus would recompute (uncached) the RDP curves for it."""
+
+    def __init__(self, domain: Domain) -> None:
+        super().__init__()
+        self._domain = domain
+
+    def _get_domain(self, prvs: Any, num_self_compositions: Any, eps_error: float, delta_error: float) -> Domain:
+        return self._domain
+
+
+@lru_cache(maxsize=1024)
+def _epsilon_cached(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
+    """Epsilon of a composed history; cached so that identical clients cost one computation."""
+    if not history:
+        return 0.0
+    if any(s == 0.0 for s, _, _ in history):
+        return math.inf
+    if accountant == "rdp":
+        return _rdp_to_epsilon(_rdp_of(history), delta)
+    domain = _prv_domain(history, delta)
+    if domain.size > _PRV_MAX_GRID:
+        raise AccountingError(
+            f"PRV accounting of this history needs a grid of {domain.size:.2g} points (over {_PRV_MAX_GRID:.0e}) "
+            f"because epsilon is very large (RDP gives {_rdp_to_epsilon(_rdp_of(history), delta):.3g}); "
+            "use accountant='rdp'."
+        )
+    prv = _PRVAccountantWithDomain(domain)
+    prv.history = list(history)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
+        return float(prv.get_epsilon(delta=delta, eps_error=_PRV_EPS_ERROR, delta_error=delta / 1000))
+
+
+def _history_key(events: Iterable[SGMEvent]) -> tuple[tuple[float, float, int], ...]:
+    return tuple(e._key() for e in compose(events))
+
+
+def compute_rdp(events: Sequence[SGMEvent]) -> np.ndarray:
+    """RDP of the composition of ``events`` at every order in :data:`RDP_ORDERS` (may contain ``inf``)."""
+    history = _history_key(events)
+    if any(s == 0.0 for s, _, _ in history):
+        return np.full_like(_ORDERS, np.inf)
+    return _rdp_of(history)
+
+
+def compute_epsilon(events: Sequence[SGMEvent], *, delta: float, accountant: str = "rdp") -> float:
+    """Epsilon at ``delta`` of the composition of ``events``: 0.0 for no steps, ``inf`` if any sigma is 0.
+
+    Example:
+        >>> eps = compute_epsilon([SGMEvent(noise_multiplier=1.0, sample_rate=0.02, steps=1000)], delta=1e-5)
+    """
+    delta = _check_delta(delta)
+    accountant = _check_accountant(accountant)
+    return _epsilon_cached(_history_key(events), delta, accountant)
+
+
+def _rounds_events(
+    *, noise_multiplier: float, sample_rate: float, queries_per_round: int, rounds: int, client_fraction: float
+) -> list[SGMEvent]:
+    """The composed events of ``rounds`` identical rounds."""
+    one = round_events(
+        noise_multiplier=noise_multiplier,
+        sample_rate=sample_rate,
+        queries_per_round=queries_per_round,
+        client_fraction=client_fraction,
+    )
+    return [
+        SGMEvent(noise_multiplier=e.noise_multiplier, sample_rate=e.sample_rate, steps=e.steps * rounds) for e in one
+    ]
+
+
+def epsilon_per_round(
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    queries_per_round: int,
+    rounds: int,
+    client_fraction: float = 1.0,
+    delta: float = 1e-5,
+    accountant: str = "rdp",
+) -> list[float]:
+    """Epsilon after rounds 1..M of one client (worst case: it is charged every round).
+
+    Example:
+        >>> curve = epsilon_per_round(noise_multiplier=1.0, sample_rate=0.0256, queries_per_round=200, rounds=15)
+    """
+    rounds = _check_int("rounds", rounds, minimum=1)
+    delta = _check_delta(delta)
+    accountant = _check_accountant(accountant)
+    return [
+        compute_epsilon(
+            _rounds_events(
+                noise_multiplier=noise_multiplier,
+                sample_rate=sample_rate,
+                queries_per_round=queries_per_round,
+                rounds=m,
+                client_fraction=client_fraction,
+            ),
+            delta=delta,
+            accountant=accountant,
+        )
+        for m in range(1, rounds + 1)
+    ]
+
+
+def calibrate_noise_multiplier(
+    *,
+    target_epsilon: float,
+    sample_rate: float,
+    queries_per_round: int,
+    rounds: int,
+    client_fraction: float = 1.0,
+    delta: float = 1e-5,
+    accountant: str = "rdp",
+) -> float:
+    """Smallest noise multiplier (to ~1e-3 relative) whose epsilon after ``rounds`` rounds is <= ``target_epsilon``.
+
+    Root finding on a bracket grown as needed (Brent's method, then bisection to
+    the tolerance). The returned sigma was evaluated and meets the target (it
+    errs on the noisy side, never above the budget). For PRV the search starts
+    from the RDP answer, and a sigma whose PRV grid would be too large counts
+    as over budget.
+
+    Raises:
+        AccountingError: if the target is not positive or is unreachable; with RDP
+            over Opacus' finite orders, epsilon cannot go below
+            ``min_alpha log((alpha-1)/alpha) - (log delta + log alpha)/(alpha-1)``
+            (about 0.10 at delta = 1e-5) however large sigma is.
+
+    Example:
+        >>> sigma = calibrate_noise_multiplier(target_epsilon=8.0, sample_rate=0.02, queries_per_round=50, rounds=20)
+    """
+    target = _check_real("target_epsilon", target_epsilon)
+    if not 0.0 < target < math.inf:
+        raise AccountingError(f"target_epsilon must be positive and finite, got {target_epsilon!r}.")
+    q = _check_fraction("sample_rate", sample_rate)
+    p = _check_fraction("client_fraction", client_fraction)
+    t = _check_int("queries_per_round", queries_per_round, minimum=1)
+    m = _check_int("rounds", rounds, minimum=1)
+    delta = _check_delta(delta)
+    accountant = _check_accountant(accountant)
+
+    def epsilon_at(sigma: float, how: str) -> float:
+        events = _rounds_events(
+            noise_multiplier=sigma, sample_rate=q, queries_per_round=t, rounds=m, client_fraction=p
+        )
+        try:
+            return compute_epsilon(events, delta=delta, accountant=how)
+        except AccountingError:
+            return math.inf
+
+    def rdp_solution() -> float:
+        floor = _rdp_to_epsilon(np.zeros_like(_ORDERS), delta)
+        if target <= floor:
+            raise AccountingError(
+                f"target_epsilon={target:g} is unreachable with RDP accounting at delta={delta:g}: "
+                f"epsilon never goes below {floor:.4f} however much noise is added."
+            )
+        return _solve_sigma(lambda s: epsilon_at(s, "rdp"), target=target, start=1.0, factor=2.0)
+
+    if accountant == "rdp":
+        return rdp_solution()
+    try:
+        # PRV is tighter than RDP, so its sigma sits a little below the RDP one: start there, narrowly.
+        start, factor = rdp_solution(), 1.1
+    except AccountingError:
+        start, factor = 1.0, 2.0
+    return _solve_sigma(lambda s: epsilon_at(s, "prv"), target=target, start=start, factor=factor)
+
+
+def _solve_sigma(epsilon_at: Callable[[float], float], *, target: float, start: float, factor: float) -> float:
+    """Smallest evaluated sigma with eps(sigma) <= target, within ``_CALIBRATION_RTOL`` of a sigma above target.
+
+    Grows a geometric bracket from ``start`` (the step factor squares after every
+    miss), then runs Brent's method (``scipy.optimize.brentq``) on
+    log eps(exp x) - log target, which needs far fewer evaluations than plain
+    bisection; a final geometric bisection guarantees the bracket width even if
+    eps is not exactly monotone (PRV's numerical error).
+    """
+    seen: dict[float, float] = {}
+
+    def eps(sigma: float) -> float:
+        if sigma not in seen:
+            seen[sigma] = epsilon_at(sigma)
+        return seen[sigma]
+
+    hi = start
+    if eps(hi) <= target:
+        lo = hi / factor
+        while eps(lo) <= target:
+            hi = lo
+            if hi <= _SIGMA_MIN:
+                return hi
+            factor *= factor
+            lo = max(hi / factor, _SIGMA_MIN / 2)
+    else:
+        lo = hi
+        while eps(hi) > target:
+            if hi >= _SIGMA_MAX:
+                raise AccountingError(
+                    f"target_epsilon={target:g} is unreachable: even noise_multiplier={hi:g} gives "
+                    f"epsilon={eps(hi):.4g}."
+                )
+            lo = hi
+            hi = min(hi * factor, _SIGMA_MAX)
+            factor *= factor
+
+    def log_ratio(x: float) -> float:
+        return math.log(min(max(eps(math.exp(x)), 1e-300), 1e300) / target)
+
+    brentq(log_ratio, math.log(lo), math.log(hi), xtol=math.log1p(_CALIBRATION_RTOL) / 4, maxiter=200)
+    hi = min(s for s, e in seen.items() if e <= target)
+    lo = max(s for s, e in seen.items() if e > target and s < hi)
+    while hi / lo - 1 > _CALIBRATION_RTOL:
+        mid = math.sqrt(lo * hi)
+        if eps(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+class PrivacyLedger:
+    """Per-client histories of SGM events, round by round; epsilon is the max over clients.
+
+    The run reports the worst-case client (e.g. the one with the smallest N_k,
+    hence the largest q), so it never reports less than it spent. The per-round,
+    per-client history is kept so that :meth:`to_dict`/:meth:`from_dict` round
+    trips exactly and a resumed run continues the same accounting.
+
+    Example:
+        >>> ledger = PrivacyLedger(accountant="rdp", delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
+        >>> eps = ledger.record_round({0: round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=50)})
+    """
+
+    def __init__(
+        self, *, accountant: str, delta: float, noise_multiplier: float | None, max_grad_norm: float | None
+    ) -> None:
+        self.accountant = _check_accountant(accountant)
+        self.delta = _check_delta(delta)
+        self.noise_multiplier = None if noise_multiplier is None else _check_noise_multiplier(noise_multiplier)
+        if max_grad_norm is not None:
+            max_grad_norm = _check_real("max_grad_norm", max_grad_norm)
+            if not 0.0 < max_grad_norm < math.inf:
+                raise AccountingError(f"max_grad_norm must be positive and finite, got {max_grad_norm!r}.")
+        self.max_grad_norm = max_grad_norm
+        self._history: list[dict[int, tuple[SGMEvent, ...]]] = []
+        self._composed: dict[int, list[SGMEvent]] = {}
+        self._client_epsilon: dict[int, float] = {}
+        self._epsilon_per_round: list[float] = []
+
+    def record_round(self, events_by_client: Mapping[int, Sequence[SGMEvent]]) -> float:
+        """Append one round (client id -> its SGM events) and return epsilon after it.
+
+        Clients absent from the round add nothing. The ledger is unchanged if
+        the input is invalid or the epsilon cannot be computed.
+        """
+        if not isinstance(events_by_client, Mapping):
+            raise AccountingError(f"A round must map client ids to SGM events, got {type(events_by_client).__name__}.")
+        round_: dict[int, tuple[SGMEvent, ...]] = {}
+        for client, events in events_by_client.items():
+            k = _check_int("client id", client, minimum=0)
+            if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
+                raise AccountingError(
+                    f"Client {k}'s events must be a sequence of SGMEvent, got {type(events).__name__}."
+                )
+            round_[k] = tuple(compose(events))
+        composed = {k: compose([*self._composed.get(k, []), *events]) for k, events in round_.items()}
+        updated = {
+            k: _epsilon_cached(_history_key(events), self.delta, self.accountant) for k, events in composed.items()
+        }
+        self._history.append(round_)
+        self._composed.update(composed)
+        self._client_epsilon.update(updated)
+        epsilon = max(self._client_epsilon.values(), default=0.0)
+        self._epsilon_per_round.append(epsilon)
+        return epsilon
+
+    @property
+    def rounds(self) -> int:
+        """Rounds recorded so far."""
+        return len(self._history)
+
+    @property
+    def epsilon_per_round(self) -> list[float]:
+        """Epsilon (max over clients) after each recorded round."""
+        return list(self._epsilon_per_round)
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far: 0.0 before any DP step, ``inf`` if any step had noise multiplier 0."""
+        return self._epsilon_per_round[-1] if self._epsilon_per_round else 0.0
+
+    @property
+    def worst_client(self) -> int | None:
+        """The client with the largest epsilon (the smallest id on ties), or None before any client."""
+        if not self._client_epsilon:
+            return None
+        return min(self._client_epsilon, key=lambda k: (-self._client_epsilon[k], k))
+
+    def to_dict(self) -> dict[str, Any]:
+        """privacy.json: metadata, the worst client's composed entries, epsilon per round, per client, history.
+
+        ``history`` stores each distinct per-round event list once
+        (``event_lists``) and each round as ``{client: index}``; it is what
+        :meth:`from_dict` resumes from.
+        """
+        lists: list[tuple[SGMEvent, ...]] = []
+        index: dict[tuple[SGMEvent, ...], int] = {}
+        rounds: list[dict[str, int]] = []
+        for round_ in self._history:
+            row: dict[str, int] = {}
+            for k, events in round_.items():
+                if events not in index:
+                    index[events] = len(lists)
+                    lists.append(events)
+                row[str(k)] = index[events]
+            rounds.append(row)
+        worst = self.worst_client
+        return {
+            "accountant": self.accountant,
+            "delta": self.delta,
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": self.max_grad_norm,
+            "entries": [e.to_dict() for e in self._composed.get(worst, [])] if worst is not None else [],
+            "epsilon_per_round": list(self._epsilon_per_round),
+            "worst_client": worst,
+            "per_client": {
+                str(k): {"entries": [e.to_dict() for e in self._composed[k]], "epsilon": self._client_epsilon[k]}
+                for k in sorted(self._composed)
+            },
+            "rounds": self.rounds,
+            "history": {
+                "event_lists": [[e.to_dict() for e in events] for events in lists],
+                "rounds": rounds,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PrivacyLedger:
+        """Rebuild a ledger written by :meth:`to_dict`, ready to record further rounds (resume).
+
+        Stored epsilons are kept as written (no recomputation); the stored
+        per-client entries must match the replayed history.
+        """
+        required = {"accountant", "delta", "noise_multiplier", "max_grad_norm", "epsilon_per_round", "per_client",
+                    "rounds", "history"}
+        if not isinstance(d, Mapping) or not required <= set(d):
+            missing = sorted(required - set(d)) if isinstance(d, Mapping) else sorted(required)
+            raise AccountingError(f"The privacy ledger is missing {', '.join(missing)}; it cannot be resumed.")
+        ledger = cls(
+            accountant=d["accountant"], delta=d["delta"], noise_multiplier=d["noise_multiplier"],
+            max_grad_norm=d["max_grad_norm"],
+        )
+        try:
+            lists = [tuple(SGMEvent.from_dict(e) for e in events) for events in d["history"]["event_lists"]]
+            for round_ in d["history"]["rounds"]:
+                ledger._history.append(
+                    {_check_int("client id", int(k), minimum=0): lists[_check_int("event list index", i, minimum=0)]
+                     for k, i in round_.items()}
+                )
+            eps_rounds = [float(e) for e in d["epsilon_per_round"]]
+            client_eps = {int(k): float(v["epsilon"]) for k, v in d["per_client"].items()}
+            stored = {int(k): [SGMEvent.from_dict(e) for e in v["entries"]] for k, v in d["per_client"].items()}
+        except AccountingError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise AccountingError(
+                f"The privacy ledger's history is malformed ({exc!r}); it cannot be resumed."
+            ) from exc
+        for round_ in ledger._history:
+            for k, events in round_.items():
+                ledger._composed[k] = compose([*ledger._composed.get(k, []), *events])
+        if not (d["rounds"] == len(ledger._history) == len(eps_rounds)):
+            raise AccountingError(
+                f"The privacy ledger says {d['rounds']} rounds but holds {len(ledger._history)} rounds of history "
+                f"and {len(eps_rounds)} epsilons; it is inconsistent."
+            )
+        if stored != ledger._composed or set(client_eps) != set(ledger._composed):
+            raise AccountingError(
+                "The privacy ledger's per-client entries do not match its history; it is inconsistent."
+            )
+        ledger._client_epsilon = client_eps
+        ledger._epsilon_per_round = eps_rounds
+        return ledger
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyLedger(accountant={self.accountant!r}, delta={self.delta!r}, rounds={self.rounds}, "
+            f"epsilon={self.epsilon!r}, worst_client={self.worst_client!r})"
+        )

@@ -1,0 +1,216 @@
+"""The run directory: the contract between train, attack and report.
+
+Layout (DESIGN.md)::
+
+    config.json  manifest.json  membership.npz  metrics.csv  privacy.json
+    model.safetensors  checkpoints/round-NNNN.safetensors (+ .json)  transmitted/  attacks/
+
+Weights are safetensors and metadata JSON, so nothing is ever unpickled.
+Every file is written to a temporary name in the same directory and renamed,
+so a crash never leaves half a file; manifest.json is written last in a round
+and is the commit point that ``--resume`` trusts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+
+import fedaudit
+
+RUN_FORMAT = "fedaudit-run"
+FORMAT_VERSION = 1
+METRIC_COLUMNS = ("round", "test_accuracy", "test_loss", "epsilon", "wall_seconds", "bytes_up")
+
+
+class RunError(ValueError):
+    """A run directory that is missing, incomplete, or from an incompatible version (one clear sentence)."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Atomically write pretty-printed JSON."""
+    atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Atomically write tensors as safetensors (contiguous CPU copies)."""
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    atomic_write_bytes(path, save(cpu, metadata=dict(metadata or {})))
+
+
+def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read a safetensors file; a missing or corrupt file is a :class:`RunError`."""
+    if not path.is_file():
+        raise RunError(f"Expected the weights file {path}, which does not exist.")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RunError(f"The weights file {path} is corrupt or not a safetensors file.") from exc
+
+
+def versions() -> dict[str, str]:
+    """Versions recorded in the manifest, so a run can be reproduced and checked later."""
+    import opacus
+
+    return {
+        "fedaudit": fedaudit.__version__,
+        "torch": torch.__version__,
+        "opacus": opacus.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def now_iso() -> str:
+    """Current UTC time, ISO 8601."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class RunDirectory:
+    """Reads and writes one run directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    config_path = property(lambda self: self.path / "config.json")
+    manifest_path = property(lambda self: self.path / "manifest.json")
+    membership_path = property(lambda self: self.path / "membership.npz")
+    metrics_path = property(lambda self: self.path / "metrics.csv")
+    privacy_path = property(lambda self: self.path / "privacy.json")
+    model_path = property(lambda self: self.path / "model.safetensors")
+    checkpoints_dir = property(lambda self: self.path / "checkpoints")
+    transmitted_dir = property(lambda self: self.path / "transmitted")
+
+    def checkpoint_path(self, round_number: int) -> Path:
+        """Weights of the global model after round ``round_number`` (1-based)."""
+        return self.checkpoints_dir / f"round-{round_number:04d}.safetensors"
+
+    def checkpoint_state_path(self, round_number: int) -> Path:
+        """RNG state and bookkeeping saved with the checkpoint of ``round_number``."""
+        return self.checkpoints_dir / f"round-{round_number:04d}.json"
+
+    def is_run(self) -> bool:
+        """True if the directory holds a fedaudit manifest."""
+        return self.manifest_path.is_file()
+
+    def prepare_new(self, overwrite: bool) -> None:
+        """Create an empty run directory; with ``overwrite``, an existing run there is removed first."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunError(f"--out {self.path} exists and is not a directory.")
+        if self.path.exists() and any(self.path.iterdir()):
+            if not overwrite:
+                raise RunError(
+                    f"--out {self.path} already exists; pass --resume {self.path} to continue it or --overwrite to replace it."
+                )
+            if not self.is_run():
+                raise RunError(f"--out {self.path} is a non-empty directory that is not a fedaudit run; refusing to overwrite it.")
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        atomic_write_json(self.config_path, config)
+
+    def read_json(self, path: Path) -> Any:
+        """Read one of the run's JSON files; missing or malformed is a :class:`RunError`."""
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise RunError(f"{self.path} is not a complete fedaudit run: {path.name} is missing.") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RunError(f"{path} is corrupt (not valid JSON).") from exc
+
+    def read_config(self) -> dict[str, Any]:
+        return self.read_json(self.config_path)
+
+    def read_manifest(self) -> dict[str, Any]:
+        """The manifest, checked to be a fedaudit run of a format this version reads."""
+        if not self.path.is_dir():
+            raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
+        manifest = self.read_json(self.manifest_path)
+        if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT:
+            raise RunError(f"{self.path} is not a fedaudit run directory (its manifest.json has no fedaudit format tag).")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise RunError(
+                f"{self.path} was written in run format {manifest.get('format_version')} but this fedaudit reads format {FORMAT_VERSION}."
+            )
+        return manifest
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        atomic_write_json(self.manifest_path, {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **manifest, "updated": now_iso()})
+
+    def write_membership(self, arrays: Mapping[str, np.ndarray]) -> None:
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **arrays)
+        atomic_write_bytes(self.membership_path, buffer.getvalue())
+
+    def read_membership(self) -> dict[str, np.ndarray]:
+        """The member/non-member index arrays (no pickled objects allowed)."""
+        if not self.membership_path.is_file():
+            raise RunError(f"{self.path} is not a complete fedaudit run: membership.npz is missing.")
+        try:
+            with np.load(self.membership_path, allow_pickle=False) as data:
+                return {key: data[key] for key in data.files}
+        except (ValueError, OSError) as exc:
+            raise RunError(f"{self.membership_path} is corrupt.") from exc
+
+    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+        frame = pd.DataFrame(rows)
+        ordered = [c for c in METRIC_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in METRIC_COLUMNS]
+        atomic_write_bytes(self.metrics_path, frame[ordered].to_csv(index=False).encode("utf-8"))
+
+    def read_metrics(self) -> pd.DataFrame:
+        if not self.metrics_path.is_file():
+            return pd.DataFrame(columns=list(METRIC_COLUMNS))
+        return pd.read_csv(self.metrics_path)
+
+    def write_privacy(self, ledger: dict[str, Any]) -> None:
+        atomic_write_json(self.privacy_path, ledger)
+
+    def read_privacy(self) -> dict[str, Any] | None:
+        """The privacy ledger, or None for a non-DP run."""
+        return self.read_json(self.privacy_path) if self.privacy_path.is_file() else None
+
+    def save_checkpoint(self, round_number: int, params: Mapping[str, torch.Tensor], state: dict[str, Any]) -> None:
+        save_tensors(self.checkpoint_path(round_number), params, {"round": str(round_number)})
+        atomic_write_json(self.checkpoint_state_path(round_number), state)
+
+    def load_checkpoint(self, round_number: int, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        params = load_tensors(self.checkpoint_path(round_number), device)
+        return params, self.read_json(self.checkpoint_state_path(round_number))
+
+    def saved_rounds(self) -> list[int]:
+        """Round numbers that have a checkpoint, ascending."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        return sorted(int(p.stem.split("-")[1]) for p in self.checkpoints_dir.glob("round-*.safetensors"))
+
+    def save_model(self, params: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+        save_tensors(self.model_path, params, metadata)
