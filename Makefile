@@ -20,7 +20,7 @@ demo: venv
 	@echo "Run directory: $(RUN)"
 
 test: venv
-	$(BIN)/python -m pytest -n 2 -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q
 
 clean:
 	rm -rf $(VENV) runs

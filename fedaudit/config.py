@@ -86,6 +86,38 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class FedLAPConfig:
+    """FedLAP / FedLAP-DP local approximation and global optimisation (ALGORITHMS.md section 4).
+
+    ``None`` means the authors' default for the DP or non-DP setting, filled in by :meth:`RunConfig.resolved`.
+    """
+
+    ipc: int | None = None
+    trajectories: int | None = None
+    max_loops: int = 5
+    real_batches: int | None = None
+    image_steps: int = 5
+    model_epochs: int | None = None
+    radius: float | None = None
+    image_lr: float = 100.0
+    mse_weight: float | None = None
+    init: str | None = None
+    augment: bool = False
+    server_batch_size: int = 512
+    server_epochs: int = 100
+    radius_strategy: str = "min"
+
+
+# Authors' defaults for FedLAP-DP (dp=True) and FedLAP (dp=False).
+FEDLAP_DEFAULTS = {
+    True: {"ipc": 10, "trajectories": 4, "real_batches": 10, "model_epochs": 2, "radius": 1.5, "mse_weight": 0.0, "init": "noise"},
+    False: {"ipc": 50, "trajectories": 1, "real_batches": 40, "model_epochs": 0, "radius": 10.0, "mse_weight": 0.1, "init": "real"},
+}
+FEDLAP_INITS = ("noise", "previous", "real")
+RADIUS_STRATEGIES = ("min", "median", "max", "fixed")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything that determines a run; the same config and seed give the same run."""
 
@@ -95,6 +127,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
+    save_transmitted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/YAML serialisable)."""
@@ -143,9 +177,13 @@ class RunConfig:
             raise ConfigError(f"Unknown algorithm '{algorithm}'; choose one of: {', '.join(ALGORITHMS)}.")
         fed = replace(
             fed,
-            client_lr=fed.client_lr if fed.client_lr is not None else 0.1,
-            lr_schedule=fed.lr_schedule if fed.lr_schedule is not None else "constant",
+            client_lr=fed.client_lr if fed.client_lr is not None else (0.002 if algorithm == "fedlap" else 0.1),
+            lr_schedule=fed.lr_schedule if fed.lr_schedule is not None else "cosine",
         )
+        lap = self.fedlap
+        if algorithm == "fedlap":
+            defaults = FEDLAP_DEFAULTS[bool(priv.dp)]
+            lap = replace(lap, **{name: value for name, value in defaults.items() if getattr(lap, name) is None})
         if priv.dp:
             priv = replace(
                 priv,
@@ -156,7 +194,7 @@ class RunConfig:
                     else 1.0
                 ),
             )
-        config = replace(self, federated=fed, privacy=priv)
+        config = replace(self, federated=fed, privacy=priv, fedlap=lap)
         config.validate()
         return config
 
@@ -196,6 +234,26 @@ class RunConfig:
         else:
             _check(p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
                    "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.")
+        _validate_fedlap(self.fedlap, dp=p.dp)
+
+
+def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
+    """Check the FedLAP section (values left at None are filled in by resolved())."""
+    for name in ("ipc", "trajectories", "max_loops", "real_batches", "image_steps", "server_batch_size", "server_epochs"):
+        value = getattr(lap, name)
+        _check(value is None or (_is_int(value) and value >= 1),
+               f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+    _check(lap.model_epochs is None or (_is_int(lap.model_epochs) and lap.model_epochs >= 0),
+           f"--model-epochs must be a non-negative integer, got {lap.model_epochs!r}.")
+    _check(lap.radius is None or (_is_number(lap.radius) and lap.radius > 0), f"--radius must be positive, got {lap.radius!r}.")
+    _check(_is_number(lap.image_lr) and lap.image_lr > 0, f"--image-lr must be positive, got {lap.image_lr!r}.")
+    _check(lap.mse_weight is None or (_is_number(lap.mse_weight) and lap.mse_weight >= 0),
+           f"--mse-weight must be non-negative, got {lap.mse_weight!r}.")
+    _check(lap.init is None or lap.init in FEDLAP_INITS, f"--init must be one of {', '.join(FEDLAP_INITS)}, got '{lap.init}'.")
+    _check(not (dp and lap.init == "real"),
+           "--init real is refused with --dp: the synthetic set would start as real records and be published.")
+    _check(lap.radius_strategy in RADIUS_STRATEGIES,
+           f"--radius-strategy must be one of {', '.join(RADIUS_STRATEGIES)}, got '{lap.radius_strategy}'.")
 
 
 def load_config_file(path: str | Path) -> RunConfig:
@@ -251,4 +309,5 @@ _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig,
     "federated": FederatedConfig,
     "privacy": PrivacyConfig,
+    "fedlap": FedLAPConfig,
 }

@@ -206,11 +206,34 @@ class RunDirectory:
         params = load_tensors(self.checkpoint_path(round_number), device)
         return params, self.read_json(self.checkpoint_state_path(round_number))
 
+    def client_states_path(self, round_number: int) -> Path:
+        """What clients keep between rounds (e.g. FedLAP synthetic sets), saved with the checkpoint."""
+        return self.checkpoints_dir / f"round-{round_number:04d}-clients.safetensors"
+
+    def save_client_states(self, round_number: int, states: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        flat = {f"client{k}/{name}": t for k, state in states.items() for name, t in state.items()}
+        save_tensors(self.client_states_path(round_number), flat, {"round": str(round_number)})
+
+    def load_client_states(self, round_number: int, device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
+        path = self.client_states_path(round_number)
+        if not path.is_file():
+            return {}
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in load_tensors(path, device).items():
+            client, name = key.split("/", 1)
+            states.setdefault(int(client.removeprefix("client")), {})[name] = tensor
+        return states
+
+    def save_transmitted(self, round_number: int, client_id: int, payload: Mapping[str, torch.Tensor]) -> None:
+        """What one client sent in one round, for audits of what crossed the wire."""
+        path = self.transmitted_dir / f"round-{round_number:04d}" / f"client-{client_id:03d}.safetensors"
+        save_tensors(path, payload, {"round": str(round_number), "client": str(client_id)})
+
     def saved_rounds(self) -> list[int]:
         """Round numbers that have a checkpoint, ascending."""
         if not self.checkpoints_dir.is_dir():
             return []
-        return sorted(int(p.stem.split("-")[1]) for p in self.checkpoints_dir.glob("round-*.safetensors"))
+        return sorted(int(p.stem.split("-")[1]) for p in self.checkpoints_dir.glob("round-[0-9][0-9][0-9][0-9].safetensors"))
 
     def save_model(self, params: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
         save_tensors(self.model_path, params, metadata)

@@ -148,7 +148,7 @@ def train(
     ledger = _new_ledger(setup.config) if setup.config.privacy.dp else None
     manifest = _manifest(setup, status="running", rounds_done=0, created=now_iso())
     run.write_manifest(manifest)
-    return _run_rounds(setup, run, manifest, params, ledger, [], start=0, progress=progress, echo=echo)
+    return _run_rounds(setup, run, manifest, params, ledger, [], {}, start=0, progress=progress, echo=echo)
 
 
 def resume(
@@ -170,8 +170,10 @@ def resume(
     if any(not np.array_equal(stored[key], value) for key, value in setup.partition.to_arrays().items()):
         raise RunError(f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed.")
     run.write_config(setup.config.to_dict())
+    states: dict[int, TensorDict] = {}
     if done > 0:
         params, _state = run.load_checkpoint(done, setup.device)
+        states = run.load_client_states(done, setup.device)
     else:
         torch.manual_seed(derive_seed(setup.config.seed, Stream.INIT))
         params = {name: p.detach().clone() for name, p in build_model(setup.spec).named_parameters()}
@@ -185,7 +187,7 @@ def resume(
     manifest = {**manifest, **_manifest(setup, status="running", rounds_done=done, created=manifest.get("created", now_iso()))}
     if done == setup.config.federated.rounds:
         echo(f"{run.path} has already completed all {done} rounds; nothing to do.")
-    return _run_rounds(setup, run, manifest, params, ledger, rows, start=done, progress=progress, echo=echo)
+    return _run_rounds(setup, run, manifest, params, ledger, rows, states, start=done, progress=progress, echo=echo)
 
 
 def evaluate(model: torch.nn.Module, params: TensorDict, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
@@ -284,6 +286,7 @@ def _run_rounds(
     params: TensorDict,
     ledger: PrivacyLedger | None,
     rows: list[dict[str, Any]],
+    states: dict[int, TensorDict],
     *,
     start: int,
     progress: bool,
@@ -309,7 +312,9 @@ def _run_rounds(
             messages = engine.run_clients(
                 setup.algorithm, model, params, [clients[k] for k in selected], ctx,
                 lambda k: make_generator(config.seed, Stream.CLIENT, m, k, device=device),
+                states,
             )
+            states.update({msg.client_id: msg.state for msg in messages if msg.state})
             result = setup.algorithm.server_update(
                 model, params, messages, ctx, make_generator(config.seed, Stream.SERVER, m, device=device)
             )
@@ -329,7 +334,16 @@ def _run_rounds(
                 "clients": len(messages),
                 **{key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
             })
-            run.save_checkpoint(m + 1, params, _checkpoint_state(config.seed, m + 1))
+            run.save_checkpoint(m + 1, params, {
+                **_checkpoint_state(config.seed, m + 1),
+                "clients": [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in messages],
+                "server": {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
+            })
+            if states:
+                run.save_client_states(m + 1, states)
+            if config.save_transmitted:
+                for msg in messages:
+                    run.save_transmitted(m + 1, msg.client_id, msg.payload)
             run.save_model(params, {"round": str(m + 1), "algorithm": config.federated.algorithm})
             run.write_metrics(rows)
             if ledger is not None:

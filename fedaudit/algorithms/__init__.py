@@ -9,6 +9,7 @@ from fedaudit.config import RunConfig
 def get_algorithm(config: RunConfig) -> Algorithm:
     """The algorithm object for ``config.federated.algorithm``."""
     from fedaudit.algorithms.fedavg import FedAvg
+    from fedaudit.algorithms.fedlap import FedLAP
 
     name = config.federated.algorithm
     if name == "fedavg":
@@ -17,4 +18,6 @@ def get_algorithm(config: RunConfig) -> Algorithm:
         return FedAvg(name, mu=config.federated.mu)
     if name == "fedsgd":
         return FedAvg(name, single_step=True)
+    if name == "fedlap":
+        return FedLAP()
     raise ValueError(f"Algorithm '{name}' is not available in this version of fedaudit.")

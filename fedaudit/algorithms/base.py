@@ -58,6 +58,7 @@ class ClientMessage:
     ``payload`` holds the tensors that cross the wire (a model delta, or a
     synthetic set); ``privacy_events`` are the DP queries the client made on
     its records this round (the accountant also applies its own worst case).
+    ``state`` stays with the client (e.g. FedLAP's synthetic set for ``--init previous``).
     """
 
     client_id: int
@@ -65,6 +66,7 @@ class ClientMessage:
     payload: TensorDict
     metrics: dict[str, float] = field(default_factory=dict)
     privacy_events: list[SGMEvent] = field(default_factory=list)
+    state: TensorDict = field(default_factory=dict)  # kept by the client for its next round, never sent
 
     @property
     def nbytes(self) -> int:
@@ -86,9 +88,10 @@ class Algorithm(Protocol):
     name: str
 
     def client_update(
-        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator
+        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator,
+        state: TensorDict | None = None,
     ) -> ClientMessage:
-        """Run one round on a client; ``model`` is a scratch module the client may overwrite."""
+        """Run one round on a client; ``model`` is a scratch module, ``state`` what it kept from its last round."""
 
     def server_update(
         self, model: nn.Module, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext,
@@ -122,5 +125,5 @@ def load_params(model: nn.Module, params: TensorDict) -> None:
 
 def flat_distance(a: TensorDict, b: TensorDict) -> float:
     """||a - b||_2 over all parameters flattened into one vector (the trust-region distance)."""
-    total = sum(float((a[name] - b[name]).pow(2).sum()) for name in a)
+    total = sum(float((a[name].detach() - b[name].detach()).pow(2).sum()) for name in a)
     return math.sqrt(total)

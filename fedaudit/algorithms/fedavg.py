@@ -45,7 +45,8 @@ class FedAvg:
         return config.federated.local_epochs * max(1, num_examples // config.federated.batch_size)
 
     def client_update(
-        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator
+        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator,
+        state: TensorDict | None = None,
     ) -> ClientMessage:
         """Local training from the global model; the message carries the model delta."""
         fed = ctx.config.federated

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,12 +27,15 @@ class LocalEngine:
         clients: Sequence[ClientData],
         ctx: RoundContext,
         make_generator: Callable[[int], torch.Generator],
+        states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
-        """One client update per selected client; ``model`` is reused as scratch space."""
+        """One client update per selected client; ``model`` is reused as scratch space, ``states`` is what clients kept."""
         messages = []
         bar = tqdm(clients, desc=f"round {ctx.round + 1}/{ctx.rounds} clients", unit="client",
                    leave=False, disable=not self.progress)
         for data in bar:
             bar.set_postfix(client=data.client_id)
-            messages.append(algorithm.client_update(model, global_params, data, ctx, make_generator(data.client_id)))
+            messages.append(algorithm.client_update(
+                model, global_params, data, ctx, make_generator(data.client_id), state=states.get(data.client_id)
+            ))
         return messages
