@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,16 +120,24 @@ def train(ctx: click.Context, config_file: str | None, out: str | None, resume_d
 
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if resume_dir is not None:
-        extra = sorted(given - {"rounds", "device"}) + (["config"] if config_file else []) + (["out"] if out else [])
+        extra = (sorted(given - {"rounds", "device"}) + (["config"] if config_file else []) + (["out"] if out else [])
+                 + (["overwrite"] if overwrite else []))
         if extra:
             raise training.TrainingError(
-                f"--resume continues a run with its stored configuration; only --rounds may be given with it, not --{extra[0].replace('_', '-')}."
+                f"--resume continues a run with its stored configuration; only --rounds and --device may be given "
+                f"with it, not --{extra[0].replace('_', '-')}."
             )
-        result = training.resume(resume_dir, rounds=options.get("rounds"), progress=progress)
+        result = training.resume(resume_dir, rounds=options.get("rounds"), device=options.get("device"), progress=progress)
     else:
         if out is None:
             raise training.TrainingError("--out is required: the directory the run is written to.")
         config = load_config_file(config_file) if config_file else RunConfig()
+        if config.privacy.calibrated:
+            # A config.json of a --target-epsilon run: its sigma was calibrated for that run's rounds, rates and
+            # budget. An explicit --noise-multiplier replaces the budget; otherwise sigma is calibrated afresh
+            # (the same configuration gives the same sigma), so no override can push epsilon past the target.
+            forget = {"target_epsilon": None} if "noise_multiplier" in given else {"noise_multiplier": None}
+            config = replace(config, privacy=replace(config.privacy, calibrated=False, **forget))
         config = config.with_overrides({TRAIN_OPTION_FIELDS[name]: options[name] for name in options})
         result = training.train(config, out, overwrite=overwrite, progress=progress)
     eps = f", epsilon {result.epsilon:.3f}" if result.epsilon != float("inf") else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -201,8 +202,11 @@ class RunConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
         _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
-        _check(isinstance(self.seed, int) and self.seed >= 0, f"--seed must be a non-negative integer, got {self.seed!r}.")
+        _check(_is_int(self.seed) and self.seed >= 0, f"--seed must be a non-negative integer, got {self.seed!r}.")
         d, m, f, p = self.data, self.model, self.federated, self.privacy
+        for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):
+            _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
+        _check(d.data_dir is None or isinstance(d.data_dir, str), f"--data-dir must be a path, got {d.data_dir!r}.")
         _check(_is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}.")
         _check(_is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
                f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.")
@@ -259,19 +263,33 @@ def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
 def load_config_file(path: str | Path) -> RunConfig:
     """Read a YAML or JSON configuration file (nested sections, as config.json writes them)."""
     path = Path(path)
+    is_json = path.suffix.lower() == ".json"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"Cannot read the configuration file {path}: {exc.strerror or exc}.") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"The configuration file {path} is not a UTF-8 text file.") from exc
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if is_json else yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"The configuration file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}.") from exc
+        raise ConfigError(f"The configuration file {path} is not valid {'JSON' if is_json else 'YAML'}.") from exc
     if data is None:
         data = {}
     config = RunConfig.from_dict(data)
     config.validate()
     return config
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, but ``1e-5`` is a float (YAML 1.2) rather than the string YAML 1.1 makes of it."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def mark_calibrated(config: RunConfig, noise_multiplier: float) -> RunConfig:

@@ -61,9 +61,25 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
-    """Atomically write tensors as safetensors (contiguous CPU copies)."""
+    """Atomically write tensors as safetensors (contiguous CPU copies), byte-identical for equal inputs."""
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    atomic_write_bytes(path, save(cpu, metadata=dict(metadata or {})))
+    atomic_write_bytes(path, _canonical_header(save(cpu, metadata=dict(metadata or {}))))
+
+
+def _canonical_header(data: bytes) -> bytes:
+    """Rewrite a safetensors header with its metadata keys sorted.
+
+    safetensors keeps ``__metadata__`` in a hash map whose iteration order
+    varies from call to call, so the same weights and metadata could give
+    different bytes; the same run must give the same file.
+    """
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    metadata = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}) | header
+    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the format pads the header with spaces to 8-byte alignment
+    return len(text).to_bytes(8, "little") + text + data[8 + size :]
 
 
 def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -133,7 +149,10 @@ class RunDirectory:
             if not self.is_run():
                 raise RunError(f"--out {self.path} is a non-empty directory that is not a fedaudit run; refusing to overwrite it.")
             shutil.rmtree(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunError(f"Cannot create the run directory {self.path}: {exc.strerror or exc}.") from exc
 
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_json(self.config_path, config)

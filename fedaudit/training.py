@@ -93,7 +93,7 @@ def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
     build_model(spec)  # fail early on a model that cannot be built for this input
     algorithm = get_algorithm(config)
     sizes = {k: int(len(idx)) for k, idx in enumerate(partition.clients)}
-    selected = math.ceil(config.federated.client_fraction * config.data.num_clients)
+    selected = clients_per_round(config.federated.client_fraction, config.data.num_clients)
     client_fraction = selected / config.data.num_clients
     queries = {k: algorithm.queries_per_round(config, n) for k, n in sizes.items()}
     sample_rates: dict[int, float] = {}
@@ -152,9 +152,13 @@ def train(
 
 
 def resume(
-    run_dir: str | Path, *, rounds: int | None = None, progress: bool = True, echo: Echo = tqdm.write
+    run_dir: str | Path, *, rounds: int | None = None, device: str | None = None, progress: bool = True,
+    echo: Echo = tqdm.write,
 ) -> TrainResult:
-    """Continue an interrupted run from its last completed round (optionally extending ``rounds``)."""
+    """Continue an interrupted run from its last completed round (optionally extending ``rounds``).
+
+    ``device`` overrides where the rest of the run trains (the results do not depend on it).
+    """
     run = RunDirectory(run_dir)
     manifest = run.read_manifest()
     config = RunConfig.from_dict(run.read_config())
@@ -163,7 +167,7 @@ def resume(
         if rounds < done:
             raise TrainingError(f"--rounds {rounds} is fewer than the {done} rounds {run.path} has already completed.")
         config = replace(config, federated=replace(config.federated, rounds=rounds))
-    setup = prepare(config)
+    setup = prepare(config, device=device)
     if setup.dataset.fingerprint != manifest["dataset"]["fingerprint"]:
         raise RunError(f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch).")
     stored = run.read_membership()
@@ -180,7 +184,7 @@ def resume(
     ledger = None
     if setup.config.privacy.dp:
         stored_ledger = run.read_privacy()
-        ledger = PrivacyLedger.from_dict(stored_ledger) if stored_ledger else _new_ledger(setup.config)
+        ledger = _ledger_upto(stored_ledger, done) if stored_ledger else _new_ledger(setup.config)
         if ledger.rounds != done:
             raise RunError(f"{run.privacy_path} records {ledger.rounds} rounds but the manifest says {done}; the run is inconsistent.")
     rows = run.read_metrics().to_dict("records")[:done]
@@ -204,13 +208,36 @@ def evaluate(model: torch.nn.Module, params: TensorDict, x: torch.Tensor, y: tor
     return correct / len(y), total_loss / len(y)
 
 
+def clients_per_round(client_fraction: float, num_clients: int) -> int:
+    """ceil(p K), ignoring floating-point error in p K (0.28 * 25 is 7.000000000000001, not above 7)."""
+    return max(1, math.ceil(round(client_fraction * num_clients, 9)))
+
+
 def select_clients(seed: int, round_index: int, num_clients: int, client_fraction: float) -> list[int]:
     """The clients taking part in a round: ceil(p K) of K, uniformly without replacement."""
-    count = math.ceil(client_fraction * num_clients)
+    count = clients_per_round(client_fraction, num_clients)
     if count >= num_clients:
         return list(range(num_clients))
     chosen = numpy_rng(seed, Stream.SELECT, round_index).choice(num_clients, size=count, replace=False)
     return sorted(int(k) for k in chosen)
+
+
+def _ledger_upto(stored: dict[str, Any], done: int) -> PrivacyLedger:
+    """The stored ledger as of the last committed round.
+
+    manifest.json is written last in a round, so an interruption just before
+    it leaves privacy.json one round ahead of the manifest; that round is
+    re-run on resume and must not be charged twice.
+    """
+    ledger = PrivacyLedger.from_dict(stored)
+    if ledger.rounds <= done:
+        return ledger
+    lists = [[SGMEvent.from_dict(e) for e in events] for events in stored["history"]["event_lists"]]
+    replay = PrivacyLedger(accountant=stored["accountant"], delta=stored["delta"],
+                           noise_multiplier=stored["noise_multiplier"], max_grad_norm=stored["max_grad_norm"])
+    for row in stored["history"]["rounds"][:done]:
+        replay.record_round({int(k): lists[i] for k, i in row.items()})
+    return replay
 
 
 def _new_ledger(config: RunConfig) -> PrivacyLedger:

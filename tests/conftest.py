@@ -1,0 +1,82 @@
+"""Shared fixtures: an in-process ``fedaudit`` runner and small, fast, session-cached runs.
+
+The suite runs with ``pytest -n 2``, so every worker process uses one torch
+thread. Runs use the bundled digits data and a tiny MLP (one hidden layer of 16 units)
+so that a three-round run takes well under a second once torch is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+torch.set_num_threads(1)
+
+# Options that keep a run small and quick; tests add --rounds, --dp, ... to these.
+FAST_ARGS: tuple[str, ...] = (
+    "--dataset", "digits",
+    "--model", "mlp", "--width", "16", "--depth", "1",
+    "--batch-size", "32", "--local-epochs", "1",
+    "--device", "cpu",
+    "--no-progress",
+)
+
+
+def invoke(*args: str) -> Result:
+    """Run ``fedaudit ARGS`` in-process; exceptions other than SystemExit propagate (no hidden tracebacks)."""
+    from cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``path`` by relative name: equal digests mean a byte-identical tree."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def cli() -> Callable[..., Result]:
+    """``cli("train", "--out", d, ...)`` runs the command line in this process and returns click's Result."""
+    return invoke
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``trained(*extra_args)``: a completed run with FAST_ARGS + extra_args, trained once per session.
+
+    The returned directory is shared between tests: treat it as read-only
+    (copy it with shutil.copytree before resuming or overwriting it).
+    """
+    cache: dict[tuple[str, ...], Path] = {}
+
+    def get(*extra: str) -> Path:
+        key = tuple(str(a) for a in extra)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("run") / "run"
+            result = invoke("train", *FAST_ARGS, *key, "--out", out)
+            assert result.exit_code == 0, result.output
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def plain_run(trained: Callable[..., Path]) -> Path:
+    """A completed three-round FedAvg run without DP."""
+    return trained("--rounds", "3")
+
+
+@pytest.fixture(scope="session")
+def dp_run(trained: Callable[..., Path]) -> Path:
+    """A completed three-round DP-FedAvg run (sigma 1.0 and C 0.1 by default)."""
+    return trained("--dp", "--rounds", "3")

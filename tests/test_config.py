@@ -1,0 +1,233 @@
+"""RunConfig: defaults, resolution of algorithm defaults, validation messages, JSON/YAML round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedaudit.config import (
+    ConfigError,
+    DataConfig,
+    FederatedConfig,
+    ModelConfig,
+    PrivacyConfig,
+    RunConfig,
+    load_config_file,
+    mark_calibrated,
+)
+
+# A configuration with every basic field away from its default.
+CUSTOM = RunConfig(
+    seed=42,
+    device="cpu",
+    data=DataConfig(dataset="fashion-mnist", data_dir="/data", download=True, partition="dirichlet:0.5",
+                    num_clients=7, holdout_fraction=0.2),
+    model=ModelConfig(arch="mlp", width=32, depth=1),
+    federated=FederatedConfig(algorithm="fedprox", rounds=3, client_fraction=0.5, weighting="uniform", server_lr=0.5,
+                              local_epochs=2, client_lr=0.05, momentum=0.9, batch_size=16, mu=0.01,
+                              lr_schedule="cosine"),
+    privacy=PrivacyConfig(dp=True, noise_multiplier=1.3, max_grad_norm=0.5, delta=1e-6, accountant="prv"),
+)
+
+
+def dp(**privacy) -> RunConfig:
+    return RunConfig(privacy=PrivacyConfig(dp=True, **privacy))
+
+
+def message(config: RunConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        config.resolved()
+    text = str(info.value)
+    assert "\n" not in text and text.endswith(".")  # one sentence
+    return text
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("config", [RunConfig(), CUSTOM, CUSTOM.resolved()], ids=["default", "custom", "resolved"])
+def test_dict_json_and_yaml_round_trips(config):
+    as_dict = config.to_dict()
+    assert RunConfig.from_dict(as_dict) == config
+    assert RunConfig.from_dict(json.loads(json.dumps(as_dict))) == config
+    assert RunConfig.from_dict(yaml.safe_load(yaml.safe_dump(as_dict))) == config
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml", ".JSON"])
+def test_load_config_file_reads_json_and_yaml(tmp_path, suffix):
+    path = tmp_path / f"config{suffix}"
+    data = CUSTOM.to_dict()
+    path.write_text(json.dumps(data) if suffix.lower() == ".json" else yaml.safe_dump(data))
+    assert load_config_file(path) == CUSTOM
+
+
+def test_load_config_file_partial_and_empty(tmp_path):
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("federated:\n  rounds: 3\nmodel:\n  width: 8\nseed: 5\n")
+    config = load_config_file(partial)
+    assert config == RunConfig(seed=5, model=ModelConfig(width=8), federated=FederatedConfig(rounds=3))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config_file(empty) == RunConfig()
+    null_section = tmp_path / "null.yaml"
+    null_section.write_text("privacy:\n")
+    assert load_config_file(null_section) == RunConfig()
+
+
+def test_yaml_reads_exponents_as_numbers(tmp_path):
+    # PyYAML's YAML 1.1 rules read 1e-5 as a string; people write delta and learning rates like this.
+    path = tmp_path / "c.yaml"
+    path.write_text("privacy:\n  dp: true\n  delta: 1e-5\n  noise_multiplier: 2E0\nfederated:\n  client_lr: 5e-2\n"
+                    "  server_lr: 1.5e+0\n")
+    config = load_config_file(path)
+    assert config.privacy.delta == 1e-5 and config.privacy.noise_multiplier == 2.0
+    assert config.federated.client_lr == 0.05 and config.federated.server_lr == 1.5
+    path.write_text("data:\n  partition: '1e5'\n  dataset: digits\nseed: 10\n")
+    config = load_config_file(path)  # quoted stays a string, plain integers stay integers
+    assert (config.data.partition, config.data.dataset, config.seed) == ("1e5", "digits", 10)
+
+
+def test_with_overrides_applies_dotted_fields_and_ignores_none():
+    base = RunConfig()
+    changed = base.with_overrides({"federated.rounds": 3, "model.width": None, "seed": 9, "privacy.dp": True})
+    assert (changed.federated.rounds, changed.model.width, changed.seed, changed.privacy.dp) == (3, 128, 9, True)
+    assert base == RunConfig()  # frozen: the original is untouched
+    with pytest.raises(ConfigError, match="federated.learning_rate"):
+        base.with_overrides({"federated.learning_rate": 0.1})
+
+
+# ---------------------------------------------------------------------------- resolved()
+
+
+@pytest.mark.parametrize("algorithm, clip", [("fedavg", 0.1), ("fedprox", 0.2), ("fedsgd", 0.1)])
+def test_resolved_fills_algorithm_defaults_with_dp(algorithm, clip):
+    config = RunConfig(federated=FederatedConfig(algorithm=algorithm), privacy=PrivacyConfig(dp=True)).resolved()
+    assert config.privacy.max_grad_norm == clip
+    assert config.privacy.noise_multiplier == 1.0
+    assert config.federated.client_lr == 0.1
+    assert config.federated.lr_schedule in ("constant", "cosine")
+    assert config.resolved() == config  # idempotent
+
+
+def test_resolved_keeps_given_values_and_leaves_sigma_to_calibration():
+    given = dp(noise_multiplier=2.5, max_grad_norm=3.0).resolved()
+    assert (given.privacy.noise_multiplier, given.privacy.max_grad_norm) == (2.5, 3.0)
+    targeted = dp(target_epsilon=4.0).resolved()
+    assert targeted.privacy.noise_multiplier is None  # found by calibration in training.prepare
+    assert targeted.privacy.max_grad_norm == 0.1
+    custom = CUSTOM.resolved()
+    assert (custom.federated.client_lr, custom.federated.lr_schedule) == (0.05, "cosine")
+
+
+def test_resolved_without_dp_writes_no_mechanism():
+    config = RunConfig().resolved()
+    assert config.privacy.noise_multiplier is None and config.privacy.max_grad_norm is None
+    assert all(value is not None for value in dataclasses.asdict(config.federated).values())
+
+
+def test_mark_calibrated_keeps_the_target():
+    config = mark_calibrated(dp(target_epsilon=4.0).resolved(), 1.75)
+    assert (config.privacy.noise_multiplier, config.privacy.target_epsilon, config.privacy.calibrated) == (1.75, 4.0, True)
+    assert config.resolved() == config  # a calibrated sigma next to its target is valid
+    assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+INVALID = {
+    "rounds-zero": (RunConfig(federated=FederatedConfig(rounds=0)), "--rounds"),
+    "rounds-bool": (RunConfig(federated=FederatedConfig(rounds=True)), "--rounds"),
+    "rounds-float": (RunConfig(federated=FederatedConfig(rounds=2.5)), "--rounds"),
+    "algorithm": (RunConfig(federated=FederatedConfig(algorithm="fedmagic")), "fedmagic"),
+    "client-fraction": (RunConfig(federated=FederatedConfig(client_fraction=1.5)), "--client-fraction"),
+    "weighting": (RunConfig(federated=FederatedConfig(weighting="random")), "--weighting"),
+    "server-lr": (RunConfig(federated=FederatedConfig(server_lr=0)), "--server-lr"),
+    "local-epochs": (RunConfig(federated=FederatedConfig(local_epochs=0)), "--local-epochs"),
+    "lr": (RunConfig(federated=FederatedConfig(client_lr=-0.1)), "--lr"),
+    "momentum": (RunConfig(federated=FederatedConfig(momentum=1.0)), "--momentum"),
+    "batch-size": (RunConfig(federated=FederatedConfig(batch_size=0)), "--batch-size"),
+    "mu": (RunConfig(federated=FederatedConfig(mu=-1.0)), "--mu"),
+    "lr-schedule": (RunConfig(federated=FederatedConfig(lr_schedule="step")), "--lr-schedule"),
+    "num-clients": (RunConfig(data=DataConfig(num_clients=0)), "--num-clients"),
+    "holdout": (RunConfig(data=DataConfig(holdout_fraction=1.0)), "--holdout-fraction"),
+    "width": (RunConfig(model=ModelConfig(width=0)), "--width"),
+    "depth": (RunConfig(model=ModelConfig(depth=-1)), "--depth"),
+    "device": (RunConfig(device="tpu"), "--device"),
+    "seed-negative": (RunConfig(seed=-1), "--seed"),
+    "seed-bool": (RunConfig(seed=True), "--seed"),
+    "accountant": (RunConfig(privacy=PrivacyConfig(accountant="moments")), "--accountant"),
+    "delta": (RunConfig(privacy=PrivacyConfig(delta=0.0)), "--delta"),
+    "sigma-zero": (dp(noise_multiplier=0.0), "--noise-multiplier"),
+    "sigma-negative": (dp(noise_multiplier=-1.0), "--noise-multiplier"),
+    "sigma-nan": (dp(noise_multiplier=float("nan")), "--noise-multiplier"),
+    "clip-zero": (dp(max_grad_norm=0.0), "--max-grad-norm"),
+    "clip-inf": (dp(max_grad_norm=float("inf")), "--max-grad-norm"),
+    "target-zero": (dp(target_epsilon=0.0), "--target-epsilon"),
+    "sigma-and-target": (dp(noise_multiplier=1.0, target_epsilon=3.0), "not both"),
+    "sigma-without-dp": (RunConfig(privacy=PrivacyConfig(noise_multiplier=1.0)), "--dp"),
+    "clip-without-dp": (RunConfig(privacy=PrivacyConfig(max_grad_norm=1.0)), "--dp"),
+    "target-without-dp": (RunConfig(privacy=PrivacyConfig(target_epsilon=1.0)), "--dp"),
+    "dp-string": (RunConfig(privacy=PrivacyConfig(dp="false")), "--dp"),
+    "download-string": (RunConfig(data=DataConfig(download="no")), "--download"),
+    "data-dir-number": (RunConfig(data=DataConfig(data_dir=5)), "--data-dir"),
+}
+
+
+@pytest.mark.parametrize("config, option", list(INVALID.values()), ids=list(INVALID))
+def test_invalid_values_name_the_option_in_one_sentence(config, option):
+    assert option in message(config)
+
+
+def test_valid_edge_values_pass():
+    RunConfig(data=DataConfig(holdout_fraction=0.0, num_clients=1), model=ModelConfig(depth=0),
+              federated=FederatedConfig(client_fraction=1.0, momentum=0.0, mu=0.0)).resolved()
+    dp(noise_multiplier=1e-3, max_grad_norm=1e-3, delta=0.999).resolved()
+
+
+# ---------------------------------------------------------------------------- from_dict and files
+
+
+BAD_DICTS = {
+    "unknown-section": ({"optimizer": {"lr": 0.1}}, "optimizer"),
+    "unknown-key": ({"federated": {"learning_rate": 0.1}}, "learning_rate"),
+    "section-not-mapping": ({"data": "digits"}, "data"),
+    "not-a-mapping": ([1, 2], "mapping"),
+}
+
+
+@pytest.mark.parametrize("data, mentions", list(BAD_DICTS.values()), ids=list(BAD_DICTS))
+def test_from_dict_rejects_unknown_and_malformed(data, mentions):
+    with pytest.raises(ConfigError, match=mentions):
+        RunConfig.from_dict(data)
+
+
+BAD_FILES = {
+    "malformed-yaml": ("c.yaml", b"federated: [rounds: 3", "not valid YAML"),
+    "malformed-json": ("c.json", b'{"federated": ', "not valid JSON"),
+    "malformed-JSON-suffix": ("C.JSON", b'{"federated": ', "not valid JSON"),
+    "binary": ("c.yaml", b"\xff\xfe\x00\x00\x81", "UTF-8"),
+    "unknown-key": ("c.yaml", b"model:\n  layers: 3\n", "layers"),
+    "bad-value": ("c.json", b'{"federated": {"rounds": -3}}', "--rounds"),
+    "list": ("c.yaml", b"- 1\n", "mapping"),
+}
+
+
+@pytest.mark.parametrize("name, content, mentions", list(BAD_FILES.values()), ids=list(BAD_FILES))
+def test_load_config_file_errors(tmp_path, name, content, mentions):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config_file(path)
+    assert mentions in str(info.value) and "\n" not in str(info.value)
+
+
+def test_load_config_file_missing_or_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="Cannot read the configuration file"):
+        load_config_file(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="Cannot read the configuration file"):
+        load_config_file(Path(tmp_path))
