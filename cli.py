@@ -28,6 +28,22 @@ TRAIN_OPTION_FIELDS: dict[str, str] = {
     "batch_size": "federated.batch_size",
     "mu": "federated.mu",
     "lr_schedule": "federated.lr_schedule",
+    "local_steps": "federated.local_steps",
+    "ipc": "fedlap.ipc",
+    "trajectories": "fedlap.trajectories",
+    "max_loops": "fedlap.max_loops",
+    "real_batches": "fedlap.real_batches",
+    "image_steps": "fedlap.image_steps",
+    "model_epochs": "fedlap.model_epochs",
+    "radius": "fedlap.radius",
+    "image_lr": "fedlap.image_lr",
+    "mse_weight": "fedlap.mse_weight",
+    "init": "fedlap.init",
+    "augment": "fedlap.augment",
+    "server_batch_size": "fedlap.server_batch_size",
+    "server_epochs": "fedlap.server_epochs",
+    "radius_strategy": "fedlap.radius_strategy",
+    "save_transmitted": "save_transmitted",
     "dataset": "data.dataset",
     "data_dir": "data.data_dir",
     "download": "data.download",
@@ -104,6 +120,23 @@ def main() -> None:
 @click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256]")
 @click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
 @click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), help="Client learning rate over rounds. [default: constant]")
+@click.option("--local-steps", type=int, help="Local steps per round instead of --local-epochs (DP queries per round under DP).")
+@click.option("--ipc", type=int, help="FedLAP: synthetic images per class. [default: 10 with --dp, 50 without]")
+@click.option("--trajectories", type=int, help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1]")
+@click.option("--max-loops", type=int, help="FedLAP L: loop cap per trajectory. [default: 5]")
+@click.option("--real-batches", type=int, help="FedLAP R_b: real batches per loop. [default: 10 / 40]")
+@click.option("--image-steps", type=int, help="FedLAP J: image updates per real gradient. [default: 5]")
+@click.option("--model-epochs", type=int, help="FedLAP R_l: model epochs on the synthetic set between loops. [default: 2 / 0]")
+@click.option("--radius", type=float, help="FedLAP r: trust-region radius. [default: 1.5 / 10]")
+@click.option("--image-lr", type=float, help="FedLAP tau: image learning rate (SGD, momentum 0.5). [default: 100]")
+@click.option("--mse-weight", type=float, help="FedLAP lambda: weight of the squared error in the matching loss. [default: 0 / 0.1]")
+@click.option("--init", type=click.Choice(["noise", "previous", "real"]), help="FedLAP synthetic set initialisation (real: non-DP only). [default: noise / real]")
+@click.option("--augment/--no-augment", default=None, help="FedLAP: differentiable augmentation of real and synthetic batches. [default: off]")
+@click.option("--server-batch-size", type=int, help="FedLAP server minibatch. [default: 512]")
+@click.option("--server-epochs", type=int, help="FedLAP server epochs at most. [default: 100]")
+@click.option("--radius-strategy", type=click.Choice(["min", "median", "max", "fixed"]), help="FedLAP server radius r_g from the clients' r_k. [default: min]")
+@click.option("--save-transmitted/--no-save-transmitted", default=None, help="Store what every client sent each round under transmitted/.")
+@click.option("--equal-data-access", is_flag=True, help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.")
 @click.option("--seed", type=int, help="Seed of every random choice in the run. [default: 0]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train. [default: auto]")
 @click.option("--out", type=click.Path(), help="Run directory to create.")
@@ -113,7 +146,7 @@ def main() -> None:
 @click.pass_context
 @user_errors
 def train(ctx: click.Context, config_file: str | None, out: str | None, resume_dir: str | None, overwrite: bool,
-          progress: bool, **options: Any) -> None:
+          progress: bool, equal_data_access: bool, **options: Any) -> None:
     """Train a federated model and write a run directory (config, membership, metrics, ledger, weights)."""
     from fedaudit.config import RunConfig, load_config_file
     from fedaudit import training
@@ -129,7 +162,7 @@ def train(ctx: click.Context, config_file: str | None, out: str | None, resume_d
             )
         result = training.resume(resume_dir, rounds=options.get("rounds"), device=options.get("device"), progress=progress)
     else:
-        if out is None:
+        if out is None and not equal_data_access:
             raise training.TrainingError("--out is required: the directory the run is written to.")
         config = load_config_file(config_file) if config_file else RunConfig()
         if config.privacy.calibrated:
@@ -139,6 +172,10 @@ def train(ctx: click.Context, config_file: str | None, out: str | None, resume_d
             forget = {"target_epsilon": None} if "noise_multiplier" in given else {"noise_multiplier": None}
             config = replace(config, privacy=replace(config.privacy, calibrated=False, **forget))
         config = config.with_overrides({TRAIN_OPTION_FIELDS[name]: options[name] for name in options})
+        if equal_data_access:
+            for line in training.equal_data_access(config):
+                click.echo(line)
+            return
         result = training.train(config, out, overwrite=overwrite, progress=progress)
     eps = f", epsilon {result.epsilon:.3f}" if result.epsilon != float("inf") else ""
     click.echo(f"Run written to {Path(result.run_dir)} (test accuracy {result.test_accuracy:.4f}{eps})")

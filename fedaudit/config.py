@@ -66,6 +66,7 @@ class FederatedConfig:
     weighting: str = "num_examples"
     server_lr: float = 1.0
     local_epochs: int = 5
+    local_steps: int | None = None
     client_lr: float | None = None
     momentum: float = 0.0
     batch_size: int = 256
@@ -218,6 +219,8 @@ class RunConfig:
         _check(f.weighting in WEIGHTINGS, f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{f.weighting}'.")
         _check(_is_number(f.server_lr) and f.server_lr > 0, f"--server-lr must be positive, got {f.server_lr!r}.")
         _check(_is_int(f.local_epochs) and f.local_epochs >= 1, f"--local-epochs must be a positive integer, got {f.local_epochs!r}.")
+        _check(f.local_steps is None or (_is_int(f.local_steps) and f.local_steps >= 1),
+               f"--local-steps must be a positive integer, got {f.local_steps!r}.")
         _check(f.client_lr is None or (_is_number(f.client_lr) and f.client_lr > 0), f"--lr must be positive, got {f.client_lr!r}.")
         _check(_is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
         _check(_is_int(f.batch_size) and f.batch_size >= 1, f"--batch-size must be a positive integer, got {f.batch_size!r}.")

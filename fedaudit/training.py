@@ -166,6 +166,11 @@ def resume(
     if rounds is not None:
         if rounds < done:
             raise TrainingError(f"--rounds {rounds} is fewer than the {done} rounds {run.path} has already completed.")
+        if config.privacy.dp and config.privacy.target_epsilon is not None and rounds > config.federated.rounds:
+            raise TrainingError(
+                f"{run.path} calibrated its noise for --target-epsilon {config.privacy.target_epsilon:g} over "
+                f"{config.federated.rounds} rounds; more rounds would spend more than that budget, so start a new run."
+            )
         config = replace(config, federated=replace(config.federated, rounds=rounds))
     setup = prepare(config, device=device)
     if setup.dataset.fingerprint != manifest["dataset"]["fingerprint"]:
@@ -176,7 +181,9 @@ def resume(
     run.write_config(setup.config.to_dict())
     states: dict[int, TensorDict] = {}
     if done > 0:
-        params, _state = run.load_checkpoint(done, setup.device)
+        stored_params, _state = run.load_checkpoint(done, setup.device)
+        # safetensors returns names sorted; keep the model's order, which fixes the order of floating-point sums
+        params = {name: stored_params[name] for name, _ in build_model(setup.spec).named_parameters()}
         states = run.load_client_states(done, setup.device)
     else:
         torch.manual_seed(derive_seed(setup.config.seed, Stream.INIT))
@@ -192,6 +199,21 @@ def resume(
     if done == setup.config.federated.rounds:
         echo(f"{run.path} has already completed all {done} rounds; nothing to do.")
     return _run_rounds(setup, run, manifest, params, ledger, rows, states, start=done, progress=progress, echo=echo)
+
+
+def equal_data_access(config: RunConfig) -> list[str]:
+    """The DP-FedAvg settings that make as many DP queries per round as ``config`` (the paper's fair comparison)."""
+    setup = prepare(config)
+    queries = max(setup.queries.values())
+    smallest = min(len(idx) for idx in setup.partition.clients)
+    per_epoch = max(1, smallest // setup.config.federated.batch_size)
+    epochs = max(1, round(queries / per_epoch))
+    return [
+        f"{setup.config.federated.algorithm} makes {queries} DP queries per client per round "
+        f"(batch {setup.config.federated.batch_size}, smallest client {smallest} records, {per_epoch} batches per epoch).",
+        f"DP-FedAvg at equal data access: --algorithm fedavg --local-steps {queries} "
+        f"(nearest whole epochs: --local-epochs {epochs} = {epochs * per_epoch} queries).",
+    ]
 
 
 def evaluate(model: torch.nn.Module, params: TensorDict, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:

@@ -39,9 +39,11 @@ class FedAvg:
         self.single_step = single_step
 
     def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
-        """DP queries per round: one for FedSGD, else E * floor(N_k / B) Poisson batches."""
+        """Local steps per round (each one DP query under DP): one for FedSGD, ``local_steps`` if set, else E * floor(N_k / B)."""
         if self.single_step:
             return 1
+        if config.federated.local_steps is not None:
+            return config.federated.local_steps
         return config.federated.local_epochs * max(1, num_examples // config.federated.batch_size)
 
     def client_update(
@@ -87,6 +89,11 @@ class FedAvg:
         n = data.num_examples
         if self.single_step:
             batches = [torch.arange(n, device=data.x.device)]
+        elif fed.local_steps is not None:
+            batches = []
+            while len(batches) < fed.local_steps:  # shuffled epochs, cut at the step budget
+                batches += list(torch.randperm(n, generator=generator, device=generator.device).split(fed.batch_size))
+            batches = batches[: fed.local_steps]
         else:
             batches = [
                 batch
