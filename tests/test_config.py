@@ -126,7 +126,8 @@ def test_resolved_keeps_given_values_and_leaves_sigma_to_calibration():
 def test_resolved_without_dp_writes_no_mechanism():
     config = RunConfig().resolved()
     assert config.privacy.noise_multiplier is None and config.privacy.max_grad_norm is None
-    assert all(value is not None for value in dataclasses.asdict(config.federated).values())
+    unset = {name for name, value in dataclasses.asdict(config.federated).items() if value is None}
+    assert unset == {"local_steps"}  # the only optional knob: epochs decide the steps unless it is given
 
 
 def test_mark_calibrated_keeps_the_target():
