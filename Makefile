@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 # The main job on the bundled digits dataset: DP-FedAvg with record-level DP-SGD.
 demo: venv
 	$(BIN)/fedaudit train --algorithm fedavg --dp --noise-multiplier 1.0 --max-grad-norm 1.0 \
-		--batch-size 32 --lr 0.1 --local-epochs 2 --width 32 --rounds 5 --out $(RUN) --overwrite
+		--batch-size 32 --lr 0.5 --local-epochs 2 --width 32 --rounds 5 --out $(RUN) --overwrite
 	@echo "Run directory: $(RUN)"
 
 test: venv

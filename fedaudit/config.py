@@ -50,7 +50,7 @@ class ModelConfig:
 
     arch: str = "convnet"
     width: int = 128
-    depth: int = 3
+    depth: int | None = None  # None: fitted to the input size (see fedaudit.models.default_depth)
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,8 @@ class RunConfig:
         _check(_is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
                f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.")
         _check(_is_int(m.width) and m.width >= 1, f"--width must be a positive integer, got {m.width!r}.")
-        _check(_is_int(m.depth) and m.depth >= 0, f"--depth must be a non-negative integer, got {m.depth!r}.")
+        _check(m.depth is None or (_is_int(m.depth) and m.depth >= 0),
+               f"--depth must be a non-negative integer, got {m.depth!r}.")
         _check(_is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
         _check(_is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
                f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.")

@@ -85,6 +85,21 @@ class ModelSpec:
     depth: int
 
 
+def default_depth(arch: str, input_shape: tuple[int, int, int]) -> int:
+    """The paper's depth 3 for a ConvNet, fewer for small images so that blocks still see 2x2 pixels or more.
+
+    8x8 digits get depth 2 (8 -> 4 -> 2); 28x28 and 32x32 images get 3. An MLP gets two hidden layers.
+    """
+    if arch != "convnet":
+        return 2
+    size = min(input_shape[1], input_shape[2])
+    depth = 0
+    while depth < 3 and size // 2 >= 2:
+        size //= 2
+        depth += 1
+    return max(depth, 1)
+
+
 def build_model(spec: ModelSpec) -> nn.Module:
     """Build the model described by ``spec`` with PyTorch's default initialisation (seed the caller's RNG)."""
     if spec.width < 1:

@@ -26,7 +26,7 @@ from fedaudit.algorithms.base import Algorithm, ClientData, RoundContext, Tensor
 from fedaudit.config import ConfigError, RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.engine.local import LocalEngine
-from fedaudit.models import ModelSpec, build_model, num_parameters
+from fedaudit.models import ModelSpec, build_model, default_depth, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, calibrate_noise_multiplier, round_events
 from fedaudit.runs import RunDirectory, RunError, now_iso, versions
 from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng
@@ -83,6 +83,8 @@ def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
         seed=config.seed,
         holdout_fraction=config.data.holdout_fraction,
     )
+    if config.model.depth is None:
+        config = replace(config, model=replace(config.model, depth=default_depth(config.model.arch, dataset.input_shape)))
     spec = ModelSpec(
         arch=config.model.arch,
         input_shape=dataset.input_shape,
