@@ -32,7 +32,7 @@ from fedaudit.algorithms.base import (
     flat_distance,
 )
 from fedaudit.augment import augment
-from fedaudit.config import RunConfig
+from fedaudit.config import FedLAPConfig, RunConfig
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import dp_gradient, poisson_sample
 
@@ -235,7 +235,7 @@ class FedLAP:
 
     def _image_step(
         self, model: nn.Module, params: TensorDict, names: list[str], target: list[torch.Tensor], images: torch.Tensor,
-        labels: torch.Tensor, image_opt: torch.optim.Optimizer, lap, seed: int,
+        labels: torch.Tensor, image_opt: torch.optim.Optimizer, lap: FedLAPConfig, seed: int,
     ) -> float:
         """One second-order update of the synthetic images towards the real gradient."""
         leaves = {name: params[name].detach().requires_grad_(True) for name in names}

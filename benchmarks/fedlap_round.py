@@ -1,0 +1,125 @@
+"""One FedLAP-DP client round vs one DP-FedAvg client round at equal data access, and where the time goes.
+
+Both clients make the same number of DP queries (T = R_i * L * R_b; DP-FedAvg runs
+``--local-steps T``) with the same sigma, batch size and data (one client of the
+paper's Fashion-MNIST split, 5 clients x 2 classes; random 28x28 data of the same
+size if Fashion-MNIST is not installed). The FedLAP-DP time is split into the DP
+queries (per-sample gradients, clip, noise), the second-order matching steps, the
+model training on the synthetic set, and the server's training on the union.
+
+    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+import fedaudit.algorithms.fedlap as fedlap_module
+from fedaudit.algorithms import get_algorithm
+from fedaudit.algorithms.base import ClientData, RoundContext
+from fedaudit.algorithms.fedlap import FedLAP
+from fedaudit.config import FedLAPConfig, FederatedConfig, PrivacyConfig, RunConfig
+from fedaudit.data import DataError, load_dataset, partition_dataset
+from fedaudit.models import ModelSpec, build_model
+
+
+def _client_data() -> tuple[ClientData, str]:
+    try:
+        dataset = load_dataset("fashion-mnist")
+        partition = partition_dataset(dataset.train_y.numpy(), num_clients=5, scheme="classes:2", seed=0,
+                                      holdout_fraction=0.1)
+        idx = torch.from_numpy(partition.clients[0].copy())
+        return ClientData(0, dataset.train_x[idx], dataset.train_y[idx]), "Fashion-MNIST client 0"
+    except DataError:
+        generator = torch.Generator().manual_seed(0)
+        n = 10800
+        x = torch.randn(n, 1, 28, 28, generator=generator)
+        return ClientData(0, x, torch.arange(n) % 2), "random 28x28 data (Fashion-MNIST not installed)"
+
+
+class Stopwatch:
+    """Accumulates the wall time spent inside wrapped functions."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--trajectories", type=int, default=4, help="R_i (4 in the authors' DP config); fewer for a quicker run")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    data, source = _client_data()
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
+    print(f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1; "
+          f"DP-FedAvg: the same number of DP queries (--local-steps), B=256, sigma=1, C=0.1")
+    header = (f"{'width':>5} {'T':>4} {'DP-FedAvg (s)':>14} {'FedLAP-DP (s)':>14} {'ratio':>6} "
+              f"{'DP queries':>11} {'matching':>9} {'syn. training':>14} {'server (s)':>11}")
+    print(header)
+    for width in args.widths:
+        spec = ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3)
+        torch.manual_seed(0)
+        model = build_model(spec)
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        lap = RunConfig(
+            federated=FederatedConfig(algorithm="fedlap", rounds=1),
+            privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
+            fedlap=FedLAPConfig(trajectories=args.trajectories),
+        ).resolved()
+        queries = FedLAP().queries_per_round(lap, data.num_examples)
+        avg = RunConfig(
+            federated=FederatedConfig(algorithm="fedavg", rounds=1, local_steps=queries),
+            privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
+        ).resolved()
+
+        watch = Stopwatch()
+        originals = (fedlap_module.dp_gradient, FedLAP._image_step, FedLAP._train)
+        fedlap_module.dp_gradient = watch.wrap("dp", originals[0])
+        FedLAP._image_step = watch.wrap("matching", originals[1])
+        FedLAP._train = watch.wrap("training", originals[2])
+        try:
+            algorithm = get_algorithm(lap)
+            ctx = RoundContext(round=0, rounds=1, config=lap, device=torch.device("cpu"))
+            start = time.perf_counter()
+            message = algorithm.client_update(model, params, data, ctx, torch.Generator().manual_seed(1))
+            lap_seconds = time.perf_counter() - start
+            client_training = watch.seconds["training"]
+            start = time.perf_counter()
+            algorithm.server_update(model, params, [message] * 5, ctx, torch.Generator().manual_seed(2))
+            server_seconds = time.perf_counter() - start
+        finally:
+            fedlap_module.dp_gradient, FedLAP._image_step, FedLAP._train = originals
+
+        fedavg = get_algorithm(avg)
+        ctx = RoundContext(round=0, rounds=1, config=replace(avg), device=torch.device("cpu"))
+        start = time.perf_counter()
+        fedavg.client_update(model, params, data, ctx, torch.Generator().manual_seed(1))
+        avg_seconds = time.perf_counter() - start
+
+        def share(name: str) -> str:
+            return f"{watch.seconds[name]:.1f}s {100 * watch.seconds[name] / lap_seconds:.0f}%"
+
+        print(f"{width:>5} {queries:>4} {avg_seconds:>14.1f} {lap_seconds:>14.1f} {lap_seconds / avg_seconds:>6.2f} "
+              f"{share('dp'):>11} {share('matching'):>9} "
+              f"{f'{client_training:.1f}s {100 * client_training / lap_seconds:.0f}%':>14} {server_seconds:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
