@@ -66,6 +66,7 @@ TRAIN_OPTION_FIELDS: dict[str, str] = {
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn the packages' user-facing errors into one sentence on stderr and exit code 2."""
+    from attacks import AttackError
     from fedaudit.config import ConfigError
     from fedaudit.data import DataError, PartitionError
     from fedaudit.models import ModelError
@@ -73,7 +74,7 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     from fedaudit.runs import RunError
     from fedaudit.training import TrainingError
 
-    handled = (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError)
+    handled = (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError, AttackError)
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -211,6 +212,56 @@ def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample
         click.echo(f"epsilon={eps[-1]:.6g}")
     else:
         click.echo(f"noise_multiplier={sigma:.6g}")
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--signal", "signals", multiple=True, metavar="NAME", help="loss, grad-norm, confidence or logit-confidence; repeat for several. [default: loss and grad-norm]")
+@click.option("--method", "methods", multiple=True, metavar="NAME", help="threshold, classifier or population; repeat for several. [default: threshold and classifier]")
+@click.option("--target", default="final", show_default=True, help="final (model.safetensors), round:N (its checkpoint) or all (every saved round).")
+@click.option("--nonmembers", default="both", show_default=True, help="Non-members from the held-out pool (holdout), the test split (test) or both.")
+@click.option("--max-records", type=int, default=2000, show_default=True, help="At most this many members and as many non-members.")
+@click.option("--per-layer", is_flag=True, help="With grad-norm: also write each layer's gradient norm into scores.csv.")
+@click.option("--batch-size", type=int, default=256, show_default=True, help="Records per batch when computing signals.")
+@click.option("--bootstrap", "resamples", type=int, default=1000, show_default=True, help="Bootstrap resamples of the AUC interval.")
+@click.option("--seed", type=int, help="Seed of the evaluation set, the split and the attack classifier. [default: the run's seed]")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where to compute the signals.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar while signals are computed.")
+@user_errors
+def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
+    """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/."""
+    from attacks.methods import DEFAULT_METHODS
+    from attacks.runner import AttackOptions, results_table, run_attacks
+    from attacks.signals import DEFAULT_SIGNALS
+
+    chosen = AttackOptions(signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
+                           methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)), **options)
+    results = run_attacks(run_dirs, chosen, echo=click.echo)
+    click.echo(results_table(results).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="Report file (.html, .md or .pdf) or a folder that receives report.<format>; summary.csv and summary.json go beside it.")
+@click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: the suffix of --out, else html]")
+@click.option("--policy", "policy_file", type=click.Path(), help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code 1 when a run fails one.")
+@user_errors
+def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
+    """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict (HTML, Markdown, PDF)."""
+    from reports import ReportError, build_report
+
+    try:
+        outcome = build_report(run_dirs, out=out, formats=formats, policy_file=policy_file)
+    except ReportError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(USER_ERROR_EXIT)
+    for path in outcome.written:
+        click.echo(f"Wrote {path}")
+    if outcome.passed is not None:
+        failed = [f"{c.run}: {c.limit}" for checks in outcome.checks.values() for c in checks if not c.passed]
+        click.echo("Policy: PASS" if outcome.passed else f"Policy: FAIL ({'; '.join(failed)})")
+        if not outcome.passed:
+            sys.exit(1)
 
 
 @main.command()

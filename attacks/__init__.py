@@ -1,1 +1,21 @@
 """Membership inference attacks on trained runs (signals, attacks, metrics)."""
+
+import enum
+
+
+class AttackError(ValueError):
+    """An attack that cannot be run as asked (one clear sentence for the user)."""
+
+
+class Draw(enum.IntEnum):
+    """Sub-streams of ``fedaudit.seeding.Stream.ATTACK``: every random choice of an audit has its own generator.
+
+    Separate generators keep each choice independent of the others, so the same seed
+    gives the same evaluation set whatever signals, methods or rounds are attacked.
+    """
+
+    MEMBERS = 0
+    NONMEMBERS = 1
+    HALVES = 2
+    BOOTSTRAP = 3
+    CLASSIFIER = 4

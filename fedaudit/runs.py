@@ -26,10 +26,12 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
+from torch import nn
 
 import fedaudit
+from fedaudit.models import ModelSpec, build_model
 
 RUN_FORMAT = "fedaudit-run"
 FORMAT_VERSION = 1
@@ -88,6 +90,17 @@ def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, to
         raise RunError(f"Expected the weights file {path}, which does not exist.")
     try:
         return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RunError(f"The weights file {path} is corrupt or not a safetensors file.") from exc
+
+
+def tensors_metadata(path: Path) -> dict[str, str]:
+    """The string metadata of a safetensors file (read from its header only)."""
+    if not path.is_file():
+        raise RunError(f"Expected the weights file {path}, which does not exist.")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return dict(handle.metadata() or {})
     except (SafetensorError, OSError, ValueError) as exc:
         raise RunError(f"The weights file {path} is corrupt or not a safetensors file.") from exc
 
@@ -256,3 +269,44 @@ class RunDirectory:
 
     def save_model(self, params: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
         save_tensors(self.model_path, params, metadata)
+
+    def model_spec(self) -> ModelSpec:
+        """The architecture recorded in manifest.json's "model" entry, to rebuild the model without unpickling."""
+        entry = self.read_manifest().get("model")
+        try:
+            shape = tuple(int(v) for v in entry["input_shape"])
+            if len(shape) != 3:
+                raise ValueError("input_shape must have three entries")
+            return ModelSpec(arch=str(entry["arch"]), input_shape=shape, num_classes=int(entry["num_classes"]),
+                             width=int(entry["width"]), depth=int(entry["depth"]))
+        except (TypeError, KeyError, ValueError) as exc:
+            raise RunError(f"{self.manifest_path} has no valid \"model\" entry (arch, input_shape, num_classes, width, depth).") from exc
+
+    def load_model(self, round_number: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
+        """The global model after ``round_number`` (a checkpoint), or the final model.safetensors when None.
+
+        The model is rebuilt from :meth:`model_spec` and filled from safetensors only; the
+        stored tensors must match its parameters name for name and shape for shape. The final
+        model must be the one of the last committed round (a run interrupted between writing
+        model.safetensors and its manifest is reported as incomplete).
+        """
+        spec = self.model_spec()
+        if round_number is None:
+            path = self.model_path
+            done = self.read_manifest().get("rounds_done")
+            stored = tensors_metadata(path).get("round")
+            if stored != str(done):
+                raise RunError(
+                    f"{self.path} is incomplete: model.safetensors is from round {stored} but manifest.json records "
+                    f"{done} completed rounds; resume the run with 'fedaudit train --resume {self.path}' first."
+                )
+        else:
+            path = self.checkpoint_path(round_number)
+        tensors = load_tensors(path, device)
+        model = build_model(spec).to(device)
+        expected = model.state_dict()
+        if set(tensors) != set(expected) or any(tensors[k].shape != v.shape for k, v in expected.items()):
+            raise RunError(f"The weights in {path} do not fit the {spec.arch} model described in {self.manifest_path}.")
+        model.load_state_dict(tensors)
+        model.eval()
+        return model

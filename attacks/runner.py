@@ -1,0 +1,317 @@
+"""Orchestration of ``fedaudit attack``: read runs, compute signals, run the methods, write and tabulate results.
+
+Every run given is checked completely (manifest, configuration, membership,
+data, the weights of every attacked round) before anything is computed, so a
+bad input ends with one sentence and leaves no partial results. Results go to
+``RUN_DIR/attacks/<signal>-<method>[-round-N]/`` as scores.csv, roc.csv and
+metrics.json (written last), each atomically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.metrics import roc_auc_score
+
+import fedaudit
+from attacks import AttackError, Draw
+from attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
+from attacks.methods import DEFAULT_METHODS, METHODS, run_method
+from attacks.metrics import DEFAULT_RESAMPLES, summarize
+from attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
+from fedaudit.config import RunConfig
+from fedaudit.data import Dataset, Partition, load_dataset
+from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, now_iso
+from fedaudit.seeding import Stream, derive_seed, numpy_rng
+from fedaudit.training import resolve_device
+
+ATTACKS_DIR = "attacks"
+RESULT_FORMAT = "fedaudit-attack"
+RESULT_FORMAT_VERSION = 1
+
+Echo = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class AttackOptions:
+    """What to attack and how; :meth:`validate` checks it before any run is read."""
+
+    signals: tuple[str, ...] = DEFAULT_SIGNALS
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    target: str = "final"
+    seed: int | None = None  # None: the run's own seed
+    device: str = "auto"
+    nonmembers: str = "both"
+    max_records: int = DEFAULT_MAX_RECORDS
+    per_layer: bool = False
+    batch_size: int = 256
+    resamples: int = DEFAULT_RESAMPLES
+    progress: bool = False
+
+    def validate(self) -> None:
+        """Raise :class:`AttackError` with one sentence for the first invalid option."""
+        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, METHODS)):
+            if not given:
+                raise AttackError(f"Give at least one --{kind}; choose from {', '.join(known)}.")
+            for name in given:
+                if name not in known:
+                    raise AttackError(f"Unknown --{kind} {name!r}; choose from {', '.join(known)}.")
+        parse_target(self.target)
+        if self.nonmembers not in NONMEMBER_SOURCES:
+            raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
+        for option, value, least in (("--max-records", self.max_records, 2), ("--batch-size", self.batch_size, 1),
+                                     ("--bootstrap", self.resamples, 1)):
+            if value < least:
+                raise AttackError(f"{option} must be at least {least}, got {value}.")
+
+
+def parse_target(text: str) -> str | int:
+    """``final``, ``all`` or the round number of ``round:N``."""
+    value = text.strip().lower()
+    if value in ("final", "all"):
+        return value
+    kind, _, number = value.partition(":")
+    if kind == "round" and number.isdigit() and int(number) >= 1:
+        return int(number)
+    raise AttackError(f"--target {text!r} is not understood; use final, all or round:N with a round number N >= 1.")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attacked model: the global model after ``round``; ``final`` means model.safetensors."""
+
+    round: int
+    final: bool
+
+    @property
+    def suffix(self) -> str:
+        return "" if self.final else f"-round-{self.round}"
+
+    @property
+    def label(self) -> str:
+        return "final" if self.final else f"round:{self.round}"
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedRun:
+    """A run checked and ready to attack: its data, evaluation set and targets."""
+
+    run: RunDirectory
+    config: RunConfig
+    dataset: Dataset
+    evaluation: EvaluationSet
+    targets: tuple[Target, ...]
+    seed: int
+    accountant_epsilon: tuple[float, ...] | None  # per round, None for a non-DP run
+
+    def records(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images and labels of the evaluation set, in its order."""
+        ev, ds = self.evaluation, self.dataset
+        from_test = ev.source == "test"
+        x = torch.empty((len(ev), *ds.train_x.shape[1:]), dtype=ds.train_x.dtype)
+        x[torch.from_numpy(~from_test)] = ds.train_x[torch.from_numpy(ev.index[~from_test])]
+        x[torch.from_numpy(from_test)] = ds.test_x[torch.from_numpy(ev.index[from_test])]
+        return x, torch.from_numpy(ev.label)
+
+
+@dataclass(frozen=True)
+class AttackResult:
+    """One attack on one model: what goes into its result directory."""
+
+    name: str
+    scores: pd.DataFrame
+    roc: pd.DataFrame
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
+    """Read and check a run directory, load its data and draw the evaluation set; writes nothing."""
+    run = RunDirectory(path)
+    manifest = run.read_manifest()
+    config = RunConfig.from_dict(run.read_config())
+    done = manifest.get("rounds_done")
+    if not isinstance(done, int) or done < 1:
+        raise RunError(f"{run.path} has no completed round yet, so there is no model to attack.")
+    partition = Partition.from_arrays(run.read_membership())
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=False)
+    recorded = manifest.get("dataset")
+    if not isinstance(recorded, dict) or dataset.fingerprint != recorded.get("fingerprint"):
+        raise RunError(f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch).")
+    largest = max(int(idx.max(initial=-1)) for idx in (*partition.clients, partition.holdout))
+    if largest >= len(dataset.train_y):
+        raise RunError(f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records of {config.data.dataset}.")
+    targets = _targets(run, parse_target(options.target), done)
+    for target in targets:
+        run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
+    accountant = _accountant_epsilon(run, config, max(t.round for t in targets))
+    seed = config.seed if options.seed is None else options.seed
+    try:
+        evaluation = build_evaluation_set(partition, dataset.train_y.numpy(), dataset.test_y.numpy(),
+                                          nonmembers=options.nonmembers, max_records=options.max_records, seed=seed)
+    except AttackError as exc:
+        raise AttackError(f"{run.path}: {exc}") from exc
+    return PreparedRun(run=run, config=config, dataset=dataset, evaluation=evaluation, targets=targets, seed=seed,
+                       accountant_epsilon=accountant)
+
+
+def _targets(run: RunDirectory, target: str | int, done: int) -> tuple[Target, ...]:
+    """The models to attack; only rounds the manifest has committed count as saved."""
+    saved = [r for r in run.saved_rounds() if r <= done]
+    if target == "final":
+        return (Target(round=done, final=True),)
+    if target == "all":
+        if not saved:
+            raise RunError(f"{run.path} has no saved round checkpoints under checkpoints/, so --target all has nothing to attack.")
+        return tuple(Target(round=r, final=False) for r in saved)
+    if target not in saved:
+        listed = ", ".join(map(str, saved)) or "none"
+        raise AttackError(f"--target round:{target} asks for a round {run.path} did not save (saved rounds: {listed}).")
+    return (Target(round=int(target), final=False),)
+
+
+def _accountant_epsilon(run: RunDirectory, config: RunConfig, last_round: int) -> tuple[float, ...] | None:
+    """The accountant's epsilon after each round from privacy.json, or None for a run without DP."""
+    if not config.privacy.dp:
+        return None
+    ledger = run.read_privacy()
+    if ledger is None:
+        raise RunError(f"{run.path} is a DP run but privacy.json is missing, so its epsilon cannot be compared.")
+    per_round = ledger.get("epsilon_per_round")
+    if not isinstance(per_round, list) or len(per_round) < last_round:
+        raise RunError(f"{run.privacy_path} does not record epsilon for round {last_round}; the run is incomplete.")
+    return tuple(float(e) for e in per_round)
+
+
+def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResult]:
+    """Every requested (signal, method) against every target of one run."""
+    device = resolve_device(options.device)
+    x, y = prepared.records()
+    results = []
+    for target in prepared.targets:
+        model = prepared.run.load_model(None if target.final else target.round, device)
+        signals = compute_signals(
+            model, x, y, options.signals, per_layer=options.per_layer, batch_size=options.batch_size, device=device,
+            progress=options.progress, desc=f"{prepared.run.path.name} {target.label}",
+        )
+        for signal in options.signals:
+            for method in options.methods:
+                results.append(_attack(prepared, target, signals, signal, method, options))
+    return results
+
+
+def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str, method: str,
+            options: AttackOptions) -> AttackResult:
+    ev, seed = prepared.evaluation, prepared.seed
+    values = signals.values[signal]
+    output = run_method(method, values, oriented(signal, values), ev.member, ev.attack_train,
+                        seed=derive_seed(seed, Stream.ATTACK, Draw.CLASSIFIER))
+    audit = output.audit
+    member, score = ev.member[audit], output.scores[audit]
+    metrics, curve = summarize(member, score, delta=prepared.config.privacy.delta,
+                               rng=numpy_rng(seed, Stream.ATTACK, Draw.BOOTSTRAP), resamples=options.resamples)
+    accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[target.round - 1]
+    fitted = ~audit
+    metrics = {
+        "format": RESULT_FORMAT,
+        "format_version": RESULT_FORMAT_VERSION,
+        "run": str(prepared.run.path),
+        "signal": signal,
+        "method": method,
+        "target": target.label,
+        "round": target.round,
+        "seed": seed,
+        "nonmembers": options.nonmembers,
+        "num_members": int(member.sum()),
+        "num_nonmembers": int((member == 0).sum()),
+        "num_attack_train_members": int((ev.member[fitted] == 1).sum()),
+        "num_attack_train_nonmembers": int((ev.member[fitted] == 0).sum()),
+        **metrics,
+        "accountant_epsilon": accountant,
+        "epsilon_lower_bound_exceeds_accountant": None if accountant is None else metrics["epsilon_lower_bound"] > accountant,
+        "per_client": _per_client(ev, audit, output.scores),
+        **output.details,
+        "fedaudit_version": fedaudit.__version__,
+        "created": now_iso(),
+    }
+    scores = pd.DataFrame({
+        "record": ev.index,
+        "source": ev.source,
+        "label": ev.label,
+        "client": ev.client,
+        "member": ev.member,
+        "split": np.where(audit, "audit", "attack-train"),
+        "signal": values,
+        "score": output.scores,
+    })
+    if signal == "grad-norm":
+        scores = scores.assign(**signals.per_layer)
+    roc_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
+    return AttackResult(name=f"{signal}-{method}{target.suffix}", scores=scores, roc=roc_table, metrics=metrics)
+
+
+def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray) -> dict[str, dict[str, Any]]:
+    """AUC of each client's audited members against the audited non-members of that client's classes."""
+    table: dict[str, dict[str, Any]] = {}
+    nonmember = audit & (ev.member == 0)
+    for k, classes in ev.client_classes.items():
+        members = audit & (ev.client == k)
+        others = nonmember & np.isin(ev.label, classes)
+        auc = None
+        if members.any() and others.any():
+            both = members | others
+            auc = float(roc_auc_score(ev.member[both], scores[both]))
+        table[str(k)] = {"auc": auc, "num_members": int(members.sum()), "num_nonmembers": int(others.sum())}
+    return table
+
+
+def write_result(run: RunDirectory, result: AttackResult) -> Path:
+    """Write one result directory atomically, metrics.json last; returns the directory."""
+    directory = run.path / ATTACKS_DIR / result.name
+    atomic_write_bytes(directory / "scores.csv", result.scores.to_csv(index=False).encode("utf-8"))
+    atomic_write_bytes(directory / "roc.csv", result.roc.to_csv(index=False).encode("utf-8"))
+    atomic_write_json(directory / "metrics.json", result.metrics)
+    return directory
+
+
+def run_attacks(paths: Sequence[str | Path], options: AttackOptions, *, echo: Echo = print) -> list[AttackResult]:
+    """Check every run, then attack each and write its results; returns all results in order."""
+    options.validate()
+    resolve_device(options.device)
+    prepared = [prepare_run(path, options) for path in paths]
+    results: list[AttackResult] = []
+    for run in prepared:
+        run_results = attack_run(run, options)
+        for result in run_results:
+            write_result(run.run, result)
+        echo(f"{len(run_results)} result(s) written to {run.run.path / ATTACKS_DIR}")
+        results += run_results
+    return results
+
+
+def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
+    """One row per result: the headline numbers of metrics.json ("eps" is the accountant's, NaN without DP)."""
+    rows = []
+    for result in results:
+        m = result.metrics
+        rows.append({
+            "run": m["run"],
+            "round": m["round"],
+            "signal": m["signal"],
+            "method": m["method"],
+            "members": m["num_members"],
+            "non-members": m["num_nonmembers"],
+            "AUC": m["auc"],
+            "AUC 95% CI": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
+            "TPR@1%FPR": m["tpr_at_fpr"]["0.01"],
+            "TPR@0.1%FPR": m["tpr_at_fpr"]["0.001"],
+            "advantage": m["advantage"],
+            "eps_lb": m["epsilon_lower_bound"],
+            "eps": np.nan if m["accountant_epsilon"] is None else m["accountant_epsilon"],
+        })
+    return pd.DataFrame(rows)

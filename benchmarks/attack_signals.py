@@ -1,0 +1,95 @@
+"""Gradient-norm signal throughput: the white-box attack's signal from fedaudit's primitive vs Opacus' GradSampleModule.
+
+Both sides compute the L2 norm of every example's loss gradient (all parameters,
+no clipping) for the same examples on the paper's ConvNet (28x28 input, depth 3)
+at widths 32 and 128, in batches, in the same run. "ours" is
+``attacks.signals.compute_signals(..., ["grad-norm"])`` (torch.func per-sample
+gradients from ``fedaudit.privacy.primitive``); "opacus" is a forward and backward
+pass of a GradSampleModule per batch, with the norms taken from ``grad_sample``.
+The ratio (our throughput / Opacus' throughput, > 1 means we are faster) is what
+to compare across machines; the two sets of norms are checked to agree.
+
+    python benchmarks/attack_signals.py [--examples 10000] [--batch 256] [--threads 1] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+
+from attacks.signals import compute_signals
+from fedaudit.models import ModelSpec, build_model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def opacus_norms(gsm: GradSampleModule, x: torch.Tensor, y: torch.Tensor, batch: int, device: torch.device) -> np.ndarray:
+    """Per-example gradient norms from Opacus' hooks, batch by batch."""
+    norms = []
+    for start in range(0, len(y), batch):
+        xb, yb = x[start : start + batch].to(device), y[start : start + batch].to(device)
+        gsm.zero_grad(set_to_none=True)
+        for p in gsm.parameters():
+            p.grad_sample = None
+        F.cross_entropy(gsm(xb), yb, reduction="sum").backward()
+        squares = sum(p.grad_sample.flatten(start_dim=1).pow(2).sum(dim=1) for p in gsm.parameters() if p.requires_grad)
+        norms.append(squares.sqrt().detach().cpu())
+    return torch.cat(norms).to(torch.float64).numpy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--examples", type=int, default=10_000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    warnings.filterwarnings("ignore", message="Full backward hook")
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, "
+          f"{args.examples} examples, batch {args.batch}, input 1x28x28, ConvNet depth 3")
+    print(f"{'width':>5} {'ours (s)':>9} {'ours (ex/s)':>12} {'opacus (s)':>11} {'opacus (ex/s)':>14} "
+          f"{'ours/opacus':>12} {'max rel. diff':>14}")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.examples, 1, 28, 28, generator=generator)
+    y = torch.randint(0, 10, (args.examples,), generator=generator)
+    for width in args.widths:
+        spec = ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3)
+        torch.manual_seed(0)
+        model = build_model(spec).to(device)
+        reference = build_model(spec).to(device)
+        reference.load_state_dict(model.state_dict())
+        gsm = GradSampleModule(reference, loss_reduction="sum")
+        warm = slice(0, args.batch)
+        compute_signals(model, x[warm], y[warm], ["grad-norm"], batch_size=args.batch, device=device)
+        opacus_norms(gsm, x[warm], y[warm], args.batch, device)
+
+        _sync(device)
+        start = time.perf_counter()
+        ours = compute_signals(model, x, y, ["grad-norm"], batch_size=args.batch, device=device).values["grad-norm"]
+        _sync(device)
+        ours_s = time.perf_counter() - start
+        start = time.perf_counter()
+        theirs = opacus_norms(gsm, x, y, args.batch, device)
+        _sync(device)
+        opacus_s = time.perf_counter() - start
+        gsm._close()
+
+        diff = float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(theirs), 1e-12)))
+        print(f"{width:>5} {ours_s:>9.1f} {args.examples / ours_s:>12.0f} {opacus_s:>11.1f} "
+              f"{args.examples / opacus_s:>14.0f} {opacus_s / ours_s:>12.2f} {diff:>14.1e}")
+
+
+if __name__ == "__main__":
+    main()

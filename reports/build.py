@@ -1,0 +1,20 @@
+"""``fedaudit report`` end to end: check every input, then collect, check the policy and write."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from reports.collect import collect_runs
+from reports.policy import load_policy
+from reports.render import ReportOutcome, output_paths, write_report
+
+
+def build_report(run_dirs: Sequence[str | Path], *, out: str | Path, formats: Sequence[str] = (),
+                 policy_file: str | Path | None = None) -> ReportOutcome:
+    """Write the report of ``run_dirs`` to ``out``; bad input raises :class:`ReportError` before anything is written."""
+    chosen = tuple(f.lower() for f in formats)
+    output_paths(out, chosen)
+    policy = load_policy(policy_file) if policy_file is not None else None
+    runs = collect_runs(list(run_dirs))
+    return write_report(runs, out, chosen, policy)

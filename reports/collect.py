@@ -1,0 +1,316 @@
+"""Read run directories into the summary model that the figures, policy and renderers use."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
+from fedaudit.runs import RunDirectory, RunError
+
+ATTACKS_DIR = "attacks"
+ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
+
+
+class ReportError(ValueError):
+    """Bad input to ``fedaudit report`` (one clear sentence)."""
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the report could not show, and how to produce it."""
+
+    what: str
+    how: str
+
+
+@dataclass(frozen=True)
+class PrivacySummary:
+    """The accountant's guarantee of a run (None fields: not recorded)."""
+
+    dp: bool
+    accountant: str | None = None
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    max_grad_norm: float | None = None
+    q1: float | None = None
+    q2: float | None = None
+    queries_per_round: int | None = None
+    client_fraction: float | None = None
+    batch_size: int | None = None
+    worst_client: int | None = None
+    worst_client_examples: int | None = None
+    rounds: int | None = None
+    epsilon_per_round: tuple[float, ...] = ()
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon after the last round; infinite without DP."""
+        if not self.dp or not self.epsilon_per_round:
+            return math.inf
+        return self.epsilon_per_round[-1]
+
+
+@dataclass(frozen=True)
+class AttackSummary:
+    """One attack result directory (attacks/<signal>-<method>[-round-N]/)."""
+
+    name: str
+    signal: str
+    method: str
+    round: int | None
+    auc: float | None
+    auc_ci: tuple[float, float] | None
+    tpr_at_1pct_fpr: float | None
+    tpr_at_0_1pct_fpr: float | None
+    balanced_accuracy: float | None
+    advantage: float | None
+    epsilon_lower_bound: float | None
+    accountant_epsilon: float | None
+    num_members: int | None
+    num_nonmembers: int | None
+    seed: int | None
+    roc: pd.DataFrame | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.signal}/{self.method}"
+
+
+@dataclass(frozen=True)
+class SyntheticSet:
+    """What one FedLAP client sent in one round: synthetic images [n, C, H, W] and their labels."""
+
+    round: int
+    client: int
+    images: np.ndarray = field(repr=False)
+    labels: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Everything a report shows about one run."""
+
+    name: str
+    path: Path
+    setup: dict[str, Any]
+    utility: pd.DataFrame
+    privacy: PrivacySummary
+    attacks: tuple[AttackSummary, ...]
+    synthetic: tuple[SyntheticSet, ...]
+    notes: tuple[Note, ...]
+
+    @property
+    def rounds_done(self) -> int:
+        return int(self.setup["rounds done"])
+
+    @property
+    def final_accuracy(self) -> float | None:
+        column = self.utility.get("test_accuracy")
+        return None if column is None or column.dropna().empty else float(column.dropna().iloc[-1])
+
+    @property
+    def final_attacks(self) -> tuple[AttackSummary, ...]:
+        """Attacks on the final model (round absent or equal to the last round)."""
+        return tuple(a for a in self.attacks if a.round is None or a.round == self.rounds_done)
+
+    @property
+    def strongest_attack(self) -> AttackSummary | None:
+        """The final-model attack with the highest AUC (the headline result)."""
+        scored = [a for a in self.final_attacks if a.auc is not None]
+        return max(scored, key=lambda a: a.auc) if scored else None
+
+
+def collect_runs(paths: list[str | Path]) -> list[RunSummary]:
+    """Read every run; a path that is not a fedaudit run is a :class:`ReportError`."""
+    if not paths:
+        raise ReportError("Give at least one run directory.")
+    summaries = [collect_run(Path(p)) for p in paths]
+    names = [s.name for s in summaries]
+    if len(set(names)) < len(names):
+        summaries = [_renamed(s, f"{s.name} ({i + 1})") for i, s in enumerate(summaries)]
+    return summaries
+
+
+def _renamed(summary: RunSummary, name: str) -> RunSummary:
+    return RunSummary(name, summary.path, summary.setup, summary.utility, summary.privacy, summary.attacks,
+                      summary.synthetic, summary.notes)
+
+
+def collect_run(path: Path) -> RunSummary:
+    """Read one run directory: setup, utility, privacy ledger, attack results and transmitted synthetic sets."""
+    run = RunDirectory(path)
+    try:
+        manifest = run.read_manifest()
+        config = run.read_config()
+        metrics = run.read_metrics()
+        ledger = run.read_privacy()
+    except RunError as exc:
+        raise ReportError(str(exc)) from exc
+    notes: list[Note] = []
+    setup = _setup(config, manifest)
+    privacy = _privacy(config, manifest, ledger, path, notes)
+    attacks = _attacks(path, notes)
+    synthetic = _synthetic(run) if config.get("federated", {}).get("algorithm") == "fedlap" else ()
+    if config.get("federated", {}).get("algorithm") == "fedlap" and not synthetic:
+        notes.append(Note("No synthetic sets were stored, so none are shown.",
+                          "train with `--save-transmitted` to keep what every client sent"))
+    if "test_accuracy" not in metrics.columns or metrics.empty:
+        notes.append(Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`"))
+    utility = metrics[[c for c in ("round", "test_accuracy", "test_loss", "epsilon") if c in metrics.columns]]
+    return RunSummary(path.resolve().name, path, setup, utility, privacy, attacks, synthetic, tuple(notes))
+
+
+def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    data, federated, model = config.get("data", {}), config.get("federated", {}), config.get("model", {})
+    dataset = manifest.get("dataset", {})
+    algorithm = str(federated.get("algorithm", manifest.get("algorithm", "?")))
+    dp = bool(config.get("privacy", {}).get("dp", manifest.get("dp", False)))
+    return {
+        "algorithm": ("DP-" if dp else "") + {"fedavg": "FedAvg", "fedprox": "FedProx", "fedsgd": "FedSGD",
+                                               "fedlap": "FedLAP"}.get(algorithm, algorithm),
+        "dataset": data.get("dataset", dataset.get("name")),
+        "partition": data.get("partition"),
+        "clients": data.get("num_clients"),
+        "client fraction": federated.get("client_fraction"),
+        "rounds": federated.get("rounds", manifest.get("rounds")),
+        "rounds done": manifest.get("rounds_done", 0),
+        "status": manifest.get("status"),
+        "model": f"{model.get('arch')} (width {model.get('width')}, depth {model.get('depth')}, "
+                 f"{manifest.get('model', {}).get('num_parameters', '?')} parameters)",
+        "batch size": federated.get("batch_size"),
+        "local epochs": federated.get("local_epochs"),
+        "seed": config.get("seed"),
+        "engine": manifest.get("engine"),
+        "versions": ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items()),
+        "dataset fingerprint": dataset.get("fingerprint"),
+        "dataset source": dataset.get("source"),
+        "train / test / held-out records": f"{dataset.get('train_size')} / {dataset.get('test_size')} / "
+                                           f"{manifest.get('clients', {}).get('holdout')}",
+    }
+
+
+def _privacy(config: dict[str, Any], manifest: dict[str, Any], ledger: dict[str, Any] | None, path: Path,
+             notes: list[Note]) -> PrivacySummary:
+    settings = config.get("privacy", {})
+    if not settings.get("dp", False):
+        notes.append(Note("No DP guarantee: epsilon is infinite (the run was trained without differential privacy).",
+                          "train with `--dp` (and `--noise-multiplier` or `--target-epsilon`) for a guarantee"))
+        return PrivacySummary(dp=False)
+    if ledger is None:
+        notes.append(Note("The privacy ledger privacy.json is missing, so no epsilon can be reported.",
+                          f"resume the run to rewrite its ledger: `fedaudit train --resume {path}`"))
+        return PrivacySummary(dp=True, accountant=settings.get("accountant"), delta=settings.get("delta"))
+    clients = manifest.get("clients", {})
+    sizes = list(clients.get("num_examples", []))
+    queries = list(clients.get("dp_queries_per_round", []))
+    worst = ledger.get("worst_client")
+    if not isinstance(worst, int) or not 0 <= worst < len(sizes):
+        worst = int(np.argmin(sizes)) if sizes else None
+    batch = config.get("federated", {}).get("batch_size")
+    fraction = clients.get("client_fraction_effective", config.get("federated", {}).get("client_fraction"))
+    q2 = batch / sizes[worst] if worst is not None and batch else None
+    return PrivacySummary(
+        dp=True,
+        accountant=ledger.get("accountant", settings.get("accountant")),
+        delta=ledger.get("delta", settings.get("delta")),
+        noise_multiplier=ledger.get("noise_multiplier", settings.get("noise_multiplier")),
+        max_grad_norm=ledger.get("max_grad_norm", settings.get("max_grad_norm")),
+        q1=None if q2 is None or fraction is None else fraction * q2,
+        q2=q2,
+        queries_per_round=queries[worst] if worst is not None and worst < len(queries) else None,
+        client_fraction=fraction,
+        batch_size=batch,
+        worst_client=worst,
+        worst_client_examples=sizes[worst] if worst is not None else None,
+        rounds=ledger.get("rounds", manifest.get("rounds_done")),
+        epsilon_per_round=tuple(float(e) for e in ledger.get("epsilon_per_round", [])),
+    )
+
+
+def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
+    directories = sorted(p.parent for p in (path / ATTACKS_DIR).glob("*/metrics.json")) if (path / ATTACKS_DIR).is_dir() else []
+    results = []
+    for directory in directories:
+        try:
+            metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            notes.append(Note(f"The attack result {directory.name} is unreadable and is left out.", ATTACK_HINT.format(path=path)))
+            continue
+        if isinstance(metrics, dict):
+            results.append(_attack(directory, metrics, notes))
+    if not results:
+        notes.append(Note("No membership inference results were found, so no empirical leakage is reported.",
+                          ATTACK_HINT.format(path=path)))
+    return tuple(sorted(results, key=lambda a: (a.signal, a.method, a.round or 0)))
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> AttackSummary:
+    tpr = metrics.get("tpr_at_fpr") if isinstance(metrics.get("tpr_at_fpr"), dict) else {}
+    ci = metrics.get("auc_ci95", metrics.get("auc_ci"))
+    interval = (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
+    roc = None
+    try:
+        roc = pd.read_csv(directory / "roc.csv")
+        if not {"fpr", "tpr"} <= set(roc.columns):
+            roc = None
+    except (OSError, ValueError, pd.errors.ParserError):
+        roc = None
+    if roc is None:
+        notes.append(Note(f"The ROC curve of {directory.name} (roc.csv) is missing or unreadable.",
+                          f"re-run `fedaudit attack {directory.parent.parent}`"))
+    signal, _, method = directory.name.partition("-round-")[0].rpartition("-")
+    round_number = metrics.get("round")
+    seed = metrics.get("seed")
+    return AttackSummary(
+        name=directory.name,
+        signal=str(metrics.get("signal", signal or directory.name)),
+        method=str(metrics.get("method", method)),
+        round=int(round_number) if isinstance(round_number, (int, float)) else None,
+        auc=_number(metrics.get("auc")),
+        auc_ci=interval,
+        tpr_at_1pct_fpr=_number(tpr.get("0.01", metrics.get("tpr_at_fpr_1pct"))),
+        tpr_at_0_1pct_fpr=_number(tpr.get("0.001", metrics.get("tpr_at_fpr_0_1pct"))),
+        balanced_accuracy=_number(metrics.get("balanced_accuracy")),
+        advantage=_number(metrics.get("advantage")),
+        epsilon_lower_bound=_number(metrics.get("epsilon_lower_bound")),
+        accountant_epsilon=_number(metrics.get("accountant_epsilon")),
+        num_members=metrics.get("num_members", metrics.get("n_members")),
+        num_nonmembers=metrics.get("num_nonmembers", metrics.get("n_nonmembers")),
+        seed=int(seed) if isinstance(seed, int) else None,
+        roc=roc,
+    )
+
+
+def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:
+    """The synthetic sets of the last transmitted round (one per client); unreadable files are skipped."""
+    rounds = sorted(run.transmitted_dir.glob("round-[0-9][0-9][0-9][0-9]")) if run.transmitted_dir.is_dir() else []
+    if not rounds:
+        return ()
+    last = rounds[-1]
+    sets = []
+    for file in sorted(last.glob("client-[0-9][0-9][0-9].safetensors")):
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError, ValueError):
+            continue
+        images, labels = tensors.get("images"), tensors.get("labels")
+        if images is None or labels is None or images.ndim != 4:
+            continue
+        sets.append(SyntheticSet(int(last.name.split("-")[1]), int(file.stem.split("-")[1]), images, labels))
+    return tuple(sets)

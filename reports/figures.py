@@ -1,0 +1,140 @@
+"""Report figures drawn with matplotlib (Agg backend), returned as PNG bytes."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from reports.collect import AttackSummary, RunSummary, SyntheticSet  # noqa: E402
+
+DPI = 100
+LOG_FLOOR = 1e-4
+
+
+def png(fig: Figure) -> bytes:
+    """Render a figure to PNG bytes and release it."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def accuracy_curve(run: RunSummary) -> bytes:
+    """Test accuracy after every round."""
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(run.utility["round"], run.utility["test_accuracy"], marker="o")
+    ax.set(xlabel="round", ylabel="test accuracy", title=f"Utility: {run.name}", ylim=(0, 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    return png(fig)
+
+
+def epsilon_curve(run: RunSummary) -> bytes:
+    """The accountant's epsilon after every round."""
+    eps = run.privacy.epsilon_per_round
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(range(1, len(eps) + 1), eps, marker="o", color="tab:red")
+    ax.set(xlabel="round", ylabel=f"epsilon (delta={run.privacy.delta:g})", title=f"Privacy budget: {run.name}")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    return png(fig)
+
+
+def roc_curves(curves: Sequence[tuple[str, AttackSummary]], title: str) -> bytes:
+    """ROC curves on linear and log-log axes side by side, with the chance diagonal."""
+    fig, (linear, loglog) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, attack in curves:
+        fpr, tpr = attack.roc["fpr"].to_numpy(float), attack.roc["tpr"].to_numpy(float)
+        auc = "n/a" if attack.auc is None else f"{attack.auc:.3f}"
+        linear.plot(fpr, tpr, label=f"{label} (AUC {auc})")
+        loglog.plot(np.clip(fpr, LOG_FLOOR, 1), np.clip(tpr, LOG_FLOOR, 1))
+    diagonal = np.logspace(math.log10(LOG_FLOOR), 0, 50)
+    linear.plot([0, 1], [0, 1], "k--", lw=0.8, label="chance")
+    loglog.plot(diagonal, diagonal, "k--", lw=0.8)
+    linear.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title} (linear)", xlim=(0, 1), ylim=(0, 1))
+    loglog.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title} (log-log)",
+               xscale="log", yscale="log", xlim=(LOG_FLOOR, 1), ylim=(LOG_FLOOR, 1))
+    linear.legend(fontsize=7, loc="lower right")
+    for ax in (linear, loglog):
+        ax.grid(alpha=0.3, which="both")
+    return png(fig)
+
+
+def auc_per_round(attacks: Sequence[AttackSummary], title: str) -> bytes:
+    """AUC (with its interval) after every attacked round, one line per signal/method."""
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    labels = sorted({a.label for a in attacks})
+    for label in labels:
+        points = sorted((a for a in attacks if a.label == label and a.auc is not None and a.round is not None),
+                        key=lambda a: a.round)
+        rounds = [a.round for a in points]
+        aucs = np.array([a.auc for a in points])
+        lo = np.array([a.auc_ci[0] if a.auc_ci else a.auc for a in points])
+        hi = np.array([a.auc_ci[1] if a.auc_ci else a.auc for a in points])
+        ax.errorbar(rounds, aucs, yerr=[aucs - lo, hi - aucs], marker="o", capsize=3, label=label)
+    ax.axhline(0.5, color="k", ls="--", lw=0.8)
+    ax.set(xlabel="round", ylabel="attack AUC", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return png(fig)
+
+
+def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
+    """One row of synthetic images per client, each image titled with its label."""
+    columns = max(len(s.images) for s in sets)
+    fig, axes = plt.subplots(len(sets), columns, figsize=(1.1 * columns + 1, 1.2 * len(sets) + 0.6), squeeze=False)
+    for row, synthetic in zip(axes, sets):
+        for column, ax in enumerate(row):
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if column >= len(synthetic.images):
+                ax.axis("off")
+                continue
+            image = synthetic.images[column].astype(np.float32)
+            image = (image - image.min()) / max(float(image.max() - image.min()), 1e-12)
+            if image.shape[0] == 1:
+                ax.imshow(image[0], cmap="gray", vmin=0, vmax=1)
+            else:
+                ax.imshow(np.transpose(image[:3], (1, 2, 0)))
+            ax.set_title(f"label {int(synthetic.labels[column])}", fontsize=7)
+        row[0].set_ylabel(f"client {synthetic.client}", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return png(fig)
+
+
+def privacy_utility(runs: Sequence[RunSummary]) -> bytes:
+    """Final test accuracy and strongest attack AUC against the accountant's epsilon, one point per run."""
+    fig, (acc_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    finite = [r.privacy.epsilon for r in runs if math.isfinite(r.privacy.epsilon)]
+    no_dp_x = (max(finite) * 1.25 if finite else 1.0)
+    for run in runs:
+        eps = run.privacy.epsilon
+        x = eps if math.isfinite(eps) else no_dp_x
+        marker = "o" if math.isfinite(eps) else "x"
+        label = run.name if math.isfinite(eps) else f"{run.name} (no DP)"
+        if run.final_accuracy is not None:
+            acc_ax.scatter([x], [run.final_accuracy], marker=marker, label=label)
+        attack = run.strongest_attack
+        if attack is not None and attack.auc is not None:
+            error = None if attack.auc_ci is None else [[attack.auc - attack.auc_ci[0]], [attack.auc_ci[1] - attack.auc]]
+            auc_ax.errorbar([x], [attack.auc], yerr=error, marker=marker, capsize=3, label=label)
+    acc_ax.set(xlabel="epsilon (no-DP runs at the right edge)", ylabel="final test accuracy", title="Accuracy vs epsilon")
+    auc_ax.set(xlabel="epsilon (no-DP runs at the right edge)", ylabel="strongest attack AUC", title="Attack AUC vs epsilon")
+    auc_ax.axhline(0.5, color="k", ls="--", lw=0.8)
+    for ax in (acc_ax, auc_ax):
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    return png(fig)

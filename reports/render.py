@@ -1,0 +1,155 @@
+"""Build a report: figures and tables into jinja2 templates, written as HTML, Markdown, PDF and summaries."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+
+from fedaudit.runs import atomic_write_bytes, now_iso
+from reports import figures
+from reports.collect import ReportError, RunSummary
+from reports.policy import Check, Policy, check_run
+from reports.summary import (attack_table, comparison_table, epsilon_table, fmt, interval, policy_table,
+                             privacy_table, setup_table, summary_json, summary_rows)
+
+FORMATS = ("html", "md", "pdf")
+SUFFIXES = {f".{name}": name for name in FORMATS}
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    """What a report wrote and whether every run met the policy (None without a policy)."""
+
+    written: tuple[Path, ...]
+    checks: dict[str, list[Check]]
+    passed: bool | None
+
+
+def output_paths(out: str | Path, formats: tuple[str, ...]) -> tuple[dict[str, Path], Path]:
+    """Report files by format and the folder of summary.csv/json.
+
+    ``--out report.html`` names the report (other formats get the same stem beside it);
+    an ``--out`` without a report suffix is a folder that receives report.<format>.
+    """
+    path = Path(out)
+    for name in formats:
+        if name not in FORMATS:
+            raise ReportError(f"Unknown --format {name!r}; choose from {', '.join(FORMATS)}.")
+    if path.suffix.lower() in SUFFIXES:
+        chosen = formats or (SUFFIXES[path.suffix.lower()],)
+        folder, stem = path.parent, path.stem
+    else:
+        chosen = formats or ("html",)
+        folder, stem = path, "report"
+    if folder.exists() and not folder.is_dir():
+        raise ReportError(f"--out {out}: {folder} exists and is not a directory.")
+    return {name: folder / f"{stem}.{name}" for name in dict.fromkeys(chosen)}, folder
+
+
+def _b64(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dict[str, Any]:
+    """Tables, figures (when ``draw``) and statements of one run section."""
+    final = run.final_attacks
+    curves = [(a.label, a) for a in final if a.roc is not None]
+    per_round = [a for a in run.attacks if a.round is not None]
+    rounds_attacked = {a.round for a in per_round}
+    has_accuracy = {"round", "test_accuracy"} <= set(run.utility.columns) and not run.utility.empty
+    figs = {
+        "accuracy": _b64(figures.accuracy_curve(run)) if has_accuracy else None,
+        "epsilon": _b64(figures.epsilon_curve(run)) if run.privacy.epsilon_per_round else None,
+        "roc": _b64(figures.roc_curves(curves, f"ROC, round {run.rounds_done}")) if curves else None,
+        "auc_rounds": _b64(figures.auc_per_round(per_round, "Attack AUC per round")) if len(rounds_attacked) > 1 else None,
+        "synthetic": _b64(figures.synthetic_grid(run.synthetic, f"Synthetic sets sent in round {run.synthetic[0].round}"))
+        if run.synthetic else None,
+    } if draw else {}
+    strongest = run.strongest_attack
+    return {
+        "run": run,
+        "setup": setup_table(run),
+        "privacy": privacy_table(run) if run.privacy.dp and run.privacy.epsilon_per_round else None,
+        "epsilons": epsilon_table(run),
+        "utility": run.utility.assign(**{c: run.utility[c].map(fmt) for c in run.utility.columns if c != "round"}),
+        "attacks": attack_table(run.attacks) if run.attacks else None,
+        "strongest": strongest,
+        "strongest_ci": interval(strongest.auc_ci) if strongest else None,
+        "exceeds": [a for a in run.attacks if a.epsilon_lower_bound is not None and a.accountant_epsilon is not None
+                    and a.epsilon_lower_bound > a.accountant_epsilon],
+        "figures": figs,
+        "checks": policy_table(checks) if checks else None,
+        "verdict": None if checks is None else all(c.passed for c in checks),
+    }
+
+
+def _environment() -> Environment:
+    env = Environment(loader=PackageLoader("reports", "templates"), autoescape=select_autoescape(["html", "txt"]),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["fmt"] = fmt
+    env.filters["md_cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
+    return env
+
+
+def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
+                  draw: bool = True) -> tuple[dict[str, Any], dict[str, list[Check]], pd.DataFrame]:
+    """The template context (with figures when ``draw``), the policy checks per run and the summary rows."""
+    checks = {run.name: check_run(policy, run) for run in runs} if policy else {}
+    rows = summary_rows(runs, checks)
+    overlay = [(run.name, run.strongest_attack) for run in runs
+               if run.strongest_attack is not None and run.strongest_attack.roc is not None]
+    context = {
+        "created": created,
+        "runs": [_run_context(run, checks.get(run.name) if policy else None, draw) for run in runs],
+        "policy": policy,
+        "all_checks": policy_table([c for group in checks.values() for c in group]) if policy else None,
+        "passed": None if policy is None else all(c.passed for group in checks.values() for c in group),
+        "comparison": comparison_table(rows) if len(runs) > 1 else None,
+        "overlay": _b64(figures.roc_curves(overlay, "Strongest attack per run")) if draw and len(runs) > 1 and overlay else None,
+        "tradeoff": _b64(figures.privacy_utility(runs)) if draw and len(runs) > 1 else None,
+    }
+    return context, checks, rows
+
+
+def write_report(runs: list[RunSummary], out: str | Path, formats: tuple[str, ...], policy: Policy | None) -> ReportOutcome:
+    """Render and write the requested formats plus summary.csv and summary.json (each file atomically)."""
+    targets, folder = output_paths(out, formats)
+    created = now_iso()
+    context, checks, rows = build_context(runs, policy, created, draw=bool({"html", "pdf"} & set(targets)))
+    env = _environment()
+    html = env.get_template("report.html").render(**context) if {"html", "pdf"} & set(targets) else ""
+    rendered: dict[Path, bytes] = {}
+    for name, path in targets.items():
+        if name == "md":
+            rendered[path] = env.get_template("report.md").render(**context).encode("utf-8")
+        else:
+            rendered[path] = html.encode("utf-8") if name == "html" else _pdf(html)
+    rendered[folder / "summary.csv"] = rows.to_csv(index=False).encode("utf-8")
+    summary = summary_json(runs, checks, policy, created)
+    rendered[folder / "summary.json"] = (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    for path, data in rendered.items():
+        atomic_write_bytes(path, data)
+    passed = None if policy is None else all(c.passed for group in checks.values() for c in group)
+    return ReportOutcome(tuple(rendered), checks, passed)
+
+
+def _pdf(html: str) -> bytes:
+    """The HTML report laid out as PDF by WeasyPrint (the HTML has no external references to fetch)."""
+    import logging
+
+    try:
+        from weasyprint import HTML
+    except (ImportError, OSError) as exc:
+        raise ReportError(
+            "--format pdf needs WeasyPrint and the Pango library (Debian: apt-get install libpango-1.0-0 "
+            f"libpangoft2-1.0-0), which could not be loaded: {exc}."
+        ) from exc
+    logging.getLogger("weasyprint").setLevel(logging.ERROR)
+    logging.getLogger("fontTools").setLevel(logging.ERROR)
+    return HTML(string=html).write_pdf()

@@ -1,0 +1,165 @@
+"""Tables (pandas) and the machine-readable summary (summary.csv, summary.json) of a report."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import pandas as pd
+
+from reports.collect import AttackSummary, RunSummary
+from reports.policy import Check, Policy
+
+NOT_AVAILABLE = "not available"
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """A table cell: numbers to ``digits`` significant digits, missing values as "not available"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return NOT_AVAILABLE
+    if isinstance(value, float):
+        return "infinite" if math.isinf(value) else f"{value:.{digits}g}"
+    return str(value)
+
+
+def interval(ci: tuple[float, float] | None) -> str:
+    return NOT_AVAILABLE if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def setup_table(run: RunSummary) -> pd.DataFrame:
+    return pd.DataFrame({"setting": list(run.setup), "value": [fmt(v) for v in run.setup.values()]})
+
+
+def privacy_table(run: RunSummary) -> pd.DataFrame:
+    """The accounting parameters of one run (empty without a ledger)."""
+    p = run.privacy
+    rows = {
+        "accountant": p.accountant,
+        "delta": p.delta,
+        "noise multiplier sigma": p.noise_multiplier,
+        "clipping norm C": p.max_grad_norm,
+        "client selection probability p": p.client_fraction,
+        "q = B / N_k (worst client)": p.q2,
+        "q1 = p * q (first query of a round)": p.q1,
+        "q2 = q (later queries of a round)": p.q2,
+        "DP queries per round T": p.queries_per_round,
+        "worst client k (N_k records)": None if p.worst_client is None else f"{p.worst_client} ({p.worst_client_examples})",
+        "rounds": p.rounds,
+        "epsilon after the last round": p.epsilon if p.epsilon_per_round else None,
+    }
+    return pd.DataFrame({"quantity": list(rows), "value": [fmt(v, 6) for v in rows.values()]})
+
+
+def epsilon_table(run: RunSummary) -> pd.DataFrame:
+    eps = run.privacy.epsilon_per_round
+    return pd.DataFrame({"round": range(1, len(eps) + 1), "epsilon": [fmt(e, 6) for e in eps]})
+
+
+def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
+    """One row per attack result: the numbers of its metrics.json."""
+    return pd.DataFrame([{
+        "attack": a.label,
+        "round": fmt(a.round),
+        "members / non-members": f"{fmt(a.num_members)} / {fmt(a.num_nonmembers)}",
+        "AUC": fmt(a.auc),
+        "AUC 95% interval": interval(a.auc_ci),
+        "TPR at 1% FPR": fmt(a.tpr_at_1pct_fpr),
+        "TPR at 0.1% FPR": fmt(a.tpr_at_0_1pct_fpr),
+        "balanced accuracy": fmt(a.balanced_accuracy),
+        "advantage": fmt(a.advantage),
+        "empirical epsilon lower bound": fmt(a.epsilon_lower_bound),
+        "accountant epsilon": fmt(a.accountant_epsilon),
+    } for a in attacks])
+
+
+def policy_table(checks: list[Check]) -> pd.DataFrame:
+    return pd.DataFrame([{"run": c.run, "limit": c.limit, "requirement": c.requirement, "value": fmt(c.value),
+                          "verdict": c.verdict, "detail": c.detail} for c in checks])
+
+
+def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.DataFrame:
+    """One row per run with the headline numbers (summary.csv; also the side-by-side table)."""
+    rows = []
+    for run in runs:
+        attack = run.strongest_attack
+        p = run.privacy
+        verdicts = checks.get(run.name)
+        rows.append({
+            "run": run.name,
+            "path": str(run.path),
+            "algorithm": run.setup["algorithm"],
+            "dataset": run.setup["dataset"],
+            "partition": run.setup["partition"],
+            "clients": run.setup["clients"],
+            "rounds": run.rounds_done,
+            "seed": run.setup["seed"],
+            "final_accuracy": run.final_accuracy,
+            "dp": p.dp,
+            "noise_multiplier": p.noise_multiplier,
+            "max_grad_norm": p.max_grad_norm,
+            "q1": p.q1,
+            "q2": p.q2,
+            "queries_per_round": p.queries_per_round,
+            "delta": p.delta,
+            "accountant": p.accountant,
+            "epsilon": p.epsilon if (p.epsilon_per_round or not p.dp) else None,
+            "attack": None if attack is None else attack.label,
+            "attack_auc": None if attack is None else attack.auc,
+            "attack_auc_ci_low": None if attack is None or attack.auc_ci is None else attack.auc_ci[0],
+            "attack_auc_ci_high": None if attack is None or attack.auc_ci is None else attack.auc_ci[1],
+            "tpr_at_1pct_fpr": None if attack is None else attack.tpr_at_1pct_fpr,
+            "tpr_at_0_1pct_fpr": None if attack is None else attack.tpr_at_0_1pct_fpr,
+            "advantage": None if attack is None else attack.advantage,
+            "epsilon_lower_bound": None if attack is None else attack.epsilon_lower_bound,
+            "policy": None if verdicts is None else ("PASS" if all(c.passed for c in verdicts) else "FAIL"),
+        })
+    return pd.DataFrame(rows)
+
+
+def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The side-by-side table of several runs, formatted for reading."""
+    columns = {"run": "run", "algorithm": "algorithm", "dataset": "dataset", "rounds": "rounds",
+               "final_accuracy": "test accuracy", "epsilon": "epsilon", "delta": "delta", "attack": "strongest attack",
+               "attack_auc": "AUC", "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR", "epsilon_lower_bound": "epsilon lower bound",
+               "policy": "policy"}
+    shown = frame[list(columns)].rename(columns=columns)
+    return shown.map(lambda v: fmt(v) if not isinstance(v, bool) else str(v))
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no infinity or NaN: infinite epsilon and missing numbers become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy: Policy | None,
+                 created: str) -> dict[str, Any]:
+    """Everything the report states, as plain JSON (infinite epsilon is null with ``epsilon_infinite``)."""
+    failed = any(not c.passed for group in checks.values() for c in group)
+    return _finite({
+        "format": "fedaudit-report",
+        "format_version": 1,
+        "created": created,
+        "policy": None if policy is None else {"source": policy.source, "delta": policy.delta, "limits": policy.limits()},
+        "verdict": None if policy is None else ("FAIL" if failed else "PASS"),
+        "runs": [{
+            "name": run.name,
+            "path": str(run.path),
+            "setup": run.setup,
+            "utility": {column: run.utility[column].tolist() for column in run.utility.columns},
+            "final_accuracy": run.final_accuracy,
+            "privacy": {**asdict(run.privacy), "epsilon": run.privacy.epsilon,
+                        "epsilon_infinite": math.isinf(run.privacy.epsilon)},
+            "attacks": [{key: value for key, value in asdict(a).items() if key != "roc"} for a in run.attacks],
+            "strongest_attack": None if run.strongest_attack is None else run.strongest_attack.name,
+            "missing": [asdict(note) for note in run.notes],
+            "policy": [{k: v for k, v in asdict(c).items() if k != "run"} | {"verdict": c.verdict}
+                       for c in checks.get(run.name, [])],
+        } for run in runs],
+    })

@@ -1,0 +1,312 @@
+"""``fedaudit attack`` end to end on digits: result files, leakage of an overfit run vs a DP run, rounds, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import roc_auc_score
+
+from conftest import invoke, tree_digest
+from fedaudit.data import load_dataset
+from fedaudit.runs import RunDirectory
+from test_cli import assert_user_error
+
+# A deliberately overfit run: 2 clients with about 21 records each (97% of digits held out), a wide MLP,
+# 3 rounds of 100 local epochs. Digits generalises well, so leakage needs this few records per client.
+OVERFIT = ("--num-clients", "2", "--partition", "iid", "--holdout-fraction", "0.97", "--width", "256",
+           "--batch-size", "8", "--rounds", "3", "--local-epochs", "100")
+# DP-FedAvg with a small epsilon: sigma 5 on the fast configuration.
+SMALL_EPSILON = ("--dp", "--noise-multiplier", "5", "--rounds", "3")
+SCORE_COLUMNS = ["record", "source", "label", "client", "member", "split", "signal", "score"]
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """Attacks write into the run directory; the session's cached runs stay untouched."""
+    return Path(shutil.copytree(run, tmp_path / run.parent.name))
+
+
+def attack_ok(cli, *args) -> str:
+    result = cli("attack", *map(str, args), "--no-progress")
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def overfit_attacked(trained, tmp_path_factory) -> tuple[Path, str]:
+    """The overfit run attacked with the defaults (loss and grad-norm, threshold and classifier)."""
+    run = copy_run(trained(*OVERFIT), tmp_path_factory.mktemp("overfit"))
+    result = invoke("attack", str(run), "--no-progress")
+    assert result.exit_code == 0, result.output
+    return run, result.stdout
+
+
+def test_defaults_write_one_directory_per_signal_and_method(overfit_attacked):
+    run, _ = overfit_attacked
+    names = sorted(p.name for p in (run / "attacks").iterdir())
+    assert names == ["grad-norm-classifier", "grad-norm-threshold", "loss-classifier", "loss-threshold"]
+    for name in names:
+        files = sorted(p.name for p in (run / "attacks" / name).iterdir())
+        assert files == ["metrics.json", "roc.csv", "scores.csv"]
+
+
+def test_an_overfit_run_leaks(overfit_attacked):
+    run, stdout = overfit_attacked
+    for signal in ("loss", "grad-norm"):
+        threshold = read_json(run / "attacks" / f"{signal}-threshold" / "metrics.json")
+        assert threshold["auc_ci95"][0] > 0.6, threshold["auc_ci95"]
+        assert threshold["accountant_epsilon"] is None and threshold["epsilon_lower_bound_exceeds_accountant"] is None
+        assert threshold["epsilon_lower_bound"] > 0
+        classifier = read_json(run / "attacks" / f"{signal}-classifier" / "metrics.json")
+        assert classifier["auc"] > 0.6
+    header = stdout.splitlines()[1]
+    assert "AUC" in header and "eps_lb" in header
+
+
+def test_metrics_json_agrees_with_scores_and_roc(overfit_attacked):
+    run, _ = overfit_attacked
+    for method in ("threshold", "classifier"):
+        folder = run / "attacks" / f"loss-{method}"
+        metrics = read_json(folder / "metrics.json")
+        scores = pd.read_csv(folder / "scores.csv")
+        assert list(scores.columns) == SCORE_COLUMNS
+        audit = scores[scores.split == "audit"]
+        assert metrics["auc"] == pytest.approx(roc_auc_score(audit.member, audit.score))
+        low, high = metrics["auc_ci95"]
+        assert low <= metrics["auc"] <= high
+        assert metrics["num_members"] == int(audit.member.sum()) == metrics["num_nonmembers"]
+        assert set(scores.split) == ({"audit"} if method == "threshold" else {"audit", "attack-train"})
+        roc = pd.read_csv(folder / "roc.csv")
+        assert list(roc.columns) == ["fpr", "tpr", "threshold"]
+        assert np.trapezoid(roc.tpr, roc.fpr) == pytest.approx(metrics["auc"])
+        assert metrics["advantage"] == pytest.approx((roc.tpr - roc.fpr).max())
+        assert metrics["tpr_at_fpr"]["0.01"] == pytest.approx(roc.tpr[roc.fpr <= 0.01].max())
+        assert metrics["balanced_accuracy"] == pytest.approx(0.5 + metrics["advantage"] / 2)
+        assert {"signal", "method", "round", "seed", "delta", "per_client"} <= set(metrics)
+        assert metrics["signal"] == "loss" and metrics["method"] == method and metrics["round"] == 3
+        assert metrics["seed"] == 0 and metrics["delta"] == 1e-5
+        assert sorted(metrics["per_client"]) == ["0", "1"]
+        for k, entry in metrics["per_client"].items():
+            assert entry["num_members"] == int((audit.client == int(k)).sum()) > 0
+            assert 0 <= entry["auc"] <= 1
+
+
+def test_loss_signal_is_the_model_loss_and_members_are_the_run_members(overfit_attacked):
+    run, _ = overfit_attacked
+    scores = pd.read_csv(run / "attacks" / "loss-threshold" / "scores.csv")
+    membership = RunDirectory(run).read_membership()
+    for k in (0, 1):
+        rows = scores[scores.client == k]
+        assert rows.member.eq(1).all() and np.isin(rows.record, membership[f"client_{k}"]).all()
+    train_nonmembers = scores[(scores.member == 0) & (scores.source == "train")]
+    assert np.isin(train_nonmembers.record, membership["holdout"]).all()
+    model = RunDirectory(run).load_model()
+    digits = load_dataset("digits")
+    for source, x, y in (("train", digits.train_x, digits.train_y), ("test", digits.test_x, digits.test_y)):
+        rows = scores[scores.source == source]
+        index = torch.from_numpy(rows.record.to_numpy().copy())
+        with torch.no_grad():
+            loss = F.cross_entropy(model(x[index]).double(), y[index], reduction="none")
+        np.testing.assert_allclose(rows.signal, loss.numpy(), rtol=1e-6, atol=1e-12)
+        np.testing.assert_array_equal(rows.label, y[index].numpy())
+
+
+def test_a_small_epsilon_dp_run_does_not_leak(trained, tmp_path, cli):
+    run = copy_run(trained(*SMALL_EPSILON), tmp_path)
+    attack_ok(cli, run, "--method", "threshold", "--method", "classifier", "--method", "population")
+    ledger = read_json(run / "privacy.json")
+    for folder in sorted((run / "attacks").iterdir()):
+        metrics = read_json(folder / "metrics.json")
+        low, high = metrics["auc_ci95"]
+        assert low < 0.53 and high > 0.47, (folder.name, metrics["auc_ci95"])  # contains, or nearly contains, 0.5
+        assert metrics["accountant_epsilon"] == pytest.approx(ledger["epsilon_per_round"][-1])
+        assert metrics["epsilon_lower_bound"] < metrics["accountant_epsilon"]
+        assert metrics["epsilon_lower_bound_exceeds_accountant"] is False
+    population = read_json(run / "attacks" / "loss-population" / "metrics.json")["population"]
+    assert [row["fpr_tolerance"] for row in population] == [0.001, 0.01, 0.05, 0.1, 0.2, 0.5]
+
+
+def test_target_all_attacks_every_saved_round(plain_run, tmp_path, cli):
+    run = copy_run(plain_run, tmp_path)
+    stdout = attack_ok(cli, run, "--target", "all", "--signal", "loss", "--method", "threshold")
+    assert sorted(p.name for p in (run / "attacks").iterdir()) == [f"loss-threshold-round-{m}" for m in (1, 2, 3)]
+    aucs = [read_json(run / "attacks" / f"loss-threshold-round-{m}" / "metrics.json")["auc"] for m in (1, 2, 3)]
+    rows = [line.split() for line in stdout.splitlines() if line.lstrip().startswith(str(run))]
+    assert [int(r[1]) for r in rows] == [1, 2, 3]
+    assert [float(r[6]) for r in rows] == pytest.approx(aucs, abs=5e-4)  # the table shows AUC per round
+    # Rounds are different models: their scores differ, on the same evaluation records
+    first, last = (pd.read_csv(run / "attacks" / f"loss-threshold-round-{m}" / "scores.csv") for m in (1, 3))
+    assert first.record.equals(last.record) and not np.allclose(first.signal, last.signal)
+
+
+def test_target_round_uses_that_checkpoint(plain_run, tmp_path, cli):
+    run = copy_run(plain_run, tmp_path)
+    attack_ok(cli, run, "--target", "round:3", "--signal", "confidence", "--method", "threshold")
+    attack_ok(cli, run, "--signal", "confidence", "--method", "threshold")
+    at_round = pd.read_csv(run / "attacks" / "confidence-threshold-round-3" / "scores.csv")
+    final = pd.read_csv(run / "attacks" / "confidence-threshold" / "scores.csv")
+    pd.testing.assert_frame_equal(at_round, final)  # the final model is the last round's checkpoint
+    assert read_json(run / "attacks" / "confidence-threshold-round-3" / "metrics.json")["target"] == "round:3"
+
+
+def test_per_layer_norms_and_seeded_reproducibility(plain_run, tmp_path, cli):
+    run = copy_run(plain_run, tmp_path)
+    args = (run, "--signal", "grad-norm", "--method", "classifier", "--per-layer", "--seed", "7")
+    attack_ok(cli, *args)
+    scores = pd.read_csv(run / "attacks" / "grad-norm-classifier" / "scores.csv")
+    layers = [c for c in scores.columns if c.startswith("grad_norm:")]
+    assert layers == ["grad_norm:net.1", "grad_norm:net.3"]  # MLP: hidden and output layer
+    np.testing.assert_allclose(np.sqrt((scores[layers] ** 2).sum(axis=1)), scores.signal, rtol=1e-5)
+    first = tree_digest(run / "attacks" / "grad-norm-classifier")
+    attack_ok(cli, *args)
+    again = tree_digest(run / "attacks" / "grad-norm-classifier")
+    assert first["scores.csv"] == again["scores.csv"] and first["roc.csv"] == again["roc.csv"]
+    attack_ok(cli, run, "--signal", "grad-norm", "--method", "classifier", "--seed", "8")
+    other = pd.read_csv(run / "attacks" / "grad-norm-classifier" / "scores.csv")
+    assert not other.record.equals(scores.record)
+
+
+def test_nonmembers_option_selects_the_pool(plain_run, tmp_path, cli):
+    run = copy_run(plain_run, tmp_path)
+    attack_ok(cli, run, "--nonmembers", "test", "--signal", "loss", "--method", "threshold", "--max-records", "50")
+    scores = pd.read_csv(run / "attacks" / "loss-threshold" / "scores.csv")
+    assert set(scores[scores.member == 0].source) == {"test"}
+    assert (scores.member == 1).sum() == (scores.member == 0).sum() == 50
+
+
+def test_classes_partition_restricts_nonmembers_to_the_members_classes(trained, tmp_path, cli):
+    # 2 clients x 2 classes of digits' 10: the holdout and the test split hold 6 classes no client trained on
+    run = copy_run(trained("--num-clients", "2", "--rounds", "1"), tmp_path)
+    attack_ok(cli, run, "--signal", "loss", "--method", "threshold")
+    scores = pd.read_csv(run / "attacks" / "loss-threshold" / "scores.csv")
+    member_classes = set(scores[scores.member == 1].label)
+    assert len(member_classes) == 4
+    assert set(scores[scores.member == 0].label) <= member_classes
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _remove(name):
+    return lambda run: (run / name).unlink()
+
+
+def _format_version(run):
+    manifest = read_json(run / "manifest.json")
+    manifest["format_version"] = 99
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _no_model_entry(run):
+    manifest = read_json(run / "manifest.json")
+    del manifest["model"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _drop_privacy(run):
+    (run / "privacy.json").unlink()
+
+
+def _model_from_another_round(run):
+    shutil.copy(run / "checkpoints" / "round-0001.safetensors", run / "model.safetensors")
+
+
+def _truncated_weights(run):
+    data = (run / "model.safetensors").read_bytes()
+    (run / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "mentions"),
+    [
+        (_remove("membership.npz"), "membership.npz"),
+        (_remove("model.safetensors"), "model.safetensors"),
+        (_remove("config.json"), "config.json"),
+        (_format_version, "format"),
+        (_model_from_another_round, "resume"),
+        (_truncated_weights, "corrupt"),
+        (_no_model_entry, '"model" entry'),
+    ],
+    ids=["no-membership", "no-model", "no-config", "other-format", "model-ahead-of-manifest", "truncated-weights",
+         "no-model-entry"],
+)
+def test_damaged_runs_are_user_errors(plain_run, tmp_path, cli, damage, mentions):
+    run = copy_run(plain_run, tmp_path)
+    damage(run)
+    before = tree_digest(run)
+    assert_user_error(cli("attack", run, "--no-progress"), mentions=mentions)
+    assert not (run / "attacks").exists()
+    assert tree_digest(run) == before
+
+
+def test_dp_run_without_its_ledger_is_a_user_error(dp_run, tmp_path, cli):
+    run = copy_run(dp_run, tmp_path)
+    _drop_privacy(run)
+    assert_user_error(cli("attack", run, "--no-progress"), mentions="privacy.json")
+    assert not (run / "attacks").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        (("--signal", "entropy"), "--signal"),
+        (("--method", "lira"), "--method"),
+        (("--target", "round:9"), "saved rounds: 1, 2, 3"),
+        (("--target", "round:0"), "--target"),
+        (("--target", "garbage"), "--target"),
+        (("--target", "round:x"), "--target"),
+        (("--nonmembers", "train"), "--nonmembers"),
+        (("--max-records", "1"), "--max-records"),
+    ],
+)
+def test_bad_options_are_user_errors(plain_run, tmp_path, cli, args, mentions):
+    run = copy_run(plain_run, tmp_path)
+    assert_user_error(cli("attack", run, *args, "--no-progress"), mentions=mentions)
+    assert not (run / "attacks").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_user_error(plain_run, tmp_path, cli):
+    run = copy_run(plain_run, tmp_path)
+    assert_user_error(cli("attack", run, "--device", "cuda", "--no-progress"), mentions="cuda")
+    assert not (run / "attacks").exists()
+
+
+def test_not_a_run_directory(tmp_path, cli):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for target in (tmp_path / "empty", tmp_path / "afile", tmp_path / "missing"):
+        assert_user_error(cli("attack", target, "--no-progress"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"]
+    assert not any((tmp_path / "empty").iterdir())
+
+
+def test_one_bad_run_among_several_writes_nothing(plain_run, tmp_path, cli):
+    good = copy_run(plain_run, tmp_path / "good")
+    bad = copy_run(plain_run, tmp_path / "bad")
+    (bad / "membership.npz").unlink()
+    assert_user_error(cli("attack", good, bad, "--no-progress"), mentions=str(bad))
+    assert not (good / "attacks").exists() and not (bad / "attacks").exists()
+
+
+def test_several_runs_in_one_table(plain_run, dp_run, tmp_path, cli):
+    plain, dp = copy_run(plain_run, tmp_path / "a"), copy_run(dp_run, tmp_path / "b")
+    stdout = attack_ok(cli, plain, dp, "--signal", "loss", "--method", "threshold", "--bootstrap", "100")
+    assert re.search(rf"^\s*{re.escape(str(plain))}\s+3\s+loss\s+threshold", stdout, re.M)
+    assert re.search(rf"^\s*{re.escape(str(dp))}\s+3\s+loss\s+threshold", stdout, re.M)
+    dp_row = next(line for line in stdout.splitlines() if line.lstrip().startswith(str(dp)))
+    plain_row = next(line for line in stdout.splitlines() if line.lstrip().startswith(str(plain)))
+    assert plain_row.rstrip().endswith("-")  # no accountant epsilon without DP
+    eps = read_json(dp / "privacy.json")["epsilon_per_round"][-1]
+    assert dp_row.rstrip().endswith(f"{eps:.3f}")

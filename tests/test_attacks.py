@@ -1,0 +1,327 @@
+"""Membership inference building blocks: metrics against closed forms, signals against slow loops, evaluation sets, methods."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy.optimize import brentq
+from scipy.stats import norm
+from sklearn.metrics import roc_auc_score
+
+from attacks import AttackError
+from attacks.membership import build_evaluation_set
+from attacks.methods import FPR_TOLERANCES, classifier_attack, population_attack, run_method
+from attacks.metrics import (
+    bootstrap_auc_interval,
+    clopper_pearson_lower,
+    clopper_pearson_upper,
+    epsilon_lower_bound,
+    roc,
+    summarize,
+    tpr_at_fpr,
+    weighted_auc,
+)
+from attacks.signals import PER_LAYER_PREFIX, compute_signals, oriented
+from fedaudit.data import Partition
+from fedaudit.models import ModelSpec, build_model
+
+DELTA = 1e-5
+
+
+def labels(n_members: int, n_nonmembers: int) -> np.ndarray:
+    return np.concatenate([np.ones(n_members, dtype=int), np.zeros(n_nonmembers, dtype=int)])
+
+
+def randomised_response(eps: float, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Members answer 1 with probability e^eps / (1 + e^eps), non-members with 1 / (1 + e^eps): exactly eps-DP."""
+    rng = np.random.default_rng(seed)
+    p = math.exp(eps) / (1.0 + math.exp(eps))
+    scores = np.concatenate([rng.random(n) < p, rng.random(n) < 1.0 - p]).astype(float)
+    return labels(n, n), scores
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """The (eps, delta) curve of N(0, 1) vs N(mu, 1): delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)."""
+    return brentq(lambda e: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2) - delta, 0.0, 60.0)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_perfectly_separated_scores() -> None:
+    member = labels(1500, 1500)
+    score = np.concatenate([np.linspace(2, 3, 1500), np.linspace(0, 1, 1500)])
+    metrics, curve = summarize(member, score, delta=DELTA, rng=np.random.default_rng(0), resamples=200)
+    assert metrics["auc"] == 1.0
+    assert metrics["auc_ci95"] == [1.0, 1.0]
+    assert metrics["tpr_at_fpr"] == {"0.01": 1.0, "0.001": 1.0}
+    assert metrics["advantage"] == 1.0 and metrics["balanced_accuracy"] == 1.0
+    # No error at all: the bound is limited by the sample size alone. The best threshold has TP = n and FP = 0,
+    # whose one-sided 95% Clopper-Pearson bounds are 0.05^(1/n) and 1 - 0.05^(1/n).
+    a = 0.05 ** (1 / 1500)
+    assert metrics["epsilon_lower_bound"] == pytest.approx(math.log((a - DELTA) / (1 - a)))
+
+
+def test_identically_distributed_scores() -> None:
+    rng = np.random.default_rng(1)
+    member, score = labels(2000, 2000), rng.normal(size=4000)
+    metrics, _ = summarize(member, score, delta=DELTA, rng=rng)
+    low, high = metrics["auc_ci95"]
+    assert low < 0.5 < high
+    assert high - low < 0.08  # 2000 per side: a tight interval
+    assert metrics["epsilon_lower_bound"] < 0.05
+    assert metrics["advantage"] < 0.1
+
+
+def test_bootstrap_interval_matches_a_naive_bootstrap() -> None:
+    rng = np.random.default_rng(2)
+    member = labels(300, 300)
+    score = np.round(rng.normal(size=600) + 0.4 * member, 1)  # rounded: many ties
+    low, high = bootstrap_auc_interval(member, score, rng=np.random.default_rng(3), resamples=2000)
+    naive = []
+    pos, neg = score[member == 1], score[member == 0]
+    for _ in range(500):
+        p, n = rng.choice(pos, pos.size), rng.choice(neg, neg.size)
+        naive.append(roc_auc_score(labels(p.size, n.size), np.concatenate([p, n])))
+    ref_low, ref_high = np.quantile(naive, [0.025, 0.975])
+    assert low == pytest.approx(ref_low, abs=0.015) and high == pytest.approx(ref_high, abs=0.015)
+    assert low < roc_auc_score(member, score) < high
+
+
+def test_weighted_auc_equals_auc_of_the_repeated_records() -> None:
+    rng = np.random.default_rng(4)
+    pos, neg = np.round(rng.normal(0.5, 1, 40), 1), np.round(rng.normal(0, 1, 30), 1)
+    w_pos, w_neg = rng.integers(0, 4, (5, 40)), rng.integers(1, 4, (5, 30))
+    w_pos[:, 0] += 1
+    got = weighted_auc(pos, neg, w_pos, w_neg)
+    for r in range(5):
+        p, n = np.repeat(pos, w_pos[r]), np.repeat(neg, w_neg[r])
+        assert got[r] == pytest.approx(roc_auc_score(labels(p.size, n.size), np.concatenate([p, n])))
+
+
+def test_tpr_at_fpr_takes_the_largest_fpr_not_above_the_target() -> None:
+    # 1000 non-members at 0..999; members: 5 above all of them, 10 interleaved with the top 10 (990.5 .. 999.5), 85 low
+    member = labels(100, 1000)
+    score = np.concatenate([np.full(5, 2000.0), np.arange(990.5, 1000.5), np.full(85, -1.0), np.arange(1000.0)])
+    curve = roc(member, score)
+    assert tpr_at_fpr(curve, 0.0) == pytest.approx(0.06)  # above 999: the 5 and 999.5
+    assert tpr_at_fpr(curve, 0.001) == pytest.approx(0.07)  # one false positive (999) allowed: adds 998.5
+    assert tpr_at_fpr(curve, 0.0015) == pytest.approx(0.07)  # 1.5 false positives is still one
+    assert tpr_at_fpr(curve, 0.01) == pytest.approx(0.15)  # ten
+
+
+def test_clopper_pearson_closed_forms() -> None:
+    n = 50
+    assert clopper_pearson_lower(np.array([n]), n) == pytest.approx(0.05 ** (1 / n))
+    assert clopper_pearson_upper(np.array([0]), n) == pytest.approx(1 - 0.05 ** (1 / n))
+    assert clopper_pearson_lower(np.array([0]), n) == 0.0 and clopper_pearson_upper(np.array([n]), n) == 1.0
+    k = np.arange(1, n)
+    assert np.all(clopper_pearson_lower(k, n) < k / n) and np.all(clopper_pearson_upper(k, n) > k / n)
+
+
+@pytest.mark.parametrize("eps", [0.5, 1.0, 2.0])
+def test_epsilon_lower_bound_of_randomised_response(eps: float) -> None:
+    few = epsilon_lower_bound(*randomised_response(eps, 200, seed=0), delta=DELTA)
+    many = epsilon_lower_bound(*randomised_response(eps, 1_000_000, seed=0), delta=DELTA)
+    assert few < many < eps
+    assert many > 0.98 * eps
+
+
+@pytest.mark.parametrize("mu", [1.0, 2.0])
+def test_epsilon_lower_bound_of_two_gaussians_stays_below_the_truth(mu: float) -> None:
+    true_eps = gaussian_epsilon(mu, DELTA)
+    bounds = []
+    for n in (500, 20000):
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            score = np.concatenate([rng.normal(mu, 1, n), rng.normal(0, 1, n)])
+            bounds.append(epsilon_lower_bound(labels(n, n), score, delta=DELTA))
+    assert 0 < max(bounds) < true_eps
+    assert min(bounds[3:]) > max(bounds[:3])  # more records, a tighter bound
+
+
+def test_epsilon_lower_bound_of_two_gaussians_approaches_the_truth() -> None:
+    """At a large delta the best threshold is moderate, so 20000 records per side come close to the closed form."""
+    mu, delta = 1.0, 0.1
+    true_eps = gaussian_epsilon(mu, delta)
+    rng = np.random.default_rng(0)
+    score = np.concatenate([rng.normal(mu, 1, 20000), rng.normal(0, 1, 20000)])
+    assert epsilon_lower_bound(labels(20000, 20000), score, delta=delta) == pytest.approx(true_eps, rel=0.08)
+
+
+# ---------------------------------------------------------------------------- signals
+
+SPECS = {
+    "mlp": ModelSpec("mlp", (1, 8, 8), 10, width=16, depth=2),
+    "convnet": ModelSpec("convnet", (1, 8, 8), 10, width=6, depth=2),
+}
+
+
+def model_and_records(name: str, n: int = 11) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    spec = SPECS[name]
+    return build_model(spec), torch.randn(n, *spec.input_shape), torch.randint(0, spec.num_classes, (n,))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_output_signals_match_a_plain_loop(name: str) -> None:
+    model, x, y = model_and_records(name)
+    got = compute_signals(model, x, y, ["loss", "confidence", "logit-confidence"], batch_size=4).values
+    for i in range(len(y)):
+        with torch.no_grad():
+            logits = model(x[i : i + 1]).double()
+        loss = F.cross_entropy(logits, y[i : i + 1])
+        p = torch.softmax(logits, dim=1)[0]
+        assert got["loss"][i] == pytest.approx(float(loss), rel=1e-6)
+        assert got["confidence"][i] == pytest.approx(float(p[y[i]]), rel=1e-6)
+        assert got["logit-confidence"][i] == pytest.approx(float(torch.log(p[y[i]]) - torch.log(1 - p[y[i]])), rel=1e-6)
+
+
+def test_logit_confidence_stays_exact_when_the_model_is_certain() -> None:
+    model = torch.nn.Identity()
+    logits = torch.tensor([[60.0, 0.0, 0.0], [0.0, 5.0, 0.0]])  # 1 - p_y = 2e-26 rounds to 0 in float64
+    got = compute_signals(model, logits, torch.tensor([0, 1]), ["logit-confidence", "loss"]).values
+    assert got["logit-confidence"][0] == pytest.approx(60.0 - math.log(2.0))
+    assert got["logit-confidence"][1] == pytest.approx(5.0 - math.log(2.0))
+    assert np.all(np.isfinite(got["logit-confidence"]))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_gradient_norms_match_per_example_autograd(name: str) -> None:
+    model, x, y = model_and_records(name)
+    signals = compute_signals(model, x, y, ["grad-norm"], per_layer=True, batch_size=4)
+    layers = {}
+    for param_name, _ in model.named_parameters():
+        layers.setdefault(param_name.rpartition(".")[0], []).append(param_name)
+    assert set(signals.per_layer) == {PER_LAYER_PREFIX + layer for layer in layers}
+    for i in range(len(y)):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        grads = dict(model.named_parameters())
+        total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in grads.values()))
+        assert signals.values["grad-norm"][i] == pytest.approx(total, rel=1e-5)
+        for layer, names in layers.items():
+            expected = math.sqrt(sum(float(grads[n].grad.pow(2).sum()) for n in names))
+            assert signals.per_layer[PER_LAYER_PREFIX + layer][i] == pytest.approx(expected, rel=1e-5)
+
+
+def test_signals_do_not_depend_on_the_batch_size() -> None:
+    model, x, y = model_and_records("convnet", n=9)
+    one = compute_signals(model, x, y, ["loss", "grad-norm"], batch_size=2).values
+    other = compute_signals(model, x, y, ["loss", "grad-norm"], batch_size=64).values
+    for name in one:
+        np.testing.assert_allclose(one[name], other[name], rtol=1e-5)
+
+
+def test_orientation_makes_members_score_higher() -> None:
+    values = np.array([0.1, 2.0])
+    assert list(oriented("loss", values)) == [-0.1, -2.0]
+    assert list(oriented("grad-norm", values)) == [-0.1, -2.0]
+    assert list(oriented("confidence", values)) == [0.1, 2.0]
+    assert list(oriented("logit-confidence", values)) == [0.1, 2.0]
+
+
+# ---------------------------------------------------------------------------- evaluation sets
+
+
+def digits_like(seed: int = 0) -> tuple[Partition, np.ndarray, np.ndarray]:
+    """1000 train records of 10 classes (client 0: classes 0-1, client 1: classes 2-3, holdout: every class), 300 test."""
+    rng = np.random.default_rng(seed)
+    train_y = np.repeat(np.arange(10), 100)
+    test_y = rng.integers(0, 10, 300)
+    holdout = np.sort(np.concatenate([np.flatnonzero(train_y == c)[:30] for c in range(10)]))
+    clients = [np.flatnonzero(np.isin(train_y, pair) & ~np.isin(np.arange(1000), holdout)) for pair in ((0, 1), (2, 3))]
+    return Partition(clients=tuple(clients), holdout=holdout), train_y, test_y
+
+
+@pytest.mark.parametrize("nonmembers", ["holdout", "test", "both"])
+def test_evaluation_set_is_balanced_disjoint_and_like_with_like(nonmembers: str) -> None:
+    partition, train_y, test_y = digits_like()
+    ev = build_evaluation_set(partition, train_y, test_y, nonmembers=nonmembers, max_records=5000, seed=0)
+    members, others = ev.member == 1, ev.member == 0
+    assert ev.num_members == ev.num_nonmembers
+    assert set(np.unique(ev.label[others])) <= {0, 1, 2, 3}  # only the classes clients trained on
+    member_pool = np.concatenate(partition.clients)
+    assert np.all(np.isin(ev.index[members], member_pool)) and np.all(ev.source[members] == "train")
+    assert set(ev.client[members]) == {0, 1} and np.all(ev.client[others] == -1)
+    train_non = others & (ev.source == "train")
+    assert np.all(np.isin(ev.index[train_non], partition.holdout))
+    assert not np.intersect1d(ev.index[members], ev.index[train_non]).size
+    expected_sources = {"holdout": {"train"}, "test": {"test"}, "both": {"train", "test"}}[nonmembers]
+    assert set(ev.source[others]) == expected_sources
+    np.testing.assert_array_equal(ev.label[members], train_y[ev.index[members]])
+    np.testing.assert_array_equal(ev.label[ev.source == "test"], test_y[ev.index[ev.source == "test"]])
+    pairs = list(zip(ev.source, ev.index))
+    assert len(set(pairs)) == len(pairs)  # no record twice
+    # halves: each side split evenly into attack-train and audit
+    for side in (members, others):
+        assert abs(int(ev.attack_train[side].sum()) - int((~ev.attack_train[side]).sum())) <= 1
+    assert {k: list(v) for k, v in ev.client_classes.items()} == {0: [0, 1], 1: [2, 3]}
+
+
+def test_evaluation_set_size_cap_and_seed() -> None:
+    partition, train_y, test_y = digits_like()
+    one = build_evaluation_set(partition, train_y, test_y, max_records=50, seed=3)
+    same = build_evaluation_set(partition, train_y, test_y, max_records=50, seed=3)
+    other = build_evaluation_set(partition, train_y, test_y, max_records=50, seed=4)
+    assert one.num_members == one.num_nonmembers == 50
+    for field in ("source", "index", "member", "attack_train"):
+        np.testing.assert_array_equal(getattr(one, field), getattr(same, field))
+    assert not np.array_equal(one.index, other.index)
+
+
+def test_evaluation_set_needs_two_records_per_side() -> None:
+    partition, train_y, test_y = digits_like()
+    lonely = Partition(clients=(partition.clients[0][:1],), holdout=partition.holdout)
+    with pytest.raises(AttackError, match="at least 2 members"):
+        build_evaluation_set(lonely, train_y, test_y, seed=0)
+    with pytest.raises(AttackError, match="non-member source"):
+        build_evaluation_set(partition, train_y, test_y, nonmembers="train", seed=0)
+
+
+# ---------------------------------------------------------------------------- methods
+
+
+def test_threshold_reports_on_every_record() -> None:
+    member = labels(50, 50)
+    values = np.concatenate([np.full(50, 0.1), np.full(50, 1.0)])  # members: low loss
+    out = run_method("threshold", values, oriented("loss", values), member, np.zeros(100, dtype=bool), seed=0)
+    assert out.audit.all()
+    assert roc_auc_score(member, out.scores) == 1.0
+
+
+def test_classifier_fits_on_attack_train_and_finds_non_monotone_leakage() -> None:
+    rng = np.random.default_rng(6)
+    n = 600
+    member = labels(n, n)
+    # members sit in a band, non-members on both sides of it: no single threshold separates them
+    values = np.concatenate([rng.normal(0, 0.3, n), rng.choice([-2.0, 2.0], n) + rng.normal(0, 0.3, n)])
+    attack_train = rng.random(2 * n) < 0.5
+    out = classifier_attack(values, member, attack_train, seed=0)
+    np.testing.assert_array_equal(out.audit, ~attack_train)
+    audited = roc_auc_score(member[out.audit], out.scores[out.audit])
+    assert audited > 0.95
+    assert abs(roc_auc_score(member, values) - 0.5) < 0.1  # the threshold attack sees nothing
+    assert out.details["classifier"]["training_records"] == int(attack_train.sum())
+
+
+def test_population_thresholds_hold_the_false_positive_tolerance() -> None:
+    rng = np.random.default_rng(7)
+    n = 20000
+    member = labels(n, n)
+    score = np.concatenate([rng.normal(1, 1, n), rng.normal(0, 1, n)])
+    attack_train = rng.random(2 * n) < 0.5
+    out = population_attack(score, member, attack_train)
+    rows = out.details["population"]
+    assert [r["fpr_tolerance"] for r in rows] == list(FPR_TOLERANCES)
+    reference = score[attack_train & (member == 0)]
+    for row in rows:
+        alpha = row["fpr_tolerance"]
+        assert np.mean(reference > row["threshold"]) <= alpha  # by construction on the reference
+        assert row["fpr"] == pytest.approx(alpha, abs=4 * math.sqrt(alpha * (1 - alpha) / (n / 2)) + 1e-3)
+        assert row["tpr"] == pytest.approx(norm.sf(row["threshold"] - 1), abs=0.02)  # N(1, 1) above the threshold
+    np.testing.assert_array_equal(out.audit, ~attack_train)

@@ -1,0 +1,225 @@
+"""``fedaudit report``: sections and numbers read back from real runs, self-contained HTML, PDF, policy gate, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from conftest import invoke
+
+IN_CI = os.environ.get("CI") == "true"
+LAP_ARGS = ("--algorithm", "fedlap", "--dp", "--ipc", "1", "--trajectories", "1", "--max-loops", "1",
+            "--real-batches", "1", "--image-steps", "1", "--model-epochs", "1", "--server-epochs", "2",
+            "--rounds", "1", "--save-transmitted")
+ATTACK_ARGS = ("--target", "all", "--signal", "loss", "--method", "threshold",
+               "--max-records", "200", "--bootstrap", "50", "--device", "cpu", "--no-progress")
+SECTIONS = ("Setup", "Threat model", "Utility", "Privacy accounting", "Membership inference attacks")
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
+def binary(name: str) -> str:
+    """Path of a tool the test needs: skipped when absent, except in CI (CI=true), where that fails."""
+    found = shutil.which(name)
+    if found is None:
+        if IN_CI:
+            pytest.fail(f"{name} is required in CI (.ci/run installs it)")
+        pytest.skip(f"{name} is not installed")
+    return found
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def audited(trained, tmp_path_factory) -> Path:
+    """A three-round DP-FedAvg run attacked after every round (loss threshold attack)."""
+    run = tmp_path_factory.mktemp("audited") / "dp"
+    shutil.copytree(trained("--dp", "--rounds", "3"), run)
+    result = invoke("attack", run, *ATTACK_ARGS)
+    assert result.exit_code == 0, result.output
+    return run
+
+
+@pytest.fixture(scope="module")
+def report(audited, tmp_path_factory) -> Path:
+    """The HTML, Markdown and PDF report of the attacked run, in a folder."""
+    out = tmp_path_factory.mktemp("report") / "out"
+    result = invoke("report", audited, "--out", out, "--format", "html", "--format", "md", "--format", "pdf")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_report_has_every_section_and_the_run_s_numbers(audited, report):
+    html = (report / "report.html").read_text(encoding="utf-8")
+    markdown = (report / "report.md").read_text(encoding="utf-8")
+    for section in SECTIONS:
+        assert f"<h3>{section}</h3>" in html and f"### {section}" in markdown
+    summary = read_json(report / "summary.json")
+    run = summary["runs"][0]
+    config, manifest = read_json(audited / "config.json"), read_json(audited / "manifest.json")
+    ledger, metrics = read_json(audited / "privacy.json"), pd.read_csv(audited / "metrics.csv")
+    # setup
+    assert run["setup"]["algorithm"] == "DP-FedAvg" and run["setup"]["seed"] == config["seed"]
+    assert run["setup"]["dataset fingerprint"] == manifest["dataset"]["fingerprint"] in html
+    assert run["utility"]["test_accuracy"] == pytest.approx(list(metrics["test_accuracy"]))
+    # accounting: q2 = B / N_k of the worst client, q1 = p * q2, T from the manifest
+    privacy, worst = run["privacy"], ledger["worst_client"]
+    n_k = manifest["clients"]["num_examples"][worst]
+    assert privacy["q2"] == pytest.approx(config["federated"]["batch_size"] / n_k)
+    assert privacy["q2"] == pytest.approx(ledger["entries"][0]["sample_rate"])
+    assert privacy["q1"] == pytest.approx(manifest["clients"]["client_fraction_effective"] * privacy["q2"])
+    assert privacy["queries_per_round"] == manifest["clients"]["dp_queries_per_round"][worst]
+    assert privacy["epsilon_per_round"] == pytest.approx(ledger["epsilon_per_round"])
+    assert privacy["noise_multiplier"] == ledger["noise_multiplier"] and privacy["delta"] == ledger["delta"]
+    assert f"{ledger['epsilon_per_round'][-1]:.4g}" in html and "Worst-case assumptions" in html
+    # attacks: every result directory, numbers equal to its metrics.json
+    directories = sorted(p.name for p in (audited / "attacks").iterdir())
+    assert sorted(a["name"] for a in run["attacks"]) == directories and len(directories) == 3
+    for attack in run["attacks"]:
+        stored = read_json(audited / "attacks" / attack["name"] / "metrics.json")
+        assert attack["auc"] == pytest.approx(stored["auc"])
+        assert attack["auc_ci"] == pytest.approx(stored["auc_ci95"])
+        assert attack["tpr_at_0_1pct_fpr"] == pytest.approx(stored["tpr_at_fpr"]["0.001"])
+        assert attack["epsilon_lower_bound"] == pytest.approx(stored["epsilon_lower_bound"])
+        assert attack["accountant_epsilon"] == pytest.approx(stored["accountant_epsilon"])
+    # figures: accuracy, epsilon, ROC (linear + log-log in one), AUC per round
+    assert html.count('<img src="data:image/png;base64,') == 4
+    assert run["missing"] == []
+    row = pd.read_csv(report / "summary.csv").iloc[0]
+    strongest = max((a for a in run["attacks"] if a["round"] == 3), key=lambda a: a["auc"])
+    assert row["attack_auc"] == pytest.approx(strongest["auc"]) and row["epsilon"] == pytest.approx(privacy["epsilon"])
+
+
+def test_html_has_no_external_references(report):
+    html = (report / "report.html").read_text(encoding="utf-8")
+    assert not re.search(r"https?://|<script|<link|@import|url\(", html, re.IGNORECASE)
+    sources = re.findall(r'src="([^"]*)"', html)
+    assert sources and all(src.startswith("data:image/png;base64,") for src in sources)
+
+
+def test_pdf_renders_with_the_report_s_content(report, tmp_path):
+    pdftoppm, pdftotext = binary("pdftoppm"), binary("pdftotext")
+    subprocess.run([pdftoppm, "-r", "30", "-png", report / "report.pdf", tmp_path / "page"], check=True, timeout=60)
+    pages = sorted(tmp_path.glob("page*.png"))
+    assert len(pages) >= 2
+    assert len(Image.open(pages[0]).convert("RGB").getcolors(1 << 20)) > 8
+    text = subprocess.run([pdftotext, report / "report.pdf", "-"], check=True, capture_output=True, text=True).stdout
+    epsilon = read_json(report / "summary.json")["runs"][0]["privacy"]["epsilon"]
+    for needle in (*SECTIONS, "Worst-case assumptions", f"{epsilon:.4g}"):
+        assert needle in text
+
+
+def test_html_opens_in_chromium_without_errors(report, tmp_path):
+    chromium = binary("chromium")
+    shot = tmp_path / "shot.png"
+    result = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+         f"--screenshot={shot}", "--window-size=1280,2000", (report / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Uncaught" not in result.stderr and "ERROR:CONSOLE" not in result.stderr
+    colours = Image.open(shot).convert("RGB").getcolors(1 << 20)
+    assert colours is not None and len(colours) > 16
+
+
+@pytest.mark.parametrize("limits, passed", [
+    ({"max_epsilon": 1000, "delta": 1e-5, "max_attack_auc": 0.99, "max_tpr_at_0_1pct_fpr": 1.0, "min_accuracy": 0.0}, True),
+    ({"max_epsilon": 1.0, "min_accuracy": 0.0}, False),
+    ({"max_epsilon": 1000, "delta": 1e-6}, False),
+    ({"min_accuracy": 0.999}, False),
+    ({"max_attack_auc": 0.01}, False),
+], ids=["all-pass", "epsilon", "smaller-delta", "accuracy", "auc"])
+def test_policy_gives_pass_fail_and_exit_code(audited, tmp_path, cli, limits, passed):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("".join(f"{key}: {value}\n" for key, value in limits.items()))
+    result = cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy)
+    assert result.exit_code == (0 if passed else 1), result.output
+    summary = read_json(tmp_path / "summary.json")
+    checks = summary["runs"][0]["policy"]
+    assert {c["limit"] for c in checks} == set(limits) - {"delta"}
+    assert summary["verdict"] == ("PASS" if passed else "FAIL")
+    assert all(c["verdict"] == "PASS" for c in checks) == passed
+    assert ("Policy: PASS" if passed else "Policy: FAIL") in result.output
+    assert f"**{'PASS' if passed else 'FAIL'}**" in (tmp_path / "r.md").read_text()
+
+
+def test_missing_attacks_and_no_dp_are_explained_not_invented(plain_run, tmp_path, cli):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_epsilon: 10\nmax_attack_auc: 0.6\n")
+    result = cli("report", plain_run, "--out", tmp_path / "report.html", "--policy", policy)
+    assert result.exit_code == 1, result.output
+    run = read_json(tmp_path / "summary.json")["runs"][0]
+    assert run["attacks"] == [] and run["privacy"]["epsilon"] is None and run["privacy"]["epsilon_infinite"]
+    missing = " ".join(note["what"] + " " + note["how"] for note in run["missing"])
+    assert f"fedaudit attack {plain_run}" in missing and "epsilon is infinite" in missing
+    html = (tmp_path / "report.html").read_text()
+    assert "No DP guarantee: epsilon is infinite" in html and f"fedaudit attack {plain_run}" in html
+    assert [c["detail"].split(":")[0] for c in run["policy"]] == ["no DP guarantee", "not available"]
+
+
+def test_several_runs_are_compared(audited, plain_run, tmp_path, cli):
+    result = cli("report", audited, plain_run, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    html = (tmp_path / "report.html").read_text()
+    assert "<h2 id=\"comparison\">Comparison</h2>" in html
+    assert "ROC curves of the strongest attack on each run" in html and "Privacy-utility trade-off" in html
+    rows = pd.read_csv(tmp_path / "summary.csv")
+    assert list(rows["path"]) == [str(audited), str(plain_run)]
+    assert rows["dp"].tolist() == [True, False] and math.isnan(rows["attack_auc"][1])
+
+
+def test_fedlap_run_shows_its_synthetic_images(trained, tmp_path, cli):
+    run = trained(*LAP_ARGS)
+    result = cli("report", run, "--out", tmp_path / "lap.html")
+    assert result.exit_code == 0, result.output
+    html = (tmp_path / "lap.html").read_text()
+    assert "Transmitted synthetic images" in html and "R_i * L * R_b" in html
+    assert read_json(tmp_path / "summary.json")["runs"][0]["setup"]["algorithm"] == "DP-FedLAP"
+
+
+def test_attack_results_with_other_key_names_or_missing_keys_are_tolerated(audited, tmp_path, cli):
+    run = tmp_path / "run"
+    shutil.copytree(audited, run, ignore=shutil.ignore_patterns("attacks"))
+    custom = run / "attacks" / "loss-custom"
+    custom.mkdir(parents=True)
+    (custom / "metrics.json").write_text(json.dumps({"signal": "loss", "method": "custom", "auc": 0.61,
+                                                     "auc_ci": [0.55, 0.67], "tpr_at_fpr_1pct": 0.02}))
+    (custom / "roc.csv").write_text("fpr,tpr,threshold\n0,0,inf\n0.5,0.7,0.1\n1,1,-inf\n")
+    result = cli("report", run, "--out", tmp_path / "out.md")
+    assert result.exit_code == 0, result.output
+    attack = read_json(tmp_path / "summary.json")["runs"][0]["attacks"][0]
+    assert attack["auc_ci"] == [0.55, 0.67] and attack["tpr_at_1pct_fpr"] == 0.02
+    assert attack["tpr_at_0_1pct_fpr"] is None
+    markdown = (tmp_path / "out.md").read_text()
+    assert "| loss/custom | not available | not available / not available | 0.61 | [0.550, 0.670] | 0.02 | not available |" in markdown
+
+
+@pytest.mark.parametrize("case", ["not-a-run", "missing-run", "unknown-format", "missing-policy", "bad-yaml",
+                                  "unknown-limit", "non-numeric-limit"])
+def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(audited, tmp_path, cli, case):
+    out = tmp_path / "out"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text({"bad-yaml": "max_epsilon: [1\n", "unknown-limit": "max_epsilom: 1\n",
+                       "non-numeric-limit": "max_epsilon: lots\n"}.get(case, "max_epsilon: 8\n"))
+    args = {
+        "not-a-run": [tmp_path, "--out", out],
+        "missing-run": [tmp_path / "nowhere", "--out", out],
+        "unknown-format": [audited, "--out", out, "--format", "docx"],
+        "missing-policy": [audited, "--out", out, "--policy", tmp_path / "absent.yaml"],
+    }.get(case, [audited, "--out", out, "--policy", policy])
+    result = cli("report", *args)
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert not out.exists()
