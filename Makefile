@@ -13,11 +13,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
-# The main job on the bundled digits dataset: DP-FedAvg with record-level DP-SGD.
+# The main job on the bundled digits dataset: DP-FedAvg with record-level DP-SGD, attacked after every
+# round (loss and gradient-norm membership inference), then the privacy report.
 demo: venv
 	$(BIN)/fedaudit train --algorithm fedavg --dp --noise-multiplier 1.0 --max-grad-norm 1.0 \
 		--batch-size 32 --lr 0.5 --local-epochs 2 --width 32 --rounds 5 --out $(RUN) --overwrite
-	@echo "Run directory: $(RUN)"
+	$(BIN)/fedaudit attack $(RUN) --target all --no-progress
+	$(BIN)/fedaudit report $(RUN) --out $(RUN)/report --format html --format md
+	@echo "Report: $(RUN)/report/report.html"
 
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q

@@ -73,8 +73,10 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     from fedaudit.privacy.accounting import AccountingError
     from fedaudit.runs import RunError
     from fedaudit.training import TrainingError
+    from reports import ReportError
 
-    handled = (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError, AttackError)
+    handled = (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError, AttackError,
+               ReportError)
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -98,7 +100,7 @@ def main() -> None:
 @click.option("--algorithm", type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]), help="Federated algorithm. [default: fedavg]")
 @click.option("--dp/--no-dp", default=None, help="Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx). [default: off]")
 @click.option("--noise-multiplier", type=float, help="sigma: Gaussian noise std relative to the clipping norm. [default with --dp: 1.0]")
-@click.option("--max-grad-norm", type=float, help="C: per-sample gradient clipping norm. [default: 0.1 fedavg/fedsgd, 0.2 fedprox]")
+@click.option("--max-grad-norm", type=float, help="C: per-sample gradient clipping norm. [default: 0.1 fedavg/fedsgd, 0.2 fedprox, 1.0 fedlap]")
 @click.option("--target-epsilon", type=float, help="Calibrate sigma so that epsilon after the last round is at most this.")
 @click.option("--delta", type=float, help="delta of (epsilon, delta)-DP. [default: 1e-5]")
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), help="Privacy accountant. [default: rdp]")
@@ -120,7 +122,7 @@ def main() -> None:
 @click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
 @click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256]")
 @click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
-@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), help="Client learning rate over rounds. [default: constant]")
+@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), help="Client learning rate over rounds. [default: cosine]")
 @click.option("--local-steps", type=int, help="Local steps per round instead of --local-epochs (DP queries per round under DP).")
 @click.option("--ipc", type=int, help="FedLAP: synthetic images per class. [default: 10 with --dp, 50 without]")
 @click.option("--trajectories", type=int, help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1]")
@@ -248,13 +250,13 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
 @user_errors
 def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
     """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict (HTML, Markdown, PDF)."""
-    from reports import ReportError, build_report
+    from reports import build_report
 
-    try:
-        outcome = build_report(run_dirs, out=out, formats=formats, policy_file=policy_file)
-    except ReportError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(USER_ERROR_EXIT)
+    _finish_report(build_report(run_dirs, out=out, formats=formats, policy_file=policy_file))
+
+
+def _finish_report(outcome: Any) -> None:
+    """Say what a report wrote and its policy verdict; a failed policy exits with 1 so that it can gate a pipeline."""
     for path in outcome.written:
         click.echo(f"Wrote {path}")
     if outcome.passed is not None:
@@ -262,6 +264,49 @@ def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy
         click.echo("Policy: PASS" if outcome.passed else f"Policy: FAIL ({'; '.join(failed)})")
         if not outcome.passed:
             sys.exit(1)
+
+
+# Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
+COMPARE_BASE_OPTIONS = ("dataset", "data_dir", "partition", "num_clients", "holdout_fraction", "model", "width", "depth",
+                        "rounds", "client_fraction", "local_epochs", "lr", "batch_size", "max_grad_norm", "delta",
+                        "accountant", "device")
+
+
+@main.command()
+@click.option("--study", "study_file", type=click.Path(dir_okay=False), help="YAML study file (algorithms, budgets, seeds, equal_data_access, base, attack, report); options given here override it.")
+@click.option("--out", required=True, type=click.Path(), help="Study directory: study.json, runs/<name>/ and the comparison report.")
+@click.option("--algorithm", "algorithms", multiple=True, type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]), help="Repeat for several. [default: fedavg, fedprox, fedlap]")
+@click.option("--budget", "budgets", multiple=True, metavar="SPEC", help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E), sigma:S, or none (no DP); repeat for several. [default: sigma:1]")
+@click.option("--seed", "seeds", multiple=True, type=int, help="Repeat for several; the report gives mean and spread over seeds. [default: 0]")
+@click.option("--equal-data-access/--no-equal-data-access", default=None, help="FedAvg/FedProx make as many DP queries per round as FedLAP's worst case (the paper's fair comparison). [default: off]")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Base run configuration (YAML or JSON, as for train --config) instead of the study file's base.")
+@click.option("--signal", "signals", multiple=True, metavar="NAME", help="Attack signals, as for attack --signal. [default: loss and grad-norm]")
+@click.option("--method", "methods", multiple=True, metavar="NAME", help="Attack methods, as for attack --method. [default: threshold and classifier]")
+@click.option("--target", help="Attacked models, as for attack --target. [default: final]")
+@click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]")
+@click.option("--policy", type=click.Path(dir_okay=False), help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one.")
+@click.option("--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan.")
+@click.option("--progress/--no-progress", default=True, help="Show progress over the whole study.")
+@user_errors
+def compare(study_file: str | None, out: str, algorithms: tuple[str, ...], budgets: tuple[str, ...], seeds: tuple[int, ...],
+            equal_data_access: bool | None, config_file: str | None, signals: tuple[str, ...], methods: tuple[str, ...],
+            target: str | None, formats: tuple[str, ...], policy: str | None, overwrite: bool, progress: bool,
+            **base: Any) -> None:
+    """Run a whole study (algorithms x budgets x seeds): train, attack and report each, then one comparison report.
+
+    Running it again does only what is missing: finished runs and attacks are kept, interrupted runs resume.
+    """
+    from reports.study import run_study, study_from_options
+
+    study = study_from_options(
+        study_file, algorithms=algorithms, budgets=budgets, seeds=seeds, equal_data_access=equal_data_access,
+        config_file=config_file, base_overrides={TRAIN_OPTION_FIELDS[name]: value for name, value in base.items()},
+        attack_overrides={"signals": signals, "methods": methods, "target": target}, formats=formats, policy=policy,
+    )
+    _finish_report(run_study(study, out, overwrite=overwrite, progress=progress))
+
+
+compare.params.extend(param for param in train.params if param.name in COMPARE_BASE_OPTIONS)
 
 
 @main.command()

@@ -146,7 +146,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     largest = max(int(idx.max(initial=-1)) for idx in (*partition.clients, partition.holdout))
     if largest >= len(dataset.train_y):
         raise RunError(f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records of {config.data.dataset}.")
-    targets = _targets(run, parse_target(options.target), done)
+    targets = attack_targets(run, parse_target(options.target), done)
     for target in targets:
         run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
     accountant = _accountant_epsilon(run, config, max(t.round for t in targets))
@@ -160,7 +160,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
                        accountant_epsilon=accountant)
 
 
-def _targets(run: RunDirectory, target: str | int, done: int) -> tuple[Target, ...]:
+def attack_targets(run: RunDirectory, target: str | int, done: int) -> tuple[Target, ...]:
     """The models to attack; only rounds the manifest has committed count as saved."""
     saved = [r for r in run.saved_rounds() if r <= done]
     if target == "final":
@@ -227,6 +227,7 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
         "round": target.round,
         "seed": seed,
         "nonmembers": options.nonmembers,
+        "max_records": options.max_records,
         "num_members": int(member.sum()),
         "num_nonmembers": int((member == 0).sum()),
         "num_attack_train_members": int((ev.member[fitted] == 1).sum()),
@@ -268,6 +269,35 @@ def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray) -> dic
             auc = float(roc_auc_score(ev.member[both], scores[both]))
         table[str(k)] = {"auc": auc, "num_members": int(members.sum()), "num_nonmembers": int(others.sum())}
     return table
+
+
+def results_current(path: str | Path, options: AttackOptions) -> bool:
+    """Whether ``path`` already holds every result ``options`` would write, for its current rounds and settings.
+
+    A result counts when its metrics.json (written last) names the same round, seed,
+    non-member source, record cap and bootstrap size; anything else means recomputing.
+    """
+    run = RunDirectory(path)
+    try:
+        config = RunConfig.from_dict(run.read_config())
+        done = run.read_manifest().get("rounds_done")
+        targets = attack_targets(run, parse_target(options.target), done if isinstance(done, int) else 0)
+    except (RunError, AttackError, ValueError):
+        return False
+    seed = config.seed if options.seed is None else options.seed
+    expected = {"seed": seed, "nonmembers": options.nonmembers, "max_records": options.max_records,
+                "bootstrap_resamples": options.resamples}
+    for target in targets:
+        for signal in options.signals:
+            for method in options.methods:
+                file = run.path / ATTACKS_DIR / f"{signal}-{method}{target.suffix}" / "metrics.json"
+                try:
+                    metrics = run.read_json(file)
+                except RunError:
+                    return False
+                if metrics.get("round") != target.round or any(metrics.get(k) != v for k, v in expected.items()):
+                    return False
+    return True
 
 
 def write_result(run: RunDirectory, result: AttackResult) -> Path:

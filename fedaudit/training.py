@@ -139,7 +139,13 @@ def train(
     config: RunConfig, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
 ) -> TrainResult:
     """Train a new run into ``out`` (validated fully before the directory is touched)."""
-    setup = prepare(config)
+    return train_setup(prepare(config), out, overwrite=overwrite, progress=progress, echo=echo)
+
+
+def train_setup(
+    setup: Setup, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
+) -> TrainResult:
+    """Train a new run from an already prepared (validated, calibrated) :class:`Setup`."""
     run = RunDirectory(out)
     run.prepare_new(overwrite)
     run.write_config(setup.config.to_dict())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,7 @@ class RunSummary:
     attacks: tuple[AttackSummary, ...]
     synthetic: tuple[SyntheticSet, ...]
     notes: tuple[Note, ...]
+    seedless_config: str = ""  # config.json without what differs between seeds of one setting (see group_key)
 
     @property
     def rounds_done(self) -> int:
@@ -115,6 +116,11 @@ class RunSummary:
     def final_accuracy(self) -> float | None:
         column = self.utility.get("test_accuracy")
         return None if column is None or column.dropna().empty else float(column.dropna().iloc[-1])
+
+    @property
+    def group_label(self) -> str:
+        """What the run's group is called in tables and figures: algorithm and privacy budget."""
+        return f"{self.setup['algorithm']}, {self.setup['privacy budget']}"
 
     @property
     def final_attacks(self) -> tuple[AttackSummary, ...]:
@@ -140,8 +146,17 @@ def collect_runs(paths: list[str | Path]) -> list[RunSummary]:
 
 
 def _renamed(summary: RunSummary, name: str) -> RunSummary:
-    return RunSummary(name, summary.path, summary.setup, summary.utility, summary.privacy, summary.attacks,
-                      summary.synthetic, summary.notes)
+    return replace(summary, name=name)
+
+
+def seedless_config(config: dict[str, Any]) -> str:
+    """config.json without the seed, where it ran, and a sigma calibrated per seed: runs equal here differ only by seed."""
+    privacy = dict(config.get("privacy", {}))
+    if privacy.pop("calibrated", False):
+        privacy.pop("noise_multiplier", None)
+    data = {k: v for k, v in config.get("data", {}).items() if k != "data_dir"}
+    rest = {k: v for k, v in config.items() if k not in ("seed", "device", "privacy", "data")}
+    return json.dumps({**rest, "data": data, "privacy": privacy}, sort_keys=True)
 
 
 def collect_run(path: Path) -> RunSummary:
@@ -165,7 +180,8 @@ def collect_run(path: Path) -> RunSummary:
     if "test_accuracy" not in metrics.columns or metrics.empty:
         notes.append(Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`"))
     utility = metrics[[c for c in ("round", "test_accuracy", "test_loss", "epsilon") if c in metrics.columns]]
-    return RunSummary(path.resolve().name, path, setup, utility, privacy, attacks, synthetic, tuple(notes))
+    return RunSummary(path.resolve().name, path, setup, utility, privacy, attacks, synthetic, tuple(notes),
+                      seedless_config(config))
 
 
 def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
@@ -174,8 +190,8 @@ def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     algorithm = str(federated.get("algorithm", manifest.get("algorithm", "?")))
     dp = bool(config.get("privacy", {}).get("dp", manifest.get("dp", False)))
     return {
-        "algorithm": ("DP-" if dp else "") + {"fedavg": "FedAvg", "fedprox": "FedProx", "fedsgd": "FedSGD",
-                                               "fedlap": "FedLAP"}.get(algorithm, algorithm),
+        "algorithm": algorithm_label(algorithm, dp),
+        "privacy budget": budget_label(config.get("privacy", {})),
         "dataset": data.get("dataset", dataset.get("name")),
         "partition": data.get("partition"),
         "clients": data.get("num_clients"),
@@ -195,6 +211,24 @@ def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
         "train / test / held-out records": f"{dataset.get('train_size')} / {dataset.get('test_size')} / "
                                            f"{manifest.get('clients', {}).get('holdout')}",
     }
+
+
+def algorithm_label(algorithm: str, dp: bool) -> str:
+    """The name the literature uses: DP-FedAvg, DP-FedProx, DP-FedSGD, FedLAP-DP (FedAvg, ..., FedLAP without DP)."""
+    name = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedsgd": "FedSGD", "fedlap": "FedLAP"}.get(algorithm, algorithm)
+    if not dp:
+        return name
+    return f"{name}-DP" if algorithm == "fedlap" else f"DP-{name}"
+
+
+def budget_label(privacy: dict[str, Any]) -> str:
+    """How a run's privacy level was chosen: "epsilon E" (sigma calibrated to it), "sigma S", or "no DP"."""
+    if not privacy.get("dp", False):
+        return "no DP"
+    if privacy.get("target_epsilon") is not None:
+        return f"epsilon {privacy['target_epsilon']:g}"
+    sigma = privacy.get("noise_multiplier")
+    return f"sigma {sigma:g}" if isinstance(sigma, (int, float)) else "DP"
 
 
 def _privacy(config: dict[str, Any], manifest: dict[str, Any], ledger: dict[str, Any] | None, path: Path,

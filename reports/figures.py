@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
@@ -114,24 +115,29 @@ def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
     return png(fig)
 
 
-def privacy_utility(runs: Sequence[RunSummary]) -> bytes:
-    """Final test accuracy and strongest attack AUC against the accountant's epsilon, one point per run."""
+def privacy_utility(groups: pd.DataFrame) -> bytes:
+    """Final test accuracy and strongest attack AUC against the accountant's epsilon: mean and standard deviation over
+    the seeds of each group (:func:`reports.summary.group_rows`), one line per algorithm through its budgets."""
     fig, (acc_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    finite = [r.privacy.epsilon for r in runs if math.isfinite(r.privacy.epsilon)]
-    no_dp_x = (max(finite) * 1.25 if finite else 1.0)
-    for run in runs:
-        eps = run.privacy.epsilon
-        x = eps if math.isfinite(eps) else no_dp_x
-        marker = "o" if math.isfinite(eps) else "x"
-        label = run.name if math.isfinite(eps) else f"{run.name} (no DP)"
-        if run.final_accuracy is not None:
-            acc_ax.scatter([x], [run.final_accuracy], marker=marker, label=label)
-        attack = run.strongest_attack
-        if attack is not None and attack.auc is not None:
-            error = None if attack.auc_ci is None else [[attack.auc - attack.auc_ci[0]], [attack.auc_ci[1] - attack.auc]]
-            auc_ax.errorbar([x], [attack.auc], yerr=error, marker=marker, capsize=3, label=label)
-    acc_ax.set(xlabel="epsilon (no-DP runs at the right edge)", ylabel="final test accuracy", title="Accuracy vs epsilon")
-    auc_ax.set(xlabel="epsilon (no-DP runs at the right edge)", ylabel="strongest attack AUC", title="Attack AUC vs epsilon")
+    epsilon = groups["epsilon_mean"].to_numpy(float)
+    finite = epsilon[np.isfinite(epsilon)]
+    no_dp_x = finite.max() * 1.25 if finite.size else 1.0
+    x = np.where(np.isfinite(epsilon), epsilon, no_dp_x)
+    for ax, column in ((acc_ax, "final_accuracy"), (auc_ax, "attack_auc")):
+        for algorithm in dict.fromkeys(groups["algorithm"]):
+            rows = (groups["algorithm"] == algorithm).to_numpy() & groups[f"{column}_n"].gt(0).to_numpy()
+            if not rows.any():
+                continue
+            order = np.argsort(x[rows], kind="stable")
+            mean = groups[f"{column}_mean"].to_numpy(float)[rows][order]
+            std = np.nan_to_num(groups[f"{column}_std"].to_numpy(float)[rows][order])
+            line = ax.errorbar(x[rows][order], mean, yerr=std, marker="o", capsize=3, label=algorithm)
+            dp = np.isfinite(epsilon[rows][order])
+            if not dp.all():  # no-DP points: crosses at the right edge, not joined to the DP curve
+                line[0].set_data(x[rows][order][dp], mean[dp])
+                ax.scatter(x[rows][order][~dp], mean[~dp], marker="x", s=60, color=line[0].get_color())
+    acc_ax.set(xlabel="epsilon (x: no DP, at the right edge)", ylabel="final test accuracy", title="Accuracy vs epsilon")
+    auc_ax.set(xlabel="epsilon (x: no DP, at the right edge)", ylabel="strongest attack AUC", title="Attack AUC vs epsilon")
     auc_ax.axhline(0.5, color="k", ls="--", lw=0.8)
     for ax in (acc_ax, auc_ax):
         ax.grid(alpha=0.3)

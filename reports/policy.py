@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -51,15 +52,20 @@ class Check:
         return "PASS" if self.passed else "FAIL"
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read a YAML policy (yaml.safe_load); unknown keys and non-numeric limits are a :class:`ReportError`."""
-    file = Path(path)
+def read_yaml(file: Path, what: str, error: type[ReportError] = ReportError) -> Any:
+    """The content of a YAML file (yaml.safe_load); unreadable or malformed is one sentence naming ``what`` it is."""
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+        return yaml.safe_load(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
-        raise ReportError(f"Cannot read the policy file {file}: {getattr(exc, 'strerror', None) or exc}.") from exc
+        raise error(f"Cannot read the {what} {file}: {getattr(exc, 'strerror', None) or exc}.") from exc
     except yaml.YAMLError as exc:
-        raise ReportError(f"The policy file {file} is not valid YAML.") from exc
+        raise error(f"The {what} {file} is not valid YAML.") from exc
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read a YAML policy; unknown keys and non-numeric limits are a :class:`ReportError`."""
+    file = Path(path)
+    data = read_yaml(file, "policy file")
     if not isinstance(data, dict) or not data:
         raise ReportError(f"The policy file {file} must be a YAML mapping of limits such as max_epsilon: 8.")
     known = (*LIMITS, *OPTIONS)

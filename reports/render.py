@@ -15,8 +15,8 @@ from fedaudit.runs import atomic_write_bytes, now_iso
 from reports import figures
 from reports.collect import ReportError, RunSummary
 from reports.policy import Check, Policy, check_run
-from reports.summary import (attack_table, comparison_table, epsilon_table, fmt, interval, policy_table,
-                             privacy_table, setup_table, summary_json, summary_rows)
+from reports.summary import (attack_table, comparison_table, epsilon_table, fmt, group_rows, group_table, interval,
+                             policy_table, privacy_table, setup_table, summary_json, summary_rows)
 
 FORMATS = ("html", "md", "pdf")
 SUFFIXES = {f".{name}": name for name in FORMATS}
@@ -98,10 +98,12 @@ def _environment() -> Environment:
 
 
 def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
-                  draw: bool = True) -> tuple[dict[str, Any], dict[str, list[Check]], pd.DataFrame]:
-    """The template context (with figures when ``draw``), the policy checks per run and the summary rows."""
+                  draw: bool = True) -> tuple[dict[str, Any], dict[str, list[Check]], pd.DataFrame, pd.DataFrame]:
+    """The template context (with figures when ``draw``), the policy checks per run, the summary rows and the groups
+    of runs that differ only in their seed."""
     checks = {run.name: check_run(policy, run) for run in runs} if policy else {}
     rows = summary_rows(runs, checks)
+    groups = group_rows(rows)
     overlay = [(run.name, run.strongest_attack) for run in runs
                if run.strongest_attack is not None and run.strongest_attack.roc is not None]
     context = {
@@ -112,16 +114,17 @@ def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
         "passed": None if policy is None else all(c.passed for group in checks.values() for c in group),
         "comparison": comparison_table(rows) if len(runs) > 1 else None,
         "overlay": _b64(figures.roc_curves(overlay, "Strongest attack per run")) if draw and len(runs) > 1 and overlay else None,
-        "tradeoff": _b64(figures.privacy_utility(runs)) if draw and len(runs) > 1 else None,
+        "groups": group_table(groups) if len(groups) < len(runs) else None,
+        "tradeoff": _b64(figures.privacy_utility(groups)) if draw and len(runs) > 1 else None,
     }
-    return context, checks, rows
+    return context, checks, rows, groups
 
 
 def write_report(runs: list[RunSummary], out: str | Path, formats: tuple[str, ...], policy: Policy | None) -> ReportOutcome:
-    """Render and write the requested formats plus summary.csv and summary.json (each file atomically)."""
+    """Render and write the requested formats plus summary.csv, groups.csv and summary.json (each file atomically)."""
     targets, folder = output_paths(out, formats)
     created = now_iso()
-    context, checks, rows = build_context(runs, policy, created, draw=bool({"html", "pdf"} & set(targets)))
+    context, checks, rows, groups = build_context(runs, policy, created, draw=bool({"html", "pdf"} & set(targets)))
     env = _environment()
     html = env.get_template("report.html").render(**context) if {"html", "pdf"} & set(targets) else ""
     rendered: dict[Path, bytes] = {}
@@ -131,7 +134,8 @@ def write_report(runs: list[RunSummary], out: str | Path, formats: tuple[str, ..
         else:
             rendered[path] = html.encode("utf-8") if name == "html" else _pdf(html)
     rendered[folder / "summary.csv"] = rows.to_csv(index=False).encode("utf-8")
-    summary = summary_json(runs, checks, policy, created)
+    rendered[folder / "groups.csv"] = groups.to_csv(index=False).encode("utf-8")
+    summary = summary_json(runs, checks, policy, created, groups)
     rendered[folder / "summary.json"] = (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode("utf-8")
     for path, data in rendered.items():
         atomic_write_bytes(path, data)

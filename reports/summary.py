@@ -78,17 +78,32 @@ def policy_table(checks: list[Check]) -> pd.DataFrame:
                           "verdict": c.verdict, "detail": c.detail} for c in checks])
 
 
+def group_names(runs: list[RunSummary]) -> list[str]:
+    """Each run's group: runs whose configurations differ only in the seed share one, named by algorithm and budget.
+
+    Two different settings with the same algorithm and budget (another dataset, say) get "(2)", "(3)", ... appended.
+    """
+    labels: dict[str, str] = {}
+    for run in runs:
+        if run.seedless_config not in labels:
+            taken = sum(1 for label in labels.values() if label.split(" (")[0] == run.group_label)
+            labels[run.seedless_config] = run.group_label + (f" ({taken + 1})" if taken else "")
+    return [labels[run.seedless_config] for run in runs]
+
+
 def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.DataFrame:
     """One row per run with the headline numbers (summary.csv; also the side-by-side table)."""
     rows = []
-    for run in runs:
+    for run, group in zip(runs, group_names(runs)):
         attack = run.strongest_attack
         p = run.privacy
         verdicts = checks.get(run.name)
         rows.append({
             "run": run.name,
             "path": str(run.path),
+            "group": group,
             "algorithm": run.setup["algorithm"],
+            "budget": run.setup["privacy budget"],
             "dataset": run.setup["dataset"],
             "partition": run.setup["partition"],
             "clients": run.setup["clients"],
@@ -117,12 +132,57 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
     return pd.DataFrame(rows)
 
 
+# Headline numbers averaged over the seeds of a group, and their names in the table.
+GROUPED: dict[str, str] = {"final_accuracy": "test accuracy", "epsilon": "epsilon", "attack_auc": "attack AUC",
+                           "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR", "epsilon_lower_bound": "epsilon lower bound"}
+
+
+def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per group (see :func:`group_names`): runs, seeds, and mean, sample standard deviation and count of each
+    headline number over the runs that have it (groups.csv); the policy column counts the runs that passed."""
+    grouped = rows.groupby("group", sort=False)
+    table = grouped.agg(algorithm=("algorithm", "first"), budget=("budget", "first"), runs=("run", "size"),
+                        seeds=("seed", lambda seeds: " ".join(str(s) for s in seeds)))
+    for column in GROUPED:
+        values = pd.to_numeric(rows[column], errors="coerce").groupby(rows["group"], sort=False)
+        table[f"{column}_mean"] = values.mean()
+        table[f"{column}_std"] = values.std(ddof=1)
+        table[f"{column}_n"] = values.count()
+    table["policy_passed"] = rows["policy"].eq("PASS").groupby(rows["group"], sort=False).sum()
+    table["policy_checked"] = rows["policy"].notna().groupby(rows["group"], sort=False).sum()
+    return table.reset_index()
+
+
+def spread(mean: Any, std: Any, count: Any, runs: int, digits: int = 4) -> str:
+    """"mean ± std" of a group's number, with (n=k) when only k of its runs have it."""
+    if not count:
+        return NOT_AVAILABLE
+    text = fmt(float(mean), digits)
+    if count > 1 and math.isfinite(float(mean)):
+        text += f" ± {fmt(float(std), 2)}"
+    return text + (f" (n={int(count)})" if count < runs else "")
+
+
+def group_table(groups: pd.DataFrame) -> pd.DataFrame:
+    """The over-seeds table of a report, formatted for reading."""
+    table = pd.DataFrame({"algorithm": groups["algorithm"], "privacy budget": groups["budget"], "runs": groups["runs"],
+                          "seeds": groups["seeds"]})
+    for column, title in GROUPED.items():
+        table[title] = [spread(row[f"{column}_mean"], row[f"{column}_std"], row[f"{column}_n"], row["runs"])
+                        for _, row in groups.iterrows()]
+    if groups["policy_checked"].any():
+        table["policy passed"] = [f"{int(p)} of {int(c)}" for p, c in zip(groups["policy_passed"], groups["policy_checked"])]
+    return table.map(str)
+
+
 def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The side-by-side table of several runs, formatted for reading."""
-    columns = {"run": "run", "algorithm": "algorithm", "dataset": "dataset", "rounds": "rounds",
+    columns = {"run": "run", "algorithm": "algorithm", "budget": "privacy budget", "dataset": "dataset", "rounds": "rounds",
                "final_accuracy": "test accuracy", "epsilon": "epsilon", "delta": "delta", "attack": "strongest attack",
                "attack_auc": "AUC", "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR", "epsilon_lower_bound": "epsilon lower bound",
                "policy": "policy"}
+    if frame["policy"].isna().all():  # no policy was given
+        del columns["policy"]
     shown = frame[list(columns)].rename(columns=columns)
     return shown.map(lambda v: fmt(v) if not isinstance(v, bool) else str(v))
 
@@ -139,7 +199,7 @@ def _finite(value: Any) -> Any:
 
 
 def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy: Policy | None,
-                 created: str) -> dict[str, Any]:
+                 created: str, groups: pd.DataFrame) -> dict[str, Any]:
     """Everything the report states, as plain JSON (infinite epsilon is null with ``epsilon_infinite``)."""
     failed = any(not c.passed for group in checks.values() for c in group)
     return _finite({
@@ -148,8 +208,11 @@ def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy:
         "created": created,
         "policy": None if policy is None else {"source": policy.source, "delta": policy.delta, "limits": policy.limits()},
         "verdict": None if policy is None else ("FAIL" if failed else "PASS"),
+        "groups": [{key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
+                   for row in groups.to_dict("records")],
         "runs": [{
             "name": run.name,
+            "group": group,
             "path": str(run.path),
             "setup": run.setup,
             "utility": {column: run.utility[column].tolist() for column in run.utility.columns},
@@ -161,5 +224,5 @@ def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy:
             "missing": [asdict(note) for note in run.notes],
             "policy": [{k: v for k, v in asdict(c).items() if k != "run"} | {"verdict": c.verdict}
                        for c in checks.get(run.name, [])],
-        } for run in runs],
+        } for run, group in zip(runs, group_names(runs))],
     })

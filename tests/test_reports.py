@@ -185,7 +185,7 @@ def test_fedlap_run_shows_its_synthetic_images(trained, tmp_path, cli):
     assert result.exit_code == 0, result.output
     html = (tmp_path / "lap.html").read_text()
     assert "Transmitted synthetic images" in html and "R_i * L * R_b" in html
-    assert read_json(tmp_path / "summary.json")["runs"][0]["setup"]["algorithm"] == "DP-FedLAP"
+    assert read_json(tmp_path / "summary.json")["runs"][0]["setup"]["algorithm"] == "FedLAP-DP"
 
 
 def test_attack_results_with_other_key_names_or_missing_keys_are_tolerated(audited, tmp_path, cli):

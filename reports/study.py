@@ -1,0 +1,364 @@
+"""``fedaudit compare``: a whole study (algorithms x privacy budgets x seeds) trained, attacked and reported at once.
+
+A study directory holds ``study.json`` (the study as last run), ``runs/<name>/``
+(one run directory per algorithm, budget and seed, each with its ``attacks/``)
+and the comparison report. Running a study again does only what is missing:
+complete runs whose configuration matches the plan are kept, interrupted ones
+are resumed, attacks whose results exist for the run's last round and the same
+settings are kept, and the report is rebuilt from the run directories. Adding a
+seed, a budget or an algorithm to a study therefore trains only the new runs.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from attacks.runner import AttackOptions, results_current, run_attacks
+from fedaudit.algorithms.fedlap import FedLAP
+from fedaudit.config import ALGORITHMS, ConfigError, RunConfig, load_config_file
+from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
+from fedaudit.training import Setup, prepare, resume, train_setup
+from reports.collect import ReportError, collect_runs
+from reports.policy import load_policy, read_yaml
+from reports.render import FORMATS, ReportOutcome, output_paths, write_report
+
+STUDY_FORMAT = "fedaudit-study"
+STUDY_FILE = "study.json"
+RUNS_DIR = "runs"
+DEFAULT_ALGORITHMS: tuple[str, ...] = ("fedavg", "fedprox", "fedlap")
+# What a study file's "attack" section may set, and the AttackOptions field each one fills.
+ATTACK_KEYS: dict[str, str] = {"signals": "signals", "methods": "methods", "target": "target", "nonmembers": "nonmembers",
+                               "max_records": "max_records", "per_layer": "per_layer", "batch_size": "batch_size",
+                               "bootstrap": "resamples", "seed": "seed"}
+STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "attack", "report")
+
+Echo = Callable[[str], None]
+
+
+class StudyError(ReportError):
+    """A study that cannot be run as given (one clear sentence)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One privacy level of a study: a target epsilon (sigma calibrated per run), a fixed sigma, or no DP."""
+
+    kind: str  # "epsilon", "sigma" or "none"
+    value: float | None = None
+
+    @classmethod
+    def parse(cls, text: Any) -> "Budget":
+        """``epsilon:E``, ``sigma:S`` or ``none`` (the syntax of ``--budget`` and of a study file's budgets list)."""
+        spec = str(text).strip().lower()
+        if spec in ("none", "no-dp", "nodp"):
+            return cls("none")
+        kind, _, number = spec.partition(":")
+        kind = {"eps": "epsilon", "epsilon": "epsilon", "sigma": "sigma", "noise": "sigma"}.get(kind, "")
+        try:
+            value = float(number)
+        except ValueError:
+            value = math.nan
+        if not kind or not math.isfinite(value) or value <= 0:
+            raise StudyError(f"Budget {text!r} is not understood; use epsilon:E or sigma:S with a positive number, or none.")
+        return cls(kind, value)
+
+    def __str__(self) -> str:
+        return "none" if self.kind == "none" else f"{self.kind}:{self.value:g}"
+
+    @property
+    def slug(self) -> str:
+        """The budget's part of a run name: eps8, sigma1, nodp."""
+        if self.kind == "none":
+            return "nodp"
+        return f"{'eps' if self.kind == 'epsilon' else 'sigma'}{self.value:g}"
+
+    def apply(self, config: RunConfig) -> RunConfig:
+        """``config`` with this budget's privacy settings (the clipping norm is dropped without DP)."""
+        privacy = config.privacy
+        if self.kind == "none":
+            privacy = replace(privacy, dp=False, noise_multiplier=None, target_epsilon=None, max_grad_norm=None)
+        elif self.kind == "epsilon":
+            privacy = replace(privacy, dp=True, noise_multiplier=None, target_epsilon=self.value)
+        else:
+            privacy = replace(privacy, dp=True, noise_multiplier=self.value, target_epsilon=None)
+        return replace(config, privacy=replace(privacy, calibrated=False))
+
+
+@dataclass(frozen=True)
+class Study:
+    """What a study compares and how each run is attacked and reported."""
+
+    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
+    budgets: tuple[Budget, ...] = (Budget("sigma", 1.0),)
+    seeds: tuple[int, ...] = (0,)
+    equal_data_access: bool = False
+    base: RunConfig = field(default_factory=RunConfig)
+    attack: AttackOptions = field(default_factory=AttackOptions)
+    formats: tuple[str, ...] = ("html",)
+    policy: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The study as written to study.json (and as a study file would give it)."""
+        attack = {key: getattr(self.attack, name) for key, name in ATTACK_KEYS.items()}
+        return {
+            "algorithms": list(self.algorithms),
+            "budgets": [str(b) for b in self.budgets],
+            "seeds": list(self.seeds),
+            "equal_data_access": self.equal_data_access,
+            "base": self.base.to_dict(),
+            "attack": {key: list(value) if isinstance(value, tuple) else value for key, value in attack.items()},
+            "report": {"formats": list(self.formats), "policy": self.policy},
+        }
+
+    def validate(self) -> None:
+        """Raise :class:`StudyError` (or the attack's error) for the first thing that cannot work."""
+        if not self.algorithms:
+            raise StudyError("A study needs at least one algorithm.")
+        for name in self.algorithms:
+            if name not in ALGORITHMS:
+                raise StudyError(f"Unknown algorithm {name!r} in the study; choose from {', '.join(ALGORITHMS)}.")
+        if not self.budgets:
+            raise StudyError("A study needs at least one budget (epsilon:E, sigma:S or none).")
+        if not self.seeds or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds):
+            raise StudyError(f"Study seeds must be non-negative integers, got {list(self.seeds)!r}.")
+        privacy = self.base.privacy
+        if privacy.dp or privacy.noise_multiplier is not None or privacy.target_epsilon is not None:
+            raise StudyError("The base configuration must not set privacy.dp, noise_multiplier or target_epsilon: "
+                             "a study's budgets set them for every run.")
+        if self.equal_data_access:
+            if "fedlap" not in self.algorithms:
+                raise StudyError("Equal data access gives the gradient-sharing baselines as many DP queries per round as "
+                                 "FedLAP makes, so the study must include fedlap.")
+            if "fedsgd" in self.algorithms:
+                raise StudyError("fedsgd makes one query per round and cannot be run at equal data access; drop it or "
+                                 "turn equal data access off.")
+        for name in self.formats:
+            if name not in FORMATS:
+                raise StudyError(f"Unknown report format {name!r}; choose from {', '.join(FORMATS)}.")
+        self.attack.validate()
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a study and the configuration it is trained with."""
+
+    name: str
+    algorithm: str
+    budget: Budget
+    seed: int
+    config: RunConfig
+
+
+def load_study(path: str | Path) -> Study:
+    """Read a YAML (or JSON) study file; unknown keys and malformed values are a :class:`StudyError`.
+
+    Example::
+
+        algorithms: [fedavg, fedprox, fedlap]
+        budgets: ["epsilon:2", "epsilon:8", none]
+        seeds: [0, 1, 2]
+        equal_data_access: true
+        base:                      # a run configuration, as config.json or train --config
+          data: {dataset: fashion-mnist, partition: "classes:2", num_clients: 5}
+          model: {width: 32}
+          federated: {rounds: 3}
+        attack: {signals: [loss, grad-norm], methods: [threshold, classifier], target: final}
+        report: {formats: [html, pdf], policy: policy.yaml}
+    """
+    file = Path(path)
+    data = read_yaml(file, "study file", StudyError)
+    if not isinstance(data, dict):
+        raise StudyError(f"The study file {file} must be a mapping with keys such as algorithms, budgets and seeds.")
+    unknown = [key for key in data if key not in STUDY_KEYS]
+    if unknown:
+        raise StudyError(f"Unknown key {unknown[0]!r} in the study file {file}; use {', '.join(STUDY_KEYS)}.")
+    values: dict[str, Any] = {}
+    if "algorithms" in data:
+        values["algorithms"] = tuple(str(a) for a in _as_list(data["algorithms"], "algorithms", file))
+    if "budgets" in data:
+        values["budgets"] = tuple(Budget.parse(b) for b in _as_list(data["budgets"], "budgets", file))
+    if "seeds" in data:
+        values["seeds"] = tuple(_as_list(data["seeds"], "seeds", file))
+    if "equal_data_access" in data:
+        if not isinstance(data["equal_data_access"], bool):
+            raise StudyError(f"equal_data_access in the study file {file} must be true or false.")
+        values["equal_data_access"] = data["equal_data_access"]
+    if data.get("base") is not None:
+        try:
+            values["base"] = RunConfig.from_dict(data["base"])
+        except (ConfigError, TypeError) as exc:
+            raise StudyError(f"The base configuration in the study file {file} is invalid: {exc}") from exc
+    attack = _section(data, "attack", file)
+    unknown = [key for key in attack if key not in ATTACK_KEYS]
+    if unknown:
+        raise StudyError(f"Unknown key {unknown[0]!r} in the attack section of {file}; use {', '.join(ATTACK_KEYS)}.")
+    values["attack"] = replace(AttackOptions(), **{
+        ATTACK_KEYS[key]: tuple(_as_list(value, key, file)) if key in ("signals", "methods") else value
+        for key, value in attack.items()
+    })
+    report = _section(data, "report", file)
+    unknown = [key for key in report if key not in ("formats", "policy")]
+    if unknown:
+        raise StudyError(f"Unknown key {unknown[0]!r} in the report section of {file}; use formats and policy.")
+    if "formats" in report:
+        values["formats"] = tuple(str(f).lower() for f in _as_list(report["formats"], "formats", file))
+    if report.get("policy") is not None:
+        policy = Path(str(report["policy"]))
+        values["policy"] = str(policy if policy.is_absolute() else file.parent / policy)
+    return Study(**values)
+
+
+def _as_list(value: Any, key: str, file: Path) -> list[Any]:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise StudyError(f"{key} in the study file {file} is empty.")
+    return items
+
+
+def _section(data: Mapping[str, Any], key: str, file: Path) -> dict[str, Any]:
+    section = data.get(key) or {}
+    if not isinstance(section, dict):
+        raise StudyError(f"The {key} section of the study file {file} must be a mapping.")
+    return section
+
+
+def plan(study: Study) -> list[PlannedRun]:
+    """Every run of the study, seeds outermost (so the first seed's comparison is complete first)."""
+    study.validate()
+    runs = []
+    for seed in study.seeds:
+        for budget in study.budgets:
+            for algorithm in study.algorithms:
+                config = budget.apply(replace(study.base, seed=seed,
+                                              federated=replace(study.base.federated, algorithm=algorithm)))
+                runs.append(PlannedRun(f"{algorithm}-{budget.slug}-seed{seed}", algorithm, budget, seed, config))
+    if study.equal_data_access:
+        runs = [_equal_data_access(run) for run in runs]
+    return runs
+
+
+def _equal_data_access(run: PlannedRun) -> PlannedRun:
+    """FedAvg/FedProx run as many local steps (DP queries) per round as FedLAP's worst case under the same budget."""
+    if run.algorithm not in ("fedavg", "fedprox"):
+        return run
+    lap = replace(run.config, federated=replace(run.config.federated, algorithm="fedlap", local_steps=None))
+    try:
+        queries = FedLAP().queries_per_round(lap.resolved(), 0)
+    except ConfigError as exc:
+        raise StudyError(f"FedLAP's query count for equal data access cannot be computed: {exc}") from exc
+    return replace(run, config=replace(run.config, federated=replace(run.config.federated, local_steps=queries)))
+
+
+def run_study(study: Study, out: str | Path, *, overwrite: bool = False, progress: bool = True,
+              echo: Echo = tqdm.write) -> ReportOutcome:
+    """Train, attack and report every run of ``study`` under ``out``, skipping what is already done.
+
+    Everything that can be checked (the study, every run's configuration and data,
+    the attack options, the report formats and policy) is checked before anything
+    is written. With ``overwrite``, runs whose stored configuration differs from
+    the plan are retrained instead of being an error.
+    """
+    folder = Path(out)
+    planned = plan(study)
+    output_paths(folder, study.formats)
+    policy = load_policy(study.policy) if study.policy else None
+    setups = [prepare(run.config) for run in planned]
+    _claim(folder, study, [run.name for run in planned])
+    attack = replace(study.attack, device=study.base.device, progress=False)
+    directories = []
+    with tqdm(total=2 * len(planned), desc="study", unit="step", disable=not progress) as bar:
+        for index, (run, setup) in enumerate(zip(planned, setups), start=1):
+            directory = folder / RUNS_DIR / run.name
+            bar.set_postfix_str(f"train {run.name}")
+            echo(f"[{index}/{len(planned)}] {run.name}: {_train(directory, setup, overwrite)}")
+            bar.update()
+            bar.set_postfix_str(f"attack {run.name}")
+            if results_current(directory, attack):
+                echo(f"[{index}/{len(planned)}] {run.name}: attack results are up to date")
+            else:
+                run_attacks([directory], attack, echo=lambda line, name=run.name, i=index: echo(f"[{i}/{len(planned)}] {name}: {line}"))
+            bar.update()
+            directories.append(directory)
+    return write_report(collect_runs(directories), folder, study.formats, policy)
+
+
+def _claim(folder: Path, study: Study, names: list[str]) -> None:
+    """Make ``folder`` a study directory (or check that it is one) and record the study in study.json."""
+    record = folder / STUDY_FILE
+    if folder.exists() and not folder.is_dir():
+        raise StudyError(f"--out {folder} exists and is not a directory.")
+    if folder.is_dir() and any(folder.iterdir()) and not record.is_file():
+        raise StudyError(f"--out {folder} is a non-empty directory without {STUDY_FILE}, so it is not a fedaudit study; "
+                         "choose another --out.")
+    created = now_iso()
+    if record.is_file():
+        try:
+            created = RunDirectory(folder).read_json(record).get("created", created)
+        except (RunError, AttributeError):
+            pass
+    atomic_write_json(record, {"format": STUDY_FORMAT, "format_version": 1, "created": created, "updated": now_iso(),
+                               "study": study.to_dict(), "runs": names})
+
+
+def _train(directory: Path, setup: Setup, overwrite: bool) -> str:
+    """Train, resume or keep the run at ``directory``; returns what was done, in words."""
+    run = RunDirectory(directory)
+    if run.is_run():
+        try:
+            stored = run.read_config()
+        except RunError:
+            stored = None
+        if _comparable(stored) != _comparable(setup.config.to_dict()):
+            if not overwrite:
+                raise StudyError(f"{directory} holds a run whose configuration differs from the one the study plans; "
+                                 "remove it, or pass --overwrite to retrain it.")
+            shutil.rmtree(directory)
+        else:
+            done = run.read_manifest().get("rounds_done", 0)
+            if done == setup.config.federated.rounds:
+                return f"complete ({done} rounds), kept"
+            result = resume(directory, device=setup.config.device, progress=False, echo=lambda line: None)
+            return f"resumed from round {done}: {_outcome(result.test_accuracy, result.epsilon)}"
+    elif directory.exists():
+        shutil.rmtree(directory)  # a run that crashed before its manifest was written: nothing to keep
+    result = train_setup(setup, directory, progress=False, echo=lambda line: None)
+    return f"trained {result.rounds_done} rounds: {_outcome(result.test_accuracy, result.epsilon)}"
+
+
+def _comparable(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A configuration without the fields that do not change results (where it trains)."""
+    return None if config is None else {key: value for key, value in config.items() if key != "device"}
+
+
+def _outcome(accuracy: float, epsilon: float) -> str:
+    return f"test accuracy {accuracy:.4f}, " + ("no DP" if math.isinf(epsilon) else f"epsilon {epsilon:.3f}")
+
+
+def study_from_options(study_file: str | None, *, algorithms: Sequence[str], budgets: Sequence[str], seeds: Sequence[int],
+                       equal_data_access: bool | None, config_file: str | None, base_overrides: Mapping[str, Any],
+                       attack_overrides: Mapping[str, Any], formats: Sequence[str], policy: str | None) -> Study:
+    """The study of ``fedaudit compare``: the study file (or the defaults) with the command line's options on top."""
+    study = load_study(study_file) if study_file else Study()
+    base = load_config_file(config_file) if config_file else study.base
+    base = base.with_overrides(base_overrides)
+    known = {f.name for f in fields(AttackOptions)}
+    attack = replace(study.attack, **{k: v for k, v in attack_overrides.items() if k in known and v not in (None, ())})
+    return replace(
+        study,
+        algorithms=tuple(dict.fromkeys(algorithms)) or study.algorithms,
+        budgets=tuple(Budget.parse(b) for b in budgets) or study.budgets,
+        seeds=tuple(dict.fromkeys(seeds)) or study.seeds,
+        equal_data_access=study.equal_data_access if equal_data_access is None else equal_data_access,
+        base=base,
+        attack=attack,
+        formats=tuple(f.lower() for f in formats) or study.formats,
+        policy=policy or study.policy,
+    )
+

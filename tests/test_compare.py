@@ -1,0 +1,264 @@
+"""``fedaudit compare``: a study's plan, its runs, attacks and comparison report, resuming, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import invoke, tree_digest
+from fedaudit.config import RunConfig
+from reports.study import Budget, Study, StudyError, load_study, plan
+from test_cli import assert_user_error, interrupt_in_round
+
+# Small, fast settings: the MLP of the other CLI tests and a FedLAP with T = 1 * 2 * 2 = 4 queries per round.
+BASE = {
+    "data": {"dataset": "digits"},
+    "model": {"arch": "mlp", "width": 16, "depth": 1},
+    "federated": {"rounds": 2, "batch_size": 32},
+    "fedlap": {"ipc": 2, "trajectories": 1, "max_loops": 2, "real_batches": 2, "image_steps": 2, "model_epochs": 1,
+               "server_epochs": 5},
+    "device": "cpu",
+}
+STUDY = {
+    "algorithms": ["fedavg", "fedlap"],
+    "budgets": ["epsilon:20", "none"],
+    "seeds": [0, 1],
+    "equal_data_access": True,
+    "base": BASE,
+    "attack": {"signals": ["loss"], "methods": ["threshold"], "max_records": 200, "bootstrap": 50},
+    "report": {"formats": ["html", "md"]},
+}
+NAMES = [f"{algorithm}-{budget}-seed{seed}" for seed in (0, 1) for budget in ("eps20", "nodp")
+         for algorithm in ("fedavg", "fedlap")]
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def write_study(folder: Path, **changes) -> Path:
+    path = folder / "study.yaml"
+    path.write_text(yaml.safe_dump({**STUDY, **changes}))
+    return path
+
+
+def compare(*args) -> object:
+    return invoke("compare", *map(str, args), "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory) -> tuple[Path, Path, str]:
+    """The study file, its directory after one complete `fedaudit compare`, and what the command printed."""
+    folder = tmp_path_factory.mktemp("study")
+    result = compare("--study", write_study(folder), "--out", folder / "out")
+    assert result.exit_code == 0, result.output
+    return folder / "study.yaml", folder / "out", result.stdout
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def test_budgets_parse_and_name_runs():
+    assert Budget.parse("epsilon:8") == Budget("epsilon", 8.0) == Budget.parse("eps:8")
+    assert Budget.parse(" sigma:0.5 ") == Budget("sigma", 0.5) and Budget.parse("none") == Budget("none")
+    assert [b.slug for b in (Budget("epsilon", 2.5), Budget("sigma", 1.0), Budget("none"))] == ["eps2.5", "sigma1", "nodp"]
+    for bad in ("epsilon", "epsilon:-1", "sigma:nan", "rho:1", "epsilon:inf"):
+        with pytest.raises(StudyError):
+            Budget.parse(bad)
+
+
+def test_plan_crosses_algorithms_budgets_and_seeds_at_equal_data_access(tmp_path):
+    runs = plan(load_study(write_study(tmp_path)))
+    assert [r.name for r in runs] == NAMES
+    for run in runs:
+        config = run.config.resolved()
+        assert config.seed == run.seed and config.federated.algorithm == run.algorithm
+        assert config.privacy.dp == (run.budget.kind != "none")
+        assert config.privacy.target_epsilon == run.budget.value
+        assert config.model.arch == "mlp" and config.federated.rounds == 2
+        # FedLAP's worst case here is R_i * L * R_b = 1 * 2 * 2 queries; FedAvg gets as many local steps
+        assert config.federated.local_steps == (4 if run.algorithm == "fedavg" else None)
+
+
+@pytest.mark.parametrize("changes, mentions", [
+    ({"algorithms": ["fedavg"]}, "must include fedlap"),
+    ({"algorithms": ["fedlap", "fedsgd"]}, "fedsgd"),
+    ({"algorithms": ["fedfoo"]}, "fedfoo"),
+    ({"budgets": ["epsilon:0"]}, "epsilon:0"),
+    ({"seeds": [-1]}, "seeds"),
+    ({"base": {**BASE, "privacy": {"dp": True}}}, "budgets set them"),
+    ({"report": {"formats": ["docx"]}}, "docx"),
+    ({"attack": {"signals": ["loss"], "methods": ["magic"]}}, "magic"),
+])
+def test_a_study_that_cannot_work_is_refused_before_anything_runs(tmp_path, changes, mentions):
+    study = write_study(tmp_path, **changes)
+    out = tmp_path / "out"
+    assert_user_error(compare("--study", study, "--out", out), mentions=mentions)
+    assert not out.exists()
+
+
+def test_study_file_errors_are_one_sentence(tmp_path):
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("algorithms: [fedavg]\nbudget: [none]\n")
+    assert_user_error(compare("--study", unknown, "--out", tmp_path / "o"), mentions="'budget'")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("algorithms: [fedavg\n")
+    assert_user_error(compare("--study", broken, "--out", tmp_path / "o"), mentions="not valid YAML")
+    assert_user_error(compare("--study", tmp_path / "absent.yaml", "--out", tmp_path / "o"), mentions="absent.yaml")
+    bad_config = write_study(tmp_path, base={"federated": {"rounds": 0}})
+    assert_user_error(compare("--study", bad_config, "--out", tmp_path / "o"), mentions="--rounds")
+    assert not (tmp_path / "o").exists()
+
+
+def test_command_line_options_override_the_study_file(tmp_path):
+    from reports.study import study_from_options
+
+    study = study_from_options(str(write_study(tmp_path)), algorithms=("fedlap",), budgets=("sigma:2",), seeds=(5,),
+                               equal_data_access=False, config_file=None, base_overrides={"federated.rounds": 3},
+                               attack_overrides={"signals": (), "methods": ("population",), "target": None},
+                               formats=(), policy=None)
+    assert (study.algorithms, study.budgets, study.seeds) == (("fedlap",), (Budget("sigma", 2.0),), (5,))
+    assert not study.equal_data_access and study.base.federated.rounds == 3 and study.base.model.arch == "mlp"
+    assert study.attack.signals == ("loss",) and study.attack.methods == ("population",)
+    assert study.formats == ("html", "md") and Study().algorithms == ("fedavg", "fedprox", "fedlap")
+
+
+# ---------------------------------------------------------------------------- a study end to end
+
+
+def test_every_run_is_trained_and_attacked(study):
+    _, out, stdout = study
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(NAMES)
+    recorded = read_json(out / "study.json")
+    assert recorded["format"] == "fedaudit-study" and recorded["runs"] == NAMES
+    for name in NAMES:
+        run = out / "runs" / name
+        assert read_json(run / "manifest.json")["status"] == "complete"
+        metrics = read_json(run / "attacks" / "loss-threshold" / "metrics.json")
+        assert metrics["round"] == 2 and metrics["num_members"] == 200
+    assert stdout.count("trained 2 rounds") == len(NAMES)
+    assert f"Wrote {out / 'report.html'}" in stdout and (out / "report.md").is_file()
+
+
+def test_equal_data_access_and_the_budget_give_equal_epsilon(study):
+    _, out, _ = study
+    for seed in (0, 1):
+        avg, lap = (read_json(out / "runs" / f"{a}-eps20-seed{seed}" / "privacy.json") for a in ("fedavg", "fedlap"))
+        assert avg["entries"] == lap["entries"]  # the same (sigma, q, steps): the same DP queries per round
+        assert avg["epsilon_per_round"] == lap["epsilon_per_round"]
+        assert 19 < avg["epsilon_per_round"][-1] <= 20  # the smallest sigma that meets the target
+        config = RunConfig.from_dict(read_json(out / "runs" / f"fedavg-eps20-seed{seed}" / "config.json"))
+        assert config.federated.local_steps == 4 and config.privacy.calibrated
+        assert not (out / "runs" / f"fedavg-nodp-seed{seed}" / "privacy.json").exists()
+
+
+def test_report_gives_mean_and_spread_over_seeds(study):
+    _, out, _ = study
+    groups = pd.read_csv(out / "groups.csv")
+    assert list(groups["group"]) == ["DP-FedAvg, epsilon 20", "FedLAP-DP, epsilon 20", "FedAvg, no DP", "FedLAP, no DP"]
+    assert (groups["runs"] == 2).all() and (groups["seeds"] == "0 1").all()
+    for row in groups.itertuples():
+        algorithm, budget = row.group.split(", ")
+        slug = "eps20" if budget == "epsilon 20" else "nodp"
+        key = "fedlap" if "FedLAP" in algorithm else "fedavg"
+        accuracy = [pd.read_csv(out / "runs" / f"{key}-{slug}-seed{s}" / "metrics.csv")["test_accuracy"].iloc[-1]
+                    for s in (0, 1)]
+        aucs = [read_json(out / "runs" / f"{key}-{slug}-seed{s}" / "attacks" / "loss-threshold" / "metrics.json")["auc"]
+                for s in (0, 1)]
+        assert row.final_accuracy_mean == pytest.approx(np.mean(accuracy))
+        assert row.final_accuracy_std == pytest.approx(np.std(accuracy, ddof=1))
+        assert row.attack_auc_mean == pytest.approx(np.mean(aucs)) and row.attack_auc_n == 2
+    summary = read_json(out / "summary.json")
+    assert [g["group"] for g in summary["groups"]] == list(groups["group"])
+    assert [r["group"] for r in summary["runs"]][:4] == ["DP-FedAvg, epsilon 20", "FedLAP-DP, epsilon 20",
+                                                         "FedAvg, no DP", "FedLAP, no DP"]
+    html = (out / "report.html").read_text()
+    assert "<h3>Over seeds</h3>" in html and "Privacy-utility trade-off" in html
+    assert "| FedLAP-DP | epsilon 20 | 2 | 0 1 |" in (out / "report.md").read_text()
+
+
+def test_running_the_study_again_recomputes_nothing(study, tmp_path):
+    study_file, original, _ = study
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    before = tree_digest(out / "runs")
+    result = compare("--study", study_file, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert tree_digest(out / "runs") == before
+    assert result.stdout.count("kept") == len(NAMES) and result.stdout.count("up to date") == len(NAMES)
+
+
+def test_an_interrupted_run_is_resumed_exactly_and_new_runs_are_added(study, tmp_path, monkeypatch):
+    study_file, original, _ = study
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    shutil.rmtree(out / "runs" / "fedlap-eps20-seed1")
+    interrupt_in_round(monkeypatch, 2)  # in round 2 of the only run to train: the kept runs do not evaluate again
+    result = compare("--study", study_file, "--out", out)
+    assert result.exit_code == 1  # Ctrl-C
+    assert read_json(out / "runs" / "fedlap-eps20-seed1" / "manifest.json")["status"] == "interrupted"
+    monkeypatch.undo()
+
+    result = compare("--study", study_file, "--out", out, "--seed", "0", "--seed", "1", "--seed", "2")
+    assert result.exit_code == 0, result.output
+    assert "fedlap-eps20-seed1: resumed from round 1" in result.stdout
+    assert result.stdout.count("trained 2 rounds") == 4  # only the new seed's runs
+    resumed, reference = out / "runs" / "fedlap-eps20-seed1", original / "runs" / "fedlap-eps20-seed1"
+    assert (resumed / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert read_json(resumed / "privacy.json") == read_json(reference / "privacy.json")
+    assert len(pd.read_csv(out / "summary.csv")) == 12 and (pd.read_csv(out / "groups.csv")["runs"] == 3).all()
+
+
+def test_a_run_that_differs_from_the_plan_is_an_error_unless_overwritten(study, tmp_path):
+    study_file, original, _ = study
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    config = read_json(out / "runs" / "fedavg-nodp-seed0" / "config.json")
+    config["federated"]["momentum"] = 0.5
+    (out / "runs" / "fedavg-nodp-seed0" / "config.json").write_text(json.dumps(config))
+    assert_user_error(compare("--study", study_file, "--out", out), mentions="--overwrite")
+    result = compare("--study", study_file, "--out", out, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert "fedavg-nodp-seed0: trained 2 rounds" in result.stdout
+    assert read_json(out / "runs" / "fedavg-nodp-seed0" / "config.json")["federated"]["momentum"] == 0.0
+
+
+def test_out_must_be_a_study_directory(study, tmp_path):
+    study_file, _, _ = study
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert_user_error(compare("--study", study_file, "--out", tmp_path / "other"), mentions="not a fedaudit study")
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]
+
+
+def test_policy_gates_the_study(study, tmp_path):
+    study_file, original, _ = study
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_epsilon: 25\n")
+    result = compare("--study", study_file, "--out", out, "--policy", policy)
+    assert result.exit_code == 1 and "Policy: FAIL" in result.stdout  # the no-DP runs have no guarantee
+    groups = pd.read_csv(out / "groups.csv")
+    assert list(groups["policy_passed"]) == [2, 2, 0, 0] and (groups["policy_checked"] == 2).all()
+
+
+def test_the_readme_s_study_and_policy_examples_are_valid(tmp_path):
+    from reports.policy import load_policy
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    blocks = [block.split("\n", 1)[1] for block in readme.split("```yaml")[1:]]
+    blocks = [block[: block.index("```")] for block in blocks]
+    policy_text, study_text = blocks
+    (tmp_path / "policy.yaml").write_text(policy_text)
+    policy = load_policy(tmp_path / "policy.yaml")
+    assert policy.limits() == {"max_epsilon": 8, "max_attack_auc": 0.6, "max_tpr_at_0_1pct_fpr": 0.01,
+                               "min_accuracy": 0.7} and policy.delta == 1e-5
+    (tmp_path / "study.yaml").write_text(study_text)
+    study = load_study(tmp_path / "study.yaml")
+    assert study.policy == str(tmp_path / "policy.yaml") and study.formats == ("html", "pdf")
+    runs = plan(study)
+    assert len(runs) == 3 * 3 * 3 and runs[0].name == "fedavg-eps2-seed0"
+    assert runs[0].config.federated.local_steps == 200  # FedLAP-DP's 4 * 5 * 10 queries per round
