@@ -27,7 +27,7 @@ from attacks.metrics import DEFAULT_RESAMPLES, summarize
 from attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
-from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, now_iso
+from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
 from fedaudit.seeding import Stream, derive_seed, numpy_rng
 from fedaudit.training import resolve_device
 
@@ -303,8 +303,8 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
 def write_result(run: RunDirectory, result: AttackResult) -> Path:
     """Write one result directory atomically, metrics.json last; returns the directory."""
     directory = run.path / ATTACKS_DIR / result.name
-    atomic_write_bytes(directory / "scores.csv", result.scores.to_csv(index=False).encode("utf-8"))
-    atomic_write_bytes(directory / "roc.csv", result.roc.to_csv(index=False).encode("utf-8"))
+    atomic_write_bytes(directory / "scores.csv", csv_bytes(result.scores))
+    atomic_write_bytes(directory / "roc.csv", csv_bytes(result.roc))
     atomic_write_json(directory / "metrics.json", result.metrics)
     return directory
 

@@ -62,6 +62,11 @@ def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
 
+def csv_bytes(frame: pd.DataFrame) -> bytes:
+    """A table as UTF-8 CSV whose floats read back exactly, whatever the pandas version (shortest round-trip repr)."""
+    return frame.to_csv(index=False, float_format=lambda value: repr(float(value))).encode("utf-8")
+
+
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
     """Atomically write tensors as safetensors (contiguous CPU copies), byte-identical for equal inputs."""
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -216,7 +221,7 @@ class RunDirectory:
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         frame = pd.DataFrame(rows)
         ordered = [c for c in METRIC_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in METRIC_COLUMNS]
-        atomic_write_bytes(self.metrics_path, frame[ordered].to_csv(index=False).encode("utf-8"))
+        atomic_write_bytes(self.metrics_path, csv_bytes(frame[ordered]))
 
     def read_metrics(self) -> pd.DataFrame:
         if not self.metrics_path.is_file():

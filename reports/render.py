@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from fedaudit.runs import atomic_write_bytes, now_iso
+from fedaudit.runs import atomic_write_bytes, csv_bytes, now_iso
 from reports import figures
 from reports.collect import ReportError, RunSummary
 from reports.policy import Check, Policy, check_run
@@ -133,8 +133,8 @@ def write_report(runs: list[RunSummary], out: str | Path, formats: tuple[str, ..
             rendered[path] = env.get_template("report.md").render(**context).encode("utf-8")
         else:
             rendered[path] = html.encode("utf-8") if name == "html" else _pdf(html)
-    rendered[folder / "summary.csv"] = rows.to_csv(index=False).encode("utf-8")
-    rendered[folder / "groups.csv"] = groups.to_csv(index=False).encode("utf-8")
+    rendered[folder / "summary.csv"] = csv_bytes(rows)
+    rendered[folder / "groups.csv"] = csv_bytes(groups)
     summary = summary_json(runs, checks, policy, created, groups)
     rendered[folder / "summary.json"] = (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode("utf-8")
     for path, data in rendered.items():

@@ -47,7 +47,7 @@ def attack_ok(cli, *args) -> str:
 def overfit_attacked(trained, tmp_path_factory) -> tuple[Path, str]:
     """The overfit run attacked with the defaults (loss and grad-norm, threshold and classifier)."""
     run = copy_run(trained(*OVERFIT), tmp_path_factory.mktemp("overfit"))
-    result = invoke("attack", str(run), "--no-progress")
+    result = invoke("attack", str(run), "--no-progress", "--device", "cpu")  # the signal checks below recompute on the CPU
     assert result.exit_code == 0, result.output
     return run, result.stdout
 

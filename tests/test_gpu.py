@@ -1,0 +1,57 @@
+"""The CUDA path: the DP primitive, training, resume and attacks on a GPU agree with the CPU (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import FAST_ARGS, invoke
+from fedaudit.models import ModelSpec, build_model
+from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ON_GPU = tuple(a if a != "cpu" else "cuda" for a in FAST_ARGS)
+
+
+def test_per_sample_gradients_on_the_gpu_equal_the_cpu():
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3))
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    cpu = per_sample_gradients(model, x, y)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # the same float32 arithmetic, not TensorFloat-32
+        gpu = per_sample_gradients(model.cuda(), x.cuda(), y.cuda())
+    for name, grad in cpu.items():
+        torch.testing.assert_close(gpu[name].cpu(), grad, rtol=1e-3, atol=1e-5)
+
+
+def test_dp_gradient_noise_on_the_gpu_has_the_right_scale():
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("mlp", (1, 8, 8), 10, width=16, depth=1)).cuda()
+    x, y = torch.zeros(0, 1, 8, 8, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    noise = torch.cat([g.flatten() for g in dp_gradient(
+        model, x, y, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=4.0, generator=generator).grads.values()])
+    assert noise.device.type == "cuda" and abs(float(noise.std()) - 2.0 * 0.5 / 4.0) < 0.02
+
+
+@pytest.mark.parametrize("algorithm", [("--algorithm", "fedavg"), ("--algorithm", "fedlap", "--ipc", "2", "--trajectories",
+                                                                      "1", "--max-loops", "2", "--real-batches", "2")])
+def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
+    args = (*ON_GPU, *algorithm, "--dp", "--rounds", "2")
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert invoke("train", *args, "--out", full).exit_code == 0
+    assert json.loads((full / "manifest.json").read_text())["device"] == "cuda"
+    assert invoke("train", *args[:-1], "1", "--out", part).exit_code == 0
+    assert invoke("train", "--resume", part, "--rounds", "2", "--no-progress").exit_code == 0
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    result = invoke("attack", full, "--device", "cuda", "--no-progress", "--bootstrap", "50")
+    assert result.exit_code == 0, result.output
+    cpu = tmp_path / "cpu"
+    shutil.copytree(full, cpu, ignore=shutil.ignore_patterns("attacks"))
+    assert invoke("attack", cpu, "--device", "cpu", "--no-progress", "--bootstrap", "50").exit_code == 0
+    for name in ("loss-threshold", "grad-norm-threshold"):
+        on_gpu, on_cpu = (json.loads((run / "attacks" / name / "metrics.json").read_text()) for run in (full, cpu))
+        assert on_gpu["auc"] == pytest.approx(on_cpu["auc"], abs=2e-3)
