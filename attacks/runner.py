@@ -28,7 +28,7 @@ from attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, 
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
-from fedaudit.seeding import Stream, derive_seed, numpy_rng
+from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.training import resolve_device
 
 ATTACKS_DIR = "attacks"
@@ -191,6 +191,7 @@ def _accountant_epsilon(run: RunDirectory, config: RunConfig, last_round: int) -
 def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResult]:
     """Every requested (signal, method) against every target of one run."""
     device = resolve_device(options.device)
+    repeatable(device)
     x, y = prepared.records()
     results = []
     for target in prepared.targets:

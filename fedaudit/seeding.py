@@ -41,3 +41,14 @@ def make_generator(seed: int, stream: Stream, *keys: int, device: torch.device |
 def numpy_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:
     """A numpy generator seeded by :func:`derive_seed`."""
     return np.random.default_rng(derive_seed(seed, stream, *keys))
+
+
+def repeatable(device: torch.device) -> None:
+    """Make computations on ``device`` repeatable: on CUDA, cuDNN's deterministic algorithms and no autotuning.
+
+    Without this, cuDNN may pick convolution algorithms that sum in a varying order,
+    and the same seed would not give the same run (or an exact ``--resume``) on a GPU.
+    """
+    if device.type == "cuda":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

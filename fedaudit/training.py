@@ -29,7 +29,7 @@ from fedaudit.engine.local import LocalEngine
 from fedaudit.models import ModelSpec, build_model, default_depth, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, calibrate_noise_multiplier, round_events
 from fedaudit.runs import RunDirectory, RunError, now_iso, versions
-from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng
+from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng, repeatable
 
 Echo = Callable[[str], None]
 
@@ -350,6 +350,7 @@ def _run_rounds(
     echo: Echo,
 ) -> TrainResult:
     config, device = setup.config, setup.device
+    repeatable(device)
     rounds = config.federated.rounds
     dataset = setup.dataset
     clients = [

@@ -55,3 +55,12 @@ def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
     for name in ("loss-threshold", "grad-norm-threshold"):
         on_gpu, on_cpu = (json.loads((run / "attacks" / name / "metrics.json").read_text()) for run in (full, cpu))
         assert on_gpu["auc"] == pytest.approx(on_cpu["auc"], abs=2e-3)
+
+
+def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path):
+    args = ("--dataset", "digits", "--model", "convnet", "--width", "16", "--algorithm", "fedlap", "--dp", "--ipc", "2",
+            "--trajectories", "1", "--max-loops", "2", "--real-batches", "2", "--rounds", "2", "--batch-size", "32",
+            "--device", "cuda", "--no-progress")
+    for name in ("a", "b"):
+        assert invoke("train", *args, "--out", tmp_path / name).exit_code == 0
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
