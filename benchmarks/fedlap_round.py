@@ -7,7 +7,7 @@ size if Fashion-MNIST is not installed). The FedLAP-DP time is split into the DP
 queries (per-sample gradients, clip, noise), the second-order matching steps, the
 model training on the synthetic set, and the server's training on the union.
 
-    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--threads 1]
+    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--augment] [--threads 1]
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--trajectories", type=int, default=4, help="R_i (4 in the authors' DP config); fewer for a quicker run")
+    parser.add_argument("--augment", action="store_true", help="DSA augmentation of real and synthetic batches, as the authors' code does")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data, source = _client_data()
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
-    print(f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1; "
+    print(f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "
           f"DP-FedAvg: the same number of DP queries (--local-steps), B=256, sigma=1, C=0.1")
     header = (f"{'width':>5} {'T':>4} {'DP-FedAvg (s)':>14} {'FedLAP-DP (s)':>14} {'ratio':>6} "
               f"{'DP queries':>11} {'matching':>9} {'syn. training':>14} {'server (s)':>11}")
@@ -81,7 +82,7 @@ def main() -> None:
         lap = RunConfig(
             federated=FederatedConfig(algorithm="fedlap", rounds=1),
             privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
-            fedlap=FedLAPConfig(trajectories=args.trajectories),
+            fedlap=FedLAPConfig(trajectories=args.trajectories, augment=args.augment),
         ).resolved()
         queries = FedLAP().queries_per_round(lap, data.num_examples)
         avg = RunConfig(

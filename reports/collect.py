@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from fedaudit.runs import RunDirectory, RunError
 
 ATTACKS_DIR = "attacks"
+SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
 
 
@@ -332,19 +333,23 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
 
 
 def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:
-    """The synthetic sets of the last transmitted round (one per client); unreadable files are skipped."""
+    """The synthetic sets clients sent, per client and round; unreadable files are skipped.
+
+    At most :data:`SYNTHETIC_ROUNDS` stored rounds are read, evenly spaced and always
+    including the first and the last, so that a long run keeps a readable report.
+    """
     rounds = sorted(run.transmitted_dir.glob("round-[0-9][0-9][0-9][0-9]")) if run.transmitted_dir.is_dir() else []
-    if not rounds:
-        return ()
-    last = rounds[-1]
+    if len(rounds) > SYNTHETIC_ROUNDS:
+        rounds = [rounds[i] for i in np.unique(np.linspace(0, len(rounds) - 1, SYNTHETIC_ROUNDS).round().astype(int))]
     sets = []
-    for file in sorted(last.glob("client-[0-9][0-9][0-9].safetensors")):
-        try:
-            tensors = load_file(str(file))
-        except (SafetensorError, OSError, ValueError):
-            continue
-        images, labels = tensors.get("images"), tensors.get("labels")
-        if images is None or labels is None or images.ndim != 4:
-            continue
-        sets.append(SyntheticSet(int(last.name.split("-")[1]), int(file.stem.split("-")[1]), images, labels))
+    for folder in rounds:
+        for file in sorted(folder.glob("client-[0-9][0-9][0-9].safetensors")):
+            try:
+                tensors = load_file(str(file))
+            except (SafetensorError, OSError, ValueError):
+                continue
+            images, labels = tensors.get("images"), tensors.get("labels")
+            if images is None or labels is None or images.ndim != 4:
+                continue
+            sets.append(SyntheticSet(int(folder.name.split("-")[1]), int(file.stem.split("-")[1]), images, labels))
     return tuple(sets)

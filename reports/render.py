@@ -68,8 +68,9 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "epsilon": _b64(figures.epsilon_curve(run)) if run.privacy.epsilon_per_round else None,
         "roc": _b64(figures.roc_curves(curves, f"ROC, round {run.rounds_done}")) if curves else None,
         "auc_rounds": _b64(figures.auc_per_round(per_round, "Attack AUC per round")) if len(rounds_attacked) > 1 else None,
-        "synthetic": _b64(figures.synthetic_grid(run.synthetic, f"Synthetic sets sent in round {run.synthetic[0].round}"))
-        if run.synthetic else None,
+        "synthetic": [(number, _b64(figures.synthetic_grid([s for s in run.synthetic if s.round == number],
+                                                           f"Synthetic sets sent in round {number}")))
+                      for number in sorted({s.round for s in run.synthetic})],
     } if draw else {}
     strongest = run.strongest_attack
     return {

@@ -19,7 +19,7 @@ from conftest import invoke
 IN_CI = os.environ.get("CI") == "true"
 LAP_ARGS = ("--algorithm", "fedlap", "--dp", "--ipc", "1", "--trajectories", "1", "--max-loops", "1",
             "--real-batches", "1", "--image-steps", "1", "--model-epochs", "1", "--server-epochs", "2",
-            "--rounds", "1", "--save-transmitted")
+            "--rounds", "2", "--save-transmitted")
 ATTACK_ARGS = ("--target", "all", "--signal", "loss", "--method", "threshold",
                "--max-records", "200", "--bootstrap", "50", "--device", "cpu", "--no-progress")
 SECTIONS = ("Setup", "Threat model", "Utility", "Privacy accounting", "Membership inference attacks")
@@ -185,6 +185,7 @@ def test_fedlap_run_shows_its_synthetic_images(trained, tmp_path, cli):
     assert result.exit_code == 0, result.output
     html = (tmp_path / "lap.html").read_text()
     assert "Transmitted synthetic images" in html and "R_i * L * R_b" in html
+    assert all(f"Round {n}: the synthetic sets of every client" in html for n in (1, 2))
     assert read_json(tmp_path / "summary.json")["runs"][0]["setup"]["algorithm"] == "FedLAP-DP"
 
 
@@ -223,3 +224,19 @@ def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(audited, tmp_path, 
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ")
     assert not out.exists()
+
+
+def test_synthetic_images_of_a_long_run_are_shown_for_evenly_spaced_rounds(tmp_path):
+    import torch
+
+    from fedaudit.runs import RunDirectory
+    from reports.collect import SYNTHETIC_ROUNDS, _synthetic
+
+    run = RunDirectory(tmp_path)
+    for number in range(1, 9):
+        for client in range(2):
+            run.save_transmitted(number, client, {"images": torch.full((2, 1, 4, 4), float(number)),
+                                                  "labels": torch.tensor([0, 1])})
+    sets = _synthetic(run)
+    assert SYNTHETIC_ROUNDS == 6 and sorted({s.round for s in sets}) == [1, 2, 4, 5, 7, 8]
+    assert [(s.round, s.client) for s in sets[:2]] == [(1, 0), (1, 1)] and all(s.images[0, 0, 0, 0] == s.round for s in sets)
