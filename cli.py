@@ -120,7 +120,7 @@ def main() -> None:
 @click.option("--local-epochs", type=int, help="Local epochs E. [default: 5]")
 @click.option("--lr", type=float, help="Client learning rate eta_c. [default: 0.1]")
 @click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
-@click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256]")
+@click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256; 32 on digits]")
 @click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
 @click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), help="Client learning rate over rounds. [default: cosine]")
 @click.option("--local-steps", type=int, help="Local steps per round instead of --local-epochs (DP queries per round under DP).")

@@ -24,6 +24,11 @@ WEIGHTINGS = ("num_examples", "uniform")
 LR_SCHEDULES = ("constant", "cosine")
 ACCOUNTANTS = ("rdp", "prv")
 
+# Expected batch size B: the authors' 256 for the 60,000-record image datasets; the 1,797 records of digits
+# leave about 250 per client of the default 5-client split, so B = 256 would make q = B / N_k exceed 1 there.
+DEFAULT_BATCH_SIZE = {"digits": 32}
+PAPER_BATCH_SIZE = 256
+
 # Clipping norms of the authors' DP configurations, per algorithm (ALGORITHMS.md sections 3 and 4).
 DEFAULT_MAX_GRAD_NORM = {"fedavg": 0.1, "fedsgd": 0.1, "fedprox": 0.2, "fedlap": 1.0}
 
@@ -69,7 +74,7 @@ class FederatedConfig:
     local_steps: int | None = None
     client_lr: float | None = None
     momentum: float = 0.0
-    batch_size: int = 256
+    batch_size: int | None = None  # None: DEFAULT_BATCH_SIZE of the dataset
     mu: float = 0.1
     lr_schedule: str | None = None
 
@@ -181,6 +186,8 @@ class RunConfig:
             fed,
             client_lr=fed.client_lr if fed.client_lr is not None else (0.002 if algorithm == "fedlap" else 0.1),
             lr_schedule=fed.lr_schedule if fed.lr_schedule is not None else "cosine",
+            batch_size=fed.batch_size if fed.batch_size is not None
+            else DEFAULT_BATCH_SIZE.get(self.data.dataset, PAPER_BATCH_SIZE),
         )
         lap = self.fedlap
         if algorithm == "fedlap":
@@ -224,7 +231,8 @@ class RunConfig:
                f"--local-steps must be a positive integer, got {f.local_steps!r}.")
         _check(f.client_lr is None or (_is_number(f.client_lr) and f.client_lr > 0), f"--lr must be positive, got {f.client_lr!r}.")
         _check(_is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
-        _check(_is_int(f.batch_size) and f.batch_size >= 1, f"--batch-size must be a positive integer, got {f.batch_size!r}.")
+        _check(f.batch_size is None or (_is_int(f.batch_size) and f.batch_size >= 1),
+               f"--batch-size must be a positive integer, got {f.batch_size!r}.")
         _check(_is_number(f.mu) and f.mu >= 0, f"--mu must be non-negative, got {f.mu!r}.")
         _check(f.lr_schedule is None or f.lr_schedule in LR_SCHEDULES,
                f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{f.lr_schedule}'.")

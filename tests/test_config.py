@@ -123,6 +123,12 @@ def test_resolved_keeps_given_values_and_leaves_sigma_to_calibration():
     assert (custom.federated.client_lr, custom.federated.lr_schedule) == (0.05, "cosine")
 
 
+def test_resolved_batch_size_is_the_paper_s_except_on_the_small_digits_data():
+    assert RunConfig(data=DataConfig(dataset="fashion-mnist")).resolved().federated.batch_size == 256
+    assert RunConfig().resolved().federated.batch_size == 32  # digits: about 250 records per default client
+    assert CUSTOM.resolved().federated.batch_size == 16
+
+
 def test_resolved_without_dp_writes_no_mechanism():
     config = RunConfig().resolved()
     assert config.privacy.noise_multiplier is None and config.privacy.max_grad_norm is None
