@@ -4,8 +4,12 @@ The epsilon lower bound follows ALGORITHMS.md section 6: an (eps, delta)-DP
 mechanism makes every membership test obey TPR <= e^eps FPR + delta and
 TNR <= e^eps FNR + delta. With one-sided Clopper-Pearson bounds (TPR and TNR
 from below, FPR and FNR from above) each threshold of the ROC gives
-eps >= log((TPR_lo - delta) / FPR_hi) and eps >= log((TNR_lo - delta) / FNR_hi);
-the bound is the largest of these, or 0 when none is positive.
+eps >= log((TPR_lo - delta) / FPR_hi) and eps >= log((TNR_lo - delta) / FNR_hi).
+Neighbouring datasets differ by adding or removing one record, a symmetric
+relation, so the same holds with members and non-members swapped
+(FPR <= e^eps TPR + delta, FNR <= e^eps TNR + delta): an attack whose scores run
+the wrong way (AUC well below 0.5) also bounds epsilon. The bound is the
+largest of these, or 0 when none is positive.
 
 Each bound holds with 95% confidence for one threshold fixed in advance; the
 maximum over all thresholds is chosen after seeing the data, which lowers the
@@ -125,8 +129,13 @@ def _epsilon_lower_bound(curve: ROC, positives: int, negatives: int, *, delta: f
     fpr_hi = clopper_pearson_upper(fp, negatives, confidence=confidence)
     tnr_lo = clopper_pearson_lower(negatives - fp, negatives, confidence=confidence)
     fnr_hi = clopper_pearson_upper(positives - tp, positives, confidence=confidence)
+    fpr_lo = clopper_pearson_lower(fp, negatives, confidence=confidence)
+    tpr_hi = clopper_pearson_upper(tp, positives, confidence=confidence)
+    fnr_lo = clopper_pearson_lower(positives - tp, positives, confidence=confidence)
+    tnr_hi = clopper_pearson_upper(negatives - fp, negatives, confidence=confidence)
     with np.errstate(divide="ignore", invalid="ignore"):
-        bounds = np.concatenate([np.log((tpr_lo - delta) / fpr_hi), np.log((tnr_lo - delta) / fnr_hi)])
+        bounds = np.concatenate([np.log((tpr_lo - delta) / fpr_hi), np.log((tnr_lo - delta) / fnr_hi),
+                                 np.log((fpr_lo - delta) / tpr_hi), np.log((fnr_lo - delta) / tnr_hi)])
     bounds = bounds[np.isfinite(bounds)]
     return float(max(0.0, bounds.max())) if bounds.size else 0.0
 

@@ -62,13 +62,19 @@ class AttackOptions:
             for name in given:
                 if name not in known:
                     raise AttackError(f"Unknown --{kind} {name!r}; choose from {', '.join(known)}.")
+        if not isinstance(self.target, str):
+            raise AttackError(f"--target must be final, all or round:N, got {self.target!r}.")
         parse_target(self.target)
         if self.nonmembers not in NONMEMBER_SOURCES:
             raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
         for option, value, least in (("--max-records", self.max_records, 2), ("--batch-size", self.batch_size, 1),
-                                     ("--bootstrap", self.resamples, 1)):
-            if value < least:
-                raise AttackError(f"{option} must be at least {least}, got {value}.")
+                                     ("--bootstrap", self.resamples, 1), ("--seed", self.seed, 0)):
+            if option == "--seed" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise AttackError(f"{option} must be an integer of at least {least}, got {value!r}.")
+        if not isinstance(self.per_layer, bool):
+            raise AttackError(f"--per-layer must be true or false, got {self.per_layer!r}.")
 
 
 def parse_target(text: str) -> str | int:
@@ -229,6 +235,7 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
         "seed": seed,
         "nonmembers": options.nonmembers,
         "max_records": options.max_records,
+        "per_layer": options.per_layer,
         "num_members": int(member.sum()),
         "num_nonmembers": int((member == 0).sum()),
         "num_attack_train_members": int((ev.member[fitted] == 1).sum()),
@@ -272,33 +279,41 @@ def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray) -> dic
     return table
 
 
+def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int]:
+    """The result directories ``options`` would write for ``run`` as it stands, each with the round it attacks
+    (empty when the run cannot be attacked)."""
+    try:
+        done = run.read_manifest().get("rounds_done")
+        targets = attack_targets(run, parse_target(options.target), done if isinstance(done, int) else 0)
+    except (RunError, AttackError):
+        return {}
+    return {f"{signal}-{method}{target.suffix}": target.round for target in targets for signal in options.signals
+            for method in options.methods}
+
+
 def results_current(path: str | Path, options: AttackOptions) -> bool:
     """Whether ``path`` already holds every result ``options`` would write, for its current rounds and settings.
 
     A result counts when its metrics.json (written last) names the same round, seed,
-    non-member source, record cap and bootstrap size; anything else means recomputing.
+    non-member source, record cap, bootstrap size and per-layer choice; anything else means recomputing.
     """
     run = RunDirectory(path)
     try:
         config = RunConfig.from_dict(run.read_config())
-        done = run.read_manifest().get("rounds_done")
-        targets = attack_targets(run, parse_target(options.target), done if isinstance(done, int) else 0)
-    except (RunError, AttackError, ValueError):
+    except (RunError, ValueError):
         return False
+    names = expected_results(run, options)
     seed = config.seed if options.seed is None else options.seed
     expected = {"seed": seed, "nonmembers": options.nonmembers, "max_records": options.max_records,
-                "bootstrap_resamples": options.resamples}
-    for target in targets:
-        for signal in options.signals:
-            for method in options.methods:
-                file = run.path / ATTACKS_DIR / f"{signal}-{method}{target.suffix}" / "metrics.json"
-                try:
-                    metrics = run.read_json(file)
-                except RunError:
-                    return False
-                if metrics.get("round") != target.round or any(metrics.get(k) != v for k, v in expected.items()):
-                    return False
-    return True
+                "bootstrap_resamples": options.resamples, "per_layer": options.per_layer}
+    for name, round_number in names.items():
+        try:
+            metrics = run.read_json(run.path / ATTACKS_DIR / name / "metrics.json")
+        except RunError:
+            return False
+        if metrics.get("round") != round_number or any(metrics.get(k) != v for k, v in expected.items()):
+            return False
+    return bool(names)
 
 
 def write_result(run: RunDirectory, result: AttackResult) -> Path:

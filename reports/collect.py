@@ -139,7 +139,12 @@ def collect_runs(paths: list[str | Path]) -> list[RunSummary]:
     """Read every run; a path that is not a fedaudit run is a :class:`ReportError`."""
     if not paths:
         raise ReportError("Give at least one run directory.")
-    summaries = [collect_run(Path(p)) for p in paths]
+    seen: set[Path] = set()
+    summaries = []
+    for path in map(Path, paths):
+        if path.resolve() not in seen:  # a run given twice is one run, not two seeds of a setting
+            seen.add(path.resolve())
+            summaries.append(collect_run(path))
     names = [s.name for s in summaries]
     if len(set(names)) < len(names):
         summaries = [_renamed(s, f"{s.name} ({i + 1})") for i, s in enumerate(summaries)]
@@ -171,9 +176,12 @@ def collect_run(path: Path) -> RunSummary:
     except RunError as exc:
         raise ReportError(str(exc)) from exc
     notes: list[Note] = []
-    setup = _setup(config, manifest)
-    privacy = _privacy(config, manifest, ledger, path, notes)
-    attacks = _attacks(path, notes)
+    try:
+        setup = _setup(config, manifest)
+        privacy = _privacy(config, manifest, ledger, path, notes)
+        attacks = _attacks(path, notes)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise ReportError(f"{path} holds malformed run or attack files ({type(exc).__name__}: {exc}).") from exc
     synthetic = _synthetic(run) if config.get("federated", {}).get("algorithm") == "fedlap" else ()
     if config.get("federated", {}).get("algorithm") == "fedlap" and not synthetic:
         notes.append(Note("No synthetic sets were stored, so none are shown.",

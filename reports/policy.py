@@ -13,8 +13,8 @@ from reports.collect import ReportError, RunSummary
 
 LIMITS: dict[str, str] = {
     "max_epsilon": "accountant's epsilon after the last round <= {limit:g} at delta {delta}",
-    "max_attack_auc": "upper 95% bound of the strongest attack's AUC <= {limit:g}",
-    "max_tpr_at_0_1pct_fpr": "TPR at 0.1% FPR of every attack <= {limit:g}",
+    "max_attack_auc": "upper 95% bound of the AUC of every attack on the final model <= {limit:g}",
+    "max_tpr_at_0_1pct_fpr": "TPR at 0.1% FPR of every attack on the final model <= {limit:g}",
     "min_accuracy": "final test accuracy >= {limit:g}",
 }
 OPTIONS = ("delta",)
@@ -102,9 +102,12 @@ def _epsilon(policy: Policy, run: RunSummary, limit: float) -> tuple[float | Non
     if not privacy.epsilon_per_round:
         return None, False, "not available: the privacy ledger is missing"
     eps = privacy.epsilon
-    if policy.delta is not None and privacy.delta is not None and privacy.delta > policy.delta:
+    if policy.delta is not None and privacy.delta is None:
+        return eps, False, f"the run's delta is not recorded, so it cannot be compared with the policy's delta {policy.delta:g}"
+    if policy.delta is not None and privacy.delta > policy.delta:
         return eps, False, f"accounted at delta {privacy.delta:g}, larger than the policy's delta {policy.delta:g}"
-    return eps, eps <= limit, f"epsilon {eps:.4g} at delta {privacy.delta:g}"
+    delta = "not recorded" if privacy.delta is None else f"{privacy.delta:g}"
+    return eps, eps <= limit, f"epsilon {eps:.4g} at delta {delta}"
 
 
 def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, bool, str]:

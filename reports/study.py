@@ -11,6 +11,7 @@ seed, a budget or an algorithm to a study therefore trains only the new runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -20,14 +21,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from attacks.runner import AttackOptions, results_current, run_attacks
+from attacks.runner import ATTACKS_DIR, AttackOptions, expected_results, parse_target, results_current, run_attacks
 from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import ALGORITHMS, ConfigError, RunConfig, load_config_file
 from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
 from fedaudit.training import Setup, prepare, resume, train_setup
 from reports.collect import ReportError, collect_runs
 from reports.policy import load_policy, read_yaml
-from reports.render import FORMATS, ReportOutcome, output_paths, write_report
+from reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
 
 STUDY_FORMAT = "fedaudit-study"
 STUDY_FILE = "study.json"
@@ -236,9 +237,12 @@ def plan(study: Study) -> list[PlannedRun]:
     for seed in study.seeds:
         for budget in study.budgets:
             for algorithm in study.algorithms:
+                name = f"{algorithm}-{budget.slug}-seed{seed}"
+                if any(run.name == name for run in runs):
+                    continue  # the same run given twice (sigma:1 and sigma:1.0, none and no-dp, ...)
                 config = budget.apply(replace(study.base, seed=seed,
                                               federated=replace(study.base.federated, algorithm=algorithm)))
-                runs.append(PlannedRun(f"{algorithm}-{budget.slug}-seed{seed}", algorithm, budget, seed, config))
+                runs.append(PlannedRun(name, algorithm, budget, seed, config))
     if study.equal_data_access:
         runs = [_equal_data_access(run) for run in runs]
     return runs
@@ -261,42 +265,61 @@ def run_study(study: Study, out: str | Path, *, overwrite: bool = False, progres
     """Train, attack and report every run of ``study`` under ``out``, skipping what is already done.
 
     Everything that can be checked (the study, every run's configuration and data,
-    the attack options, the report formats and policy) is checked before anything
-    is written. With ``overwrite``, runs whose stored configuration differs from
-    the plan are retrained instead of being an error.
+    the attack options, the report formats and policy, runs already in ``out``) is
+    checked before anything is written. With ``overwrite``, runs whose stored
+    configuration differs from the plan are retrained instead of being an error.
     """
     folder = Path(out)
     planned = plan(study)
+    if folder.suffix.lower() in SUFFIXES:
+        raise StudyError(f"--out {folder} names a report file, but a study needs a directory (the report goes inside it).")
     output_paths(folder, study.formats)
     policy = load_policy(study.policy) if study.policy else None
     setups = [prepare(run.config) for run in planned]
+    target = parse_target(study.attack.target)
+    if isinstance(target, int) and any(target > setup.config.federated.rounds for setup in setups):
+        raise StudyError(f"--target round:{target} asks for a round after the last one the study trains.")
+    _check_folder(folder)
+    actions = [_action(folder / RUNS_DIR / run.name, setup, overwrite) for run, setup in zip(planned, setups)]
     _claim(folder, study, [run.name for run in planned])
     attack = replace(study.attack, device=study.base.device, progress=False)
     directories = []
     with tqdm(total=2 * len(planned), desc="study", unit="step", disable=not progress) as bar:
-        for index, (run, setup) in enumerate(zip(planned, setups), start=1):
+        for index, (run, setup, action) in enumerate(zip(planned, setups, actions), start=1):
+            say = functools.partial(_say, echo, f"[{index}/{len(planned)}] {run.name}")
             directory = folder / RUNS_DIR / run.name
             bar.set_postfix_str(f"train {run.name}")
-            echo(f"[{index}/{len(planned)}] {run.name}: {_train(directory, setup, overwrite)}")
+            say(_train(directory, setup, action))
             bar.update()
             bar.set_postfix_str(f"attack {run.name}")
             if results_current(directory, attack):
-                echo(f"[{index}/{len(planned)}] {run.name}: attack results are up to date")
+                say("attack results are up to date")
             else:
-                run_attacks([directory], attack, echo=lambda line, name=run.name, i=index: echo(f"[{i}/{len(planned)}] {name}: {line}"))
+                run_attacks([directory], attack, echo=say)
+            stale = _prune_results(directory, attack)
+            if stale:
+                say(f"removed attack results the study no longer asks for: {', '.join(stale)}")
             bar.update()
             directories.append(directory)
     return write_report(collect_runs(directories), folder, study.formats, policy)
 
 
-def _claim(folder: Path, study: Study, names: list[str]) -> None:
-    """Make ``folder`` a study directory (or check that it is one) and record the study in study.json."""
-    record = folder / STUDY_FILE
+def _say(echo: Echo, prefix: str, line: str) -> None:
+    echo(f"{prefix}: {line}")
+
+
+def _check_folder(folder: Path) -> None:
+    """``folder`` must be new, empty, or a study directory (with study.json)."""
     if folder.exists() and not folder.is_dir():
         raise StudyError(f"--out {folder} exists and is not a directory.")
-    if folder.is_dir() and any(folder.iterdir()) and not record.is_file():
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / STUDY_FILE).is_file():
         raise StudyError(f"--out {folder} is a non-empty directory without {STUDY_FILE}, so it is not a fedaudit study; "
                          "choose another --out.")
+
+
+def _claim(folder: Path, study: Study, names: list[str]) -> None:
+    """Record the study in ``folder``/study.json (keeping when the study directory was created)."""
+    record = folder / STUDY_FILE
     created = now_iso()
     if record.is_file():
         try:
@@ -307,29 +330,46 @@ def _claim(folder: Path, study: Study, names: list[str]) -> None:
                                "study": study.to_dict(), "runs": names})
 
 
-def _train(directory: Path, setup: Setup, overwrite: bool) -> str:
-    """Train, resume or keep the run at ``directory``; returns what was done, in words."""
+def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
+    """What the run at ``directory`` needs: "train", "retrain", "resume" or "keep" (checked before anything runs)."""
     run = RunDirectory(directory)
-    if run.is_run():
-        try:
-            stored = run.read_config()
-        except RunError:
-            stored = None
-        if _comparable(stored) != _comparable(setup.config.to_dict()):
-            if not overwrite:
-                raise StudyError(f"{directory} holds a run whose configuration differs from the one the study plans; "
-                                 "remove it, or pass --overwrite to retrain it.")
-            shutil.rmtree(directory)
-        else:
-            done = run.read_manifest().get("rounds_done", 0)
-            if done == setup.config.federated.rounds:
-                return f"complete ({done} rounds), kept"
-            result = resume(directory, device=setup.config.device, progress=False, echo=lambda line: None)
-            return f"resumed from round {done}: {_outcome(result.test_accuracy, result.epsilon)}"
-    elif directory.exists():
-        shutil.rmtree(directory)  # a run that crashed before its manifest was written: nothing to keep
+    if not run.is_run():
+        return "retrain" if directory.exists() else "train"  # a run that crashed before its manifest: nothing to keep
+    try:
+        stored = run.read_config()
+        done = run.read_manifest().get("rounds_done", 0)
+    except RunError:
+        stored, done = None, 0
+    if _comparable(stored) != _comparable(setup.config.to_dict()):
+        if not overwrite:
+            raise StudyError(f"{directory} holds a run whose configuration differs from the one the study plans; "
+                             "remove it, or pass --overwrite to retrain it.")
+        return "retrain"
+    return "keep" if done == setup.config.federated.rounds else "resume"
+
+
+def _train(directory: Path, setup: Setup, action: str) -> str:
+    """Carry out :func:`_action`'s verdict; returns what was done, in words."""
+    if action == "keep":
+        return f"complete ({setup.config.federated.rounds} rounds), kept"
+    if action == "resume":
+        done = RunDirectory(directory).read_manifest().get("rounds_done", 0)
+        result = resume(directory, device=setup.config.device, progress=False, echo=lambda line: None)
+        return f"resumed from round {done}: {_outcome(result.test_accuracy, result.epsilon)}"
+    if action == "retrain":
+        shutil.rmtree(directory)
     result = train_setup(setup, directory, progress=False, echo=lambda line: None)
     return f"trained {result.rounds_done} rounds: {_outcome(result.test_accuracy, result.epsilon)}"
+
+
+def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
+    """Remove attack results of this study's run that the study no longer asks for, so its report shows only the study."""
+    expected = set(expected_results(RunDirectory(directory), options))
+    folder = directory / ATTACKS_DIR
+    stale = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name not in expected) if folder.is_dir() else []
+    for name in stale:
+        shutil.rmtree(folder / name)
+    return stale
 
 
 def _comparable(config: dict[str, Any] | None) -> dict[str, Any] | None:

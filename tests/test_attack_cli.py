@@ -268,6 +268,8 @@ def test_dp_run_without_its_ledger_is_a_user_error(dp_run, tmp_path, cli):
         (("--target", "round:x"), "--target"),
         (("--nonmembers", "train"), "--nonmembers"),
         (("--max-records", "1"), "--max-records"),
+        (("--seed", "-1"), "--seed"),
+        (("--bootstrap", "0"), "--bootstrap"),
     ],
 )
 def test_bad_options_are_user_errors(plain_run, tmp_path, cli, args, mentions):

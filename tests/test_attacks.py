@@ -144,6 +144,17 @@ def test_epsilon_lower_bound_of_two_gaussians_stays_below_the_truth(mu: float) -
     assert min(bounds[3:]) > max(bounds[:3])  # more records, a tighter bound
 
 
+@pytest.mark.parametrize("mu", [0.0, 1.0, 4.0])
+def test_epsilon_lower_bound_holds_for_scores_that_run_the_wrong_way(mu: float) -> None:
+    """Add/remove neighbours are symmetric, so swapping members and non-members bounds epsilon just the same."""
+    rng = np.random.default_rng(3)
+    score = np.concatenate([rng.normal(mu, 1, 3000), rng.normal(0, 1, 3000)])
+    member = labels(3000, 3000)
+    forward, backward = (epsilon_lower_bound(member, s, delta=DELTA) for s in (score, -score))
+    assert backward == pytest.approx(forward, rel=1e-9, abs=1e-12)
+    assert forward < (gaussian_epsilon(mu, DELTA) if mu else 0.1)
+
+
 def test_epsilon_lower_bound_of_two_gaussians_approaches_the_truth() -> None:
     """At a large delta the best threshold is moderate, so 20000 records per side come close to the closed form."""
     mu, delta = 1.0, 0.1

@@ -219,11 +219,53 @@ def test_a_run_that_differs_from_the_plan_is_an_error_unless_overwritten(study, 
     config = read_json(out / "runs" / "fedavg-nodp-seed0" / "config.json")
     config["federated"]["momentum"] = 0.5
     (out / "runs" / "fedavg-nodp-seed0" / "config.json").write_text(json.dumps(config))
-    assert_user_error(compare("--study", study_file, "--out", out), mentions="--overwrite")
+    recorded = (out / "study.json").read_bytes()
+    result = compare("--study", study_file, "--out", out, "--seed", "2", "--seed", "0")
+    assert_user_error(result, mentions="--overwrite")
+    # found before anything ran: the new seed's runs were not trained and study.json is as it was
+    assert not list((out / "runs").glob("*-seed2")) and (out / "study.json").read_bytes() == recorded
     result = compare("--study", study_file, "--out", out, "--overwrite")
     assert result.exit_code == 0, result.output
     assert "fedavg-nodp-seed0: trained 2 rounds" in result.stdout
     assert read_json(out / "runs" / "fedavg-nodp-seed0" / "config.json")["federated"]["momentum"] == 0.0
+
+
+@pytest.mark.parametrize("args, mentions", [
+    (("--out", "{tmp}/report.html"), "names a report file"),
+    (("--out", "{tmp}/o", "--target", "round:3"), "round:3"),
+])
+def test_outputs_and_targets_that_cannot_work_are_refused_first(study, tmp_path, args, mentions):
+    study_file, _, _ = study
+    result = compare("--study", study_file, *(a.format(tmp=tmp_path) for a in args))
+    assert_user_error(result, mentions=mentions)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("attack, mentions", [
+    ({"max_records": "abc"}, "--max-records"), ({"bootstrap": 50.5}, "--bootstrap"), ({"target": 5}, "--target"),
+    ({"seed": -1}, "--seed"), ({"per_layer": "yes"}, "--per-layer"),
+])
+def test_malformed_attack_settings_are_one_sentence(tmp_path, attack, mentions):
+    study = write_study(tmp_path, attack={**STUDY["attack"], **attack})
+    assert_user_error(compare("--study", study, "--out", tmp_path / "out"), mentions=mentions)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_same_run_given_twice_is_planned_once(tmp_path):
+    study = load_study(write_study(tmp_path, budgets=["sigma:1", "sigma:1.0", "none", "no-dp"], seeds=[0, 0]))
+    assert [run.name for run in plan(study)] == ["fedavg-sigma1-seed0", "fedlap-sigma1-seed0", "fedavg-nodp-seed0",
+                                                 "fedlap-nodp-seed0"]
+
+
+def test_results_the_study_no_longer_asks_for_are_removed(study, tmp_path):
+    study_file, original, _ = study
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    result = compare("--study", study_file, "--out", out, "--signal", "confidence")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("no longer asks for: loss-threshold") == len(NAMES)
+    for name in NAMES:
+        assert sorted(p.name for p in (out / "runs" / name / "attacks").iterdir()) == ["confidence-threshold"]
+    assert {a["signal"] for run in read_json(out / "summary.json")["runs"] for a in run["attacks"]} == {"confidence"}
 
 
 def test_out_must_be_a_study_directory(study, tmp_path):

@@ -240,3 +240,21 @@ def test_synthetic_images_of_a_long_run_are_shown_for_evenly_spaced_rounds(tmp_p
     sets = _synthetic(run)
     assert SYNTHETIC_ROUNDS == 6 and sorted({s.round for s in sets}) == [1, 2, 4, 5, 7, 8]
     assert [(s.round, s.client) for s in sets[:2]] == [(1, 0), (1, 1)] and all(s.images[0, 0, 0, 0] == s.round for s in sets)
+
+
+def test_a_run_given_twice_is_reported_once(audited, tmp_path, cli):
+    result = cli("report", audited, str(audited) + "/", "--out", tmp_path / "r.md")
+    assert result.exit_code == 0, result.output
+    assert len(read_json(tmp_path / "summary.json")["runs"]) == 1
+
+
+def test_a_policy_delta_fails_a_run_whose_delta_is_unknown():
+    from reports.collect import PrivacySummary, RunSummary
+    from reports.policy import Policy, check_run
+
+    run = RunSummary("r", Path("r"), {"algorithm": "DP-FedAvg", "privacy budget": "sigma 1"}, pd.DataFrame(),
+                     PrivacySummary(dp=True, delta=None, epsilon_per_round=(1.0,)), (), (), ())
+    (check,) = check_run(Policy(max_epsilon=8.0, delta=1e-5), run)
+    assert not check.passed and "not recorded" in check.detail
+    (check,) = check_run(Policy(max_epsilon=8.0), run)
+    assert check.passed
