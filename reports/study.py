@@ -289,7 +289,7 @@ def run_study(study: Study, out: str | Path, *, overwrite: bool = False, progres
             say = functools.partial(_say, echo, f"[{index}/{len(planned)}] {run.name}")
             directory = folder / RUNS_DIR / run.name
             bar.set_postfix_str(f"train {run.name}")
-            say(_train(directory, setup, action))
+            say(_train(directory, setup, action, say))
             bar.update()
             bar.set_postfix_str(f"attack {run.name}")
             if results_current(directory, attack):
@@ -348,17 +348,17 @@ def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
     return "keep" if done == setup.config.federated.rounds else "resume"
 
 
-def _train(directory: Path, setup: Setup, action: str) -> str:
-    """Carry out :func:`_action`'s verdict; returns what was done, in words."""
+def _train(directory: Path, setup: Setup, action: str, echo: Echo) -> str:
+    """Carry out :func:`_action`'s verdict (``echo`` gets a line per round); returns what was done, in words."""
     if action == "keep":
         return f"complete ({setup.config.federated.rounds} rounds), kept"
     if action == "resume":
         done = RunDirectory(directory).read_manifest().get("rounds_done", 0)
-        result = resume(directory, device=setup.config.device, progress=False, echo=lambda line: None)
+        result = resume(directory, device=setup.config.device, progress=False, echo=echo)
         return f"resumed from round {done}: {_outcome(result.test_accuracy, result.epsilon)}"
     if action == "retrain":
         shutil.rmtree(directory)
-    result = train_setup(setup, directory, progress=False, echo=lambda line: None)
+    result = train_setup(setup, directory, progress=False, echo=echo)
     return f"trained {result.rounds_done} rounds: {_outcome(result.test_accuracy, result.epsilon)}"
 
 
