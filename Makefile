@@ -10,7 +10,7 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,flower]'
 	touch $@
 
 # The main job on the bundled digits dataset: DP-FedAvg with record-level DP-SGD, attacked after every

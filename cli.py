@@ -61,6 +61,7 @@ TRAIN_OPTION_FIELDS: dict[str, str] = {
     "accountant": "privacy.accountant",
     "seed": "seed",
     "device": "device",
+    "engine": "engine",
 }
 
 
@@ -142,6 +143,7 @@ def main() -> None:
 @click.option("--equal-data-access", is_flag=True, help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.")
 @click.option("--seed", type=int, help="Seed of every random choice in the run. [default: 0]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train. [default: auto]")
+@click.option("--engine", type=click.Choice(["local", "flower"]), help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the same seed gives the same run on both. [default: local]")
 @click.option("--out", type=click.Path(), help="Run directory to create.")
 @click.option("--resume", "resume_dir", type=click.Path(), help="Continue the interrupted run in this directory (only --rounds may change).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing run at --out.")
@@ -269,7 +271,7 @@ def _finish_report(outcome: Any) -> None:
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
 COMPARE_BASE_OPTIONS = ("dataset", "data_dir", "partition", "num_clients", "holdout_fraction", "model", "width", "depth",
                         "rounds", "client_fraction", "local_epochs", "lr", "batch_size", "max_grad_norm", "delta",
-                        "accountant", "device")
+                        "accountant", "device", "engine")
 
 
 @main.command()

@@ -20,6 +20,7 @@ import yaml
 
 ALGORITHMS = ("fedavg", "fedprox", "fedsgd", "fedlap")
 DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("local", "flower")
 WEIGHTINGS = ("num_examples", "uniform")
 LR_SCHEDULES = ("constant", "cosine")
 ACCOUNTANTS = ("rdp", "prv")
@@ -130,6 +131,7 @@ class RunConfig:
 
     seed: int = 0
     device: str = "auto"
+    engine: str = "local"  # who runs the clients: in-process, or Flower's simulation runtime (same results)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
@@ -210,6 +212,7 @@ class RunConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
         _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
+        _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'.")
         _check(_is_int(self.seed) and self.seed >= 0, f"--seed must be a non-negative integer, got {self.seed!r}.")
         d, m, f, p = self.data, self.model, self.federated, self.privacy
         for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):

@@ -25,7 +25,7 @@ from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData, RoundContext, TensorDict, clone_params, load_params
 from fedaudit.config import ConfigError, RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
-from fedaudit.engine.local import LocalEngine
+from fedaudit.engine import make_engine
 from fedaudit.models import ModelSpec, build_model, default_depth, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, calibrate_noise_multiplier, round_events
 from fedaudit.runs import RunDirectory, RunError, now_iso, versions
@@ -75,6 +75,12 @@ def resolve_device(name: str) -> torch.device:
 def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
     """Resolve and check a configuration, load the data and build the partition; writes nothing."""
     config = config.resolved()
+    if config.engine == "flower":
+        from fedaudit.engine.flower import flower_available
+
+        missing = flower_available()
+        if missing:
+            raise TrainingError(missing)
     dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
     partition = partition_dataset(
         dataset.train_y.numpy(),
@@ -289,7 +295,7 @@ def _manifest(setup: Setup, *, status: str, rounds_done: int, created: str) -> d
         "created": created,
         "algorithm": config.federated.algorithm,
         "dp": config.privacy.dp,
-        "engine": "local",
+        "engine": config.engine,
         "device": str(setup.device),
         "versions": versions(),
         "dataset": {
@@ -360,65 +366,65 @@ def _run_rounds(
     test_x, test_y = dataset.test_x.to(device), dataset.test_y.to(device)
     model = build_model(setup.spec).to(device)
     params = {name: p.to(device) for name, p in params.items()}
-    engine = LocalEngine(progress=progress)
     accuracy = float(rows[-1]["test_accuracy"]) if rows else float("nan")
-    try:
-        for m in tqdm(range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress):
-            began = time.perf_counter()
-            ctx = RoundContext(round=m, rounds=rounds, config=config, device=device)
-            selected = select_clients(config.seed, m, len(clients), config.federated.client_fraction)
-            messages = engine.run_clients(
-                setup.algorithm, model, params, [clients[k] for k in selected], ctx,
-                lambda k: make_generator(config.seed, Stream.CLIENT, m, k, device=device),
-                states,
-            )
-            states.update({msg.client_id: msg.state for msg in messages if msg.state})
-            result = setup.algorithm.server_update(
-                model, params, messages, ctx, make_generator(config.seed, Stream.SERVER, m, device=device)
-            )
-            params = clone_params(result.params)
-            wall = time.perf_counter() - began
-            epsilon = float("inf")
-            if ledger is not None:
-                epsilon = ledger.record_round(_round_privacy_events(setup, messages, selected))
-            accuracy, loss = evaluate(model, params, test_x, test_y)
-            rows.append({
-                "round": m + 1,
-                "test_accuracy": accuracy,
-                "test_loss": loss,
-                "epsilon": epsilon,
-                "wall_seconds": wall,
-                "bytes_up": sum(msg.nbytes for msg in messages),
-                "clients": len(messages),
-                **{key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
-            })
-            run.save_checkpoint(m + 1, params, {
-                **_checkpoint_state(config.seed, m + 1),
-                "clients": [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in messages],
-                "server": {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
-            })
-            if states:
-                run.save_client_states(m + 1, states)
-            if config.save_transmitted:
-                for msg in messages:
-                    run.save_transmitted(m + 1, msg.client_id, msg.payload)
-            run.save_model(params, {"round": str(m + 1), "algorithm": config.federated.algorithm})
-            run.write_metrics(rows)
-            if ledger is not None:
-                run.write_privacy(ledger.to_dict())
-            manifest.update(rounds_done=m + 1, status="complete" if m + 1 == rounds else "running")
+    with make_engine(config, num_clients=len(clients), progress=progress) as engine:
+        try:
+            for m in tqdm(range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress):
+                began = time.perf_counter()
+                ctx = RoundContext(round=m, rounds=rounds, config=config, device=device)
+                selected = select_clients(config.seed, m, len(clients), config.federated.client_fraction)
+                messages = engine.run_clients(
+                    setup.algorithm, model, params, [clients[k] for k in selected], ctx,
+                    lambda k: make_generator(config.seed, Stream.CLIENT, m, k, device=device),
+                    states,
+                )
+                states.update({msg.client_id: msg.state for msg in messages if msg.state})
+                result = setup.algorithm.server_update(
+                    model, params, messages, ctx, make_generator(config.seed, Stream.SERVER, m, device=device)
+                )
+                params = clone_params(result.params)
+                wall = time.perf_counter() - began
+                epsilon = float("inf")
+                if ledger is not None:
+                    epsilon = ledger.record_round(_round_privacy_events(setup, messages, selected))
+                accuracy, loss = evaluate(model, params, test_x, test_y)
+                rows.append({
+                    "round": m + 1,
+                    "test_accuracy": accuracy,
+                    "test_loss": loss,
+                    "epsilon": epsilon,
+                    "wall_seconds": wall,
+                    "bytes_up": sum(msg.nbytes for msg in messages),
+                    "clients": len(messages),
+                    **{key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
+                })
+                run.save_checkpoint(m + 1, params, {
+                    **_checkpoint_state(config.seed, m + 1),
+                    "clients": [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in messages],
+                    "server": {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
+                })
+                if states:
+                    run.save_client_states(m + 1, states)
+                if config.save_transmitted:
+                    for msg in messages:
+                        run.save_transmitted(m + 1, msg.client_id, msg.payload)
+                run.save_model(params, {"round": str(m + 1), "algorithm": config.federated.algorithm})
+                run.write_metrics(rows)
+                if ledger is not None:
+                    run.write_privacy(ledger.to_dict())
+                manifest.update(rounds_done=m + 1, status="complete" if m + 1 == rounds else "running")
+                run.write_manifest(manifest)
+                eps_text = f"epsilon {epsilon:.3f}" if ledger is not None else "no DP"
+                echo(f"round {m + 1}/{rounds}: test accuracy {accuracy:.4f}, loss {loss:.4f}, {eps_text}, "
+                     f"{wall:.1f}s, {rows[-1]['bytes_up'] / 1e6:.2f} MB up")
+        except KeyboardInterrupt:
+            manifest.update(status="interrupted")
             run.write_manifest(manifest)
-            eps_text = f"epsilon {epsilon:.3f}" if ledger is not None else "no DP"
-            echo(f"round {m + 1}/{rounds}: test accuracy {accuracy:.4f}, loss {loss:.4f}, {eps_text}, "
-                 f"{wall:.1f}s, {rows[-1]['bytes_up'] / 1e6:.2f} MB up")
-    except KeyboardInterrupt:
-        manifest.update(status="interrupted")
-        run.write_manifest(manifest)
-        raise
-    except BaseException:
-        manifest.update(status="failed")
-        run.write_manifest(manifest)
-        raise
+            raise
+        except BaseException:
+            manifest.update(status="failed")
+            run.write_manifest(manifest)
+            raise
     if start == rounds:
         manifest.update(status="complete")
         run.write_manifest(manifest)

@@ -1,1 +1,20 @@
-"""Engines that run clients: in-process (local) and, later, Flower."""
+"""Engines that run the clients of a round: in-process (local) or on Flower's simulation runtime (flower)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedaudit.engine.local import LocalEngine
+
+if TYPE_CHECKING:
+    from fedaudit.config import RunConfig
+    from fedaudit.engine.flower import FlowerEngine
+
+
+def make_engine(config: RunConfig, *, num_clients: int, progress: bool) -> LocalEngine | FlowerEngine:
+    """The engine ``config.engine`` names, as a context manager that releases what it started."""
+    if config.engine == "flower":
+        from fedaudit.engine.flower import FlowerEngine
+
+        return FlowerEngine(config, num_clients=num_clients)  # replies come back together: no per-client bar
+    return LocalEngine(progress=progress)

@@ -19,6 +19,12 @@ class LocalEngine:
     def __init__(self, *, progress: bool = True) -> None:
         self.progress = progress
 
+    def __enter__(self) -> "LocalEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
     def run_clients(
         self,
         algorithm: Algorithm,

@@ -1,0 +1,265 @@
+"""Flower engine: every client runs as a Flower ClientApp on a virtual SuperNode of Flower's simulation runtime (Ray).
+
+The round loop stays in :mod:`fedaudit.training`. This engine starts Flower's
+simulation once per training session, in a background thread whose ServerApp
+serves rounds as they come: :meth:`FlowerEngine.run_clients` sends each
+selected client one Flower ``Message`` (the global model, what the client kept
+from its last round, the round and the run's configuration) and turns the
+replies back into :class:`ClientMessage` objects. A ClientApp rebuilds its
+client's records from the configuration (dataset, partition and seed), so no
+training data crosses the wire, and draws its randomness from the same
+derived stream (seed, client stream, round, client) as the local engine: the
+same seed gives the same run on both.
+
+Flower and Ray are the optional ``flower`` extra (``pip install 'fedaudit[flower]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+from fedaudit.config import RunConfig
+from fedaudit.privacy.accounting import SGMEvent
+from fedaudit.seeding import Stream, make_generator, repeatable
+
+STARTUP_SECONDS = 300.0  # how long the simulation may take to bring up every SuperNode
+_STOPPED = object()
+
+
+def flower_available() -> str | None:
+    """None when Flower's simulation runtime can be imported, else one sentence saying how to install it."""
+    try:
+        import flwr.simulation  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError:
+        return "--engine flower needs Flower and Ray: install them with pip install 'fedaudit[flower]'."
+    return None
+
+
+def _to_record(tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Tensors as a Flower ArrayRecord (NumPy arrays on the wire, names and order kept)."""
+    from flwr.app import Array, ArrayRecord
+
+    return ArrayRecord({name: Array(np.ascontiguousarray(t.detach().cpu().numpy())) for name, t in tensors.items()})
+
+
+def _from_record(record: Any, device: torch.device | str) -> TensorDict:
+    return {name: torch.from_numpy(array.numpy().copy()).to(device) for name, array in record.items()}
+
+
+# ---------------------------------------------------------------------------- the ClientApp (runs in Ray actors)
+
+
+@lru_cache(maxsize=4)
+def _client_side(config_json: str) -> tuple[RunConfig, Algorithm, nn.Module, Any, Any, torch.device]:
+    """What a SuperNode needs to run clients of this run: resolved config, algorithm, scratch model, data, partition."""
+    from fedaudit.models import build_model
+    from fedaudit.training import prepare
+
+    setup = prepare(RunConfig.from_dict(json.loads(config_json)))
+    torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
+    return setup.config, setup.algorithm, build_model(setup.spec).to(setup.device), setup.dataset, setup.partition, setup.device
+
+
+@lru_cache(maxsize=16)
+def _client_data(config_json: str, client: int) -> ClientData:
+    _, _, _, dataset, partition, device = _client_side(config_json)
+    index = torch.from_numpy(partition.clients[client].copy())
+    return ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device))
+
+
+def _query(message: Any, context: Any) -> Any:
+    """Tell the server which client (partition) this SuperNode hosts."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    partition = int(context.node_config["partition-id"])
+    return Message(content=RecordDict({"node": ConfigRecord({"client": partition})}), reply_to=message)
+
+
+def _train(message: Any, context: Any) -> Any:
+    """One client round: the same ``client_update`` as the local engine, with the client's own derived generator."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    task = message.content["task"]
+    config_json, client, round_index = str(task["config"]), int(task["client"]), int(task["round"])
+    if client != int(context.node_config["partition-id"]):
+        raise RuntimeError(f"SuperNode of client {context.node_config['partition-id']} was sent client {client}'s work.")
+    config, algorithm, model, _, _, device = _client_side(config_json)
+    repeatable(device)
+    data = _client_data(config_json, client)
+    names = [name for name, _ in model.named_parameters()]
+    received = _from_record(message.content["global"], device)
+    global_params = {name: received[name] for name in names}  # the model's order fixes the order of float sums
+    state = _from_record(message.content["state"], device) if "state" in message.content else None
+    ctx = RoundContext(round=round_index, rounds=int(task["rounds"]), config=config, device=device)
+    generator = make_generator(config.seed, Stream.CLIENT, round_index, client, device=device)
+    result = algorithm.client_update(model, global_params, data, ctx, generator, state=state)
+    content = {
+        "payload": _to_record(result.payload),
+        "info": ConfigRecord({
+            "client": result.client_id,
+            "num_examples": result.num_examples,
+            "metrics": json.dumps(result.metrics),
+            "events": json.dumps([event.to_dict() for event in result.privacy_events]),
+        }),
+    }
+    if result.state:
+        content["state"] = _to_record(result.state)
+    return Message(content=RecordDict(content), reply_to=message)
+
+
+def _client_app() -> Any:
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+    app.query()(_query)
+    app.train()(_train)
+    return app
+
+
+# ---------------------------------------------------------------------------- the engine (server side)
+
+
+class FlowerEngine:
+    """Runs the selected clients of each round on Flower's simulation runtime, one SuperNode per client."""
+
+    name = "flower"
+
+    def __init__(self, config: RunConfig, *, num_clients: int) -> None:
+        data_dir = config.data.data_dir
+        if data_dir is not None:  # Ray workers do not share the caller's working directory
+            config = replace(config, data=replace(config.data, data_dir=str(Path(data_dir).resolve())))
+        self.config_json = json.dumps(config.to_dict(), sort_keys=True)
+        self.device = config.device
+        self.num_clients = num_clients
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._replies: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._node_of: dict[int, int] = {}
+
+    def __enter__(self) -> "FlowerEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run_clients(
+        self,
+        algorithm: Algorithm,
+        model: nn.Module,
+        global_params: TensorDict,
+        clients: Sequence[ClientData],
+        ctx: RoundContext,
+        make_generator: Callable[[int], torch.Generator],
+        states: Mapping[int, TensorDict],
+    ) -> list[ClientMessage]:
+        """Send each selected client its round and wait for every reply; a client's failure is raised here."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        if self._thread is None:
+            self._start()
+        requests = []
+        for data in clients:
+            content = {
+                "global": _to_record(global_params),
+                "task": ConfigRecord({"config": self.config_json, "client": data.client_id, "round": ctx.round,
+                                      "rounds": ctx.rounds}),
+            }
+            if data.client_id in states:
+                content["state"] = _to_record(states[data.client_id])
+            requests.append(Message(content=RecordDict(content), message_type="train",
+                                    dst_node_id=self._node_of[data.client_id]))
+        self._requests.put(requests)
+        replies = self._receive()
+        messages = {}
+        for reply in replies:
+            if reply.has_error():
+                raise RuntimeError(f"A client failed on Flower: {reply.error.reason}")
+            info = reply.content["info"]
+            messages[int(info["client"])] = ClientMessage(
+                client_id=int(info["client"]),
+                num_examples=int(info["num_examples"]),
+                payload=_from_record(reply.content["payload"], ctx.device),
+                metrics={k: float(v) for k, v in json.loads(str(info["metrics"])).items()},
+                privacy_events=[SGMEvent.from_dict(e) for e in json.loads(str(info["events"]))],
+                state=_from_record(reply.content["state"], ctx.device) if "state" in reply.content else {},
+            )
+        missing = [data.client_id for data in clients if data.client_id not in messages]
+        if missing:
+            raise RuntimeError(f"Flower returned no reply from client {missing[0]}.")
+        return [messages[data.client_id] for data in clients]
+
+    def close(self) -> None:
+        """End the simulation (its ServerApp returns) and wait for its thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._requests.put(None)
+            self._thread.join(timeout=STARTUP_SECONDS)
+        self._thread = None
+
+    def _start(self) -> None:
+        from flwr.serverapp import ServerApp
+
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+        logging.getLogger("flwr").setLevel(logging.ERROR)
+        server_app = ServerApp()
+        server_app.main()(lambda grid, context: self._serve(grid))
+        gpus = 1.0 / self.num_clients if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else 0.0
+        backend = {
+            "client_resources": {"num_cpus": 1, "num_gpus": gpus},
+            "init_args": {"num_cpus": max(1, os.cpu_count() or 1), "include_dashboard": False,
+                          "logging_level": logging.ERROR, "log_to_driver": False},
+        }
+        self._thread = threading.Thread(target=self._simulate, args=(server_app, backend), name="flower-simulation",
+                                        daemon=True)
+        self._thread.start()
+        self._node_of = self._receive()
+
+    def _simulate(self, server_app: Any, backend: dict[str, Any]) -> None:
+        from flwr.simulation import run_simulation
+
+        try:
+            run_simulation(server_app=server_app, client_app=_client_app(), num_supernodes=self.num_clients,
+                           backend_config=backend)
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self._replies.put(exc)
+        finally:
+            self._replies.put(_STOPPED)
+
+    def _serve(self, grid: Any) -> None:
+        """The ServerApp: learn which SuperNode hosts which client, then carry out rounds until told to stop."""
+        from flwr.app import Message, RecordDict
+
+        deadline = time.monotonic() + STARTUP_SECONDS
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < self.num_clients:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Flower brought up {len(nodes)} of {self.num_clients} SuperNodes in time.")
+            time.sleep(0.1)
+            nodes = list(grid.get_node_ids())
+        hello = grid.send_and_receive([Message(content=RecordDict(), message_type="query", dst_node_id=n) for n in nodes])
+        self._replies.put({int(r.content["node"]["client"]): r.metadata.src_node_id for r in hello})
+        while (request := self._requests.get()) is not None:
+            self._replies.put(list(grid.send_and_receive(request)))
+
+    def _receive(self) -> Any:
+        """The next answer of the simulation thread; its failure or early end is raised here."""
+        item = self._replies.get()
+        if item is _STOPPED:
+            raise RuntimeError("Flower's simulation ended before the training did.")
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"Flower's simulation failed: {item}") from item
+        return item
