@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData, RoundContext, TensorDict, clone_params, load_params
-from fedaudit.config import ConfigError, RunConfig, mark_calibrated
+from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.engine import make_engine
 from fedaudit.models import ModelSpec, build_model, default_depth, num_parameters

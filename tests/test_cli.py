@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import fedaudit
-from conftest import FAST_ARGS, invoke, tree_digest
+from conftest import FAST_ARGS, tree_digest
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.privacy.accounting import calibrate_noise_multiplier, epsilon_per_round
