@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 
 from attacks.signals import compute_signals
-from fedaudit.models import ModelSpec, build_model
+from twins import convnet_and_opacus_twin
 
 
 def _sync(device: torch.device) -> None:
@@ -65,12 +65,7 @@ def main() -> None:
     x = torch.randn(args.examples, 1, 28, 28, generator=generator)
     y = torch.randint(0, 10, (args.examples,), generator=generator)
     for width in args.widths:
-        spec = ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3)
-        torch.manual_seed(0)
-        model = build_model(spec).to(device)
-        reference = build_model(spec).to(device)
-        reference.load_state_dict(model.state_dict())
-        gsm = GradSampleModule(reference, loss_reduction="sum")
+        model, gsm = convnet_and_opacus_twin(width, device)
         warm = slice(0, args.batch)
         compute_signals(model, x[warm], y[warm], ["grad-norm"], batch_size=args.batch, device=device)
         opacus_norms(gsm, x[warm], y[warm], args.batch, device)

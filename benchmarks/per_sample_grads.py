@@ -19,10 +19,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from opacus import GradSampleModule
 
-from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
+from twins import convnet_and_opacus_twin
 
 
 def _time(fn, device: torch.device) -> float:
@@ -49,12 +48,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, input 1x28x28")
     print(f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} {'ratio grads':>12} {'ratio DP step':>14}")
     for width in args.widths:
-        spec = ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3)
-        torch.manual_seed(0)
-        model = build_model(spec).to(device)
-        reference = build_model(spec).to(device)
-        reference.load_state_dict(model.state_dict())
-        gsm = GradSampleModule(reference, loss_reduction="sum")
+        model, gsm = convnet_and_opacus_twin(width, device)
         x = torch.randn(args.batch, 1, 28, 28, device=device)
         y = torch.randint(0, 10, (args.batch,), device=device)
         generator = torch.Generator(device=device).manual_seed(0)
