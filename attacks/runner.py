@@ -31,7 +31,6 @@ from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_wri
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.training import resolve_device
 
-ATTACKS_DIR = "attacks"
 RESULT_FORMAT = "fedaudit-attack"
 RESULT_FORMAT_VERSION = 1
 
@@ -308,7 +307,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
                 "bootstrap_resamples": options.resamples, "per_layer": options.per_layer}
     for name, round_number in names.items():
         try:
-            metrics = run.read_json(run.path / ATTACKS_DIR / name / "metrics.json")
+            metrics = run.read_json(run.attacks_dir / name / "metrics.json")
         except RunError:
             return False
         if metrics.get("round") != round_number or any(metrics.get(k) != v for k, v in expected.items()):
@@ -318,7 +317,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
 
 def write_result(run: RunDirectory, result: AttackResult) -> Path:
     """Write one result directory atomically, metrics.json last; returns the directory."""
-    directory = run.path / ATTACKS_DIR / result.name
+    directory = run.attacks_dir / result.name
     atomic_write_bytes(directory / "scores.csv", csv_bytes(result.scores))
     atomic_write_bytes(directory / "roc.csv", csv_bytes(result.roc))
     atomic_write_json(directory / "metrics.json", result.metrics)
@@ -335,7 +334,7 @@ def run_attacks(paths: Sequence[str | Path], options: AttackOptions, *, echo: Ec
         run_results = attack_run(run, options)
         for result in run_results:
             write_result(run.run, result)
-        echo(f"{len(run_results)} result(s) written to {run.run.path / ATTACKS_DIR}")
+        echo(f"{len(run_results)} result(s) written to {run.run.attacks_dir}")
         results += run_results
     return results
 

@@ -142,6 +142,7 @@ class RunDirectory:
     model_path = property(lambda self: self.path / "model.safetensors")
     checkpoints_dir = property(lambda self: self.path / "checkpoints")
     transmitted_dir = property(lambda self: self.path / "transmitted")
+    attacks_dir = property(lambda self: self.path / "attacks")  # written by fedaudit attack, read by reports
 
     def checkpoint_path(self, round_number: int) -> Path:
         """Weights of the global model after round ``round_number`` (1-based)."""

@@ -15,7 +15,6 @@ from safetensors.numpy import load_file
 
 from fedaudit.runs import RunDirectory, RunError
 
-ATTACKS_DIR = "attacks"
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
 
@@ -280,7 +279,8 @@ def _privacy(config: dict[str, Any], manifest: dict[str, Any], ledger: dict[str,
 
 
 def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
-    directories = sorted(p.parent for p in (path / ATTACKS_DIR).glob("*/metrics.json")) if (path / ATTACKS_DIR).is_dir() else []
+    folder = RunDirectory(path).attacks_dir
+    directories = sorted(p.parent for p in folder.glob("*/metrics.json")) if folder.is_dir() else []
     results = []
     for directory in directories:
         try:

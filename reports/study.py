@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from attacks.runner import ATTACKS_DIR, AttackOptions, expected_results, parse_target, results_current, run_attacks
+from attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
 from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import ALGORITHMS, ConfigError, RunConfig, load_config_file
 from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
@@ -364,8 +364,9 @@ def _train(directory: Path, setup: Setup, action: str, echo: Echo) -> str:
 
 def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
     """Remove attack results of this study's run that the study no longer asks for, so its report shows only the study."""
-    expected = set(expected_results(RunDirectory(directory), options))
-    folder = directory / ATTACKS_DIR
+    run = RunDirectory(directory)
+    expected = set(expected_results(run, options))
+    folder = run.attacks_dir
     stale = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name not in expected) if folder.is_dir() else []
     for name in stale:
         shutil.rmtree(folder / name)
