@@ -248,7 +248,7 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", required=True, type=click.Path(), help="Report file (.html, .md or .pdf) or a folder that receives report.<format>; summary.csv and summary.json go beside it.")
 @click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: the suffix of --out, else html]")
-@click.option("--policy", "policy_file", type=click.Path(), help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code 1 when a run fails one.")
+@click.option("--policy", "policy_file", type=click.Path(), help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code 1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).")
 @user_errors
 def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
     """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict (HTML, Markdown, PDF)."""
@@ -258,14 +258,18 @@ def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy
 
 
 def _finish_report(outcome: Any) -> None:
-    """Say what a report wrote and its policy verdict; a failed policy exits with 1 so that it can gate a pipeline."""
+    """Say what a report wrote and its policy verdict; the exit code gates a pipeline: 0 PASS, 1 FAIL,
+    3 INCONCLUSIVE (the sample cannot resolve some limit)."""
+    from reports.policy import EXIT_CODES, PASS
+
     for path in outcome.written:
         click.echo(f"Wrote {path}")
-    if outcome.passed is not None:
-        failed = [f"{c.run}: {c.limit}" for checks in outcome.checks.values() for c in checks if not c.passed]
-        click.echo("Policy: PASS" if outcome.passed else f"Policy: FAIL ({'; '.join(failed)})")
-        if not outcome.passed:
-            sys.exit(1)
+    if outcome.verdict is not None:
+        open_checks = [f"{c.run}: {c.limit} {c.verdict}" for checks in outcome.checks.values() for c in checks
+                       if c.verdict != PASS]
+        click.echo(f"Policy: {outcome.verdict}" + (f" ({'; '.join(open_checks)})" if open_checks else ""))
+        if EXIT_CODES[outcome.verdict]:
+            sys.exit(EXIT_CODES[outcome.verdict])
 
 
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
@@ -286,7 +290,7 @@ COMPARE_BASE_OPTIONS = ("dataset", "data_dir", "partition", "num_clients", "hold
 @click.option("--method", "methods", multiple=True, metavar="NAME", help="Attack methods, as for attack --method. [default: threshold and classifier]")
 @click.option("--target", help="Attacked models, as for attack --target. [default: final]")
 @click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]")
-@click.option("--policy", type=click.Path(dir_okay=False), help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one.")
+@click.option("--policy", type=click.Path(dir_okay=False), help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when one is INCONCLUSIVE.")
 @click.option("--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan.")
 @click.option("--progress/--no-progress", default=True, help="Show progress over the whole study.")
 @user_errors

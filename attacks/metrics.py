@@ -1,30 +1,30 @@
-"""Audit metrics: ROC, AUC with a bootstrap interval, TPR at low FPR, advantage, and an empirical epsilon lower bound.
+"""Audit metrics: ROC, AUC and advantage with bootstrap intervals, TPR at low FPR with its resolution, and a valid
+empirical epsilon lower bound.
 
-The epsilon lower bound follows ALGORITHMS.md section 6: an (eps, delta)-DP
-mechanism makes every membership test obey TPR <= e^eps FPR + delta and
-TNR <= e^eps FNR + delta. With one-sided Clopper-Pearson bounds (TPR and TNR
-from below, FPR and FNR from above) each threshold of the ROC gives
-eps >= log((TPR_lo - delta) / FPR_hi) and eps >= log((TNR_lo - delta) / FNR_hi).
-Neighbouring datasets differ by adding or removing one record, a symmetric
-relation, so the same holds with members and non-members swapped
-(FPR <= e^eps TPR + delta, FNR <= e^eps TNR + delta): an attack whose scores run
-the wrong way (AUC well below 0.5) also bounds epsilon. The bound is the
-largest of these, or 0 when none is positive.
+Every rate comes with its interval and the number of records behind it. A TPR at
+a false-positive rate below 1 / (number of non-members) cannot be measured (the
+smallest non-zero FPR the sample can show is one in n), so it is reported as not
+estimable, with the number of non-members it would need.
 
-Each bound holds with 95% confidence for one threshold fixed in advance; the
-maximum over all thresholds is chosen after seeing the data, which lowers the
-overall confidence somewhat. Simulated with two Gaussians of known epsilon
-(2000 records per side, 300 draws), the bound exceeded the true epsilon in 7%
-of draws at delta = 0.1 and in none at delta = 1e-5, against 5% for a single
-fixed threshold; a Bonferroni correction over the thresholds would remove this
-but costs much of the bound at small delta, where audits are done. A bound far
-above the accountant's epsilon means the DP implementation (or its accounting)
-is broken.
+The epsilon lower bound (docs/audit.md): an (eps, delta)-DP mechanism makes every
+membership test fixed in advance obey TPR <= e^eps FPR + delta and
+TNR <= e^eps FNR + delta. For one such test, one-sided Clopper-Pearson bounds
+(TPR or TNR from below, FPR or FNR from above) give
+eps >= log((TPR_lo - delta) / FPR_hi) with the stated confidence. The test must
+not be chosen on the records it is judged on: taking the best of a thousand
+thresholds of the same scores is a multiple-comparison error that makes pure
+noise look like leakage in about a third of samples. So the threshold and the
+inequality are chosen on one part of the records (the attack-training half) and
+the bound is computed on the other (the audit half), which the choice never saw:
+one test, one bound, valid at the stated confidence. Only tests in the attack's
+own direction (high score: member) are considered, so an attack that does worse
+than chance gives no bound (0).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,16 @@ LOW_FPRS: tuple[float, ...] = (0.01, 0.001)
 DEFAULT_RESAMPLES = 1000
 CONFIDENCE = 0.95
 _BOOTSTRAP_CELLS = 4_000_000  # resamples x records held in memory at once
+
+# The two inequalities an (eps, delta)-DP membership test obeys, in the attack's own direction.
+INEQUALITIES: dict[str, str] = {
+    "tpr": "TPR <= exp(eps) * FPR + delta (records with score >= threshold called members)",
+    "tnr": "TNR <= exp(eps) * FNR + delta (records with score < threshold called non-members)",
+}
+BOUND_PROCEDURE = (
+    "one test chosen on the attack-training half (threshold and inequality with the largest bound there), "
+    "then one-sided Clopper-Pearson bounds on the audit half at the stated confidence"
+)
 
 
 @dataclass(frozen=True)
@@ -62,26 +72,63 @@ def advantage(curve: ROC) -> float:
     return float(np.max(curve.tpr - curve.fpr))
 
 
-def bootstrap_auc_interval(
-    member: np.ndarray, score: np.ndarray, *, rng: np.random.Generator, resamples: int = DEFAULT_RESAMPLES,
-    level: float = CONFIDENCE,
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of the AUC, resampling members and non-members separately.
+def rate_interval(successes: int, trials: int, *, level: float = CONFIDENCE) -> list[float]:
+    """Two-sided Clopper-Pearson interval of a binomial proportion at ``level``."""
+    tail = (1.0 + level) / 2.0
+    low = clopper_pearson_lower(np.array([successes]), trials, confidence=tail)[0]
+    high = clopper_pearson_upper(np.array([successes]), trials, confidence=tail)[0]
+    return [float(low), float(high)]
 
-    Vectorised: each resample is a vector of multinomial counts, whose AUC
-    :func:`weighted_auc` computes for many resamples at once.
+
+def tpr_at_low_fpr(curve: ROC, positives: int, negatives: int, target: float) -> dict[str, Any]:
+    """TPR at FPR <= ``target`` with its Clopper-Pearson interval and n, or "not estimable" below 1 / negatives.
+
+    The interval is that of the members' hit rate at the threshold the ROC picks; it
+    does not include the uncertainty of the threshold itself.
+    """
+    needed = math.ceil(1.0 / target - 1e-9)
+    base = {"target_fpr": target, "num_members": positives, "num_nonmembers": negatives, "nonmembers_needed": needed}
+    if negatives < needed:
+        return {**base, "estimable": False, "tpr": None, "fpr": None, "ci95": None}
+    allowed = curve.fpr <= target
+    best = int(np.argmax(np.where(allowed, curve.tpr, -1.0)))
+    hits = int(round(curve.tpr[best] * positives))
+    return {**base, "estimable": True, "tpr": float(curve.tpr[best]), "fpr": float(curve.fpr[best]),
+            "ci95": rate_interval(hits, positives)}
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """AUC and advantage of each bootstrap resample (members and non-members resampled separately)."""
+
+    auc: np.ndarray
+    advantage: np.ndarray
+
+    @staticmethod
+    def interval(values: np.ndarray, level: float = CONFIDENCE) -> tuple[float, float]:
+        """Percentile interval at ``level``."""
+        low, high = np.quantile(values, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+        return float(low), float(high)
+
+
+def bootstrap(member: np.ndarray, score: np.ndarray, *, rng: np.random.Generator,
+              resamples: int = DEFAULT_RESAMPLES) -> Bootstrap:
+    """AUC and advantage of ``resamples`` bootstrap resamples, vectorised.
+
+    Each resample is a vector of multinomial counts per side; :func:`weighted_auc` and
+    :func:`weighted_advantage` evaluate many such vectors at once without re-sorting.
     """
     positives, negatives = score[member == 1], score[member == 0]
     n1, n0 = positives.size, negatives.size
-    aucs = np.empty(resamples)
+    aucs, advantages = np.empty(resamples), np.empty(resamples)
     chunk = max(1, _BOOTSTRAP_CELLS // (n1 + n0))
     for start in range(0, resamples, chunk):
         size = min(chunk, resamples - start)
         w1 = rng.multinomial(n1, np.full(n1, 1.0 / n1), size=size)
         w0 = rng.multinomial(n0, np.full(n0, 1.0 / n0), size=size)
         aucs[start : start + size] = weighted_auc(positives, negatives, w1, w0)
-    low, high = np.quantile(aucs, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
-    return float(low), float(high)
+        advantages[start : start + size] = weighted_advantage(positives, negatives, w1, w0)
+    return Bootstrap(auc=aucs, advantage=advantages)
 
 
 def weighted_auc(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray, w_neg: np.ndarray) -> np.ndarray:
@@ -100,6 +147,25 @@ def weighted_auc(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray
     return (np.atleast_2d(w_pos) * wins).sum(axis=1) / (np.atleast_2d(w_pos).sum(axis=1) * w_neg.sum(axis=1))
 
 
+def weighted_advantage(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray,
+                       w_neg: np.ndarray) -> np.ndarray:
+    """max over thresholds of TPR - FPR for each row of counts (as :func:`weighted_auc`), at least 0.
+
+    Scores are sorted once, highest first; the rates are read only at the last record
+    of each run of tied scores, since a threshold cannot separate equal scores.
+    """
+    scores = np.concatenate([positives, negatives])
+    order = np.argsort(-scores, kind="stable")
+    w_pos, w_neg = np.atleast_2d(w_pos), np.atleast_2d(w_neg)
+    zeros_pos, zeros_neg = np.zeros_like(w_pos), np.zeros_like(w_neg)
+    ordered = scores[order]
+    ends = np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))
+    hits = np.cumsum(np.concatenate([w_pos, zeros_neg], axis=1)[:, order], axis=1)[:, ends]
+    false_alarms = np.cumsum(np.concatenate([zeros_pos, w_neg], axis=1)[:, order], axis=1)[:, ends]
+    gaps = hits / w_pos.sum(axis=1, keepdims=True) - false_alarms / w_neg.sum(axis=1, keepdims=True)
+    return np.maximum(gaps.max(axis=1), 0.0)
+
+
 def clopper_pearson_lower(successes: np.ndarray, trials: int, *, confidence: float = CONFIDENCE) -> np.ndarray:
     """One-sided lower Clopper-Pearson bound of a binomial proportion (0 where there are no successes)."""
     k = np.asarray(successes, dtype=float)
@@ -116,48 +182,156 @@ def clopper_pearson_upper(successes: np.ndarray, trials: int, *, confidence: flo
     return np.where(k < trials, bound, 1.0)
 
 
-def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, *, delta: float, confidence: float = CONFIDENCE) -> float:
-    """Empirical epsilon lower bound at ``delta`` from one-sided Clopper-Pearson bounds at every threshold (module docstring)."""
-    return _epsilon_lower_bound(roc(member, score), int((member == 1).sum()), int((member == 0).sum()),
-                                delta=delta, confidence=confidence)
+def threshold_bounds(true_positives: np.ndarray, false_positives: np.ndarray, positives: int, negatives: int, *,
+                delta: float, confidence: float = CONFIDENCE) -> dict[str, np.ndarray]:
+    """The epsilon bound of each test, by inequality, from its confusion counts (-inf where it gives none).
 
-
-def _epsilon_lower_bound(curve: ROC, positives: int, negatives: int, *, delta: float, confidence: float) -> float:
-    tp = np.rint(curve.tpr * positives)
-    fp = np.rint(curve.fpr * negatives)
+    A test calls a record a member when its score is at or above the threshold;
+    ``true_positives[i]`` and ``false_positives[i]`` are its counts. Each entry is a
+    valid bound at ``confidence`` only for a test fixed before these counts were seen.
+    """
+    tp = np.asarray(true_positives, dtype=float)
+    fp = np.asarray(false_positives, dtype=float)
     tpr_lo = clopper_pearson_lower(tp, positives, confidence=confidence)
     fpr_hi = clopper_pearson_upper(fp, negatives, confidence=confidence)
     tnr_lo = clopper_pearson_lower(negatives - fp, negatives, confidence=confidence)
     fnr_hi = clopper_pearson_upper(positives - tp, positives, confidence=confidence)
-    fpr_lo = clopper_pearson_lower(fp, negatives, confidence=confidence)
-    tpr_hi = clopper_pearson_upper(tp, positives, confidence=confidence)
-    fnr_lo = clopper_pearson_lower(positives - tp, positives, confidence=confidence)
-    tnr_hi = clopper_pearson_upper(negatives - fp, negatives, confidence=confidence)
     with np.errstate(divide="ignore", invalid="ignore"):
-        bounds = np.concatenate([np.log((tpr_lo - delta) / fpr_hi), np.log((tnr_lo - delta) / fnr_hi),
-                                 np.log((fpr_lo - delta) / tpr_hi), np.log((fnr_lo - delta) / tnr_hi)])
-    bounds = bounds[np.isfinite(bounds)]
-    return float(max(0.0, bounds.max())) if bounds.size else 0.0
+        bounds = {"tpr": np.log((tpr_lo - delta) / fpr_hi), "tnr": np.log((tnr_lo - delta) / fnr_hi)}
+    return {name: np.where(np.isnan(b), -np.inf, b) for name, b in bounds.items()}
+
+
+@dataclass(frozen=True)
+class EpsilonBound:
+    """An empirical epsilon lower bound and the one test it comes from (metrics.json's ``epsilon_lower_bound_test``).
+
+    ``epsilon`` is 0 when the chosen test gives no positive bound on the bound records, and
+    when no test gives a finite bound on the selection records (``threshold`` and ``inequality`` are then None). Counts and rates are those of the
+    bound records; ``rate_lower`` is TPR_lo or TNR_lo, ``rate_upper`` FPR_hi or FNR_hi.
+    """
+
+    epsilon: float
+    confidence: float
+    delta: float
+    threshold: float | None
+    inequality: str | None
+    selection_members: int
+    selection_nonmembers: int
+    bound_members: int
+    bound_nonmembers: int
+    true_positives: int | None = None
+    false_positives: int | None = None
+    rate_lower: float | None = None
+    rate_upper: float | None = None
+    selection_bound: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "procedure": BOUND_PROCEDURE,
+                "inequality_text": None if self.inequality is None else INEQUALITIES[self.inequality]}
+
+
+def choose_test(member: np.ndarray, score: np.ndarray, *, delta: float,
+                confidence: float = CONFIDENCE) -> tuple[float, str, float] | None:
+    """The threshold and inequality whose bound is largest on these records, and that bound (possibly <= 0, since
+    the bound on other records may still be positive); None if no test gives a finite bound here.
+
+    Of equal bounds the highest threshold wins; the threshold returned lies halfway between
+    it and the next lower score, which classifies these records the same way.
+    """
+    curve = roc(member, score)
+    positives, negatives = int((member == 1).sum()), int((member == 0).sum())
+    bounds = threshold_bounds(np.rint(curve.tpr * positives), np.rint(curve.fpr * negatives), positives, negatives,
+                         delta=delta, confidence=confidence)
+    name = max(bounds, key=lambda k: bounds[k].max())
+    best = int(np.argmax(bounds[name]))
+    if not np.isfinite(bounds[name][best]):
+        return None
+    threshold = curve.thresholds[best]
+    if best + 1 < curve.thresholds.size:  # halfway to the next lower score: the same test here, a less brittle one elsewhere
+        threshold = (threshold + curve.thresholds[best + 1]) / 2.0
+    return float(threshold), name, float(bounds[name][best])
+
+
+def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, select: np.ndarray, *, delta: float,
+                        confidence: float = CONFIDENCE) -> EpsilonBound:
+    """A valid one-sided lower bound on epsilon at ``delta``: one test chosen on the records where ``select`` is
+    true, judged on the others (module docstring).
+
+    Args:
+        member: 1 for members, 0 for non-members.
+        score: membership scores, higher meaning member.
+        select: the records the test is chosen on; the bound uses only the rest.
+        delta: the delta of the guarantee being tested.
+        confidence: the one-sided confidence of the bound.
+
+    Returns:
+        The bound and the test it comes from.
+    """
+    select = np.asarray(select, dtype=bool)
+    judged = ~select
+    counts = {"selection_members": int((member[select] == 1).sum()),
+              "selection_nonmembers": int((member[select] == 0).sum()),
+              "bound_members": int((member[judged] == 1).sum()), "bound_nonmembers": int((member[judged] == 0).sum())}
+    chosen = None
+    if min(counts.values()) > 0:
+        chosen = choose_test(member[select], score[select], delta=delta, confidence=confidence)
+    if chosen is None:
+        return EpsilonBound(0.0, confidence, delta, None, None, **counts)
+    threshold, inequality, selection_bound = chosen
+    called = score[judged] >= threshold
+    tp = int((called & (member[judged] == 1)).sum())
+    fp = int((called & (member[judged] == 0)).sum())
+    positives, negatives = counts["bound_members"], counts["bound_nonmembers"]
+    bound = threshold_bounds(np.array([tp]), np.array([fp]), positives, negatives, delta=delta,
+                        confidence=confidence)[inequality][0]
+    if inequality == "tpr":
+        lower = clopper_pearson_lower(np.array([tp]), positives, confidence=confidence)[0]
+        upper = clopper_pearson_upper(np.array([fp]), negatives, confidence=confidence)[0]
+    else:
+        lower = clopper_pearson_lower(np.array([negatives - fp]), negatives, confidence=confidence)[0]
+        upper = clopper_pearson_upper(np.array([positives - tp]), positives, confidence=confidence)[0]
+    return EpsilonBound(max(0.0, float(bound)), confidence, delta, threshold, inequality, **counts,
+                        true_positives=tp, false_positives=fp, rate_lower=float(lower), rate_upper=float(upper),
+                        selection_bound=selection_bound)
 
 
 def summarize(
-    member: np.ndarray, score: np.ndarray, *, delta: float, rng: np.random.Generator, resamples: int = DEFAULT_RESAMPLES
+    member: np.ndarray, score: np.ndarray, *, report: np.ndarray, select: np.ndarray, delta: float,
+    rng: np.random.Generator, resamples: int = DEFAULT_RESAMPLES,
 ) -> tuple[dict[str, Any], ROC]:
-    """The metrics of one attack on the reported records, and its ROC curve."""
-    curve = roc(member, score)
+    """The metrics of one attack, and its ROC curve.
+
+    Args:
+        member, score: every record of the evaluation set and its membership score.
+        report: the records the ROC, AUC, TPR and advantage are computed on.
+        select: the records the epsilon bound's test is chosen on; it is judged on
+            ``report`` records outside ``select``.
+        delta: the run's delta.
+        rng: draws the bootstrap resamples.
+        resamples: bootstrap resamples of the AUC and advantage intervals.
+    """
+    m, s = member[report], score[report]
+    positives, negatives = int((m == 1).sum()), int((m == 0).sum())
+    curve = roc(m, s)
     adv = advantage(curve)
-    low, high = bootstrap_auc_interval(member, score, rng=rng, resamples=resamples)
+    boot = bootstrap(m, s, rng=rng, resamples=resamples)
+    adv_low, adv_high = boot.interval(boot.advantage)
+    used = report | select
+    bound = epsilon_lower_bound(member[used], score[used], select[used], delta=delta)
     metrics = {
-        "auc": float(roc_auc_score(member, score)),
-        "auc_ci95": [low, high],
+        "auc": float(roc_auc_score(m, s)),
+        "auc_ci95": list(boot.interval(boot.auc)),
+        "auc_se": float(boot.auc.std(ddof=1)) if resamples > 1 else None,
         "bootstrap_resamples": resamples,
-        "tpr_at_fpr": {f"{target:g}": tpr_at_fpr(curve, target) for target in LOW_FPRS},
+        "tpr_at_fpr": {f"{target:g}": tpr_at_low_fpr(curve, positives, negatives, target) for target in LOW_FPRS},
         "balanced_accuracy": 0.5 + adv / 2.0,
+        "balanced_accuracy_ci95": [0.5 + adv_low / 2.0, 0.5 + adv_high / 2.0],
         "advantage": adv,
-        "epsilon_lower_bound": _epsilon_lower_bound(curve, int((member == 1).sum()), int((member == 0).sum()),
-                                                    delta=delta, confidence=CONFIDENCE),
-        "epsilon_lower_bound_confidence": CONFIDENCE,
-        "epsilon_lower_bound_method": "max over thresholds, one-sided Clopper-Pearson per threshold",
+        "advantage_ci95": [adv_low, adv_high],
+        "epsilon_lower_bound": bound.epsilon,
+        "epsilon_lower_bound_confidence": bound.confidence,
+        "epsilon_lower_bound_method": BOUND_PROCEDURE,
+        "epsilon_lower_bound_test": bound.to_dict(),
         "delta": delta,
     }
     return metrics, curve

@@ -32,7 +32,7 @@ from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.training import resolve_device
 
 RESULT_FORMAT = "fedaudit-attack"
-RESULT_FORMAT_VERSION = 1
+RESULT_FORMAT_VERSION = 2
 
 Echo = Callable[[str], None]
 
@@ -218,9 +218,10 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
     output = run_method(method, values, oriented(signal, values), ev.member, ev.attack_train,
                         seed=derive_seed(seed, Stream.ATTACK, Draw.CLASSIFIER))
     audit = output.audit
-    member, score = ev.member[audit], output.scores[audit]
-    metrics, curve = summarize(member, score, delta=prepared.config.privacy.delta,
-                               rng=numpy_rng(seed, Stream.ATTACK, Draw.BOOTSTRAP), resamples=options.resamples)
+    member = ev.member[audit]
+    metrics, curve = summarize(ev.member, output.scores, report=audit, select=ev.attack_train,
+                               delta=prepared.config.privacy.delta, rng=numpy_rng(seed, Stream.ATTACK, Draw.BOOTSTRAP),
+                               resamples=options.resamples)
     accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[target.round - 1]
     fitted = ~audit
     metrics = {
@@ -254,6 +255,7 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
         "client": ev.client,
         "member": ev.member,
         "split": np.where(audit, "audit", "attack-train"),
+        "bound_role": np.where(ev.attack_train, "choose", np.where(audit, "judge", "")),
         "signal": values,
         "score": output.scores,
     })
@@ -293,7 +295,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
 def results_current(path: str | Path, options: AttackOptions) -> bool:
     """Whether ``path`` already holds every result ``options`` would write, for its current rounds and settings.
 
-    A result counts when its metrics.json (written last) names the same round, seed,
+    A result counts when its metrics.json (written last) has the current result format and names the same round, seed,
     non-member source, record cap, bootstrap size and per-layer choice; anything else means recomputing.
     """
     run = RunDirectory(path)
@@ -310,7 +312,8 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
             metrics = run.read_json(run.attacks_dir / name / "metrics.json")
         except RunError:
             return False
-        if metrics.get("round") != round_number or any(metrics.get(k) != v for k, v in expected.items()):
+        if (metrics.get("format_version") != RESULT_FORMAT_VERSION or metrics.get("round") != round_number
+                or any(metrics.get(k) != v for k, v in expected.items())):
             return False
     return bool(names)
 
@@ -353,10 +356,17 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
             "non-members": m["num_nonmembers"],
             "AUC": m["auc"],
             "AUC 95% CI": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
-            "TPR@1%FPR": m["tpr_at_fpr"]["0.01"],
-            "TPR@0.1%FPR": m["tpr_at_fpr"]["0.001"],
+            "TPR@1%FPR": _rate(m["tpr_at_fpr"]["0.01"]),
+            "TPR@0.1%FPR": _rate(m["tpr_at_fpr"]["0.001"]),
             "advantage": m["advantage"],
             "eps_lb": m["epsilon_lower_bound"],
             "eps": np.nan if m["accountant_epsilon"] is None else m["accountant_epsilon"],
         })
     return pd.DataFrame(rows)
+
+
+def _rate(entry: dict[str, Any]) -> str:
+    """A TPR at low FPR for the console table, or why the sample cannot resolve that FPR."""
+    if entry["estimable"]:
+        return f"{entry['tpr']:.3f}"
+    return f"n/e (<{entry['nonmembers_needed']} non-members)"

@@ -12,7 +12,9 @@ import numpy as np
 import pandas as pd
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
+from scipy.stats import norm
 
+from attacks.metrics import rate_interval
 from fedaudit.runs import RunDirectory, RunError
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
@@ -59,6 +61,42 @@ class PrivacySummary:
 
 
 @dataclass(frozen=True)
+class LowFprRate:
+    """TPR at FPR <= ``target``: its value and 95% interval, or not estimable when fewer than ``nonmembers_needed``
+    non-members were audited (their smallest non-zero FPR is above the target)."""
+
+    target: float
+    tpr: float | None
+    ci: tuple[float, float] | None
+    estimable: bool
+    num_members: int | None
+    num_nonmembers: int | None
+    nonmembers_needed: int
+
+    @classmethod
+    def read(cls, entry: Any, target: float, num_members: Any, num_nonmembers: Any) -> "LowFprRate | None":
+        """From metrics.json: the current form (a mapping) or a bare number of older results (no interval)."""
+        needed = math.ceil(1.0 / target - 1e-9)
+        if isinstance(entry, dict):
+            ci = entry.get("ci95")
+            return cls(target, _number(entry.get("tpr")), _pair(ci), bool(entry.get("estimable", True)),
+                       entry.get("num_members", num_members), entry.get("num_nonmembers", num_nonmembers),
+                       int(entry.get("nonmembers_needed", needed)))
+        value = _number(entry)
+        if value is None:
+            return None
+        estimable = not isinstance(num_nonmembers, int) or num_nonmembers >= needed
+        return cls(target, value if estimable else None, None, estimable, num_members, num_nonmembers, needed)
+
+    def __str__(self) -> str:
+        if not self.estimable:
+            return f"not estimable (n={self.num_nonmembers} non-members; needs {self.nonmembers_needed})"
+        if self.tpr is None:
+            return "not available"
+        return f"{self.tpr:.3g}" + ("" if self.ci is None else f" [{self.ci[0]:.3f}, {self.ci[1]:.3f}]")
+
+
+@dataclass(frozen=True)
 class AttackSummary:
     """One attack result directory (attacks/<signal>-<method>[-round-N]/)."""
 
@@ -68,8 +106,8 @@ class AttackSummary:
     round: int | None
     auc: float | None
     auc_ci: tuple[float, float] | None
-    tpr_at_1pct_fpr: float | None
-    tpr_at_0_1pct_fpr: float | None
+    tpr_at_1pct_fpr: LowFprRate | None
+    tpr_at_0_1pct_fpr: LowFprRate | None
     balanced_accuracy: float | None
     advantage: float | None
     epsilon_lower_bound: float | None
@@ -77,11 +115,29 @@ class AttackSummary:
     num_members: int | None
     num_nonmembers: int | None
     seed: int | None
+    auc_se: float | None = None
+    advantage_ci: tuple[float, float] | None = None
+    epsilon_lower_bound_test: dict[str, Any] | None = None
     roc: pd.DataFrame | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
         return f"{self.signal}/{self.method}"
+
+    @property
+    def standard_error(self) -> float | None:
+        """The AUC's bootstrap standard error; for older results, the width of its 95% interval / (2 x 1.96)."""
+        if self.auc_se is not None:
+            return self.auc_se
+        return None if self.auc_ci is None else (self.auc_ci[1] - self.auc_ci[0]) / (2 * norm.ppf(0.975))
+
+    def simultaneous_ci(self, compared: int, level: float = 0.95) -> tuple[float, float] | None:
+        """The AUC interval that holds for all ``compared`` attacks at once at ``level`` (Bonferroni, normal)."""
+        se = self.standard_error
+        if self.auc is None or se is None:
+            return None
+        z = norm.ppf(1.0 - (1.0 - level) / (2 * max(compared, 1)))
+        return max(0.0, self.auc - z * se), min(1.0, self.auc + z * se)
 
 
 @dataclass(frozen=True)
@@ -107,6 +163,7 @@ class RunSummary:
     synthetic: tuple[SyntheticSet, ...]
     notes: tuple[Note, ...]
     seedless_config: str = ""  # config.json without what differs between seeds of one setting (see group_key)
+    test_records: int | None = None  # size of the test split the accuracy is measured on
 
     @property
     def rounds_done(self) -> int:
@@ -116,6 +173,15 @@ class RunSummary:
     def final_accuracy(self) -> float | None:
         column = self.utility.get("test_accuracy")
         return None if column is None or column.dropna().empty else float(column.dropna().iloc[-1])
+
+    @property
+    def final_accuracy_ci(self) -> tuple[float, float] | None:
+        """Two-sided 95% Clopper-Pearson interval of the final test accuracy over the test split's records."""
+        accuracy, n = self.final_accuracy, self.test_records
+        if accuracy is None or not n:
+            return None
+        low, high = rate_interval(round(accuracy * n), n)
+        return low, high
 
     @property
     def group_label(self) -> str:
@@ -129,9 +195,22 @@ class RunSummary:
 
     @property
     def strongest_attack(self) -> AttackSummary | None:
-        """The final-model attack with the highest AUC (the headline result)."""
+        """The headline attack on the final model: the one whose simultaneous 95% AUC interval (over every final
+        attack, :meth:`AttackSummary.simultaneous_ci`) has the highest lower end.
+
+        Picking the largest of several AUC point estimates favours whichever attack the
+        noise favoured; intervals that hold for all attacks at once keep the pick honest.
+        """
         scored = [a for a in self.final_attacks if a.auc is not None]
-        return max(scored, key=lambda a: a.auc) if scored else None
+        if not scored:
+            return None
+        compared = len(scored)
+        return max(scored, key=lambda a: ((a.simultaneous_ci(compared) or (a.auc, a.auc))[0], a.auc))
+
+    @property
+    def attacks_compared(self) -> int:
+        """How many final-model attacks the strongest was chosen from."""
+        return sum(1 for a in self.final_attacks if a.auc is not None)
 
 
 def collect_runs(paths: list[str | Path]) -> list[RunSummary]:
@@ -189,8 +268,9 @@ def collect_run(path: Path) -> RunSummary:
     if "test_accuracy" not in metrics.columns or metrics.empty:
         notes.append(Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`"))
     utility = metrics[[c for c in ("round", "test_accuracy", "test_loss", "epsilon") if c in metrics.columns]]
+    test_records = manifest.get("dataset", {}).get("test_size")
     return RunSummary(path.resolve().name, path, setup, utility, privacy, attacks, synthetic, tuple(notes),
-                      seedless_config(config))
+                      seedless_config(config), test_records if isinstance(test_records, int) else None)
 
 
 def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
@@ -306,8 +386,10 @@ def _number(value: Any) -> float | None:
 
 def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> AttackSummary:
     tpr = metrics.get("tpr_at_fpr") if isinstance(metrics.get("tpr_at_fpr"), dict) else {}
-    ci = metrics.get("auc_ci95", metrics.get("auc_ci"))
-    interval = (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
+    interval = _pair(metrics.get("auc_ci95", metrics.get("auc_ci")))
+    members = metrics.get("num_members", metrics.get("n_members"))
+    nonmembers = metrics.get("num_nonmembers", metrics.get("n_nonmembers"))
+    bound_test = metrics.get("epsilon_lower_bound_test")
     roc = None
     try:
         roc = pd.read_csv(directory / "roc.csv")
@@ -328,17 +410,30 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
         round=int(round_number) if isinstance(round_number, (int, float)) else None,
         auc=_number(metrics.get("auc")),
         auc_ci=interval,
-        tpr_at_1pct_fpr=_number(tpr.get("0.01", metrics.get("tpr_at_fpr_1pct"))),
-        tpr_at_0_1pct_fpr=_number(tpr.get("0.001", metrics.get("tpr_at_fpr_0_1pct"))),
+        tpr_at_1pct_fpr=LowFprRate.read(tpr.get("0.01", metrics.get("tpr_at_fpr_1pct")), 0.01, members, nonmembers),
+        tpr_at_0_1pct_fpr=LowFprRate.read(tpr.get("0.001", metrics.get("tpr_at_fpr_0_1pct")), 0.001, members,
+                                          nonmembers),
         balanced_accuracy=_number(metrics.get("balanced_accuracy")),
         advantage=_number(metrics.get("advantage")),
         epsilon_lower_bound=_number(metrics.get("epsilon_lower_bound")),
         accountant_epsilon=_number(metrics.get("accountant_epsilon")),
-        num_members=metrics.get("num_members", metrics.get("n_members")),
-        num_nonmembers=metrics.get("num_nonmembers", metrics.get("n_nonmembers")),
+        num_members=members,
+        num_nonmembers=nonmembers,
         seed=int(seed) if isinstance(seed, int) else None,
+        auc_se=_number(metrics.get("auc_se")),
+        advantage_ci=_pair(metrics.get("advantage_ci95")),
+        epsilon_lower_bound_test=bound_test if isinstance(bound_test, dict) else None,
         roc=roc,
     )
+
+
+def _pair(value: Any) -> tuple[float, float] | None:
+    """An interval [low, high] from JSON, or None."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        low, high = _number(value[0]), _number(value[1])
+        if low is not None and high is not None:
+            return low, high
+    return None
 
 
 def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:

@@ -20,6 +20,7 @@ from reports.collect import AttackSummary, RunSummary, SyntheticSet  # noqa: E40
 
 DPI = 100
 LOG_FLOOR = 1e-4
+MIN_AUC_SPAN = 0.1
 
 
 def png(fig: Figure) -> bytes:
@@ -85,11 +86,23 @@ def auc_per_round(attacks: Sequence[AttackSummary], title: str) -> bytes:
         hi = np.array([a.auc_ci[1] if a.auc_ci else a.auc for a in points])
         ax.errorbar(rounds, aucs, yerr=[aucs - lo, hi - aucs], marker="o", capsize=3, label=label)
     ax.axhline(0.5, color="k", ls="--", lw=0.8)
-    ax.set(xlabel="round", ylabel="attack AUC", title=title)
+    ax.set(xlabel="round", ylabel="attack AUC (95% interval)", title=title)
+    auc_axis(ax)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return png(fig)
+
+
+def auc_axis(ax: plt.Axes) -> None:
+    """An AUC axis that shows chance (0.5) and spans at least :data:`MIN_AUC_SPAN`, so that noise of a few
+    thousandths does not fill the plot and look like a trend."""
+    low, high = ax.get_ylim()
+    low, high = min(low, 0.49), max(high, 0.51)  # chance inside, not on the frame
+    if high - low < MIN_AUC_SPAN:
+        middle = (low + high) / 2.0
+        low, high = middle - MIN_AUC_SPAN / 2.0, middle + MIN_AUC_SPAN / 2.0
+    ax.set_ylim(max(0.0, low), min(1.0, high))
 
 
 def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
@@ -116,8 +129,9 @@ def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
 
 
 def privacy_utility(groups: pd.DataFrame) -> bytes:
-    """Final test accuracy and strongest attack AUC against the accountant's epsilon: mean and standard deviation over
-    the seeds of each group (:func:`reports.summary.group_rows`), one line per algorithm through its budgets."""
+    """Final test accuracy and strongest attack AUC against the accountant's epsilon, one line per algorithm through
+    its budgets (:func:`reports.summary.group_rows`). Error bars: the standard deviation over seeds for a group of
+    several seeds; for a group of one run, its AUC interval (simultaneous over its attacks) and no accuracy bar."""
     fig, (acc_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
     epsilon = groups["epsilon_mean"].to_numpy(float)
     finite = epsilon[np.isfinite(epsilon)]
@@ -131,7 +145,13 @@ def privacy_utility(groups: pd.DataFrame) -> bytes:
             order = np.argsort(x[rows], kind="stable")
             mean = groups[f"{column}_mean"].to_numpy(float)[rows][order]
             std = np.nan_to_num(groups[f"{column}_std"].to_numpy(float)[rows][order])
-            line = ax.errorbar(x[rows][order], mean, yerr=std, marker="o", capsize=3, label=algorithm)
+            below, above = std, std
+            if column == "attack_auc":
+                low = groups["attack_auc_ci_low"].to_numpy(float)[rows][order]
+                high = groups["attack_auc_ci_high"].to_numpy(float)[rows][order]
+                one = np.isfinite(low) & np.isfinite(high)
+                below, above = np.where(one, mean - low, std), np.where(one, high - mean, std)
+            line = ax.errorbar(x[rows][order], mean, yerr=[below, above], marker="o", capsize=3, label=algorithm)
             dp = np.isfinite(epsilon[rows][order])
             if not dp.all():  # no-DP points: crosses at the right edge, not joined to the DP curve
                 line[0].set_data(x[rows][order][dp], mean[dp])
@@ -139,8 +159,20 @@ def privacy_utility(groups: pd.DataFrame) -> bytes:
     acc_ax.set(xlabel="epsilon (x: no DP, at the right edge)", ylabel="final test accuracy", title="Accuracy vs epsilon")
     auc_ax.set(xlabel="epsilon (x: no DP, at the right edge)", ylabel="strongest attack AUC", title="Attack AUC vs epsilon")
     auc_ax.axhline(0.5, color="k", ls="--", lw=0.8)
+    auc_axis(auc_ax)
     for ax in (acc_ax, auc_ax):
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=7)
+    fig.tight_layout()
     return png(fig)
+
+
+def spread_caption(groups: pd.DataFrame) -> str:
+    """What the error bars of :func:`privacy_utility` show, for these groups."""
+    several, single = bool((groups["runs"] > 1).any()), bool((groups["runs"] == 1).any())
+    seeds = "standard deviation over seeds"
+    one = "one seed: the strongest attack's 95% AUC interval, simultaneous over its attacks, and no accuracy bar"
+    if several and single:
+        return f"error bars: {seeds} for settings with several seeds; for settings with {one}"
+    return f"error bars: {seeds}" if several else f"error bars, {one}"

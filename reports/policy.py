@@ -1,4 +1,13 @@
-"""Compliance policies: limits read from YAML, checked against each run's summary."""
+"""Compliance policies: limits read from YAML, checked against each run's summary.
+
+Measured quantities (attack AUC, TPR at low FPR, test accuracy) are judged on
+their 95% intervals, not on point estimates: a limit is met (PASS) when the
+whole interval is on the right side of it, broken (FAIL) when the whole interval
+is on the wrong side, and INCONCLUSIVE when the interval straddles it or the
+sample cannot measure the quantity at all (a TPR at 0.1% FPR from fewer than
+1000 non-members). An inconclusive verdict says about how many records would
+resolve it. The accountant's epsilon is exact, so it only passes or fails.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +22,15 @@ from reports.collect import ReportError, RunSummary
 
 LIMITS: dict[str, str] = {
     "max_epsilon": "accountant's epsilon after the last round <= {limit:g} at delta {delta}",
-    "max_attack_auc": "upper 95% bound of the AUC of every attack on the final model <= {limit:g}",
-    "max_tpr_at_0_1pct_fpr": "TPR at 0.1% FPR of every attack on the final model <= {limit:g}",
-    "min_accuracy": "final test accuracy >= {limit:g}",
+    "max_attack_auc": "AUC of every attack on the final model <= {limit:g} (judged on its 95% interval)",
+    "max_tpr_at_0_1pct_fpr": "TPR at 0.1% FPR of every attack on the final model <= {limit:g} (judged on its 95% interval)",
+    "min_accuracy": "final test accuracy >= {limit:g} (judged on its 95% interval)",
 }
 OPTIONS = ("delta",)
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+# Exit codes of `fedaudit report` / `compare` with a policy (2 stays reserved for bad input).
+EXIT_CODES: dict[str, int] = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
 
 
 @dataclass(frozen=True)
@@ -38,18 +51,24 @@ class Policy:
 
 @dataclass(frozen=True)
 class Check:
-    """One limit checked on one run."""
+    """One limit checked on one run: PASS, FAIL, or INCONCLUSIVE when the sample cannot tell which."""
 
     run: str
     limit: str
     requirement: str
     value: float | None
-    passed: bool
+    verdict: str
     detail: str
 
     @property
-    def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
+    def passed(self) -> bool:
+        return self.verdict == PASS
+
+
+def overall(checks: list[Check]) -> str:
+    """FAIL if any check failed, else INCONCLUSIVE if any was inconclusive, else PASS."""
+    verdicts = {c.verdict for c in checks}
+    return FAIL if FAIL in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
 
 
 def read_yaml(file: Path, what: str, error: type[ReportError] = ReportError) -> Any:
@@ -90,47 +109,107 @@ def check_run(policy: Policy, run: RunSummary) -> list[Check]:
     checks = []
     for name, limit in policy.limits().items():
         requirement = LIMITS[name].format(limit=limit, delta="of the run" if policy.delta is None else f"{policy.delta:g}")
-        value, passed, detail = _CHECKS[name](policy, run, limit)
-        checks.append(Check(run.name, name, requirement, value, passed, detail))
+        value, verdict, detail = _CHECKS[name](policy, run, limit)
+        checks.append(Check(run.name, name, requirement, value, verdict, detail))
     return checks
 
 
-def _epsilon(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, bool, str]:
+def judge_upper(estimate: float, interval: tuple[float, float], limit: float) -> str:
+    """Verdict on "the true value is at most ``limit``" from a 95% interval: PASS when the whole interval is at or
+    below it, FAIL when the whole interval is above it, INCONCLUSIVE when it straddles the limit."""
+    low, high = interval
+    return PASS if high <= limit else FAIL if low > limit else INCONCLUSIVE
+
+
+def records_needed(n: int | None, interval: tuple[float, float], estimate: float, limit: float) -> int | None:
+    """About how many records per side would shrink the interval until it no longer straddles ``limit``
+    (its half-width scales as 1/sqrt(n)); None when the estimate sits on the limit."""
+    if not n or estimate == limit:
+        return None
+    half = (interval[1] - interval[0]) / 2.0
+    return math.ceil(n * (half / abs(estimate - limit)) ** 2)
+
+
+def _need(n: int | None, interval: tuple[float, float], estimate: float, limit: float) -> str:
+    needed = records_needed(n, interval, estimate, limit)
+    return "the estimate sits on the limit" if needed is None else f"about {needed} per side would resolve it"
+
+
+def _worst(results: list[tuple[str, float | None, str]]) -> tuple[float | None, str, str]:
+    """Combine per-attack (verdict, value, detail): a FAIL decides, then an INCONCLUSIVE, else PASS."""
+    for verdict in (FAIL, INCONCLUSIVE, PASS):
+        chosen = [r for r in results if r[0] == verdict]
+        if chosen:
+            values = [r[1] for r in chosen if r[1] is not None]
+            return (max(values) if values else None), verdict, "; ".join(r[2] for r in chosen)
+    return None, FAIL, "not available"
+
+
+def _epsilon(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
     privacy = run.privacy
     if not privacy.dp:
-        return math.inf, False, "no DP guarantee: epsilon is infinite"
+        return math.inf, FAIL, "no DP guarantee: epsilon is infinite"
     if not privacy.epsilon_per_round:
-        return None, False, "not available: the privacy ledger is missing"
+        return None, FAIL, "not available: the privacy ledger is missing"
     eps = privacy.epsilon
     if policy.delta is not None and privacy.delta is None:
-        return eps, False, f"the run's delta is not recorded, so it cannot be compared with the policy's delta {policy.delta:g}"
+        return eps, FAIL, f"the run's delta is not recorded, so it cannot be compared with the policy's delta {policy.delta:g}"
     if policy.delta is not None and privacy.delta > policy.delta:
-        return eps, False, f"accounted at delta {privacy.delta:g}, larger than the policy's delta {policy.delta:g}"
+        return eps, FAIL, f"accounted at delta {privacy.delta:g}, larger than the policy's delta {policy.delta:g}"
     delta = "not recorded" if privacy.delta is None else f"{privacy.delta:g}"
-    return eps, eps <= limit, f"epsilon {eps:.4g} at delta {delta}"
+    return eps, PASS if eps <= limit else FAIL, f"epsilon {eps:.4g} at delta {delta}"
 
 
-def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, bool, str]:
-    bounds = [(a.auc_ci[1], a.label) for a in run.final_attacks if a.auc_ci is not None]
-    if not bounds:
-        return None, False, "not available: no attack results with an AUC interval"
-    value, label = max(bounds)
-    return value, value <= limit, f"upper bound {value:.4f} ({label})"
+def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
+    results = []
+    for a in run.final_attacks:
+        if a.auc is None or a.auc_ci is None:
+            continue
+        verdict = judge_upper(a.auc, a.auc_ci, limit)
+        detail = f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}"
+        if verdict == INCONCLUSIVE:
+            detail += f" ({_need(a.num_members, a.auc_ci, a.auc, limit)})"
+        results.append((verdict, a.auc, detail))
+    if not results:
+        return None, FAIL, "not available: no attack results with an AUC interval"
+    return _worst(results)
 
 
-def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, bool, str]:
-    values = [(a.tpr_at_0_1pct_fpr, a.label) for a in run.final_attacks if a.tpr_at_0_1pct_fpr is not None]
-    if not values:
-        return None, False, "not available: no attack results with TPR at 0.1% FPR"
-    value, label = max(values)
-    return value, value <= limit, f"{value:.4f} ({label})"
+def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
+    results = []
+    for a in run.final_attacks:
+        rate = a.tpr_at_0_1pct_fpr
+        if rate is None:
+            continue
+        if not rate.estimable:
+            results.append((INCONCLUSIVE, None, f"{a.label}: not estimable from {rate.num_nonmembers} non-members "
+                                                f"(0.1% FPR needs at least {rate.nonmembers_needed})"))
+        elif rate.tpr is None or rate.ci is None:
+            results.append((FAIL, rate.tpr, f"{a.label}: no interval recorded; re-run fedaudit attack"))
+        else:
+            verdict = judge_upper(rate.tpr, rate.ci, limit)
+            detail = f"{a.label}: {rate}, n={rate.num_members} members"
+            if verdict == INCONCLUSIVE:
+                detail += f" ({_need(rate.num_members, rate.ci, rate.tpr, limit)})"
+            results.append((verdict, rate.tpr, detail))
+    if not results:
+        return None, FAIL, "not available: no attack results with TPR at 0.1% FPR"
+    return _worst(results)
 
 
-def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, bool, str]:
+def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
     accuracy = run.final_accuracy
     if accuracy is None:
-        return None, False, "not available: metrics.csv has no test accuracy"
-    return accuracy, accuracy >= limit, f"{accuracy:.4f}"
+        return None, FAIL, "not available: metrics.csv has no test accuracy"
+    interval = run.final_accuracy_ci
+    if interval is None:
+        return accuracy, PASS if accuracy >= limit else FAIL, f"{accuracy:.4f} (test split size not recorded)"
+    low, high = interval
+    verdict = PASS if low >= limit else FAIL if high < limit else INCONCLUSIVE
+    detail = f"{accuracy:.4f} [{low:.4f}, {high:.4f}] on {run.test_records} test records"
+    if verdict == INCONCLUSIVE:
+        detail += f" ({_need(run.test_records, interval, accuracy, limit).replace(' per side', '')})"
+    return accuracy, verdict, detail
 
 
 _CHECKS = {"max_epsilon": _epsilon, "max_attack_auc": _auc, "max_tpr_at_0_1pct_fpr": _tpr, "min_accuracy": _accuracy}

@@ -14,7 +14,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from fedaudit.runs import atomic_write_bytes, csv_bytes, now_iso
 from reports import figures
 from reports.collect import ReportError, RunSummary
-from reports.policy import Check, Policy, check_run
+from reports.policy import Check, Policy, check_run, overall
 from reports.summary import (attack_table, comparison_table, epsilon_table, fmt, group_rows, group_table, interval,
                              policy_table, privacy_table, setup_table, summary_json, summary_rows)
 
@@ -24,11 +24,11 @@ SUFFIXES = {f".{name}": name for name in FORMATS}
 
 @dataclass(frozen=True)
 class ReportOutcome:
-    """What a report wrote and whether every run met the policy (None without a policy)."""
+    """What a report wrote and the policy's overall verdict."""
 
     written: tuple[Path, ...]
     checks: dict[str, list[Check]]
-    passed: bool | None
+    verdict: str | None  # PASS, FAIL or INCONCLUSIVE (reports.policy.overall); None without a policy
 
 
 def output_paths(out: str | Path, formats: tuple[str, ...]) -> tuple[dict[str, Path], Path]:
@@ -73,6 +73,7 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
                       for number in sorted({s.round for s in run.synthetic})],
     } if draw else {}
     strongest = run.strongest_attack
+    compared = run.attacks_compared
     return {
         "run": run,
         "setup": setup_table(run),
@@ -82,11 +83,14 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "attacks": attack_table(run.attacks) if run.attacks else None,
         "strongest": strongest,
         "strongest_ci": interval(strongest.auc_ci) if strongest else None,
+        "strongest_simultaneous_ci": interval(strongest.simultaneous_ci(compared)) if strongest else None,
+        "compared": compared,
+        "accuracy_ci": interval(run.final_accuracy_ci),
         "exceeds": [a for a in run.attacks if a.epsilon_lower_bound is not None and a.accountant_epsilon is not None
                     and a.epsilon_lower_bound > a.accountant_epsilon],
         "figures": figs,
         "checks": policy_table(checks) if checks else None,
-        "verdict": None if checks is None else all(c.passed for c in checks),
+        "verdict": None if checks is None else overall(checks),
     }
 
 
@@ -112,11 +116,12 @@ def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
         "runs": [_run_context(run, checks.get(run.name) if policy else None, draw) for run in runs],
         "policy": policy,
         "all_checks": policy_table([c for group in checks.values() for c in group]) if policy else None,
-        "passed": None if policy is None else all(c.passed for group in checks.values() for c in group),
+        "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),
         "comparison": comparison_table(rows) if len(runs) > 1 else None,
         "overlay": _b64(figures.roc_curves(overlay, "Strongest attack per run")) if draw and len(runs) > 1 and overlay else None,
         "groups": group_table(groups) if len(groups) < len(runs) else None,
         "tradeoff": _b64(figures.privacy_utility(groups)) if draw and len(runs) > 1 else None,
+        "tradeoff_caption": figures.spread_caption(groups),
     }
     return context, checks, rows, groups
 
@@ -140,8 +145,8 @@ def write_report(runs: list[RunSummary], out: str | Path, formats: tuple[str, ..
     rendered[folder / "summary.json"] = (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode("utf-8")
     for path, data in rendered.items():
         atomic_write_bytes(path, data)
-    passed = None if policy is None else all(c.passed for group in checks.values() for c in group)
-    return ReportOutcome(tuple(rendered), checks, passed)
+    verdict = None if policy is None else overall([c for group in checks.values() for c in group])
+    return ReportOutcome(tuple(rendered), checks, verdict)
 
 
 def _pdf(html: str) -> bytes:

@@ -8,10 +8,12 @@ from typing import Any
 
 import pandas as pd
 
-from reports.collect import AttackSummary, RunSummary
-from reports.policy import Check, Policy
+from reports.collect import AttackSummary, LowFprRate, RunSummary
+from reports.policy import Check, Policy, overall
 
 NOT_AVAILABLE = "not available"
+STRONGEST_RULE = ("the final-model attack whose AUC interval, simultaneous over all {compared} such attacks "
+                  "(Bonferroni, 95%), has the highest lower end")
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -25,6 +27,11 @@ def fmt(value: Any, digits: int = 4) -> str:
 
 def interval(ci: tuple[float, float] | None) -> str:
     return NOT_AVAILABLE if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def rate(value: LowFprRate | None) -> str:
+    """A TPR at low FPR with its interval, or why it is not estimable."""
+    return NOT_AVAILABLE if value is None else str(value)
 
 
 def setup_table(run: RunSummary) -> pd.DataFrame:
@@ -64,11 +71,10 @@ def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
         "members / non-members": f"{fmt(a.num_members)} / {fmt(a.num_nonmembers)}",
         "AUC": fmt(a.auc),
         "AUC 95% interval": interval(a.auc_ci),
-        "TPR at 1% FPR": fmt(a.tpr_at_1pct_fpr),
-        "TPR at 0.1% FPR": fmt(a.tpr_at_0_1pct_fpr),
-        "balanced accuracy": fmt(a.balanced_accuracy),
-        "advantage": fmt(a.advantage),
-        "empirical epsilon lower bound": fmt(a.epsilon_lower_bound),
+        "TPR at 1% FPR [95%]": rate(a.tpr_at_1pct_fpr),
+        "TPR at 0.1% FPR [95%]": rate(a.tpr_at_0_1pct_fpr),
+        "advantage [95%]": f"{fmt(a.advantage, 3)} {interval(a.advantage_ci)}" if a.advantage_ci else fmt(a.advantage),
+        "empirical epsilon lower bound (95%)": fmt(a.epsilon_lower_bound),
         "accountant epsilon": fmt(a.accountant_epsilon),
     } for a in attacks])
 
@@ -96,6 +102,8 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
     rows = []
     for run, group in zip(runs, group_names(runs)):
         attack = run.strongest_attack
+        simultaneous = None if attack is None else attack.simultaneous_ci(run.attacks_compared)
+        accuracy_ci = run.final_accuracy_ci
         p = run.privacy
         verdicts = checks.get(run.name)
         rows.append({
@@ -110,6 +118,9 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
             "rounds": run.rounds_done,
             "seed": run.setup["seed"],
             "final_accuracy": run.final_accuracy,
+            "final_accuracy_ci_low": None if accuracy_ci is None else accuracy_ci[0],
+            "final_accuracy_ci_high": None if accuracy_ci is None else accuracy_ci[1],
+            "test_records": run.test_records,
             "dp": p.dp,
             "noise_multiplier": p.noise_multiplier,
             "max_grad_norm": p.max_grad_norm,
@@ -123,13 +134,24 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
             "attack_auc": None if attack is None else attack.auc,
             "attack_auc_ci_low": None if attack is None or attack.auc_ci is None else attack.auc_ci[0],
             "attack_auc_ci_high": None if attack is None or attack.auc_ci is None else attack.auc_ci[1],
-            "tpr_at_1pct_fpr": None if attack is None else attack.tpr_at_1pct_fpr,
-            "tpr_at_0_1pct_fpr": None if attack is None else attack.tpr_at_0_1pct_fpr,
+            "attacks_compared": run.attacks_compared,
+            "attack_auc_simultaneous_ci_low": None if simultaneous is None else simultaneous[0],
+            "attack_auc_simultaneous_ci_high": None if simultaneous is None else simultaneous[1],
+            "attack_members": None if attack is None else attack.num_members,
+            "attack_nonmembers": None if attack is None else attack.num_nonmembers,
+            "tpr_at_1pct_fpr": _tpr(attack, "tpr_at_1pct_fpr"),
+            "tpr_at_0_1pct_fpr": _tpr(attack, "tpr_at_0_1pct_fpr"),
             "advantage": None if attack is None else attack.advantage,
             "epsilon_lower_bound": None if attack is None else attack.epsilon_lower_bound,
-            "policy": None if verdicts is None else ("PASS" if all(c.passed for c in verdicts) else "FAIL"),
+            "policy": None if verdicts is None else overall(verdicts),
         })
     return pd.DataFrame(rows)
+
+
+def _tpr(attack: AttackSummary | None, name: str) -> float | None:
+    """A TPR at low FPR of the headline attack, None where it is missing or not estimable."""
+    value = None if attack is None else getattr(attack, name)
+    return None if value is None else value.tpr
 
 
 # Headline numbers averaged over the seeds of a group, and their names in the table.
@@ -139,7 +161,8 @@ GROUPED: dict[str, str] = {"final_accuracy": "test accuracy", "epsilon": "epsilo
 
 def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Per group (see :func:`group_names`): runs, seeds, and mean, sample standard deviation and count of each
-    headline number over the runs that have it (groups.csv); the policy column counts the runs that passed."""
+    headline number over the runs that have it (groups.csv); the policy column counts the runs that passed. A group of
+    one run also carries its strongest attack's simultaneous AUC interval (attack_auc_ci_low/high)."""
     grouped = rows.groupby("group", sort=False)
     table = grouped.agg(algorithm=("algorithm", "first"), budget=("budget", "first"), runs=("run", "size"),
                         seeds=("seed", lambda seeds: " ".join(str(s) for s in seeds)))
@@ -148,6 +171,10 @@ def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
         table[f"{column}_mean"] = values.mean()
         table[f"{column}_std"] = values.std(ddof=1)
         table[f"{column}_n"] = values.count()
+    single = table["runs"] == 1  # a group of one run: its strongest attack's simultaneous interval is its spread
+    for side in ("low", "high"):
+        bound = pd.to_numeric(rows[f"attack_auc_simultaneous_ci_{side}"], errors="coerce").groupby(rows["group"], sort=False)
+        table[f"attack_auc_ci_{side}"] = bound.first().where(single)
     table["policy_passed"] = rows["policy"].eq("PASS").groupby(rows["group"], sort=False).sum()
     table["policy_checked"] = rows["policy"].notna().groupby(rows["group"], sort=False).sum()
     return table.reset_index()
@@ -177,10 +204,19 @@ def group_table(groups: pd.DataFrame) -> pd.DataFrame:
 
 def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The side-by-side table of several runs, formatted for reading."""
-    columns = {"run": "run", "algorithm": "algorithm", "budget": "privacy budget", "dataset": "dataset", "rounds": "rounds",
-               "final_accuracy": "test accuracy", "epsilon": "epsilon", "delta": "delta", "attack": "strongest attack",
-               "attack_auc": "AUC", "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR", "epsilon_lower_bound": "epsilon lower bound",
-               "policy": "policy"}
+    frame = frame.assign(
+        accuracy_shown=[f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
+                        for a, lo, hi in zip(frame["final_accuracy"], frame["final_accuracy_ci_low"],
+                                             frame["final_accuracy_ci_high"])],
+        auc_shown=[f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
+                   for a, lo, hi in zip(frame["attack_auc"], frame["attack_auc_simultaneous_ci_low"],
+                                        frame["attack_auc_simultaneous_ci_high"])],
+        records=[f"{fmt(m)} / {fmt(n)}" for m, n in zip(frame["attack_members"], frame["attack_nonmembers"])],
+    )
+    columns = {"run": "run", "algorithm": "algorithm", "budget": "privacy budget", "rounds": "rounds",
+               "accuracy_shown": "test accuracy [95%]", "epsilon": "epsilon", "delta": "delta",
+               "attack": "strongest attack", "auc_shown": "AUC [95% simultaneous]", "records": "members / non-members",
+               "epsilon_lower_bound": "epsilon lower bound (95%)", "policy": "policy"}
     if frame["policy"].isna().all():  # no policy was given
         del columns["policy"]
     shown = frame[list(columns)].rename(columns=columns)
@@ -201,13 +237,12 @@ def _finite(value: Any) -> Any:
 def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy: Policy | None,
                  created: str, groups: pd.DataFrame) -> dict[str, Any]:
     """Everything the report states, as plain JSON (infinite epsilon is null with ``epsilon_infinite``)."""
-    failed = any(not c.passed for group in checks.values() for c in group)
     return _finite({
         "format": "fedaudit-report",
         "format_version": 1,
         "created": created,
         "policy": None if policy is None else {"source": policy.source, "delta": policy.delta, "limits": policy.limits()},
-        "verdict": None if policy is None else ("FAIL" if failed else "PASS"),
+        "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),
         "groups": [{key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
                    for row in groups.to_dict("records")],
         "runs": [{
@@ -221,8 +256,8 @@ def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy:
                         "epsilon_infinite": math.isinf(run.privacy.epsilon)},
             "attacks": [{key: value for key, value in asdict(a).items() if key != "roc"} for a in run.attacks],
             "strongest_attack": None if run.strongest_attack is None else run.strongest_attack.name,
+            "strongest_attack_rule": STRONGEST_RULE.format(compared=run.attacks_compared),
             "missing": [asdict(note) for note in run.notes],
-            "policy": [{k: v for k, v in asdict(c).items() if k != "run"} | {"verdict": c.verdict}
-                       for c in checks.get(run.name, [])],
+            "policy": [{k: v for k, v in asdict(c).items() if k != "run"} for c in checks.get(run.name, [])],
         } for run, group in zip(runs, group_names(runs))],
     })

@@ -25,7 +25,7 @@ OVERFIT = ("--num-clients", "2", "--partition", "iid", "--holdout-fraction", "0.
            "--batch-size", "8", "--rounds", "3", "--local-epochs", "100")
 # DP-FedAvg with a small epsilon: sigma 5 on the fast configuration.
 SMALL_EPSILON = ("--dp", "--noise-multiplier", "5", "--rounds", "3")
-SCORE_COLUMNS = ["record", "source", "label", "client", "member", "split", "signal", "score"]
+SCORE_COLUMNS = ["record", "source", "label", "client", "member", "split", "bound_role", "signal", "score"]
 
 
 def read_json(path: Path):
@@ -91,7 +91,19 @@ def test_metrics_json_agrees_with_scores_and_roc(overfit_attacked):
         assert list(roc.columns) == ["fpr", "tpr", "threshold"]
         assert np.trapezoid(roc.tpr, roc.fpr) == pytest.approx(metrics["auc"])
         assert metrics["advantage"] == pytest.approx((roc.tpr - roc.fpr).max())
-        assert metrics["tpr_at_fpr"]["0.01"] == pytest.approx(roc.tpr[roc.fpr <= 0.01].max())
+        at_1pct = metrics["tpr_at_fpr"]["0.01"]
+        if len(audit) // 2 >= 100:
+            assert at_1pct["tpr"] == pytest.approx(roc.tpr[roc.fpr <= 0.01].max())
+        else:  # fewer than 100 non-members cannot resolve an FPR of 1%
+            assert not at_1pct["estimable"] and at_1pct["tpr"] is None and at_1pct["nonmembers_needed"] == 100
+        # The epsilon bound: one test chosen on the "choose" records, judged on the "judge" records alone.
+        test = metrics["epsilon_lower_bound_test"]
+        judged = scores[scores.bound_role == "judge"]
+        assert (test["bound_members"], test["bound_nonmembers"]) == (judged.member.sum(), (judged.member == 0).sum())
+        if test["threshold"] is not None:
+            called = judged.score >= test["threshold"]
+            assert test["true_positives"] == int((called & (judged.member == 1)).sum())
+            assert test["false_positives"] == int((called & (judged.member == 0)).sum())
         assert metrics["balanced_accuracy"] == pytest.approx(0.5 + metrics["advantage"] / 2)
         assert {"signal", "method", "round", "seed", "delta", "per_client"} <= set(metrics)
         assert metrics["signal"] == "loss" and metrics["method"] == method and metrics["round"] == 3

@@ -9,20 +9,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 from scipy.optimize import brentq
-from scipy.stats import norm
+from scipy.stats import binomtest, norm
 from sklearn.metrics import roc_auc_score
 
 from attacks import AttackError
 from attacks.membership import build_evaluation_set
 from attacks.methods import FPR_TOLERANCES, classifier_attack, population_attack, run_method
 from attacks.metrics import (
-    bootstrap_auc_interval,
+    Bootstrap,
+    advantage,
+    bootstrap,
     clopper_pearson_lower,
     clopper_pearson_upper,
     epsilon_lower_bound,
+    rate_interval,
     roc,
     summarize,
     tpr_at_fpr,
+    tpr_at_low_fpr,
+    weighted_advantage,
     weighted_auc,
 )
 from attacks.signals import PER_LAYER_PREFIX, compute_signals, oriented
@@ -52,55 +57,96 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 # ---------------------------------------------------------------------------- metrics
 
 
+def halves(n_members: int, n_nonmembers: int, seed: int = 0) -> np.ndarray:
+    """A random half of each side, as the evaluation set's attack-training half."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.permutation(n_members) < n_members // 2, rng.permutation(n_nonmembers) < n_nonmembers // 2])
+
+
+def bound(member: np.ndarray, score: np.ndarray, delta: float = DELTA, seed: int = 0) -> float:
+    n1, n0 = int(member.sum()), int((member == 0).sum())
+    return epsilon_lower_bound(member, score, halves(n1, n0, seed), delta=delta).epsilon
+
+
 def test_perfectly_separated_scores() -> None:
     member = labels(1500, 1500)
     score = np.concatenate([np.linspace(2, 3, 1500), np.linspace(0, 1, 1500)])
-    metrics, curve = summarize(member, score, delta=DELTA, rng=np.random.default_rng(0), resamples=200)
+    everyone = np.ones(3000, dtype=bool)
+    metrics, curve = summarize(member, score, report=everyone, select=halves(1500, 1500), delta=DELTA,
+                               rng=np.random.default_rng(0), resamples=200)
     assert metrics["auc"] == 1.0
     assert metrics["auc_ci95"] == [1.0, 1.0]
-    assert metrics["tpr_at_fpr"] == {"0.01": 1.0, "0.001": 1.0}
+    for target, entry in metrics["tpr_at_fpr"].items():
+        assert entry["estimable"] and entry["tpr"] == 1.0 and entry["fpr"] == 0.0
+        assert entry["ci95"] == pytest.approx([0.025 ** (1 / 1500), 1.0])  # two-sided Clopper-Pearson, all hits
+        assert entry["num_members"] == entry["num_nonmembers"] == 1500
     assert metrics["advantage"] == 1.0 and metrics["balanced_accuracy"] == 1.0
-    # No error at all: the bound is limited by the sample size alone. The best threshold has TP = n and FP = 0,
-    # whose one-sided 95% Clopper-Pearson bounds are 0.05^(1/n) and 1 - 0.05^(1/n).
-    a = 0.05 ** (1 / 1500)
+    assert metrics["advantage_ci95"] == [1.0, 1.0]
+    # No error at all: the bound is limited by the 750 records per side it is judged on. The chosen test has
+    # TP = 750 and FP = 0 there, whose one-sided 95% Clopper-Pearson bounds are 0.05^(1/750) and 1 - 0.05^(1/750).
+    a = 0.05 ** (1 / 750)
     assert metrics["epsilon_lower_bound"] == pytest.approx(math.log((a - DELTA) / (1 - a)))
+    test = metrics["epsilon_lower_bound_test"]
+    assert (test["bound_members"], test["bound_nonmembers"], test["selection_members"]) == (750, 750, 750)
+    assert (test["true_positives"], test["false_positives"]) == (750, 0)
 
 
 def test_identically_distributed_scores() -> None:
     rng = np.random.default_rng(1)
     member, score = labels(2000, 2000), rng.normal(size=4000)
-    metrics, _ = summarize(member, score, delta=DELTA, rng=rng)
+    metrics, _ = summarize(member, score, report=np.ones(4000, dtype=bool), select=halves(2000, 2000), delta=DELTA,
+                           rng=rng)
     low, high = metrics["auc_ci95"]
     assert low < 0.5 < high
     assert high - low < 0.08  # 2000 per side: a tight interval
-    assert metrics["epsilon_lower_bound"] < 0.05
-    assert metrics["advantage"] < 0.1
+    assert metrics["epsilon_lower_bound"] == 0.0
+    assert metrics["advantage"] < 0.1 and metrics["advantage_ci95"][0] < metrics["advantage"]
 
 
-def test_bootstrap_interval_matches_a_naive_bootstrap() -> None:
+def test_tpr_below_the_sample_s_resolution_is_not_estimable() -> None:
+    """253 non-members cannot show an FPR of 0.1% (their smallest non-zero FPR is 1/253): say so, and what it needs."""
+    rng = np.random.default_rng(5)
+    member, score = labels(253, 253), rng.normal(size=506) + 0.5 * labels(253, 253)
+    metrics, _ = summarize(member, score, report=np.ones(506, dtype=bool), select=halves(253, 253), delta=DELTA,
+                           rng=rng, resamples=50)
+    at_1pct, at_01pct = metrics["tpr_at_fpr"]["0.01"], metrics["tpr_at_fpr"]["0.001"]
+    assert at_1pct["estimable"] and at_1pct["fpr"] <= 0.01 and at_1pct["num_nonmembers"] == 253
+    low, high = at_1pct["ci95"]
+    assert low <= at_1pct["tpr"] <= high
+    assert at_01pct == {"target_fpr": 0.001, "num_members": 253, "num_nonmembers": 253, "nonmembers_needed": 1000,
+                        "estimable": False, "tpr": None, "fpr": None, "ci95": None}
+
+
+def test_bootstrap_intervals_match_a_naive_bootstrap() -> None:
     rng = np.random.default_rng(2)
     member = labels(300, 300)
     score = np.round(rng.normal(size=600) + 0.4 * member, 1)  # rounded: many ties
-    low, high = bootstrap_auc_interval(member, score, rng=np.random.default_rng(3), resamples=2000)
-    naive = []
+    boot = bootstrap(member, score, rng=np.random.default_rng(3), resamples=2000)
+    naive_auc, naive_adv = [], []
     pos, neg = score[member == 1], score[member == 0]
     for _ in range(500):
         p, n = rng.choice(pos, pos.size), rng.choice(neg, neg.size)
-        naive.append(roc_auc_score(labels(p.size, n.size), np.concatenate([p, n])))
-    ref_low, ref_high = np.quantile(naive, [0.025, 0.975])
-    assert low == pytest.approx(ref_low, abs=0.015) and high == pytest.approx(ref_high, abs=0.015)
-    assert low < roc_auc_score(member, score) < high
+        both = labels(p.size, n.size), np.concatenate([p, n])
+        naive_auc.append(roc_auc_score(*both))
+        naive_adv.append(advantage(roc(*both)))
+    for values, naive in ((boot.auc, naive_auc), (boot.advantage, naive_adv)):
+        low, high = Bootstrap.interval(values)
+        ref_low, ref_high = np.quantile(naive, [0.025, 0.975])
+        assert low == pytest.approx(ref_low, abs=0.015) and high == pytest.approx(ref_high, abs=0.015)
+    assert Bootstrap.interval(boot.auc)[0] < roc_auc_score(member, score) < Bootstrap.interval(boot.auc)[1]
 
 
-def test_weighted_auc_equals_auc_of_the_repeated_records() -> None:
+def test_weighted_auc_and_advantage_equal_those_of_the_repeated_records() -> None:
     rng = np.random.default_rng(4)
     pos, neg = np.round(rng.normal(0.5, 1, 40), 1), np.round(rng.normal(0, 1, 30), 1)
     w_pos, w_neg = rng.integers(0, 4, (5, 40)), rng.integers(1, 4, (5, 30))
     w_pos[:, 0] += 1
-    got = weighted_auc(pos, neg, w_pos, w_neg)
+    aucs, advantages = weighted_auc(pos, neg, w_pos, w_neg), weighted_advantage(pos, neg, w_pos, w_neg)
     for r in range(5):
         p, n = np.repeat(pos, w_pos[r]), np.repeat(neg, w_neg[r])
-        assert got[r] == pytest.approx(roc_auc_score(labels(p.size, n.size), np.concatenate([p, n])))
+        both = labels(p.size, n.size), np.concatenate([p, n])
+        assert aucs[r] == pytest.approx(roc_auc_score(*both))
+        assert advantages[r] == pytest.approx(advantage(roc(*both)))
 
 
 def test_tpr_at_fpr_takes_the_largest_fpr_not_above_the_target() -> None:
@@ -112,47 +158,89 @@ def test_tpr_at_fpr_takes_the_largest_fpr_not_above_the_target() -> None:
     assert tpr_at_fpr(curve, 0.001) == pytest.approx(0.07)  # one false positive (999) allowed: adds 998.5
     assert tpr_at_fpr(curve, 0.0015) == pytest.approx(0.07)  # 1.5 false positives is still one
     assert tpr_at_fpr(curve, 0.01) == pytest.approx(0.15)  # ten
+    entry = tpr_at_low_fpr(curve, 100, 1000, 0.001)
+    assert entry["tpr"] == pytest.approx(0.07) and entry["fpr"] == pytest.approx(0.001)
 
 
-def test_clopper_pearson_closed_forms() -> None:
+def test_clopper_pearson_closed_forms_and_scipy() -> None:
     n = 50
     assert clopper_pearson_lower(np.array([n]), n) == pytest.approx(0.05 ** (1 / n))
     assert clopper_pearson_upper(np.array([0]), n) == pytest.approx(1 - 0.05 ** (1 / n))
     assert clopper_pearson_lower(np.array([0]), n) == 0.0 and clopper_pearson_upper(np.array([n]), n) == 1.0
     k = np.arange(1, n)
     assert np.all(clopper_pearson_lower(k, n) < k / n) and np.all(clopper_pearson_upper(k, n) > k / n)
+    for successes in (0, 1, 17, 49, 50):  # one-sided 95% bounds are the ends of scipy's two-sided 90% exact interval
+        exact = binomtest(successes, n).proportion_ci(confidence_level=0.90, method="exact")
+        assert clopper_pearson_lower(np.array([successes]), n)[0] == pytest.approx(exact.low, abs=1e-12)
+        assert clopper_pearson_upper(np.array([successes]), n)[0] == pytest.approx(exact.high, abs=1e-12)
+        assert rate_interval(successes, n) == pytest.approx(list(binomtest(successes, n).proportion_ci(method="exact")))
+
+
+def test_the_bound_is_one_fixed_test_judged_on_the_other_half() -> None:
+    """The slow, obvious computation: pick the test on the selection half by brute force over every threshold,
+    then apply that one test to the other half and bound it with scipy's exact binomial interval."""
+    rng = np.random.default_rng(6)
+    member = labels(400, 400)
+    score = np.round(np.concatenate([rng.normal(1.5, 1, 400), rng.normal(0, 1, 400)]), 2)
+    select = halves(400, 400, seed=1)
+    delta = 1e-3
+    got = epsilon_lower_bound(member, score, select, delta=delta)
+
+    def one_sided(k: int, n: int) -> tuple[float, float]:
+        ci = binomtest(k, n).proportion_ci(confidence_level=0.90, method="exact")
+        return ci.low, ci.high
+
+    def bounds(m: np.ndarray, s: np.ndarray, t: float) -> dict[str, float]:
+        called = s >= t
+        n1, n0 = int(m.sum()), int((m == 0).sum())
+        tp, fp = int((called & (m == 1)).sum()), int((called & (m == 0)).sum())
+        tpr_lo, fpr_hi = one_sided(tp, n1)[0], one_sided(fp, n0)[1]
+        tnr_lo, fnr_hi = one_sided(n0 - fp, n0)[0], one_sided(n1 - tp, n1)[1]
+        out = {}
+        for name, lo, hi in (("tpr", tpr_lo, fpr_hi), ("tnr", tnr_lo, fnr_hi)):
+            out[name] = math.log((lo - delta) / hi) if lo > delta and hi > 0 else -math.inf
+        return out
+
+    scores = np.unique(score[select])
+    candidates = [(b, i, name) for i, t in enumerate(scores) for name, b in bounds(member[select], score[select], t).items()]
+    best, i, inequality = max(candidates, key=lambda c: (c[0], c[1]))
+    threshold = (scores[i] + scores[i - 1]) / 2 if i > 0 else scores[i]  # halfway to the next lower score
+    assert (got.threshold, got.inequality) == (pytest.approx(threshold), inequality)
+    assert got.selection_bound == pytest.approx(best)
+    expected = bounds(member[~select], score[~select], threshold)[inequality]
+    assert got.epsilon == pytest.approx(max(0.0, expected), rel=1e-9)
+    assert got.epsilon > 0.5
+
+
+def test_bound_on_scores_independent_of_membership_is_rarely_positive() -> None:
+    """At 95% confidence a valid bound may be positive on pure noise in at most 5% of samples (here: 200 seeds)."""
+    positive = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        member = labels(1000, 1000)
+        positive += bound(member, rng.normal(size=2000), delta=0.01, seed=seed) > 0
+    assert positive <= 10
 
 
 @pytest.mark.parametrize("eps", [0.5, 1.0, 2.0])
 def test_epsilon_lower_bound_of_randomised_response(eps: float) -> None:
-    few = epsilon_lower_bound(*randomised_response(eps, 200, seed=0), delta=DELTA)
-    many = epsilon_lower_bound(*randomised_response(eps, 1_000_000, seed=0), delta=DELTA)
+    few = bound(*randomised_response(eps, 200, seed=0))
+    many = bound(*randomised_response(eps, 1_000_000, seed=0))
     assert few < many < eps
-    assert many > 0.98 * eps
+    assert many > 0.97 * eps
 
 
 @pytest.mark.parametrize("mu", [1.0, 2.0])
 def test_epsilon_lower_bound_of_two_gaussians_stays_below_the_truth(mu: float) -> None:
-    true_eps = gaussian_epsilon(mu, DELTA)
-    bounds = []
-    for n in (500, 20000):
-        for seed in range(3):
-            rng = np.random.default_rng(seed)
-            score = np.concatenate([rng.normal(mu, 1, n), rng.normal(0, 1, n)])
-            bounds.append(epsilon_lower_bound(labels(n, n), score, delta=DELTA))
-    assert 0 < max(bounds) < true_eps
-    assert min(bounds[3:]) > max(bounds[:3])  # more records, a tighter bound
-
-
-@pytest.mark.parametrize("mu", [0.0, 1.0, 4.0])
-def test_epsilon_lower_bound_holds_for_scores_that_run_the_wrong_way(mu: float) -> None:
-    """Add/remove neighbours are symmetric, so swapping members and non-members bounds epsilon just the same."""
-    rng = np.random.default_rng(3)
-    score = np.concatenate([rng.normal(mu, 1, 3000), rng.normal(0, 1, 3000)])
-    member = labels(3000, 3000)
-    forward, backward = (epsilon_lower_bound(member, s, delta=DELTA) for s in (score, -score))
-    assert backward == pytest.approx(forward, rel=1e-9, abs=1e-12)
-    assert forward < (gaussian_epsilon(mu, DELTA) if mu else 0.1)
+    """mu-GDP scores: the bound is below the closed-form epsilon in at least 95% of seeds."""
+    delta = 1e-3
+    true_eps = gaussian_epsilon(mu, delta)
+    below = 0
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        score = np.concatenate([rng.normal(mu, 1, 500), rng.normal(0, 1, 500)])
+        below += bound(labels(500, 500), score, delta=delta, seed=seed) < true_eps
+    assert below >= 95
 
 
 def test_epsilon_lower_bound_of_two_gaussians_approaches_the_truth() -> None:
@@ -161,7 +249,19 @@ def test_epsilon_lower_bound_of_two_gaussians_approaches_the_truth() -> None:
     true_eps = gaussian_epsilon(mu, delta)
     rng = np.random.default_rng(0)
     score = np.concatenate([rng.normal(mu, 1, 20000), rng.normal(0, 1, 20000)])
-    assert epsilon_lower_bound(labels(20000, 20000), score, delta=delta) == pytest.approx(true_eps, rel=0.08)
+    got = bound(labels(20000, 20000), score, delta=delta)
+    assert 0.88 * true_eps < got < true_eps
+    few = bound(labels(500, 500), np.concatenate([rng.normal(mu, 1, 500), rng.normal(0, 1, 500)]), delta=delta)
+    assert few < got  # more records, a tighter bound
+
+
+def test_an_attack_worse_than_chance_gives_no_bound() -> None:
+    """Only tests in the attack's own direction count: members scoring lower than non-members bound nothing."""
+    rng = np.random.default_rng(3)
+    member = labels(3000, 3000)
+    score = np.concatenate([rng.normal(0, 1, 3000), rng.normal(1.0, 1, 3000)])
+    assert bound(member, score) == 0.0
+    assert bound(member, -score) > 0.5
 
 
 # ---------------------------------------------------------------------------- signals

@@ -90,7 +90,11 @@ def test_report_has_every_section_and_the_run_s_numbers(audited, report):
         stored = read_json(audited / "attacks" / attack["name"] / "metrics.json")
         assert attack["auc"] == pytest.approx(stored["auc"])
         assert attack["auc_ci"] == pytest.approx(stored["auc_ci95"])
-        assert attack["tpr_at_0_1pct_fpr"] == pytest.approx(stored["tpr_at_fpr"]["0.001"])
+        for key, target in (("tpr_at_1pct_fpr", "0.01"), ("tpr_at_0_1pct_fpr", "0.001")):
+            shown, entry = attack[key], stored["tpr_at_fpr"][target]
+            assert (shown["tpr"], shown["estimable"], shown["nonmembers_needed"]) == (
+                entry["tpr"], entry["estimable"], entry["nonmembers_needed"])
+        assert attack["epsilon_lower_bound_test"] == stored["epsilon_lower_bound_test"]
         assert attack["epsilon_lower_bound"] == pytest.approx(stored["epsilon_lower_bound"])
         assert attack["accountant_epsilon"] == pytest.approx(stored["accountant_epsilon"])
     # figures: accuracy, epsilon, ROC (linear + log-log in one), AUC per round
@@ -133,25 +137,54 @@ def test_html_opens_in_chromium_without_errors(report, tmp_path):
     assert colours is not None and len(colours) > 16
 
 
-@pytest.mark.parametrize("limits, passed", [
-    ({"max_epsilon": 1000, "delta": 1e-5, "max_attack_auc": 0.99, "max_tpr_at_0_1pct_fpr": 1.0, "min_accuracy": 0.0}, True),
-    ({"max_epsilon": 1.0, "min_accuracy": 0.0}, False),
-    ({"max_epsilon": 1000, "delta": 1e-6}, False),
-    ({"min_accuracy": 0.999}, False),
-    ({"max_attack_auc": 0.01}, False),
-], ids=["all-pass", "epsilon", "smaller-delta", "accuracy", "auc"])
-def test_policy_gives_pass_fail_and_exit_code(audited, tmp_path, cli, limits, passed):
+@pytest.mark.parametrize("limits, verdict", [
+    ({"max_epsilon": 1000, "delta": 1e-5, "max_attack_auc": 0.99, "min_accuracy": 0.0}, "PASS"),
+    ({"max_epsilon": 1.0, "min_accuracy": 0.0}, "FAIL"),
+    ({"max_epsilon": 1000, "delta": 1e-6}, "FAIL"),
+    ({"min_accuracy": 0.999}, "FAIL"),
+    ({"max_attack_auc": 0.01}, "FAIL"),
+    ({"max_epsilon": 1000, "max_tpr_at_0_1pct_fpr": 1.0}, "INCONCLUSIVE"),
+    ({"max_attack_auc": 0.01, "max_tpr_at_0_1pct_fpr": 1.0}, "FAIL"),
+], ids=["all-pass", "epsilon", "smaller-delta", "accuracy", "auc", "tpr-unresolvable", "fail-beats-inconclusive"])
+def test_policy_gives_pass_fail_inconclusive_and_exit_code(audited, tmp_path, cli, limits, verdict):
     policy = tmp_path / "policy.yaml"
     policy.write_text("".join(f"{key}: {value}\n" for key, value in limits.items()))
     result = cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy)
-    assert result.exit_code == (0 if passed else 1), result.output
+    assert result.exit_code == {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}[verdict], result.output
     summary = read_json(tmp_path / "summary.json")
     checks = summary["runs"][0]["policy"]
     assert {c["limit"] for c in checks} == set(limits) - {"delta"}
-    assert summary["verdict"] == ("PASS" if passed else "FAIL")
-    assert all(c["verdict"] == "PASS" for c in checks) == passed
-    assert ("Policy: PASS" if passed else "Policy: FAIL") in result.output
-    assert f"**{'PASS' if passed else 'FAIL'}**" in (tmp_path / "r.md").read_text()
+    assert summary["verdict"] == verdict
+    assert all(c["verdict"] == "PASS" for c in checks) == (verdict == "PASS")
+    assert f"Policy: {verdict}" in result.output
+    assert f"**{verdict}**" in (tmp_path / "r.md").read_text()
+
+
+def test_tpr_the_sample_cannot_resolve_is_inconclusive_with_the_records_needed(audited, tmp_path, cli):
+    """200 non-members cannot show an FPR of 0.1%: no PASS or FAIL, but how many records it would take."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_tpr_at_0_1pct_fpr: 0.5\n")
+    result = cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy)
+    assert result.exit_code == 3, result.output
+    (check,) = read_json(tmp_path / "summary.json")["runs"][0]["policy"]
+    assert check["verdict"] == "INCONCLUSIVE" and check["value"] is None
+    assert "not estimable from 200 non-members" in check["detail"] and "at least 1000" in check["detail"]
+
+
+def test_an_auc_interval_that_straddles_the_limit_is_inconclusive(audited, tmp_path, cli):
+    """A limit inside the AUC's 95% interval is neither met nor broken by this sample."""
+    stored = read_json(audited / "attacks" / "loss-threshold-round-3" / "metrics.json")
+    low, high = stored["auc_ci95"]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"max_attack_auc: {(low + high) / 2}\n")
+    result = cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy)
+    assert result.exit_code == 3, result.output
+    (check,) = read_json(tmp_path / "summary.json")["runs"][0]["policy"]
+    assert check["verdict"] == "INCONCLUSIVE" and "per side would resolve it" in check["detail"]
+    for limit, verdict, code in ((high + 0.001, "PASS", 0), (low - 0.001, "FAIL", 1)):
+        policy.write_text(f"max_attack_auc: {limit}\n")
+        assert cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy).exit_code == code
+        assert read_json(tmp_path / "summary.json")["verdict"] == verdict
 
 
 def test_missing_attacks_and_no_dp_are_explained_not_invented(plain_run, tmp_path, cli):
@@ -200,8 +233,8 @@ def test_attack_results_with_other_key_names_or_missing_keys_are_tolerated(audit
     result = cli("report", run, "--out", tmp_path / "out.md")
     assert result.exit_code == 0, result.output
     attack = read_json(tmp_path / "summary.json")["runs"][0]["attacks"][0]
-    assert attack["auc_ci"] == [0.55, 0.67] and attack["tpr_at_1pct_fpr"] == 0.02
-    assert attack["tpr_at_0_1pct_fpr"] is None
+    assert attack["auc_ci"] == [0.55, 0.67] and attack["tpr_at_1pct_fpr"]["tpr"] == 0.02
+    assert attack["tpr_at_1pct_fpr"]["ci"] is None and attack["tpr_at_0_1pct_fpr"] is None
     markdown = (tmp_path / "out.md").read_text()
     assert "| loss/custom | not available | not available / not available | 0.61 | [0.550, 0.670] | 0.02 | not available |" in markdown
 
