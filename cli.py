@@ -65,8 +65,9 @@ TRAIN_OPTION_FIELDS: dict[str, str] = {
 }
 
 
-def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn the packages' user-facing errors into one sentence on stderr and exit code 2."""
+@functools.cache
+def _user_error_classes() -> tuple[type[ValueError], ...]:
+    """The packages' user-facing error classes, imported only once a command has failed (they pull in torch)."""
     from attacks import AttackError
     from fedaudit.config import ConfigError
     from fedaudit.data import DataError, PartitionError
@@ -76,21 +77,57 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     from fedaudit.training import TrainingError
     from reports import ReportError
 
-    handled = (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError, AttackError,
-               ReportError)
+    return (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError, AttackError,
+            ReportError)
+
+
+def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn the packages' user-facing errors into one sentence on stderr and exit code 2."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except handled as exc:
+        except ValueError as exc:
+            if not isinstance(exc, _user_error_classes()):
+                raise
             click.echo(f"Error: {exc}", err=True)
             sys.exit(USER_ERROR_EXIT)
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def show_progress(progress: bool | None) -> bool:
+    """Progress bars by default only on a terminal: in a log they would be carriage-return frames (the round summaries
+    are printed either way)."""
+    return sys.stderr.isatty() if progress is None else progress
+
+
+class OneSentenceGroup(click.Group):
+    """A click group whose usage errors (unknown option or choice, bad value) are one sentence and exit code 2,
+    without the usage lines click adds."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            click.echo(f"Error: {exc.format_message()}", err=True)
+            sys.exit(USER_ERROR_EXIT)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneSentenceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="fedaudit")
 def main() -> None:
     """fedaudit: train federated models with record-level DP and audit how much they leak."""
@@ -147,15 +184,16 @@ def main() -> None:
 @click.option("--out", type=click.Path(), help="Run directory to create.")
 @click.option("--resume", "resume_dir", type=click.Path(), help="Continue the interrupted run in this directory (only --rounds may change).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing run at --out.")
-@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.option("--progress/--no-progress", default=None, help="Show progress bars. [default: only on a terminal]")
 @click.pass_context
 @user_errors
 def train(ctx: click.Context, config_file: str | None, out: str | None, resume_dir: str | None, overwrite: bool,
-          progress: bool, equal_data_access: bool, **options: Any) -> None:
+          progress: bool | None, equal_data_access: bool, **options: Any) -> None:
     """Train a federated model and write a run directory (config, membership, metrics, ledger, weights)."""
     from fedaudit.config import RunConfig, load_config_file
     from fedaudit import training
 
+    progress = show_progress(progress)
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if resume_dir is not None:
         extra = (sorted(given - {"rounds", "device"}) + (["config"] if config_file else []) + (["out"] if out else [])
@@ -187,18 +225,18 @@ def train(ctx: click.Context, config_file: str | None, out: str | None, resume_d
 
 
 @main.command()
-@click.option("--noise-multiplier", type=float, help="sigma of the Sampled Gaussian Mechanism.")
-@click.option("--target-epsilon", type=float, help="Instead of sigma: print the smallest sigma reaching this epsilon.")
-@click.option("--sample-rate", type=float, required=True, help="q = B / N_k.")
-@click.option("--steps", type=int, required=True, help="DP queries per client per round T.")
-@click.option("--rounds", type=int, required=True, help="Rounds M.")
-@click.option("--client-fraction", type=float, default=1.0, show_default=True, help="Client selection probability p.")
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--noise-multiplier", type=click.FloatRange(min=0), help="sigma of the Sampled Gaussian Mechanism.")
+@click.option("--target-epsilon", type=click.FloatRange(min=0, min_open=True), help="Instead of sigma: print the smallest sigma reaching this epsilon.")
+@click.option("--sample-rate", type=click.FloatRange(0, 1, min_open=True), required=True, help="q = B / N_k.")
+@click.option("--steps", type=click.IntRange(min=1), required=True, help="DP queries per client per round T.")
+@click.option("--rounds", type=click.IntRange(min=1), required=True, help="Rounds M.")
+@click.option("--client-fraction", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Client selection probability p.")
+@click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-5, show_default=True)
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True)
 @user_errors
 def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample_rate: float, steps: int, rounds: int,
             client_fraction: float, delta: float, accountant: str) -> None:
-    """Epsilon after each round for DP-SGD clients (two-rate accounting, ALGORITHMS.md section 5)."""
+    """Epsilon after each round for DP-SGD clients (two-rate accounting; see docs/accounting.md)."""
     import pandas as pd
 
     from fedaudit.privacy.accounting import AccountingError, calibrate_noise_multiplier, epsilon_per_round
@@ -230,7 +268,7 @@ def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample
 @click.option("--bootstrap", "resamples", type=int, default=1000, show_default=True, help="Bootstrap resamples of the AUC interval.")
 @click.option("--seed", type=int, help="Seed of the evaluation set, the split and the attack classifier. [default: the run's seed]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where to compute the signals.")
-@click.option("--progress/--no-progress", default=True, help="Show a progress bar while signals are computed.")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar while signals are computed. [default: only on a terminal]")
 @user_errors
 def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
     """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/."""
@@ -238,6 +276,7 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     from attacks.runner import AttackOptions, results_table, run_attacks
     from attacks.signals import DEFAULT_SIGNALS
 
+    options["progress"] = show_progress(options["progress"])
     chosen = AttackOptions(signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
                            methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)), **options)
     results = run_attacks(run_dirs, chosen, echo=click.echo)
@@ -292,11 +331,11 @@ COMPARE_BASE_OPTIONS = ("dataset", "data_dir", "partition", "num_clients", "hold
 @click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]")
 @click.option("--policy", type=click.Path(dir_okay=False), help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when one is INCONCLUSIVE.")
 @click.option("--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan.")
-@click.option("--progress/--no-progress", default=True, help="Show progress over the whole study.")
+@click.option("--progress/--no-progress", default=None, help="Show progress over the whole study. [default: only on a terminal]")
 @user_errors
 def compare(study_file: str | None, out: str, algorithms: tuple[str, ...], budgets: tuple[str, ...], seeds: tuple[int, ...],
             equal_data_access: bool | None, config_file: str | None, signals: tuple[str, ...], methods: tuple[str, ...],
-            target: str | None, formats: tuple[str, ...], policy: str | None, overwrite: bool, progress: bool,
+            target: str | None, formats: tuple[str, ...], policy: str | None, overwrite: bool, progress: bool | None,
             **base: Any) -> None:
     """Run a whole study (algorithms x budgets x seeds): train, attack and report each, then one comparison report.
 
@@ -309,7 +348,7 @@ def compare(study_file: str | None, out: str, algorithms: tuple[str, ...], budge
         config_file=config_file, base_overrides={TRAIN_OPTION_FIELDS[name]: value for name, value in base.items()},
         attack_overrides={"signals": signals, "methods": methods, "target": target}, formats=formats, policy=policy,
     )
-    _finish_report(run_study(study, out, overwrite=overwrite, progress=progress))
+    _finish_report(run_study(study, out, overwrite=overwrite, progress=show_progress(progress)))
 
 
 compare.params.extend(param for param in train.params if param.name in COMPARE_BASE_OPTIONS)

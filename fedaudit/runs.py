@@ -42,11 +42,19 @@ class RunError(ValueError):
     """A run directory that is missing, incomplete, or from an incompatible version (one clear sentence)."""
 
 
+TEMPORARY_SUFFIX = ".tmp"
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and an atomic rename."""
+    """Write ``data`` to ``path`` via a temporary file in the same directory and an atomic rename.
+
+    The file gets the mode an ordinary ``open`` would give it (0666 less the process
+    umask), not the private 0600 of a temporary file, so colleagues can read shared runs.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -55,6 +63,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporary files that an interrupted :func:`atomic_write_bytes` left under ``directory``."""
+    stale = [p for p in directory.rglob(f".*{TEMPORARY_SUFFIX}") if p.is_file()] if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

@@ -28,7 +28,7 @@ from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.engine import make_engine
 from fedaudit.models import ModelSpec, build_model, default_depth, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, calibrate_noise_multiplier, round_events
-from fedaudit.runs import RunDirectory, RunError, now_iso, versions
+from fedaudit.runs import RunDirectory, RunError, now_iso, remove_stale_temporaries, versions
 from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng, repeatable
 
 Echo = Callable[[str], None]
@@ -192,6 +192,7 @@ def resume(
     stored = run.read_membership()
     if any(not np.array_equal(stored[key], value) for key, value in setup.partition.to_arrays().items()):
         raise RunError(f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed.")
+    remove_stale_temporaries(run.path)  # half-written files of the interrupted process
     run.write_config(setup.config.to_dict())
     states: dict[int, TensorDict] = {}
     if done > 0:

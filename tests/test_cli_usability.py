@@ -1,0 +1,86 @@
+"""What a person meets at the command line: quick help, one-sentence usage errors, readable files, clean resumes,
+quiet logs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST_ARGS, tree_digest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["attack", "--help"], ["report", "--help"],
+                                  ["compare", "--help"], ["train", "--algorithm", "fedfoo"]])
+def test_help_and_usage_errors_do_not_load_torch(args):
+    """torch takes seconds to import: the CLI must answer --help and usage errors before loading it."""
+    probe = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
+             f"result = CliRunner().invoke(main, {args!r})\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\nprint(result.exit_code)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("2" if "fedfoo" in args else "0")
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["train", "--algorithm", "fedfoo", "--out", "x"],
+     "Error: Invalid value for '--algorithm': 'fedfoo' is not one of 'fedavg', 'fedprox', 'fedsgd', 'fedlap'."),
+    (["epsilon", "--steps", "0", "--sample-rate", "0.1", "--rounds", "3", "--noise-multiplier", "1"],
+     "Error: Invalid value for '--steps': 0 is not in the range x>=1."),
+    (["epsilon", "--steps", "10", "--sample-rate", "1.5", "--rounds", "3", "--noise-multiplier", "1"],
+     "Error: Invalid value for '--sample-rate': 1.5 is not in the range 0<x<=1."),
+    (["attack", "--frobnicate", "run"], "Error: No such option '--frobnicate'."),
+    (["report", "run"], "Error: Missing option '--out'."),
+])
+def test_usage_errors_are_one_sentence_with_the_option_the_user_typed(cli, tmp_path, args, sentence):
+    result = cli(*args)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [sentence]
+    assert not (tmp_path / "x").exists()
+
+
+def test_files_are_written_with_the_process_umask(tmp_path, cli):
+    old = os.umask(0o022)
+    try:
+        result = cli("train", *FAST_ARGS, "--rounds", "1", "--out", tmp_path / "run")
+        assert result.exit_code == 0, result.output
+        attacked = cli("attack", tmp_path / "run", "--signal", "loss", "--method", "threshold", "--bootstrap", "20")
+        assert attacked.exit_code == 0, attacked.output
+        os.umask(0o027)
+        assert cli("report", tmp_path / "run", "--out", tmp_path / "report.md").exit_code == 0
+    finally:
+        os.umask(old)
+    run_files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert run_files and {stat.S_IMODE(p.stat().st_mode) for p in run_files} == {0o644}
+    assert stat.S_IMODE((tmp_path / "report.md").stat().st_mode) == 0o640
+
+
+def test_resume_removes_temporary_files_left_by_a_kill(tmp_path, plain_run, cli):
+    out = tmp_path / "run"
+    shutil.copytree(plain_run, out)
+    before = tree_digest(out)
+    stale = [out / ".model.safetensors.k1ll3d.tmp", out / "checkpoints" / ".round-0003.safetensors.x9.tmp"]
+    for path in stale:
+        path.write_bytes(b"half a file")
+    result = cli("train", "--resume", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert not any(path.exists() for path in stale)
+    after = tree_digest(out)
+    del before["manifest.json"], after["manifest.json"]  # its "updated" time stamp moves
+    assert after == before
+
+
+def test_progress_bars_stay_out_of_logs(tmp_path, cli):
+    """Output that is not a terminal (a log, a pipe, CliRunner) gets the round summaries, not bar frames."""
+    args = [a for a in FAST_ARGS if a != "--no-progress"]
+    result = cli("train", *args, "--rounds", "2", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.output
+    assert [line for line in result.output.splitlines() if "round 2/2" in line]
