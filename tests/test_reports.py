@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
@@ -210,6 +211,28 @@ def test_several_runs_are_compared(audited, plain_run, tmp_path, cli):
     rows = pd.read_csv(tmp_path / "summary.csv")
     assert list(rows["path"]) == [str(audited), str(plain_run)]
     assert rows["dp"].tolist() == [True, False] and math.isnan(rows["attack_auc"][1])
+
+
+def test_comparison_pdf_lays_out_without_split_words_or_blank_pages(audited, plain_run, tmp_path, cli):
+    """Look at the PDF as a reader would: table headers keep their words whole, and no page but the last is mostly
+    empty (sections flow on instead of starting new pages)."""
+    pdftoppm, pdftotext = binary("pdftoppm"), binary("pdftotext")
+    result = cli("report", audited, plain_run, "--out", tmp_path / "report.pdf")
+    assert result.exit_code == 0, result.output
+    text = subprocess.run([pdftotext, tmp_path / "report.pdf", "-"], check=True, capture_output=True, text=True).stdout
+    words = set(text.split())
+    for header in ("algorithm", "privacy", "rounds", "epsilon", "attack", "members"):
+        assert header in words, header
+    for fragment in ("algorith", "epsilo", "roun", "ru"):
+        assert fragment not in words, fragment
+    subprocess.run([pdftoppm, "-r", "30", "-gray", "-png", tmp_path / "report.pdf", tmp_path / "page"], check=True,
+                   timeout=60)
+    pages = sorted(tmp_path.glob("page*.png"))
+    assert len(pages) >= 2
+    for page in pages[:-1]:
+        rows = np.asarray(Image.open(page).convert("L")) < 200
+        inked = int(rows.any(axis=1).sum())
+        assert inked > 0.6 * 0.85 * rows.shape[0], (page.name, inked, rows.shape[0])  # 85%: the printable height
 
 
 def test_fedlap_run_shows_its_synthetic_images(trained, tmp_path, cli):
