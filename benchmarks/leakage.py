@@ -44,7 +44,6 @@ def attack_rows(study: Path) -> pd.DataFrame:
     rows = []
     for metrics_file in sorted(study.glob("runs/*/attacks/*/metrics.json")):
         m = json.loads(metrics_file.read_text())
-        bound = m["epsilon_lower_bound"]
         rows.append({
             "run": metrics_file.parent.parent.parent.name,
             "attack": f"{m['signal']}/{m['method']}",
@@ -53,7 +52,7 @@ def attack_rows(study: Path) -> pd.DataFrame:
             "low": m["auc_ci95"][0],
             "high": m["auc_ci95"][1],
             "n per side": f"{m['num_members']}/{m['num_nonmembers']}",
-            "eps lower bound": bound["epsilon"] if isinstance(bound, dict) else bound,
+            "eps lower bound": m["epsilon_lower_bound"],
             "accountant eps": m["accountant_epsilon"],
         })
     return pd.DataFrame(rows)

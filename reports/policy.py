@@ -114,25 +114,32 @@ def check_run(policy: Policy, run: RunSummary) -> list[Check]:
     return checks
 
 
-def judge_upper(estimate: float, interval: tuple[float, float], limit: float) -> str:
-    """Verdict on "the true value is at most ``limit``" from a 95% interval: PASS when the whole interval is at or
-    below it, FAIL when the whole interval is above it, INCONCLUSIVE when it straddles the limit."""
+def judge(interval: tuple[float, float], limit: float, *, at_most: bool) -> str:
+    """Verdict on "the true value is at most (or, with ``at_most=False``, at least) ``limit``" from a 95% interval:
+    PASS when the whole interval is on the allowed side, FAIL when it is entirely on the other, else INCONCLUSIVE."""
     low, high = interval
-    return PASS if high <= limit else FAIL if low > limit else INCONCLUSIVE
+    if at_most:
+        return PASS if high <= limit else FAIL if low > limit else INCONCLUSIVE
+    return PASS if low >= limit else FAIL if high < limit else INCONCLUSIVE
 
 
 def records_needed(n: int | None, interval: tuple[float, float], estimate: float, limit: float) -> int | None:
-    """About how many records per side would shrink the interval until it no longer straddles ``limit``
-    (its half-width scales as 1/sqrt(n)); None when the estimate sits on the limit."""
+    """About how many records would shrink the interval until it no longer straddles ``limit`` (its half-width
+    scales as 1/sqrt(n)); None when the estimate sits on the limit or n is unknown."""
     if not n or estimate == limit:
         return None
     half = (interval[1] - interval[0]) / 2.0
     return math.ceil(n * (half / abs(estimate - limit)) ** 2)
 
 
-def _need(n: int | None, interval: tuple[float, float], estimate: float, limit: float) -> str:
-    needed = records_needed(n, interval, estimate, limit)
-    return "the estimate sits on the limit" if needed is None else f"about {needed} per side would resolve it"
+def _judged(estimate: float, interval: tuple[float, float], limit: float, n: int | None, detail: str, *,
+            at_most: bool = True, unit: str = "per side") -> tuple[str, float, str]:
+    """(verdict, value, detail) of one interval against one limit; an inconclusive detail says what would resolve it."""
+    verdict = judge(interval, limit, at_most=at_most)
+    if verdict == INCONCLUSIVE:
+        needed = records_needed(n, interval, estimate, limit)
+        detail += " (the estimate sits on the limit)" if needed is None else f" (about {needed} {unit} would resolve it)"
+    return verdict, estimate, detail
 
 
 def _worst(results: list[tuple[str, float | None, str]]) -> tuple[float | None, str, str]:
@@ -161,15 +168,11 @@ def _epsilon(policy: Policy, run: RunSummary, limit: float) -> tuple[float | Non
 
 
 def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
-    results = []
-    for a in run.final_attacks:
-        if a.auc is None or a.auc_ci is None:
-            continue
-        verdict = judge_upper(a.auc, a.auc_ci, limit)
-        detail = f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}"
-        if verdict == INCONCLUSIVE:
-            detail += f" ({_need(a.num_members, a.auc_ci, a.auc, limit)})"
-        results.append((verdict, a.auc, detail))
+    results = [
+        _judged(a.auc, a.auc_ci, limit, a.num_members,
+                f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}")
+        for a in run.final_attacks if a.auc is not None and a.auc_ci is not None
+    ]
     if not results:
         return None, FAIL, "not available: no attack results with an AUC interval"
     return _worst(results)
@@ -187,11 +190,8 @@ def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
         elif rate.tpr is None or rate.ci is None:
             results.append((FAIL, rate.tpr, f"{a.label}: no interval recorded; re-run fedaudit attack"))
         else:
-            verdict = judge_upper(rate.tpr, rate.ci, limit)
-            detail = f"{a.label}: {rate}, n={rate.num_members} members"
-            if verdict == INCONCLUSIVE:
-                detail += f" ({_need(rate.num_members, rate.ci, rate.tpr, limit)})"
-            results.append((verdict, rate.tpr, detail))
+            results.append(_judged(rate.tpr, rate.ci, limit, rate.num_members,
+                                   f"{a.label}: {rate}, n={rate.num_members} members"))
     if not results:
         return None, FAIL, "not available: no attack results with TPR at 0.1% FPR"
     return _worst(results)
@@ -204,11 +204,9 @@ def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | No
     interval = run.final_accuracy_ci
     if interval is None:
         return accuracy, PASS if accuracy >= limit else FAIL, f"{accuracy:.4f} (test split size not recorded)"
-    low, high = interval
-    verdict = PASS if low >= limit else FAIL if high < limit else INCONCLUSIVE
-    detail = f"{accuracy:.4f} [{low:.4f}, {high:.4f}] on {run.test_records} test records"
-    if verdict == INCONCLUSIVE:
-        detail += f" ({_need(run.test_records, interval, accuracy, limit).replace(' per side', '')})"
+    verdict, _, detail = _judged(accuracy, interval, limit, run.test_records,
+                                 f"{accuracy:.4f} [{interval[0]:.4f}, {interval[1]:.4f}] on {run.test_records} test records",
+                                 at_most=False, unit="test records")
     return accuracy, verdict, detail
 
 

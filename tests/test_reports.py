@@ -314,3 +314,34 @@ def test_a_policy_delta_fails_a_run_whose_delta_is_unknown():
     assert not check.passed and "not recorded" in check.detail
     (check,) = check_run(Policy(max_epsilon=8.0), run)
     assert check.passed
+
+
+def test_verdicts_on_intervals_and_the_records_that_would_resolve_them():
+    from reports.policy import FAIL, INCONCLUSIVE, PASS, judge, records_needed
+
+    assert judge((0.50, 0.60), 0.60, at_most=True) == PASS
+    assert judge((0.61, 0.70), 0.60, at_most=True) == FAIL
+    assert judge((0.55, 0.65), 0.60, at_most=True) == INCONCLUSIVE
+    assert judge((0.70, 0.80), 0.70, at_most=False) == PASS
+    assert judge((0.60, 0.69), 0.70, at_most=False) == FAIL
+    assert judge((0.65, 0.75), 0.70, at_most=False) == INCONCLUSIVE
+    # half-width 0.05 at n = 400; resolving a distance of 0.03 needs (0.05 / 0.03)^2 times the records
+    assert records_needed(400, (0.50, 0.60), 0.55, 0.58) == 1112
+    assert records_needed(400, (0.50, 0.60), 0.58, 0.58) is None
+
+
+def test_accuracy_is_judged_on_its_interval_over_the_test_split():
+    from reports.collect import PrivacySummary, RunSummary
+    from reports.policy import Policy, check_run
+
+    def run(accuracy: float, test_records: int) -> RunSummary:
+        utility = pd.DataFrame({"round": [1], "test_accuracy": [accuracy]})
+        return RunSummary("r", Path("r"), {"algorithm": "FedAvg", "privacy budget": "no DP"}, utility,
+                          PrivacySummary(dp=False), (), (), (), test_records=test_records)
+
+    # 0.72 on 360 records: 95% interval about [0.67, 0.77]
+    assert [check_run(Policy(min_accuracy=limit), run(0.72, 360))[0].verdict for limit in (0.6, 0.7, 0.8)] == [
+        "PASS", "INCONCLUSIVE", "FAIL"]
+    (check,) = check_run(Policy(min_accuracy=0.7), run(0.72, 360))
+    assert "on 360 test records" in check.detail and "test records would resolve it" in check.detail
+    assert check_run(Policy(min_accuracy=0.7), run(0.72, 100000))[0].verdict == "PASS"
