@@ -368,7 +368,7 @@ def _run_rounds(
     model = build_model(setup.spec).to(device)
     params = {name: p.to(device) for name, p in params.items()}
     accuracy = float(rows[-1]["test_accuracy"]) if rows else float("nan")
-    with make_engine(config, num_clients=len(clients), progress=progress) as engine:
+    with make_engine(config, num_clients=len(clients), progress=progress, echo=echo) as engine:
         try:
             for m in tqdm(range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress):
                 began = time.perf_counter()

@@ -78,5 +78,5 @@ def plain_run(trained: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def dp_run(trained: Callable[..., Path]) -> Path:
-    """A completed three-round DP-FedAvg run (sigma 1.0 and C 0.1 by default)."""
+    """A completed three-round DP-FedAvg run (sigma 1.0, and C 1.0 and lr 0.5 by default on digits)."""
     return trained("--dp", "--rounds", "3")

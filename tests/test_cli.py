@@ -107,7 +107,7 @@ def test_config_json_holds_the_resolved_configuration(request, which):
     config = RunConfig.from_dict(stored)
     assert config.resolved().to_dict() == stored  # already resolved: nothing left to fill in
     assert {"seed", "device", "data", "model", "federated", "privacy"} <= set(stored)
-    assert stored["federated"]["client_lr"] == 0.1
+    assert stored["federated"]["client_lr"] == (0.5 if which == "dp_run" else 0.1)  # DP-SGD's digits default
     assert stored["federated"]["lr_schedule"] in ("constant", "cosine")
     assert stored["data"] == {"dataset": "digits", "data_dir": None, "download": False, "partition": "classes:2",
                               "num_clients": 5, "holdout_fraction": 0.1}
@@ -117,7 +117,7 @@ def test_config_json_holds_the_resolved_configuration(request, which):
     if which == "dp_run":
         assert stored["privacy"]["dp"] is True
         assert stored["privacy"]["noise_multiplier"] == 1.0
-        assert stored["privacy"]["max_grad_norm"] == 0.1
+        assert stored["privacy"]["max_grad_norm"] == 1.0
     else:
         assert stored["privacy"]["dp"] is False
 
@@ -182,7 +182,7 @@ def test_privacy_json_agrees_with_metrics_and_the_epsilon_command(dp_run, cli):
     ledger = read_json(dp_run / "privacy.json")
     assert {"accountant", "delta", "noise_multiplier", "max_grad_norm", "entries", "epsilon_per_round"} <= set(ledger)
     assert (ledger["accountant"], ledger["delta"], ledger["noise_multiplier"], ledger["max_grad_norm"]) == (
-        "rdp", 1e-5, 1.0, 0.1)
+        "rdp", 1e-5, 1.0, 1.0)
     metrics = pd.read_csv(dp_run / "metrics.csv")
     assert metrics["epsilon"].tolist() == pytest.approx(ledger["epsilon_per_round"], rel=1e-12)
 
@@ -486,7 +486,7 @@ def test_config_file_with_command_line_overrides(tmp_path, cli, suffix):
     assert stored["model"] == {"arch": "mlp", "width": 8, "depth": 1}
     assert stored["seed"] == 3 and stored["federated"]["batch_size"] == 64  # the file wins over defaults
     assert stored["federated"]["lr_schedule"] == "cosine"
-    assert stored["privacy"]["max_grad_norm"] == 0.1  # default written out
+    assert stored["privacy"]["max_grad_norm"] == 1.0  # default written out (DP-SGD's on digits)
     assert read_json(out / "privacy.json")["noise_multiplier"] == 1.5
 
 

@@ -84,3 +84,22 @@ def test_progress_bars_stay_out_of_logs(tmp_path, cli):
     assert result.exit_code == 0, result.output
     assert "\r" not in result.output
     assert [line for line in result.output.splitlines() if "round 2/2" in line]
+
+
+def test_a_long_round_says_up_front_how_long_it_will_take(tmp_path, cli, monkeypatch):
+    """After the first client, a run whose rounds take minutes says how long the rest will take (here the threshold
+    is lowered so that a quick run crosses it)."""
+    from fedaudit.engine import local
+
+    monkeypatch.setattr(local, "ESTIMATE_FROM_SECONDS", 0.0)
+    result = cli("train", *FAST_ARGS, "--rounds", "2", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "the first client took" in line]
+    assert len(lines) == 1 and lines[0].startswith("round 1/2:") and "the 2 round(s) left about" in lines[0]
+    assert result.output.index("the first client took") < result.output.index("round 1/2: test accuracy")
+
+
+def test_durations_read_as_words():
+    from fedaudit.engine.local import duration
+
+    assert [duration(s) for s in (4.2, 89, 700, 9000)] == ["4 s", "89 s", "12 min", "2.5 h"]

@@ -105,7 +105,9 @@ def test_with_overrides_applies_dotted_fields_and_ignores_none():
 
 @pytest.mark.parametrize("algorithm, clip", [("fedavg", 0.1), ("fedprox", 0.2), ("fedsgd", 0.1)])
 def test_resolved_fills_algorithm_defaults_with_dp(algorithm, clip):
-    config = RunConfig(federated=FederatedConfig(algorithm=algorithm), privacy=PrivacyConfig(dp=True)).resolved()
+    """The authors' DP configurations on the paper's datasets."""
+    config = RunConfig(data=DataConfig(dataset="fashion-mnist"), federated=FederatedConfig(algorithm=algorithm),
+                       privacy=PrivacyConfig(dp=True)).resolved()
     assert config.privacy.max_grad_norm == clip
     assert config.privacy.noise_multiplier == 1.0
     assert config.federated.client_lr == 0.1
@@ -113,12 +115,26 @@ def test_resolved_fills_algorithm_defaults_with_dp(algorithm, clip):
     assert config.resolved() == config  # idempotent
 
 
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedsgd"])
+def test_dp_sgd_defaults_on_digits_take_a_larger_step_and_clipping_norm(algorithm):
+    """digits barely learns under DP-SGD with the Fashion-MNIST step and norm; without DP, or given, nothing changes."""
+    config = RunConfig(federated=FederatedConfig(algorithm=algorithm), privacy=PrivacyConfig(dp=True)).resolved()
+    assert (config.federated.client_lr, config.privacy.max_grad_norm) == (0.5, 1.0)
+    plain = RunConfig(federated=FederatedConfig(algorithm=algorithm)).resolved()
+    assert plain.federated.client_lr == 0.1
+    given = RunConfig(federated=FederatedConfig(algorithm=algorithm, client_lr=0.2),
+                      privacy=PrivacyConfig(dp=True, max_grad_norm=0.3)).resolved()
+    assert (given.federated.client_lr, given.privacy.max_grad_norm) == (0.2, 0.3)
+    lap = RunConfig(federated=FederatedConfig(algorithm="fedlap"), privacy=PrivacyConfig(dp=True)).resolved()
+    assert (lap.federated.client_lr, lap.privacy.max_grad_norm) == (0.002, 1.0)
+
+
 def test_resolved_keeps_given_values_and_leaves_sigma_to_calibration():
     given = dp(noise_multiplier=2.5, max_grad_norm=3.0).resolved()
     assert (given.privacy.noise_multiplier, given.privacy.max_grad_norm) == (2.5, 3.0)
     targeted = dp(target_epsilon=4.0).resolved()
     assert targeted.privacy.noise_multiplier is None  # found by calibration in training.prepare
-    assert targeted.privacy.max_grad_norm == 0.1
+    assert targeted.privacy.max_grad_norm == 1.0  # the digits default of DP-SGD
     custom = CUSTOM.resolved()
     assert (custom.federated.client_lr, custom.federated.lr_schedule) == (0.05, "cosine")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fedaudit.engine.local import LocalEngine
@@ -11,10 +12,11 @@ if TYPE_CHECKING:
     from fedaudit.engine.flower import FlowerEngine
 
 
-def make_engine(config: RunConfig, *, num_clients: int, progress: bool) -> LocalEngine | FlowerEngine:
+def make_engine(config: RunConfig, *, num_clients: int, progress: bool,
+                echo: Callable[[str], None] | None = None) -> LocalEngine | FlowerEngine:
     """The engine ``config.engine`` names, as a context manager that releases what it started."""
     if config.engine == "flower":
         from fedaudit.engine.flower import FlowerEngine
 
         return FlowerEngine(config, num_clients=num_clients)  # replies come back together: no per-client bar
-    return LocalEngine(progress=progress)
+    return LocalEngine(progress=progress, echo=echo)
