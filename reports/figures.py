@@ -131,7 +131,8 @@ def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
 def privacy_utility(groups: pd.DataFrame) -> bytes:
     """Final test accuracy and strongest attack AUC against the accountant's epsilon, one line per algorithm through
     its budgets (:func:`reports.summary.group_rows`). Error bars: the standard deviation over seeds for a group of
-    several seeds; for a group of one run, its AUC interval (simultaneous over its attacks) and no accuracy bar."""
+    several seeds; for a group of one run, its 95% intervals (accuracy: over the test split; AUC: simultaneous over
+    its attacks)."""
     fig, (acc_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
     epsilon = groups["epsilon_mean"].to_numpy(float)
     finite = epsilon[np.isfinite(epsilon)]
@@ -145,25 +146,28 @@ def privacy_utility(groups: pd.DataFrame) -> bytes:
             order = np.argsort(x[rows], kind="stable")
             mean = groups[f"{column}_mean"].to_numpy(float)[rows][order]
             std = np.nan_to_num(groups[f"{column}_std"].to_numpy(float)[rows][order])
-            below, above = std, std
-            if column == "attack_auc":
-                low = groups["attack_auc_ci_low"].to_numpy(float)[rows][order]
-                high = groups["attack_auc_ci_high"].to_numpy(float)[rows][order]
-                one = np.isfinite(low) & np.isfinite(high)
-                below, above = np.where(one, mean - low, std), np.where(one, high - mean, std)
+            low = groups[f"{column}_ci_low"].to_numpy(float)[rows][order]
+            high = groups[f"{column}_ci_high"].to_numpy(float)[rows][order]
+            one = np.isfinite(low) & np.isfinite(high)
+            below, above = np.where(one, mean - low, std), np.where(one, high - mean, std)
             line = ax.errorbar(x[rows][order], mean, yerr=[below, above], marker="o", capsize=3, label=algorithm)
             dp = np.isfinite(epsilon[rows][order])
             if not dp.all():  # no-DP points: crosses at the right edge, not joined to the DP curve
                 line[0].set_data(x[rows][order][dp], mean[dp])
                 ax.scatter(x[rows][order][~dp], mean[~dp], marker="x", s=60, color=line[0].get_color())
-    acc_ax.set(xlabel="epsilon (x: no DP, at the right edge)", ylabel="final test accuracy", title="Accuracy vs epsilon")
-    auc_ax.set(xlabel="epsilon (x: no DP, at the right edge)", ylabel="strongest attack AUC", title="Attack AUC vs epsilon")
+    acc_ax.set(xlabel="epsilon (x: no DP)", ylabel="final test accuracy", title="Accuracy vs epsilon")
+    auc_ax.set(xlabel="epsilon (x: no DP)", ylabel="strongest attack AUC", title="Attack AUC vs epsilon")
     auc_ax.axhline(0.5, color="k", ls="--", lw=0.8)
     auc_axis(auc_ax)
     for ax in (acc_ax, auc_ax):
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=7)
+        if not np.isfinite(epsilon).all():  # the no-DP column is a label, not an epsilon
+            left, right = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if left <= t < no_dp_x - 0.08 * (right - left)]
+            ax.set_xticks([*ticks, no_dp_x], labels=[f"{t:g}" for t in ticks] + ["no DP"])
+            ax.set_xlim(left, right)
     fig.tight_layout()
     return png(fig)
 
@@ -172,7 +176,7 @@ def spread_caption(groups: pd.DataFrame) -> str:
     """What the error bars of :func:`privacy_utility` show, for these groups."""
     several, single = bool((groups["runs"] > 1).any()), bool((groups["runs"] == 1).any())
     seeds = "standard deviation over seeds"
-    one = "one seed: the strongest attack's 95% AUC interval, simultaneous over its attacks, and no accuracy bar"
+    one = "one seed: 95% intervals (test accuracy over the test split; the strongest attack's AUC simultaneous over its attacks)"
     if several and single:
         return f"error bars: {seeds} for settings with several seeds; for settings with {one}"
     return f"error bars: {seeds}" if several else f"error bars, {one}"
