@@ -19,3 +19,4 @@ class Draw(enum.IntEnum):
     HALVES = 2
     BOOTSTRAP = 3
     CLASSIFIER = 4
+    CLIENT_BOOTSTRAP = 5

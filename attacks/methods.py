@@ -25,6 +25,8 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import QuantileTransformer
 
+from attacks.metrics import rate_interval
+
 METHODS: tuple[str, ...] = ("threshold", "classifier", "population")
 DEFAULT_METHODS: tuple[str, ...] = ("threshold", "classifier")
 FPR_TOLERANCES: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.2, 0.5)
@@ -96,6 +98,7 @@ def population_attack(
 
     A record is called a member when its score is strictly above the threshold; the
     "higher" quantile makes at most a fraction alpha of the reference non-members do so.
+    Each rate carries its two-sided 95% Clopper-Pearson interval and its n.
     """
     reference = score[attack_train & (member == 0)]
     audit = ~attack_train
@@ -103,10 +106,15 @@ def population_attack(
     rows = []
     for alpha in tolerances:
         threshold = float(np.quantile(reference, 1.0 - alpha, method="higher"))
+        hits, false_alarms = int((audit_members > threshold).sum()), int((audit_nonmembers > threshold).sum())
         rows.append({
             "fpr_tolerance": alpha,
             "threshold": threshold,
-            "tpr": float(np.mean(audit_members > threshold)),
-            "fpr": float(np.mean(audit_nonmembers > threshold)),
+            "tpr": hits / audit_members.size,
+            "tpr_ci95": rate_interval(hits, audit_members.size),
+            "fpr": false_alarms / audit_nonmembers.size,
+            "fpr_ci95": rate_interval(false_alarms, audit_nonmembers.size),
+            "num_members": int(audit_members.size),
+            "num_nonmembers": int(audit_nonmembers.size),
         })
     return MethodOutput(scores=score, audit=audit, details={"population": rows, "reference_nonmembers": int(reference.size)})

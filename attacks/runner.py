@@ -23,7 +23,7 @@ import fedaudit
 from attacks import AttackError, Draw
 from attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from attacks.methods import DEFAULT_METHODS, METHODS, run_method
-from attacks.metrics import DEFAULT_RESAMPLES, summarize
+from attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
 from attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
@@ -243,7 +243,8 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
         **metrics,
         "accountant_epsilon": accountant,
         "epsilon_lower_bound_exceeds_accountant": None if accountant is None else metrics["epsilon_lower_bound"] > accountant,
-        "per_client": _per_client(ev, audit, output.scores),
+        "per_client": _per_client(ev, audit, output.scores, rng=numpy_rng(seed, Stream.ATTACK, Draw.CLIENT_BOOTSTRAP),
+                                  resamples=options.resamples),
         **output.details,
         "fedaudit_version": fedaudit.__version__,
         "created": now_iso(),
@@ -265,18 +266,23 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
     return AttackResult(name=f"{signal}-{method}{target.suffix}", scores=scores, roc=roc_table, metrics=metrics)
 
 
-def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray) -> dict[str, dict[str, Any]]:
-    """AUC of each client's audited members against the audited non-members of that client's classes."""
+def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray, *, rng: np.random.Generator,
+                resamples: int) -> dict[str, dict[str, Any]]:
+    """AUC (with its bootstrap 95% interval) of each client's audited members against the audited non-members of that
+    client's classes."""
     table: dict[str, dict[str, Any]] = {}
     nonmember = audit & (ev.member == 0)
     for k, classes in ev.client_classes.items():
         members = audit & (ev.client == k)
         others = nonmember & np.isin(ev.label, classes)
-        auc = None
+        auc, interval = None, None
         if members.any() and others.any():
             both = members | others
             auc = float(roc_auc_score(ev.member[both], scores[both]))
-        table[str(k)] = {"auc": auc, "num_members": int(members.sum()), "num_nonmembers": int(others.sum())}
+            boot = bootstrap(ev.member[both], scores[both], rng=rng, resamples=resamples)
+            interval = list(boot.interval(boot.auc))
+        table[str(k)] = {"auc": auc, "auc_ci95": interval, "num_members": int(members.sum()),
+                         "num_nonmembers": int(others.sum())}
     return table
 
 

@@ -111,7 +111,7 @@ def test_metrics_json_agrees_with_scores_and_roc(overfit_attacked):
         assert sorted(metrics["per_client"]) == ["0", "1"]
         for k, entry in metrics["per_client"].items():
             assert entry["num_members"] == int((audit.client == int(k)).sum()) > 0
-            assert 0 <= entry["auc"] <= 1
+            assert 0 <= entry["auc_ci95"][0] <= entry["auc"] <= entry["auc_ci95"][1] <= 1
 
 
 def test_loss_signal_is_the_model_loss_and_members_are_the_run_members(overfit_attacked):

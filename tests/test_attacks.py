@@ -435,4 +435,8 @@ def test_population_thresholds_hold_the_false_positive_tolerance() -> None:
         assert np.mean(reference > row["threshold"]) <= alpha  # by construction on the reference
         assert row["fpr"] == pytest.approx(alpha, abs=4 * math.sqrt(alpha * (1 - alpha) / (n / 2)) + 1e-3)
         assert row["tpr"] == pytest.approx(norm.sf(row["threshold"] - 1), abs=0.02)  # N(1, 1) above the threshold
+        assert row["num_members"] == int((~attack_train & (member == 1)).sum())
+        for rate in ("tpr", "fpr"):
+            low, high = row[f"{rate}_ci95"]
+            assert low <= row[rate] <= high
     np.testing.assert_array_equal(out.audit, ~attack_train)
