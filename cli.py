@@ -156,7 +156,7 @@ def main() -> None:
 @click.option("--weighting", type=click.Choice(["num_examples", "uniform"]), help="Aggregation weights N_k/N or 1/K. [default: num_examples]")
 @click.option("--server-lr", type=float, help="Server learning rate eta_s. [default: 1.0]")
 @click.option("--local-epochs", type=int, help="Local epochs E. [default: 5]")
-@click.option("--lr", type=float, help="Client learning rate eta_c. [default: 0.1; 0.002 fedlap; 0.5 under DP on digits]")
+@click.option("--lr", type=float, help="Client learning rate eta_c. [default: 0.1; 0.002 fedlap; 0.5 on digits]")
 @click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
 @click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256; 32 on digits]")
 @click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")

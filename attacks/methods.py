@@ -25,7 +25,7 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import QuantileTransformer
 
-from attacks.metrics import rate_interval
+from attacks.metrics import rates_at_fpr
 
 METHODS: tuple[str, ...] = ("threshold", "classifier", "population")
 DEFAULT_METHODS: tuple[str, ...] = ("threshold", "classifier")
@@ -97,24 +97,9 @@ def population_attack(
     """Thresholds at the (1 - alpha) quantiles of the attack-training non-members' scores, evaluated on the audit half.
 
     A record is called a member when its score is strictly above the threshold; the
-    "higher" quantile makes at most a fraction alpha of the reference non-members do so.
-    Each rate carries its two-sided 95% Clopper-Pearson interval and its n.
+    "higher" quantile makes at most a fraction alpha of the reference non-members do so
+    (:func:`attacks.metrics.rates_at_fpr`, which also gives each rate its interval and n).
     """
-    reference = score[attack_train & (member == 0)]
-    audit = ~attack_train
-    audit_members, audit_nonmembers = score[audit & (member == 1)], score[audit & (member == 0)]
-    rows = []
-    for alpha in tolerances:
-        threshold = float(np.quantile(reference, 1.0 - alpha, method="higher"))
-        hits, false_alarms = int((audit_members > threshold).sum()), int((audit_nonmembers > threshold).sum())
-        rows.append({
-            "fpr_tolerance": alpha,
-            "threshold": threshold,
-            "tpr": hits / audit_members.size,
-            "tpr_ci95": rate_interval(hits, audit_members.size),
-            "fpr": false_alarms / audit_nonmembers.size,
-            "fpr_ci95": rate_interval(false_alarms, audit_nonmembers.size),
-            "num_members": int(audit_members.size),
-            "num_nonmembers": int(audit_nonmembers.size),
-        })
-    return MethodOutput(scores=score, audit=audit, details={"population": rows, "reference_nonmembers": int(reference.size)})
+    rows = [{"fpr_tolerance": alpha, **rates_at_fpr(member, score, attack_train, alpha)} for alpha in tolerances]
+    reference = int((attack_train & (member == 0)).sum())
+    return MethodOutput(scores=score, audit=~attack_train, details={"population": rows, "reference_nonmembers": reference})

@@ -1,10 +1,13 @@
-"""Audit metrics: ROC, AUC and advantage with bootstrap intervals, TPR at low FPR with its resolution, and a valid
-empirical epsilon lower bound.
+"""Audit metrics: ROC and AUC with a bootstrap interval, TPR at low FPR and advantage measured on held-out records
+with their intervals, and a valid empirical epsilon lower bound.
 
-Every rate comes with its interval and the number of records behind it. A TPR at
-a false-positive rate below 1 / (number of non-members) cannot be measured (the
-smallest non-zero FPR the sample can show is one in n), so it is reported as not
-estimable, with the number of non-members it would need.
+Every rate comes with its interval and the number of records behind it. Tests
+whose threshold must be chosen (TPR at a target FPR, the best advantage, the
+epsilon bound) are chosen on the attack-training half of the records and
+measured on the audit half, so that the choice does not flatter the number. A
+TPR at a false-positive rate below 1 / (number of non-members) cannot be
+measured (the smallest non-zero FPR a sample can show is one in n), so it is
+reported as not estimable, with the number of non-members it would need.
 
 The epsilon lower bound (docs/audit.md): an (eps, delta)-DP mechanism makes every
 membership test fixed in advance obey TPR <= e^eps FPR + delta and
@@ -28,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from scipy.stats import beta
+from scipy.stats import beta, norm
 from sklearn.metrics import roc_auc_score, roc_curve
 
 LOW_FPRS: tuple[float, ...] = (0.01, 0.001)
@@ -62,13 +65,9 @@ def roc(member: np.ndarray, score: np.ndarray) -> ROC:
     return ROC(fpr=fpr, tpr=tpr, thresholds=thresholds)
 
 
-def tpr_at_fpr(curve: ROC, target: float) -> float:
-    """TPR at the largest FPR not above ``target`` (the ROC is monotone, so the best TPR there)."""
-    return float(curve.tpr[curve.fpr <= target].max())
-
-
 def advantage(curve: ROC) -> float:
-    """Membership advantage max over thresholds of TPR - FPR."""
+    """Membership advantage max over thresholds of TPR - FPR on the same records (optimistic: a description, not an
+    estimate; :func:`held_out_advantage` is the estimate)."""
     return float(np.max(curve.tpr - curve.fpr))
 
 
@@ -80,29 +79,92 @@ def rate_interval(successes: int, trials: int, *, level: float = CONFIDENCE) -> 
     return [float(low), float(high)]
 
 
-def tpr_at_low_fpr(curve: ROC, positives: int, negatives: int, target: float) -> dict[str, Any]:
-    """TPR at FPR <= ``target`` with its Clopper-Pearson interval and n, or "not estimable" below 1 / negatives.
+def rates_at_fpr(member: np.ndarray, score: np.ndarray, select: np.ndarray, target: float) -> dict[str, Any]:
+    """TPR and FPR of the test set to FPR <= ``target`` on the choosing records, measured on the others.
 
-    The interval is that of the members' hit rate at the threshold the ROC picks; it
-    does not include the uncertainty of the threshold itself.
+    The threshold is the "higher" (1 - target) quantile of the non-members' scores among
+    the ``select`` records, so at most a fraction ``target`` of them score above it; the
+    rates of "score > threshold" are then measured on the records outside ``select``,
+    with two-sided 95% Clopper-Pearson intervals. Choosing the threshold on the same
+    non-members it is judged on would let a test at 2-4 times the target FPR pass for
+    one at the target. Not estimable (values None) when either part has fewer than
+    ``nonmembers_needed`` = 1/target non-members: no threshold can then resolve the FPR.
     """
     needed = math.ceil(1.0 / target - 1e-9)
-    base = {"target_fpr": target, "num_members": positives, "num_nonmembers": negatives, "nonmembers_needed": needed}
-    if negatives < needed:
-        return {**base, "estimable": False, "tpr": None, "fpr": None, "ci95": None}
-    allowed = curve.fpr <= target
-    best = int(np.argmax(np.where(allowed, curve.tpr, -1.0)))
-    hits = int(round(curve.tpr[best] * positives))
-    return {**base, "estimable": True, "tpr": float(curve.tpr[best]), "fpr": float(curve.fpr[best]),
-            "ci95": rate_interval(hits, positives)}
+    select = np.asarray(select, dtype=bool)
+    reference = score[select & (member == 0)]
+    members, nonmembers = score[~select & (member == 1)], score[~select & (member == 0)]
+    base = {"target_fpr": target, "num_members": int(members.size), "num_nonmembers": int(nonmembers.size),
+            "num_reference_nonmembers": int(reference.size), "nonmembers_needed": needed}
+    if min(reference.size, nonmembers.size) < needed or members.size == 0:
+        return {**base, "estimable": False, "threshold": None, "tpr": None, "ci95": None, "fpr": None,
+                "fpr_ci95": None}
+    threshold = float(np.quantile(reference, 1.0 - target, method="higher"))
+    hits, false_alarms = int((members > threshold).sum()), int((nonmembers > threshold).sum())
+    return {**base, "estimable": True, "threshold": threshold, "tpr": hits / members.size,
+            "ci95": rate_interval(hits, members.size), "fpr": false_alarms / nonmembers.size,
+            "fpr_ci95": rate_interval(false_alarms, nonmembers.size)}
+
+
+def wilson_interval(successes: int, trials: int, z: float) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion."""
+    p = successes / trials
+    centre = (successes + z * z / 2.0) / (trials + z * z)
+    half = z * math.sqrt(p * (1.0 - p) * trials + z * z / 4.0) / (trials + z * z)
+    return centre - half, centre + half
+
+
+def difference_interval(hits: int, positives: int, false_alarms: int, negatives: int,
+                        level: float = CONFIDENCE) -> list[float]:
+    """Newcombe's hybrid score interval of TPR - FPR from two independent binomial samples (Newcombe 1998, method
+    10): Wilson intervals of each rate, combined."""
+    z = float(norm.ppf((1.0 + level) / 2.0))
+    p1, p0 = hits / positives, false_alarms / negatives
+    l1, u1 = wilson_interval(hits, positives, z)
+    l0, u0 = wilson_interval(false_alarms, negatives, z)
+    d = p1 - p0
+    return [d - math.sqrt((p1 - l1) ** 2 + (u0 - p0) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p0 - l0) ** 2)]
+
+
+def held_out_advantage(member: np.ndarray, score: np.ndarray, select: np.ndarray) -> dict[str, Any]:
+    """TPR - FPR of the threshold that maximises it on the ``select`` records, measured on the others with Newcombe's
+    95% interval.
+
+    The largest TPR - FPR over every threshold of the same records is optimistic (on
+    pure noise its bootstrap interval excludes 0 almost always); a threshold fixed on
+    other records is not.
+    """
+    select = np.asarray(select, dtype=bool)
+    members, nonmembers = score[~select & (member == 1)], score[~select & (member == 0)]
+    chosen = member[select]
+    if members.size == 0 or nonmembers.size == 0 or chosen.min(initial=1) == chosen.max(initial=0):
+        return {"advantage": None, "ci95": None, "threshold": None, "num_members": int(members.size),
+                "num_nonmembers": int(nonmembers.size)}
+    curve = roc(chosen, score[select])
+    gaps = curve.tpr - curve.fpr
+    gaps[0] = -np.inf  # "nobody is a member": an infinite threshold, never the best
+    threshold = _between(curve, int(np.argmax(gaps)))
+    hits, false_alarms = int((members >= threshold).sum()), int((nonmembers >= threshold).sum())
+    return {"advantage": hits / members.size - false_alarms / nonmembers.size,
+            "ci95": difference_interval(hits, members.size, false_alarms, nonmembers.size), "threshold": threshold,
+            "tpr": hits / members.size, "fpr": false_alarms / nonmembers.size, "num_members": int(members.size),
+            "num_nonmembers": int(nonmembers.size)}
+
+
+def _between(curve: ROC, index: int) -> float:
+    """The threshold of ROC point ``index``, moved halfway to the next lower score: the same test on these records,
+    a less brittle one elsewhere."""
+    threshold = curve.thresholds[index]
+    if index + 1 < curve.thresholds.size:
+        threshold = (threshold + curve.thresholds[index + 1]) / 2.0
+    return float(threshold)
 
 
 @dataclass(frozen=True)
 class Bootstrap:
-    """AUC and advantage of each bootstrap resample (members and non-members resampled separately)."""
+    """The AUC of each bootstrap resample (members and non-members resampled separately)."""
 
     auc: np.ndarray
-    advantage: np.ndarray
 
     @staticmethod
     def interval(values: np.ndarray, level: float = CONFIDENCE) -> tuple[float, float]:
@@ -113,22 +175,18 @@ class Bootstrap:
 
 def bootstrap(member: np.ndarray, score: np.ndarray, *, rng: np.random.Generator,
               resamples: int = DEFAULT_RESAMPLES) -> Bootstrap:
-    """AUC and advantage of ``resamples`` bootstrap resamples, vectorised.
-
-    Each resample is a vector of multinomial counts per side; :func:`weighted_auc` and
-    :func:`weighted_advantage` evaluate many such vectors at once without re-sorting.
-    """
+    """The AUC of ``resamples`` bootstrap resamples, vectorised: each resample is a vector of multinomial counts per
+    side, and :func:`weighted_auc` evaluates many such vectors at once without re-sorting."""
     positives, negatives = score[member == 1], score[member == 0]
     n1, n0 = positives.size, negatives.size
-    aucs, advantages = np.empty(resamples), np.empty(resamples)
+    aucs = np.empty(resamples)
     chunk = max(1, _BOOTSTRAP_CELLS // (n1 + n0))
     for start in range(0, resamples, chunk):
         size = min(chunk, resamples - start)
         w1 = rng.multinomial(n1, np.full(n1, 1.0 / n1), size=size)
         w0 = rng.multinomial(n0, np.full(n0, 1.0 / n0), size=size)
         aucs[start : start + size] = weighted_auc(positives, negatives, w1, w0)
-        advantages[start : start + size] = weighted_advantage(positives, negatives, w1, w0)
-    return Bootstrap(auc=aucs, advantage=advantages)
+    return Bootstrap(auc=aucs)
 
 
 def weighted_auc(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray, w_neg: np.ndarray) -> np.ndarray:
@@ -145,25 +203,6 @@ def weighted_auc(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray
     cumulative = np.concatenate([np.zeros((w_neg.shape[0], 1)), np.cumsum(w_neg, axis=1)], axis=1)
     wins = 0.5 * (cumulative[:, below] + cumulative[:, at_or_below])
     return (np.atleast_2d(w_pos) * wins).sum(axis=1) / (np.atleast_2d(w_pos).sum(axis=1) * w_neg.sum(axis=1))
-
-
-def weighted_advantage(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray,
-                       w_neg: np.ndarray) -> np.ndarray:
-    """max over thresholds of TPR - FPR for each row of counts (as :func:`weighted_auc`), at least 0.
-
-    Scores are sorted once, highest first; the rates are read only at the last record
-    of each run of tied scores, since a threshold cannot separate equal scores.
-    """
-    scores = np.concatenate([positives, negatives])
-    order = np.argsort(-scores, kind="stable")
-    w_pos, w_neg = np.atleast_2d(w_pos), np.atleast_2d(w_neg)
-    zeros_pos, zeros_neg = np.zeros_like(w_pos), np.zeros_like(w_neg)
-    ordered = scores[order]
-    ends = np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))
-    hits = np.cumsum(np.concatenate([w_pos, zeros_neg], axis=1)[:, order], axis=1)[:, ends]
-    false_alarms = np.cumsum(np.concatenate([zeros_pos, w_neg], axis=1)[:, order], axis=1)[:, ends]
-    gaps = hits / w_pos.sum(axis=1, keepdims=True) - false_alarms / w_neg.sum(axis=1, keepdims=True)
-    return np.maximum(gaps.max(axis=1), 0.0)
 
 
 def clopper_pearson_lower(successes: np.ndarray, trials: int, *, confidence: float = CONFIDENCE) -> np.ndarray:
@@ -236,20 +275,19 @@ def choose_test(member: np.ndarray, score: np.ndarray, *, delta: float,
     the bound on other records may still be positive); None if no test gives a finite bound here.
 
     Of equal bounds the highest threshold wins; the threshold returned lies halfway between
-    it and the next lower score, which classifies these records the same way.
+    it and the next lower score (:func:`_between`).
     """
     curve = roc(member, score)
     positives, negatives = int((member == 1).sum()), int((member == 0).sum())
     bounds = threshold_bounds(np.rint(curve.tpr * positives), np.rint(curve.fpr * negatives), positives, negatives,
                          delta=delta, confidence=confidence)
+    for values in bounds.values():
+        values[0] = -np.inf  # "nobody is a member" (an infinite threshold) bounds nothing
     name = max(bounds, key=lambda k: bounds[k].max())
     best = int(np.argmax(bounds[name]))
     if not np.isfinite(bounds[name][best]):
         return None
-    threshold = curve.thresholds[best]
-    if best + 1 < curve.thresholds.size:  # halfway to the next lower score: the same test here, a less brittle one elsewhere
-        threshold = (threshold + curve.thresholds[best + 1]) / 2.0
-    return float(threshold), name, float(bounds[name][best])
+    return _between(curve, best), name, float(bounds[name][best])
 
 
 def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, select: np.ndarray, *, delta: float,
@@ -303,19 +341,17 @@ def summarize(
 
     Args:
         member, score: every record of the evaluation set and its membership score.
-        report: the records the ROC, AUC, TPR and advantage are computed on.
-        select: the records the epsilon bound's test is chosen on; it is judged on
-            ``report`` records outside ``select``.
+        report: the records the ROC, AUC and (optimistic, descriptive) advantage are computed on.
+        select: the records the tests of the epsilon bound, of TPR at low FPR and of the
+            held-out advantage are chosen on; they are judged on ``report`` records outside ``select``.
         delta: the run's delta.
         rng: draws the bootstrap resamples.
         resamples: bootstrap resamples of the AUC and advantage intervals.
     """
     m, s = member[report], score[report]
-    positives, negatives = int((m == 1).sum()), int((m == 0).sum())
     curve = roc(m, s)
     adv = advantage(curve)
     boot = bootstrap(m, s, rng=rng, resamples=resamples)
-    adv_low, adv_high = boot.interval(boot.advantage)
     used = report | select
     bound = epsilon_lower_bound(member[used], score[used], select[used], delta=delta)
     metrics = {
@@ -323,11 +359,11 @@ def summarize(
         "auc_ci95": list(boot.interval(boot.auc)),
         "auc_se": float(boot.auc.std(ddof=1)) if resamples > 1 else None,
         "bootstrap_resamples": resamples,
-        "tpr_at_fpr": {f"{target:g}": tpr_at_low_fpr(curve, positives, negatives, target) for target in LOW_FPRS},
+        "tpr_at_fpr": {f"{target:g}": rates_at_fpr(member[used], score[used], select[used], target)
+                       for target in LOW_FPRS},
         "balanced_accuracy": 0.5 + adv / 2.0,
-        "balanced_accuracy_ci95": [0.5 + adv_low / 2.0, 0.5 + adv_high / 2.0],
         "advantage": adv,
-        "advantage_ci95": [adv_low, adv_high],
+        "advantage_held_out": held_out_advantage(member[used], score[used], select[used]),
         "epsilon_lower_bound": bound.epsilon,
         "epsilon_lower_bound_confidence": bound.confidence,
         "epsilon_lower_bound_method": BOUND_PROCEDURE,

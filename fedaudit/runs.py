@@ -17,6 +17,7 @@ import io
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 from datetime import datetime, timezone
@@ -66,15 +67,34 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _umask() -> int:
-    """The process umask (read by setting it and setting it back)."""
+    """The process umask: from /proc where it is shown (no change to the process state, safe with threads), else read
+    by setting it and setting it back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Delete the temporary files that an interrupted :func:`atomic_write_bytes` left under ``directory``."""
-    stale = [p for p in directory.rglob(f".*{TEMPORARY_SUFFIX}") if p.is_file()] if directory.is_dir() else []
+# What tempfile.mkstemp names the temporary file of atomic_write_bytes: "." + the file's name + "." + 8 random
+# characters + TEMPORARY_SUFFIX.
+_TEMPORARY_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX) + "$")
+
+
+def remove_stale_temporaries(directory: Path, folders: tuple[str, ...] = ("", "checkpoints", "transmitted")) -> list[Path]:
+    """Delete the temporary files that an interrupted :func:`atomic_write_bytes` of training left in ``directory``
+    and its training ``folders`` (each folder and what is below it); nothing else, and nothing under attacks/."""
+    stale: list[Path] = []
+    for name in folders:
+        folder = directory / name
+        if not folder.is_dir():
+            continue
+        candidates = folder.glob("*") if not name else folder.rglob("*")
+        stale += [p for p in candidates if p.is_file() and _TEMPORARY_NAME.match(p.name)]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

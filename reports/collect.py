@@ -14,10 +14,12 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from scipy.stats import norm
 
-from attacks.metrics import rate_interval
+from attacks.metrics import rate_interval, threshold_bounds
 from fedaudit.runs import RunDirectory, RunError
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
+BOUND_TEST_KEYS = {"threshold", "inequality", "true_positives", "false_positives", "bound_members", "bound_nonmembers",
+                   "delta"}
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
 
 
@@ -72,6 +74,8 @@ class LowFprRate:
     num_members: int | None
     num_nonmembers: int | None
     nonmembers_needed: int
+    fpr: float | None = None
+    fpr_ci: tuple[float, float] | None = None
 
     @classmethod
     def read(cls, entry: Any, target: float, num_members: Any, num_nonmembers: Any) -> "LowFprRate | None":
@@ -81,7 +85,8 @@ class LowFprRate:
             ci = entry.get("ci95")
             return cls(target, _number(entry.get("tpr")), _pair(ci), bool(entry.get("estimable", True)),
                        entry.get("num_members", num_members), entry.get("num_nonmembers", num_nonmembers),
-                       int(entry.get("nonmembers_needed", needed)))
+                       int(entry.get("nonmembers_needed", needed)), _number(entry.get("fpr")),
+                       _pair(entry.get("fpr_ci95")))
         value = _number(entry)
         if value is None:
             return None
@@ -90,10 +95,13 @@ class LowFprRate:
 
     def __str__(self) -> str:
         if not self.estimable:
-            return f"not estimable (n={self.num_nonmembers} non-members; needs {self.nonmembers_needed})"
+            return f"not estimable (n={self.num_nonmembers} non-members per half; needs {self.nonmembers_needed})"
         if self.tpr is None:
             return "not available"
-        return f"{self.tpr:.3g}" + ("" if self.ci is None else f" [{self.ci[0]:.3f}, {self.ci[1]:.3f}]")
+        text = f"{self.tpr:.3g}" + ("" if self.ci is None else f" [{self.ci[0]:.3f}, {self.ci[1]:.3f}]")
+        if self.fpr is not None and self.fpr_ci is not None:
+            text += f" at FPR {self.fpr:.2g} [{self.fpr_ci[0]:.3f}, {self.fpr_ci[1]:.3f}]"
+        return text
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,8 @@ class AttackSummary:
     num_nonmembers: int | None
     seed: int | None
     auc_se: float | None = None
-    advantage_ci: tuple[float, float] | None = None
+    advantage_held_out: float | None = None
+    advantage_held_out_ci: tuple[float, float] | None = None
     epsilon_lower_bound_test: dict[str, Any] | None = None
     roc: pd.DataFrame | None = field(default=None, compare=False, repr=False)
 
@@ -130,6 +139,19 @@ class AttackSummary:
         if self.auc_se is not None:
             return self.auc_se
         return None if self.auc_ci is None else (self.auc_ci[1] - self.auc_ci[0]) / (2 * norm.ppf(0.975))
+
+    def epsilon_bound_at(self, confidence: float) -> float | None:
+        """This attack's epsilon lower bound recomputed from its recorded test at another confidence (0 when not
+        positive); None for results without a recorded test."""
+        test = self.epsilon_lower_bound_test
+        if test is None:
+            return None
+        if test["threshold"] is None:  # no test could be chosen: no bound at any confidence
+            return 0.0
+        bounds = threshold_bounds(np.array([test["true_positives"]]), np.array([test["false_positives"]]),
+                                  int(test["bound_members"]), int(test["bound_nonmembers"]), delta=float(test["delta"]),
+                                  confidence=confidence)
+        return max(0.0, float(bounds[test["inequality"]][0]))
 
     def simultaneous_ci(self, compared: int, level: float = 0.95) -> tuple[float, float] | None:
         """The AUC interval that holds for all ``compared`` attacks at once at ``level`` (Bonferroni, normal)."""
@@ -206,6 +228,18 @@ class RunSummary:
             return None
         compared = len(scored)
         return max(scored, key=lambda a: ((a.simultaneous_ci(compared) or (a.auc, a.auc))[0], a.auc))
+
+    def epsilon_lower_bound(self, attacks: tuple[AttackSummary, ...] | None = None,
+                            confidence: float = 0.95) -> tuple[float | None, int]:
+        """The largest epsilon lower bound over ``attacks`` (default: the final-model attacks), each recomputed at
+        confidence 1 - (1 - ``confidence``) / K for the K attacks with a recorded test (Bonferroni), so that the
+        maximum still holds at ``confidence``; and K. (None, 0) when no attack recorded its test."""
+        tested = [a for a in (self.final_attacks if attacks is None else attacks) if a.epsilon_lower_bound_test]
+        if not tested:
+            return None, 0
+        level = 1.0 - (1.0 - confidence) / len(tested)
+        bounds = [b for b in (a.epsilon_bound_at(level) for a in tested) if b is not None]
+        return (max(bounds) if bounds else None), len(tested)
 
     @property
     def attacks_compared(self) -> int:
@@ -390,6 +424,14 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
     members = metrics.get("num_members", metrics.get("n_members"))
     nonmembers = metrics.get("num_nonmembers", metrics.get("n_nonmembers"))
     bound_test = metrics.get("epsilon_lower_bound_test")
+    if not isinstance(bound_test, dict) or not BOUND_TEST_KEYS <= set(bound_test) or (
+            bound_test["threshold"] is not None and bound_test["inequality"] not in ("tpr", "tnr")):
+        bound_test = None
+    held_out = metrics.get("advantage_held_out") if isinstance(metrics.get("advantage_held_out"), dict) else {}
+    if metrics.get("epsilon_lower_bound") is not None and not isinstance(bound_test, dict):
+        notes.append(Note(f"The epsilon lower bound of {directory.name} comes from an older fedaudit that took the best "
+                          "of every threshold of the same records, which is not a valid bound; it is left out.",
+                          f"re-run `fedaudit attack {directory.parent.parent}`"))
     roc = None
     try:
         roc = pd.read_csv(directory / "roc.csv")
@@ -415,14 +457,15 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
                                           nonmembers),
         balanced_accuracy=_number(metrics.get("balanced_accuracy")),
         advantage=_number(metrics.get("advantage")),
-        epsilon_lower_bound=_number(metrics.get("epsilon_lower_bound")),
+        epsilon_lower_bound=_number(metrics.get("epsilon_lower_bound")) if isinstance(bound_test, dict) else None,
         accountant_epsilon=_number(metrics.get("accountant_epsilon")),
         num_members=members,
         num_nonmembers=nonmembers,
         seed=int(seed) if isinstance(seed, int) else None,
         auc_se=_number(metrics.get("auc_se")),
-        advantage_ci=_pair(metrics.get("advantage_ci95")),
-        epsilon_lower_bound_test=bound_test if isinstance(bound_test, dict) else None,
+        advantage_held_out=_number(held_out.get("advantage")),
+        advantage_held_out_ci=_pair(held_out.get("ci95")),
+        epsilon_lower_bound_test=bound_test,
         roc=roc,
     )
 

@@ -5,7 +5,7 @@ their 95% intervals, not on point estimates: a limit is met (PASS) when the
 whole interval is on the right side of it, broken (FAIL) when the whole interval
 is on the wrong side, and INCONCLUSIVE when the interval straddles it or the
 sample cannot measure the quantity at all (a TPR at 0.1% FPR from fewer than
-1000 non-members). An inconclusive verdict says about how many records would
+1000 non-members in each half of the evaluation set). An inconclusive verdict says about how many records would
 resolve it. The accountant's epsilon is exact, so it only passes or fails.
 """
 
@@ -168,11 +168,21 @@ def _epsilon(policy: Policy, run: RunSummary, limit: float) -> tuple[float | Non
 
 
 def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
-    results = [
-        _judged(a.auc, a.auc_ci, limit, a.num_members,
-                f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}")
-        for a in run.final_attacks if a.auc is not None and a.auc_ci is not None
-    ]
+    """PASS when every attack's 95% interval is at or below the limit; FAIL only when some attack's interval that is
+    simultaneous over all of them (Bonferroni) lies above it, so that checking K attacks does not multiply the chance of
+    a false FAIL by K; else INCONCLUSIVE."""
+    attacks = [a for a in run.final_attacks if a.auc is not None and a.auc_ci is not None]
+    results = []
+    for a in attacks:
+        verdict, value, detail = _judged(
+            a.auc, a.auc_ci, limit, a.num_members,
+            f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}")
+        simultaneous = a.simultaneous_ci(len(attacks))
+        if verdict == FAIL and len(attacks) > 1 and simultaneous is not None and simultaneous[0] <= limit:
+            verdict = INCONCLUSIVE
+            detail += (f" (above the limit, but not with its interval simultaneous over the {len(attacks)} attacks, "
+                       f"[{simultaneous[0]:.4f}, {simultaneous[1]:.4f}])")
+        results.append((verdict, value, detail))
     if not results:
         return None, FAIL, "not available: no attack results with an AUC interval"
     return _worst(results)
@@ -185,8 +195,9 @@ def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
         if rate is None:
             continue
         if not rate.estimable:
-            results.append((INCONCLUSIVE, None, f"{a.label}: not estimable from {rate.num_nonmembers} non-members "
-                                                f"(0.1% FPR needs at least {rate.nonmembers_needed})"))
+            results.append((INCONCLUSIVE, None, f"{a.label}: not estimable from {rate.num_nonmembers} non-members per "
+                                                f"half (0.1% FPR needs at least {rate.nonmembers_needed} in each half "
+                                                f"of the evaluation set)"))
         elif rate.tpr is None or rate.ci is None:
             results.append((FAIL, rate.tpr, f"{a.label}: no interval recorded; re-run fedaudit attack"))
         else:

@@ -84,14 +84,31 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "strongest": strongest,
         "strongest_ci": interval(strongest.auc_ci) if strongest else None,
         "strongest_simultaneous_ci": interval(strongest.simultaneous_ci(compared)) if strongest else None,
+        "strongest_simultaneous": strongest.simultaneous_ci(compared) if strongest else None,
         "compared": compared,
         "accuracy_ci": interval(run.final_accuracy_ci),
-        "exceeds": [a for a in run.attacks if a.epsilon_lower_bound is not None and a.accountant_epsilon is not None
-                    and a.epsilon_lower_bound > a.accountant_epsilon],
+        "bound": run.epsilon_lower_bound(),
+        "exceeds": _exceeds(run),
         "figures": figs,
         "checks": policy_table(checks) if checks else None,
         "verdict": None if checks is None else overall(checks),
     }
+
+
+def _exceeds(run: RunSummary) -> dict[str, Any] | None:
+    """The evidence of a broken DP implementation, if any: the largest epsilon lower bound over every attack of the
+    run (Bonferroni over them all, 95%) above the accountant's epsilon of its round."""
+    dp = [a for a in run.attacks if a.accountant_epsilon is not None]
+    bound, attacks = run.epsilon_lower_bound(tuple(dp))
+    if bound is None:
+        return None
+    level = 1.0 - 0.05 / attacks
+    over = [a for a in dp if (a.epsilon_bound_at(level) or 0.0) > a.accountant_epsilon]
+    if not over:
+        return None
+    worst = max(over, key=lambda a: a.epsilon_bound_at(level) - a.accountant_epsilon)
+    return {"attack": worst.name, "bound": worst.epsilon_bound_at(level), "accountant": worst.accountant_epsilon,
+            "attacks": attacks}
 
 
 def _environment() -> Environment:

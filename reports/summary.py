@@ -73,8 +73,9 @@ def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
         "AUC 95% interval": interval(a.auc_ci),
         "TPR at 1% FPR [95%]": rate(a.tpr_at_1pct_fpr),
         "TPR at 0.1% FPR [95%]": rate(a.tpr_at_0_1pct_fpr),
-        "advantage [95%]": f"{fmt(a.advantage, 3)} {interval(a.advantage_ci)}" if a.advantage_ci else fmt(a.advantage),
-        "empirical epsilon lower bound (95%)": fmt(a.epsilon_lower_bound),
+        "advantage, held-out [95%]": (f"{fmt(a.advantage_held_out, 3)} {interval(a.advantage_held_out_ci)}"
+                                      if a.advantage_held_out_ci else fmt(a.advantage_held_out)),
+        "epsilon lower bound (95%, this attack)": fmt(a.epsilon_lower_bound),
         "accountant epsilon": fmt(a.accountant_epsilon),
     } for a in attacks])
 
@@ -104,6 +105,7 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
         attack = run.strongest_attack
         simultaneous = None if attack is None else attack.simultaneous_ci(run.attacks_compared)
         accuracy_ci = run.final_accuracy_ci
+        bound, bound_attacks = run.epsilon_lower_bound()
         p = run.privacy
         verdicts = checks.get(run.name)
         rows.append({
@@ -142,7 +144,8 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
             "tpr_at_1pct_fpr": _tpr(attack, "tpr_at_1pct_fpr"),
             "tpr_at_0_1pct_fpr": _tpr(attack, "tpr_at_0_1pct_fpr"),
             "advantage": None if attack is None else attack.advantage,
-            "epsilon_lower_bound": None if attack is None else attack.epsilon_lower_bound,
+            "epsilon_lower_bound": bound,
+            "epsilon_lower_bound_attacks": bound_attacks,
             "policy": None if verdicts is None else overall(verdicts),
         })
     return pd.DataFrame(rows)
@@ -218,7 +221,7 @@ def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
     columns = {"run": "run", "algorithm": "algorithm", "budget": "privacy budget", "rounds": "rounds",
                "accuracy_shown": "test accuracy [95%]", "epsilon": "epsilon", "delta": "delta",
                "attack": "strongest attack", "auc_shown": "AUC [95% simultaneous]", "records": "members / non-members",
-               "epsilon_lower_bound": "epsilon lower bound (95%)", "policy": "policy"}
+               "epsilon_lower_bound": "epsilon lower bound (95%, all final attacks)", "policy": "policy"}
     if frame["policy"].isna().all():  # no policy was given
         del columns["policy"]
     shown = frame[list(columns)].rename(columns=columns)

@@ -107,7 +107,7 @@ def test_config_json_holds_the_resolved_configuration(request, which):
     config = RunConfig.from_dict(stored)
     assert config.resolved().to_dict() == stored  # already resolved: nothing left to fill in
     assert {"seed", "device", "data", "model", "federated", "privacy"} <= set(stored)
-    assert stored["federated"]["client_lr"] == (0.5 if which == "dp_run" else 0.1)  # DP-SGD's digits default
+    assert stored["federated"]["client_lr"] == 0.5  # the digits default
     assert stored["federated"]["lr_schedule"] in ("constant", "cosine")
     assert stored["data"] == {"dataset": "digits", "data_dir": None, "download": False, "partition": "classes:2",
                               "num_clients": 5, "holdout_fraction": 0.1}

@@ -66,12 +66,18 @@ def test_resume_removes_temporary_files_left_by_a_kill(tmp_path, plain_run, cli)
     out = tmp_path / "run"
     shutil.copytree(plain_run, out)
     before = tree_digest(out)
-    stale = [out / ".model.safetensors.k1ll3d.tmp", out / "checkpoints" / ".round-0003.safetensors.x9.tmp"]
-    for path in stale:
+    stale = [out / ".model.safetensors.k1ll3d_x.tmp", out / "checkpoints" / ".round-0003.safetensors.x9abcdef.tmp"]
+    kept = [out / ".notes.tmp", out / "attacks" / "loss-threshold" / ".scores.csv.a1b2c3d4.tmp"]
+    for path in stale + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half a file")
     result = cli("train", "--resume", out, "--no-progress")
     assert result.exit_code == 0, result.output
     assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in kept)  # not a temporary of training's: not training's to remove
+    for path in kept:
+        path.unlink()
+    shutil.rmtree(out / "attacks")
     after = tree_digest(out)
     del before["manifest.json"], after["manifest.json"]  # its "updated" time stamp moves
     assert after == before
@@ -95,7 +101,7 @@ def test_a_long_round_says_up_front_how_long_it_will_take(tmp_path, cli, monkeyp
     result = cli("train", *FAST_ARGS, "--rounds", "2", "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if "the first client took" in line]
-    assert len(lines) == 1 and lines[0].startswith("round 1/2:") and "the 2 round(s) left about" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("round 1/2:") and "the 2 round(s) to go about" in lines[0]
     assert result.output.index("the first client took") < result.output.index("round 1/2: test accuracy")
 
 

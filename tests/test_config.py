@@ -117,11 +117,12 @@ def test_resolved_fills_algorithm_defaults_with_dp(algorithm, clip):
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedsgd"])
 def test_dp_sgd_defaults_on_digits_take_a_larger_step_and_clipping_norm(algorithm):
-    """digits barely learns under DP-SGD with the Fashion-MNIST step and norm; without DP, or given, nothing changes."""
+    """digits barely learns under DP-SGD with the Fashion-MNIST step and norm; the step is the same without DP, and
+    given values win."""
     config = RunConfig(federated=FederatedConfig(algorithm=algorithm), privacy=PrivacyConfig(dp=True)).resolved()
     assert (config.federated.client_lr, config.privacy.max_grad_norm) == (0.5, 1.0)
     plain = RunConfig(federated=FederatedConfig(algorithm=algorithm)).resolved()
-    assert plain.federated.client_lr == 0.1
+    assert plain.federated.client_lr == 0.5
     given = RunConfig(federated=FederatedConfig(algorithm=algorithm, client_lr=0.2),
                       privacy=PrivacyConfig(dp=True, max_grad_norm=0.3)).resolved()
     assert (given.federated.client_lr, given.privacy.max_grad_norm) == (0.2, 0.3)

@@ -69,9 +69,10 @@ def test_dp_fedavg_one_client_one_step_equals_dp_sgd_step() -> None:
 def test_fedprox_with_mu_zero_equals_fedavg_and_mu_pulls_towards_global() -> None:
     model, params, data = _setup(n=64)
     clients = [data, ClientData(1, data.x.flip(0), data.y.flip(0))]
-    avg, _ = _round(_config(algorithm="fedavg", batch_size=16, local_epochs=2), model, params, clients)
-    prox0, _ = _round(_config(algorithm="fedprox", mu=0.0, batch_size=16, local_epochs=2), model, params, clients)
-    prox, _ = _round(_config(algorithm="fedprox", mu=5.0, batch_size=16, local_epochs=2), model, params, clients)
+    common = {"batch_size": 16, "local_epochs": 2, "client_lr": 0.1}  # lr * mu < 2: the prox step contracts
+    avg, _ = _round(_config(algorithm="fedavg", **common), model, params, clients)
+    prox0, _ = _round(_config(algorithm="fedprox", mu=0.0, **common), model, params, clients)
+    prox, _ = _round(_config(algorithm="fedprox", mu=5.0, **common), model, params, clients)
     for name in params:
         torch.testing.assert_close(avg[name], prox0[name], rtol=0, atol=0)
 

@@ -162,14 +162,15 @@ def test_policy_gives_pass_fail_inconclusive_and_exit_code(audited, tmp_path, cl
 
 
 def test_tpr_the_sample_cannot_resolve_is_inconclusive_with_the_records_needed(audited, tmp_path, cli):
-    """200 non-members cannot show an FPR of 0.1%: no PASS or FAIL, but how many records it would take."""
+    """200 non-members (100 per half) cannot show an FPR of 0.1%: no PASS or FAIL, but how many records it would
+    take."""
     policy = tmp_path / "policy.yaml"
     policy.write_text("max_tpr_at_0_1pct_fpr: 0.5\n")
     result = cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy)
     assert result.exit_code == 3, result.output
     (check,) = read_json(tmp_path / "summary.json")["runs"][0]["policy"]
     assert check["verdict"] == "INCONCLUSIVE" and check["value"] is None
-    assert "not estimable from 200 non-members" in check["detail"] and "at least 1000" in check["detail"]
+    assert "not estimable from 100 non-members per half" in check["detail"] and "at least 1000" in check["detail"]
 
 
 def test_an_auc_interval_that_straddles_the_limit_is_inconclusive(audited, tmp_path, cli):
@@ -345,3 +346,47 @@ def test_accuracy_is_judged_on_its_interval_over_the_test_split():
     (check,) = check_run(Policy(min_accuracy=0.7), run(0.72, 360))
     assert "on 360 test records" in check.detail and "test records would resolve it" in check.detail
     assert check_run(Policy(min_accuracy=0.7), run(0.72, 100000))[0].verdict == "PASS"
+
+
+def _attack(name: str, auc: float, ci: tuple[float, float], bound_test: dict | None = None):
+    from reports.collect import AttackSummary
+
+    return AttackSummary(name, name, "threshold", 3, auc, ci, None, None, None, None, 0.0, 2.0, 1000, 1000, 0,
+                         auc_se=(ci[1] - ci[0]) / 3.92, epsilon_lower_bound_test=bound_test)
+
+
+def _run_with(*attacks):
+    from reports.collect import PrivacySummary, RunSummary
+
+    return RunSummary("r", Path("r"), {"algorithm": "DP-FedAvg", "privacy budget": "sigma 1", "rounds done": 3},
+                      pd.DataFrame(), PrivacySummary(dp=True, delta=1e-5, epsilon_per_round=(2.0,)), attacks, (), ())
+
+
+def test_auc_fails_only_on_an_interval_simultaneous_over_the_attacks():
+    """One of eight attacks just above the limit by its own 95% interval is what chance gives; FAIL needs the
+    interval that holds for all eight at once."""
+    from reports.policy import Policy, check_run
+
+    others = [_attack(f"a{i}", 0.50, (0.48, 0.52)) for i in range(7)]
+    edge = _attack("edge", 0.545, (0.525, 0.565))  # marginal lower end above 0.52; simultaneous (8) below it
+    (check,) = check_run(Policy(max_attack_auc=0.52), _run_with(edge, *others))
+    assert check.verdict == "INCONCLUSIVE" and "simultaneous over the 8 attacks" in check.detail
+    (check,) = check_run(Policy(max_attack_auc=0.52), _run_with(edge))
+    assert check.verdict == "FAIL"  # alone, its own interval decides
+    far = _attack("far", 0.60, (0.58, 0.62))
+    (check,) = check_run(Policy(max_attack_auc=0.52), _run_with(far, *others))
+    assert check.verdict == "FAIL"
+
+
+def test_run_bound_over_several_attacks_is_bonferroni_corrected():
+    """The run's headline bound is the largest of its attacks' bounds, each recomputed at 1 - 0.05/K from its counts."""
+    from attacks.metrics import threshold_bounds
+
+    test = {"threshold": 0.3, "inequality": "tpr", "true_positives": 300, "false_positives": 20, "bound_members": 1000,
+            "bound_nonmembers": 1000, "delta": 1e-5}
+    alone, _ = _run_with(_attack("a", 0.6, (0.57, 0.63), test)).epsilon_lower_bound()
+    four, k = _run_with(*[_attack(f"a{i}", 0.6, (0.57, 0.63), test) for i in range(4)]).epsilon_lower_bound()
+    expected = threshold_bounds(np.array([300]), np.array([20]), 1000, 1000, delta=1e-5, confidence=1 - 0.05 / 4)["tpr"]
+    assert k == 4 and four == pytest.approx(float(expected[0])) and 0 < four < alone
+    legacy = _attack("old", 0.6, (0.57, 0.63))  # no recorded test: an older, invalid bound, left out
+    assert _run_with(legacy).epsilon_lower_bound() == (None, 0)

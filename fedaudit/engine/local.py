@@ -72,4 +72,4 @@ class LocalEngine:
             return
         left = ctx.rounds - ctx.round
         self.echo(f"round {ctx.round + 1}/{ctx.rounds}: the first client took {duration(seconds)}, so a round's clients "
-                  f"take about {duration(per_round)} and the {left} round(s) left about {duration(per_round * left)}")
+                  f"take about {duration(per_round)} and the {left} round(s) to go about {duration(per_round * left)}")
