@@ -372,7 +372,8 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
 
 
 def _rate(entry: dict[str, Any]) -> str:
-    """A TPR at low FPR for the console table, or why the sample cannot resolve that FPR."""
+    """A TPR at low FPR for the console table, with the FPR its held-out threshold reached, or why the sample cannot
+    resolve that FPR."""
     if entry["estimable"]:
-        return f"{entry['tpr']:.3f}"
+        return f"{entry['tpr']:.3f} (FPR {entry['fpr']:.3f})"
     return f"n/e (<{entry['nonmembers_needed']} non-members)"
