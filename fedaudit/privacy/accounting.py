@@ -373,7 +373,7 @@ def calibrate_noise_multiplier(
         floor = _rdp_to_epsilon(np.zeros_like(_ORDERS), delta)
         if target <= floor:
             raise AccountingError(
-                f"target_epsilon={target:g} is unreachable with RDP accounting at delta={delta:g}: "
+                f"--target-epsilon {target:g} is unreachable with RDP accounting at --delta {delta:g}: "
                 f"epsilon never goes below {floor:.4f} however much noise is added."
             )
         return _solve_sigma(lambda s: epsilon_at(s, "rdp"), target=target, start=1.0, factor=2.0)
@@ -418,8 +418,8 @@ def _solve_sigma(epsilon_at: Callable[[float], float], *, target: float, start: 
         while eps(hi) > target:
             if hi >= _SIGMA_MAX:
                 raise AccountingError(
-                    f"target_epsilon={target:g} is unreachable: even noise_multiplier={hi:g} gives "
-                    f"epsilon={eps(hi):.4g}."
+                    f"--target-epsilon {target:g} is unreachable: even --noise-multiplier {hi:g} gives "
+                    f"epsilon {eps(hi):.4g}."
                 )
             lo = hi
             hi = min(hi * factor, _SIGMA_MAX)
