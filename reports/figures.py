@@ -146,8 +146,8 @@ def privacy_utility(groups: pd.DataFrame) -> bytes:
             order = np.argsort(x[rows], kind="stable")
             mean = groups[f"{column}_mean"].to_numpy(float)[rows][order]
             std = np.nan_to_num(groups[f"{column}_std"].to_numpy(float)[rows][order])
-            low = groups[f"{column}_ci_low"].to_numpy(float)[rows][order]
-            high = groups[f"{column}_ci_high"].to_numpy(float)[rows][order]
+            low = groups[f"{column}_interval_low"].to_numpy(float)[rows][order]
+            high = groups[f"{column}_interval_high"].to_numpy(float)[rows][order]
             one = np.isfinite(low) & np.isfinite(high)
             below, above = np.where(one, mean - low, std), np.where(one, high - mean, std)
             line = ax.errorbar(x[rows][order], mean, yerr=[below, above], marker="o", capsize=3, label=algorithm)

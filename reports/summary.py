@@ -165,8 +165,8 @@ GROUPED: dict[str, str] = {"final_accuracy": "test accuracy", "epsilon": "epsilo
 def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Per group (see :func:`group_names`): runs, seeds, and mean, sample standard deviation and count of each
     headline number over the runs that have it (groups.csv); the policy column counts the runs that passed. A group of
-    one run also carries its accuracy interval and its strongest attack's simultaneous AUC interval
-    (final_accuracy_ci_low/high, attack_auc_ci_low/high)."""
+    one run also carries the intervals its figure shows: its accuracy's Clopper-Pearson interval and its strongest
+    attack's simultaneous AUC interval (final_accuracy_interval_low/high, attack_auc_interval_low/high)."""
     grouped = rows.groupby("group", sort=False)
     table = grouped.agg(algorithm=("algorithm", "first"), budget=("budget", "first"), runs=("run", "size"),
                         seeds=("seed", lambda seeds: " ".join(str(s) for s in seeds)))
@@ -179,7 +179,7 @@ def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
     for name, source in (("attack_auc", "attack_auc_simultaneous_ci"), ("final_accuracy", "final_accuracy_ci")):
         for side in ("low", "high"):
             bound = pd.to_numeric(rows[f"{source}_{side}"], errors="coerce").groupby(rows["group"], sort=False)
-            table[f"{name}_ci_{side}"] = bound.first().where(single)
+            table[f"{name}_interval_{side}"] = bound.first().where(single)
     table["policy_passed"] = rows["policy"].eq("PASS").groupby(rows["group"], sort=False).sum()
     table["policy_checked"] = rows["policy"].notna().groupby(rows["group"], sort=False).sum()
     return table.reset_index()
