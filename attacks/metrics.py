@@ -245,8 +245,9 @@ class EpsilonBound:
     """An empirical epsilon lower bound and the one test it comes from (metrics.json's ``epsilon_lower_bound_test``).
 
     ``epsilon`` is 0 when the chosen test gives no positive bound on the bound records, and
-    when no test gives a finite bound on the selection records (``threshold`` and ``inequality`` are then None). Counts and rates are those of the
-    bound records; ``rate_lower`` is TPR_lo or TNR_lo, ``rate_upper`` FPR_hi or FNR_hi.
+    when no test gives a finite bound on the selection records (``threshold`` and
+    ``inequality`` are then None). Counts and rates are those of the bound records;
+    ``rate_lower`` is TPR_lo or TNR_lo, ``rate_upper`` FPR_hi or FNR_hi.
     """
 
     epsilon: float
@@ -280,7 +281,7 @@ def choose_test(member: np.ndarray, score: np.ndarray, *, delta: float,
     curve = roc(member, score)
     positives, negatives = int((member == 1).sum()), int((member == 0).sum())
     bounds = threshold_bounds(np.rint(curve.tpr * positives), np.rint(curve.fpr * negatives), positives, negatives,
-                         delta=delta, confidence=confidence)
+                              delta=delta, confidence=confidence)
     for values in bounds.values():
         values[0] = -np.inf  # "nobody is a member" (an infinite threshold) bounds nothing
     name = max(bounds, key=lambda k: bounds[k].max())
@@ -321,7 +322,7 @@ def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, select: np.ndarra
     fp = int((called & (member[judged] == 0)).sum())
     positives, negatives = counts["bound_members"], counts["bound_nonmembers"]
     bound = threshold_bounds(np.array([tp]), np.array([fp]), positives, negatives, delta=delta,
-                        confidence=confidence)[inequality][0]
+                             confidence=confidence)[inequality][0]
     if inequality == "tpr":
         lower = clopper_pearson_lower(np.array([tp]), positives, confidence=confidence)[0]
         upper = clopper_pearson_upper(np.array([fp]), negatives, confidence=confidence)[0]

@@ -256,7 +256,7 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
         "client": ev.client,
         "member": ev.member,
         "split": np.where(audit, "audit", "attack-train"),
-        "bound_role": np.where(ev.attack_train, "choose", np.where(audit, "judge", "")),
+        "bound_role": np.where(ev.attack_train, "choose", "judge"),
         "signal": values,
         "score": output.scores,
     })
