@@ -16,8 +16,8 @@ let a small leak show), writes one ``fedaudit report``, and prints every
 attack's AUC with its 95% interval, the empirical epsilon lower bound, and
 whether each of the paper's claims holds here. Non-DP FedLAP gets its own
 round count (--fedlap-rounds): with the authors' non-DP configuration (50
-images per class, 40 real batches per loop) one of its rounds takes about an
-hour on this machine. A run already complete in --out is reused, an
+images per class, 40 real batches per loop) one of its rounds took 87 minutes
+on a 2-core machine. A run already complete in --out is reused, an
 interrupted one resumed; the attacks are always recomputed.
 
     python benchmarks/leakage.py [--rounds 3] [--fedlap-rounds 1] [--width 32] [--epsilon 10]
