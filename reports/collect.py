@@ -229,17 +229,21 @@ class RunSummary:
         compared = len(scored)
         return max(scored, key=lambda a: ((a.simultaneous_ci(compared) or (a.auc, a.auc))[0], a.auc))
 
+    def corrected_bounds(self, attacks: tuple[AttackSummary, ...] | None = None,
+                         confidence: float = 0.95) -> dict[str, float]:
+        """The epsilon lower bound of each of ``attacks`` (default: the final-model attacks) with a recorded test, by
+        attack name, recomputed at confidence 1 - (1 - ``confidence``) / K for those K attacks (Bonferroni), so that
+        the largest of them still holds at ``confidence``."""
+        tested = [a for a in (self.final_attacks if attacks is None else attacks) if a.epsilon_lower_bound_test]
+        level = 1.0 - (1.0 - confidence) / max(len(tested), 1)
+        return {a.name: a.epsilon_bound_at(level) for a in tested}
+
     def epsilon_lower_bound(self, attacks: tuple[AttackSummary, ...] | None = None,
                             confidence: float = 0.95) -> tuple[float | None, int]:
-        """The largest epsilon lower bound over ``attacks`` (default: the final-model attacks), each recomputed at
-        confidence 1 - (1 - ``confidence``) / K for the K attacks with a recorded test (Bonferroni), so that the
-        maximum still holds at ``confidence``; and K. (None, 0) when no attack recorded its test."""
-        tested = [a for a in (self.final_attacks if attacks is None else attacks) if a.epsilon_lower_bound_test]
-        if not tested:
-            return None, 0
-        level = 1.0 - (1.0 - confidence) / len(tested)
-        bounds = [b for b in (a.epsilon_bound_at(level) for a in tested) if b is not None]
-        return (max(bounds) if bounds else None), len(tested)
+        """The largest of :meth:`corrected_bounds` and how many attacks it is over; (None, 0) when no attack recorded
+        its test."""
+        bounds = self.corrected_bounds(attacks, confidence)
+        return (max(bounds.values()) if bounds else None), len(bounds)
 
     @property
     def attacks_compared(self) -> int:

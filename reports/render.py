@@ -96,19 +96,16 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
 
 
 def _exceeds(run: RunSummary) -> dict[str, Any] | None:
-    """The evidence of a broken DP implementation, if any: the largest epsilon lower bound over every attack of the
-    run (Bonferroni over them all, 95%) above the accountant's epsilon of its round."""
-    dp = [a for a in run.attacks if a.accountant_epsilon is not None]
-    bound, attacks = run.epsilon_lower_bound(tuple(dp))
-    if bound is None:
+    """The evidence of a broken DP implementation, if any: the attack whose epsilon lower bound (Bonferroni over every
+    attack of the run, 95%) exceeds the accountant's epsilon of its round by the most."""
+    dp = {a.name: a for a in run.attacks if a.accountant_epsilon is not None}
+    bounds = run.corrected_bounds(tuple(dp.values()))
+    excess = {name: bound - dp[name].accountant_epsilon for name, bound in bounds.items()
+              if bound > dp[name].accountant_epsilon}
+    if not excess:
         return None
-    level = 1.0 - 0.05 / attacks
-    over = [a for a in dp if (a.epsilon_bound_at(level) or 0.0) > a.accountant_epsilon]
-    if not over:
-        return None
-    worst = max(over, key=lambda a: a.epsilon_bound_at(level) - a.accountant_epsilon)
-    return {"attack": worst.name, "bound": worst.epsilon_bound_at(level), "accountant": worst.accountant_epsilon,
-            "attacks": attacks}
+    name = max(excess, key=excess.__getitem__)
+    return {"attack": name, "bound": bounds[name], "accountant": dp[name].accountant_epsilon, "attacks": len(bounds)}
 
 
 def _environment() -> Environment:

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -390,3 +391,22 @@ def test_run_bound_over_several_attacks_is_bonferroni_corrected():
     assert k == 4 and four == pytest.approx(float(expected[0])) and 0 < four < alone
     legacy = _attack("old", 0.6, (0.57, 0.63))  # no recorded test: an older, invalid bound, left out
     assert _run_with(legacy).epsilon_lower_bound() == (None, 0)
+
+
+def test_the_broken_dp_warning_needs_a_corrected_bound_above_the_accountant():
+    """A planted leak far beyond the accountant's epsilon is reported; a bound that clears it only at its own 95%,
+    not at the confidence corrected for the run's attacks, is not."""
+    from reports.render import _exceeds
+
+    def attack(name: str, true_positives: int, accountant: float):
+        test = {"threshold": 0.3, "inequality": "tpr", "true_positives": true_positives, "false_positives": 1,
+                "bound_members": 1000, "bound_nonmembers": 1000, "delta": 1e-5}
+        return replace(_attack(name, 0.6, (0.57, 0.63), test), accountant_epsilon=accountant)
+
+    leak = attack("leak", 900, 0.5)
+    assert _exceeds(_run_with(leak))["attack"] == "leak" and _exceeds(_run_with(leak))["bound"] > 4
+    edge = attack("edge", 30, 0.0)
+    alone = edge.epsilon_bound_at(0.95)
+    edge = replace(edge, accountant_epsilon=alone - 0.05)  # above the accountant by its own 95% bound only
+    assert _exceeds(_run_with(edge)) is not None
+    assert _exceeds(_run_with(edge, *[attack(f"a{i}", 0, 10.0) for i in range(9)])) is None
