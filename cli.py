@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -68,17 +69,26 @@ TRAIN_OPTION_FIELDS: dict[str, str] = {
 @functools.cache
 def _user_error_classes() -> tuple[type[ValueError], ...]:
     """The packages' user-facing error classes, imported only once a command has failed (they pull in torch)."""
-    from attacks import AttackError
+    from fedaudit.attacks import AttackError
     from fedaudit.config import ConfigError
     from fedaudit.data import DataError, PartitionError
     from fedaudit.models import ModelError
     from fedaudit.privacy.accounting import AccountingError
+    from fedaudit.reports import ReportError
     from fedaudit.runs import RunError
     from fedaudit.training import TrainingError
-    from reports import ReportError
 
-    return (ConfigError, DataError, PartitionError, ModelError, AccountingError, RunError, TrainingError, AttackError,
-            ReportError)
+    return (
+        ConfigError,
+        DataError,
+        PartitionError,
+        ModelError,
+        AccountingError,
+        RunError,
+        TrainingError,
+        AttackError,
+        ReportError,
+    )
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -134,76 +144,174 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML or JSON file with the configuration (sections data, model, federated, privacy); options given here override it.")
-@click.option("--algorithm", type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]), help="Federated algorithm. [default: fedavg]")
-@click.option("--dp/--no-dp", default=None, help="Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx). [default: off]")
-@click.option("--noise-multiplier", type=float, help="sigma: Gaussian noise std relative to the clipping norm. [default with --dp: 1.0]")
-@click.option("--max-grad-norm", type=float, help="C: per-sample gradient clipping norm. [default: 0.1 fedavg/fedsgd, 0.2 fedprox, 1.0 fedlap; 1.0 on digits]")
-@click.option("--target-epsilon", type=float, help="Calibrate sigma so that epsilon after the last round is at most this.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    help="YAML or JSON file with the configuration (sections data, model, federated, privacy); options given here override it.",
+)
+@click.option(
+    "--algorithm",
+    type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]),
+    help="Federated algorithm. [default: fedavg]",
+)
+@click.option(
+    "--dp/--no-dp",
+    default=None,
+    help="Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx). [default: off]",
+)
+@click.option(
+    "--noise-multiplier",
+    type=float,
+    help="sigma: Gaussian noise std relative to the clipping norm. [default with --dp: 1.0]",
+)
+@click.option(
+    "--max-grad-norm",
+    type=float,
+    help="C: per-sample gradient clipping norm. [default: 0.1 fedavg/fedsgd, 0.2 fedprox, 1.0 fedlap; 1.0 on digits]",
+)
+@click.option(
+    "--target-epsilon", type=float, help="Calibrate sigma so that epsilon after the last round is at most this."
+)
 @click.option("--delta", type=float, help="delta of (epsilon, delta)-DP. [default: 1e-5]")
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), help="Privacy accountant. [default: rdp]")
 @click.option("--dataset", help="digits, mnist, fashion-mnist or cifar10. [default: digits]")
-@click.option("--data-dir", type=click.Path(file_okay=False), help="Directory holding the dataset files (torchvision root layout or flat).")
-@click.option("--download/--no-download", default=None, help="Allow torchvision to download the dataset into --data-dir.")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    help="Directory holding the dataset files (torchvision root layout or flat).",
+)
+@click.option(
+    "--download/--no-download", default=None, help="Allow torchvision to download the dataset into --data-dir."
+)
 @click.option("--partition", help="iid, classes:K or dirichlet:ALPHA. [default: classes:2]")
 @click.option("--num-clients", type=int, help="Number of clients K. [default: 5]")
-@click.option("--holdout-fraction", type=float, help="Fraction of the training split held out as non-members for auditing. [default: 0.1]")
+@click.option(
+    "--holdout-fraction",
+    type=float,
+    help="Fraction of the training split held out as non-members for auditing. [default: 0.1]",
+)
 @click.option("--model", type=click.Choice(["convnet", "mlp"]), help="Architecture. [default: convnet]")
 @click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128]")
 @click.option("--depth", type=int, help="Blocks (ConvNet) or hidden layers (MLP). [default: 3]")
 @click.option("--rounds", type=int, help="Communication rounds M. [default: 10]")
 @click.option("--client-fraction", type=float, help="Fraction p of clients selected per round. [default: 1.0]")
-@click.option("--weighting", type=click.Choice(["num_examples", "uniform"]), help="Aggregation weights N_k/N or 1/K. [default: num_examples]")
+@click.option(
+    "--weighting",
+    type=click.Choice(["num_examples", "uniform"]),
+    help="Aggregation weights N_k/N or 1/K. [default: num_examples]",
+)
 @click.option("--server-lr", type=float, help="Server learning rate eta_s. [default: 1.0]")
 @click.option("--local-epochs", type=int, help="Local epochs E. [default: 5]")
 @click.option("--lr", type=float, help="Client learning rate eta_c. [default: 0.1; 0.002 fedlap; 0.5 on digits]")
 @click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
-@click.option("--batch-size", type=int, help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256; 32 on digits]")
+@click.option(
+    "--batch-size",
+    type=int,
+    help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256; 32 on digits]",
+)
 @click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
-@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), help="Client learning rate over rounds. [default: cosine]")
-@click.option("--local-steps", type=int, help="Local steps per round instead of --local-epochs (DP queries per round under DP).")
+@click.option(
+    "--lr-schedule",
+    type=click.Choice(["constant", "cosine"]),
+    help="Client learning rate over rounds. [default: cosine]",
+)
+@click.option(
+    "--local-steps", type=int, help="Local steps per round instead of --local-epochs (DP queries per round under DP)."
+)
 @click.option("--ipc", type=int, help="FedLAP: synthetic images per class. [default: 10 with --dp, 50 without]")
-@click.option("--trajectories", type=int, help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1]")
+@click.option(
+    "--trajectories", type=int, help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1]"
+)
 @click.option("--max-loops", type=int, help="FedLAP L: loop cap per trajectory. [default: 5]")
 @click.option("--real-batches", type=int, help="FedLAP R_b: real batches per loop. [default: 10 / 40]")
 @click.option("--image-steps", type=int, help="FedLAP J: image updates per real gradient. [default: 5]")
-@click.option("--model-epochs", type=int, help="FedLAP R_l: model epochs on the synthetic set between loops. [default: 2 / 0]")
+@click.option(
+    "--model-epochs", type=int, help="FedLAP R_l: model epochs on the synthetic set between loops. [default: 2 / 0]"
+)
 @click.option("--radius", type=float, help="FedLAP r: trust-region radius. [default: 1.5 / 10]")
 @click.option("--image-lr", type=float, help="FedLAP tau: image learning rate (SGD, momentum 0.5). [default: 100]")
-@click.option("--mse-weight", type=float, help="FedLAP lambda: weight of the squared error in the matching loss. [default: 0 / 0.1]")
-@click.option("--init", type=click.Choice(["noise", "previous", "real"]), help="FedLAP synthetic set initialisation (real: non-DP only). [default: noise / real]")
-@click.option("--augment/--no-augment", default=None, help="FedLAP: differentiable augmentation of real and synthetic batches. [default: off]")
+@click.option(
+    "--mse-weight",
+    type=float,
+    help="FedLAP lambda: weight of the squared error in the matching loss. [default: 0 / 0.1]",
+)
+@click.option(
+    "--init",
+    type=click.Choice(["noise", "previous", "real"]),
+    help="FedLAP synthetic set initialisation (real: non-DP only). [default: noise / real]",
+)
+@click.option(
+    "--augment/--no-augment",
+    default=None,
+    help="FedLAP: differentiable augmentation of real and synthetic batches. [default: off]",
+)
 @click.option("--server-batch-size", type=int, help="FedLAP server minibatch. [default: 512]")
 @click.option("--server-epochs", type=int, help="FedLAP server epochs at most. [default: 100]")
-@click.option("--radius-strategy", type=click.Choice(["min", "median", "max", "fixed"]), help="FedLAP server radius r_g from the clients' r_k. [default: min]")
-@click.option("--save-transmitted/--no-save-transmitted", default=None, help="Store what every client sent each round under transmitted/.")
-@click.option("--equal-data-access", is_flag=True, help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.")
+@click.option(
+    "--radius-strategy",
+    type=click.Choice(["min", "median", "max", "fixed"]),
+    help="FedLAP server radius r_g from the clients' r_k. [default: min]",
+)
+@click.option(
+    "--save-transmitted/--no-save-transmitted",
+    default=None,
+    help="Store what every client sent each round under transmitted/.",
+)
+@click.option(
+    "--equal-data-access",
+    is_flag=True,
+    help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.",
+)
 @click.option("--seed", type=int, help="Seed of every random choice in the run. [default: 0]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train. [default: auto]")
-@click.option("--engine", type=click.Choice(["local", "flower"]), help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the same seed gives the same run on both. [default: local]")
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "flower"]),
+    help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the same seed gives the same run on both. [default: local]",
+)
 @click.option("--out", type=click.Path(), help="Run directory to create.")
-@click.option("--resume", "resume_dir", type=click.Path(), help="Continue the interrupted run in this directory (only --rounds may change).")
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(),
+    help="Continue the interrupted run in this directory (only --rounds may change).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing run at --out.")
 @click.option("--progress/--no-progress", default=None, help="Show progress bars. [default: only on a terminal]")
 @click.pass_context
 @user_errors
-def train(ctx: click.Context, config_file: str | None, out: str | None, resume_dir: str | None, overwrite: bool,
-          progress: bool | None, equal_data_access: bool, **options: Any) -> None:
+def train(
+    ctx: click.Context,
+    config_file: str | None,
+    out: str | None,
+    resume_dir: str | None,
+    overwrite: bool,
+    progress: bool | None,
+    equal_data_access: bool,
+    **options: Any,
+) -> None:
     """Train a federated model and write a run directory (config, membership, metrics, ledger, weights)."""
-    from fedaudit.config import RunConfig, load_config_file
     from fedaudit import training
+    from fedaudit.config import RunConfig, load_config_file
 
     progress = show_progress(progress)
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if resume_dir is not None:
-        extra = (sorted(given - {"rounds", "device"}) + (["config"] if config_file else []) + (["out"] if out else [])
-                 + (["overwrite"] if overwrite else []))
+        extra = (
+            sorted(given - {"rounds", "device"})
+            + (["config"] if config_file else [])
+            + (["out"] if out else [])
+            + (["overwrite"] if overwrite else [])
+        )
         if extra:
             raise training.TrainingError(
                 f"--resume continues a run with its stored configuration; only --rounds and --device may be given "
                 f"with it, not --{extra[0].replace('_', '-')}."
             )
-        result = training.resume(resume_dir, rounds=options.get("rounds"), device=options.get("device"), progress=progress)
+        result = training.resume(
+            resume_dir, rounds=options.get("rounds"), device=options.get("device"), progress=progress
+        )
     else:
         if out is None and not equal_data_access:
             raise training.TrainingError("--out is required: the directory the run is written to.")
@@ -226,16 +334,34 @@ def train(ctx: click.Context, config_file: str | None, out: str | None, resume_d
 
 @main.command()
 @click.option("--noise-multiplier", type=click.FloatRange(min=0), help="sigma of the Sampled Gaussian Mechanism.")
-@click.option("--target-epsilon", type=click.FloatRange(min=0, min_open=True), help="Instead of sigma: print the smallest sigma reaching this epsilon.")
+@click.option(
+    "--target-epsilon",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Instead of sigma: print the smallest sigma reaching this epsilon.",
+)
 @click.option("--sample-rate", type=click.FloatRange(0, 1, min_open=True), required=True, help="q = B / N_k.")
 @click.option("--steps", type=click.IntRange(min=1), required=True, help="DP queries per client per round T.")
 @click.option("--rounds", type=click.IntRange(min=1), required=True, help="Rounds M.")
-@click.option("--client-fraction", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Client selection probability p.")
+@click.option(
+    "--client-fraction",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Client selection probability p.",
+)
 @click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-5, show_default=True)
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True)
 @user_errors
-def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample_rate: float, steps: int, rounds: int,
-            client_fraction: float, delta: float, accountant: str) -> None:
+def epsilon(
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    sample_rate: float,
+    steps: int,
+    rounds: int,
+    client_fraction: float,
+    delta: float,
+    accountant: str,
+) -> None:
     """Epsilon after each round for DP-SGD clients (two-rate accounting; see docs/accounting.md)."""
     import pandas as pd
 
@@ -243,12 +369,24 @@ def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample
 
     if (noise_multiplier is None) == (target_epsilon is None):
         raise AccountingError("Give exactly one of --noise-multiplier and --target-epsilon.")
-    common = dict(sample_rate=sample_rate, queries_per_round=steps, rounds=rounds, client_fraction=client_fraction,
-                  delta=delta, accountant=accountant)
-    sigma = noise_multiplier if target_epsilon is None else calibrate_noise_multiplier(target_epsilon=target_epsilon, **common)
+    common = dict(
+        sample_rate=sample_rate,
+        queries_per_round=steps,
+        rounds=rounds,
+        client_fraction=client_fraction,
+        delta=delta,
+        accountant=accountant,
+    )
+    sigma = (
+        noise_multiplier
+        if target_epsilon is None
+        else calibrate_noise_multiplier(target_epsilon=target_epsilon, **common)
+    )
     eps = epsilon_per_round(noise_multiplier=sigma, **common)
     table = pd.DataFrame({"round": range(1, rounds + 1), "epsilon": eps})
-    click.echo(f"accountant={accountant} delta={delta:g} sigma={sigma:.6g} q={sample_rate:g} T={steps} p={client_fraction:g}")
+    click.echo(
+        f"accountant={accountant} delta={delta:g} sigma={sigma:.6g} q={sample_rate:g} T={steps} p={client_fraction:g}"
+    )
     click.echo(table.to_string(index=False))
     if target_epsilon is None:
         click.echo(f"epsilon={eps[-1]:.6g}")
@@ -258,40 +396,112 @@ def epsilon(noise_multiplier: float | None, target_epsilon: float | None, sample
 
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
-@click.option("--signal", "signals", multiple=True, metavar="NAME", help="loss, grad-norm, confidence or logit-confidence; repeat for several. [default: loss and grad-norm]")
-@click.option("--method", "methods", multiple=True, metavar="NAME", help="threshold, classifier or population; repeat for several. [default: threshold and classifier]")
-@click.option("--target", default="final", show_default=True, help="final (model.safetensors), round:N (its checkpoint) or all (every saved round).")
-@click.option("--nonmembers", default="both", show_default=True, help="Non-members from the held-out pool (holdout), the test split (test) or both.")
-@click.option("--max-records", type=int, default=2000, show_default=True, help="At most this many members and as many non-members.")
-@click.option("--per-layer", is_flag=True, help="With grad-norm: also write each layer's gradient norm into scores.csv.")
-@click.option("--batch-size", type=int, default=256, show_default=True, help="Records per batch when computing signals.")
-@click.option("--bootstrap", "resamples", type=int, default=1000, show_default=True, help="Bootstrap resamples of the AUC interval.")
-@click.option("--seed", type=int, help="Seed of the evaluation set, the split and the attack classifier. [default: the run's seed]")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where to compute the signals.")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar while signals are computed. [default: only on a terminal]")
+@click.option(
+    "--signal",
+    "signals",
+    multiple=True,
+    metavar="NAME",
+    help="loss, grad-norm, confidence or logit-confidence; repeat for several. [default: loss and grad-norm]",
+)
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    metavar="NAME",
+    help="threshold, classifier or population; repeat for several. [default: threshold and classifier]",
+)
+@click.option(
+    "--target",
+    default="final",
+    show_default=True,
+    help="final (model.safetensors), round:N (its checkpoint) or all (every saved round).",
+)
+@click.option(
+    "--nonmembers",
+    default="both",
+    show_default=True,
+    help="Non-members from the held-out pool (holdout), the test split (test) or both.",
+)
+@click.option(
+    "--max-records",
+    type=int,
+    default=2000,
+    show_default=True,
+    help="At most this many members and as many non-members.",
+)
+@click.option(
+    "--per-layer", is_flag=True, help="With grad-norm: also write each layer's gradient norm into scores.csv."
+)
+@click.option(
+    "--batch-size", type=int, default=256, show_default=True, help="Records per batch when computing signals."
+)
+@click.option(
+    "--bootstrap",
+    "resamples",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Bootstrap resamples of the AUC interval.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    help="Seed of the evaluation set, the split and the attack classifier. [default: the run's seed]",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where to compute the signals.",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Show a progress bar while signals are computed. [default: only on a terminal]",
+)
 @user_errors
 def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
     """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/."""
-    from attacks.methods import DEFAULT_METHODS
-    from attacks.runner import AttackOptions, results_table, run_attacks
-    from attacks.signals import DEFAULT_SIGNALS
+    from fedaudit.attacks.methods import DEFAULT_METHODS
+    from fedaudit.attacks.runner import AttackOptions, results_table, run_attacks
+    from fedaudit.attacks.signals import DEFAULT_SIGNALS
 
     options["progress"] = show_progress(options["progress"])
-    chosen = AttackOptions(signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
-                           methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)), **options)
+    chosen = AttackOptions(
+        signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
+        methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)),
+        **options,
+    )
     results = run_attacks(run_dirs, chosen, echo=click.echo)
     click.echo(results_table(results).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
 
 
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
-@click.option("--out", required=True, type=click.Path(), help="Report file (.html, .md or .pdf) or a folder that receives report.<format>; summary.csv and summary.json go beside it.")
-@click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: the suffix of --out, else html]")
-@click.option("--policy", "policy_file", type=click.Path(), help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code 1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(),
+    help="Report file (.html, .md or .pdf) or a folder that receives report.<format>; summary.csv and summary.json go beside it.",
+)
+@click.option(
+    "--format",
+    "formats",
+    multiple=True,
+    metavar="FORMAT",
+    help="html, md or pdf; repeat for several. [default: the suffix of --out, else html]",
+)
+@click.option(
+    "--policy",
+    "policy_file",
+    type=click.Path(),
+    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code 1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
+)
 @user_errors
 def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
     """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict (HTML, Markdown, PDF)."""
-    from reports import build_report
+    from fedaudit.reports import build_report
 
     _finish_report(build_report(run_dirs, out=out, formats=formats, policy_file=policy_file))
 
@@ -299,54 +509,151 @@ def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy
 def _finish_report(outcome: Any) -> None:
     """Say what a report wrote and its policy verdict; the exit code gates a pipeline: 0 PASS, 1 FAIL,
     3 INCONCLUSIVE (the sample cannot resolve some limit)."""
-    from reports.policy import EXIT_CODES, PASS
+    from fedaudit.reports.policy import EXIT_CODES, PASS
 
     for path in outcome.written:
         click.echo(f"Wrote {path}")
     if outcome.verdict is not None:
-        open_checks = [f"{c.run}: {c.limit} {c.verdict}" for checks in outcome.checks.values() for c in checks
-                       if c.verdict != PASS]
+        open_checks = [
+            f"{c.run}: {c.limit} {c.verdict}" for checks in outcome.checks.values() for c in checks if c.verdict != PASS
+        ]
         click.echo(f"Policy: {outcome.verdict}" + (f" ({'; '.join(open_checks)})" if open_checks else ""))
         if EXIT_CODES[outcome.verdict]:
             sys.exit(EXIT_CODES[outcome.verdict])
 
 
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
-COMPARE_BASE_OPTIONS = ("dataset", "data_dir", "partition", "num_clients", "holdout_fraction", "model", "width", "depth",
-                        "rounds", "client_fraction", "local_epochs", "lr", "batch_size", "max_grad_norm", "delta",
-                        "accountant", "device", "engine")
+COMPARE_BASE_OPTIONS = (
+    "dataset",
+    "data_dir",
+    "partition",
+    "num_clients",
+    "holdout_fraction",
+    "model",
+    "width",
+    "depth",
+    "rounds",
+    "client_fraction",
+    "local_epochs",
+    "lr",
+    "batch_size",
+    "max_grad_norm",
+    "delta",
+    "accountant",
+    "device",
+    "engine",
+)
 
 
 @main.command()
-@click.option("--study", "study_file", type=click.Path(dir_okay=False), help="YAML study file (algorithms, budgets, seeds, equal_data_access, base, attack, report); options given here override it.")
-@click.option("--out", required=True, type=click.Path(), help="Study directory: study.json, runs/<name>/ and the comparison report.")
-@click.option("--algorithm", "algorithms", multiple=True, type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]), help="Repeat for several. [default: fedavg, fedprox, fedlap]")
-@click.option("--budget", "budgets", multiple=True, metavar="SPEC", help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E), sigma:S, or none (no DP); repeat for several. [default: sigma:1]")
-@click.option("--seed", "seeds", multiple=True, type=int, help="Repeat for several; the report gives mean and spread over seeds. [default: 0]")
-@click.option("--equal-data-access/--no-equal-data-access", default=None, help="FedAvg/FedProx make as many DP queries per round as FedLAP's worst case (the paper's fair comparison). [default: off]")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Base run configuration (YAML or JSON, as for train --config) instead of the study file's base.")
-@click.option("--signal", "signals", multiple=True, metavar="NAME", help="Attack signals, as for attack --signal. [default: loss and grad-norm]")
-@click.option("--method", "methods", multiple=True, metavar="NAME", help="Attack methods, as for attack --method. [default: threshold and classifier]")
+@click.option(
+    "--study",
+    "study_file",
+    type=click.Path(dir_okay=False),
+    help="YAML study file (algorithms, budgets, seeds, equal_data_access, base, attack, report); options given here override it.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(),
+    help="Study directory: study.json, runs/<name>/ and the comparison report.",
+)
+@click.option(
+    "--algorithm",
+    "algorithms",
+    multiple=True,
+    type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]),
+    help="Repeat for several. [default: fedavg, fedprox, fedlap]",
+)
+@click.option(
+    "--budget",
+    "budgets",
+    multiple=True,
+    metavar="SPEC",
+    help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E), sigma:S, or none (no DP); repeat for several. [default: sigma:1]",
+)
+@click.option(
+    "--seed",
+    "seeds",
+    multiple=True,
+    type=int,
+    help="Repeat for several; the report gives mean and spread over seeds. [default: 0]",
+)
+@click.option(
+    "--equal-data-access/--no-equal-data-access",
+    default=None,
+    help="FedAvg/FedProx make as many DP queries per round as FedLAP's worst case (the paper's fair comparison). [default: off]",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    help="Base run configuration (YAML or JSON, as for train --config) instead of the study file's base.",
+)
+@click.option(
+    "--signal",
+    "signals",
+    multiple=True,
+    metavar="NAME",
+    help="Attack signals, as for attack --signal. [default: loss and grad-norm]",
+)
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    metavar="NAME",
+    help="Attack methods, as for attack --method. [default: threshold and classifier]",
+)
 @click.option("--target", help="Attacked models, as for attack --target. [default: final]")
-@click.option("--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]")
-@click.option("--policy", type=click.Path(dir_okay=False), help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when one is INCONCLUSIVE.")
-@click.option("--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan.")
-@click.option("--progress/--no-progress", default=None, help="Show progress over the whole study. [default: only on a terminal]")
+@click.option(
+    "--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]"
+)
+@click.option(
+    "--policy",
+    type=click.Path(dir_okay=False),
+    help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when one is INCONCLUSIVE.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan."
+)
+@click.option(
+    "--progress/--no-progress", default=None, help="Show progress over the whole study. [default: only on a terminal]"
+)
 @user_errors
-def compare(study_file: str | None, out: str, algorithms: tuple[str, ...], budgets: tuple[str, ...], seeds: tuple[int, ...],
-            equal_data_access: bool | None, config_file: str | None, signals: tuple[str, ...], methods: tuple[str, ...],
-            target: str | None, formats: tuple[str, ...], policy: str | None, overwrite: bool, progress: bool | None,
-            **base: Any) -> None:
+def compare(
+    study_file: str | None,
+    out: str,
+    algorithms: tuple[str, ...],
+    budgets: tuple[str, ...],
+    seeds: tuple[int, ...],
+    equal_data_access: bool | None,
+    config_file: str | None,
+    signals: tuple[str, ...],
+    methods: tuple[str, ...],
+    target: str | None,
+    formats: tuple[str, ...],
+    policy: str | None,
+    overwrite: bool,
+    progress: bool | None,
+    **base: Any,
+) -> None:
     """Run a whole study (algorithms x budgets x seeds): train, attack and report each, then one comparison report.
 
     Running it again does only what is missing: finished runs and attacks are kept, interrupted runs resume.
     """
-    from reports.study import run_study, study_from_options
+    from fedaudit.reports.study import run_study, study_from_options
 
     study = study_from_options(
-        study_file, algorithms=algorithms, budgets=budgets, seeds=seeds, equal_data_access=equal_data_access,
-        config_file=config_file, base_overrides={TRAIN_OPTION_FIELDS[name]: value for name, value in base.items()},
-        attack_overrides={"signals": signals, "methods": methods, "target": target}, formats=formats, policy=policy,
+        study_file,
+        algorithms=algorithms,
+        budgets=budgets,
+        seeds=seeds,
+        equal_data_access=equal_data_access,
+        config_file=config_file,
+        base_overrides={TRAIN_OPTION_FIELDS[name]: value for name, value in base.items()},
+        attack_overrides={"signals": signals, "methods": methods, "target": target},
+        formats=formats,
+        policy=policy,
     )
     _finish_report(run_study(study, out, overwrite=overwrite, progress=show_progress(progress)))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attacks import AttackError, Draw
+from fedaudit.attacks import AttackError, Draw
 from fedaudit.data import Partition
 from fedaudit.seeding import Stream, numpy_rng
 
@@ -94,8 +94,12 @@ def build_evaluation_set(
             f"An audit needs at least 2 members and 2 non-members of the members' classes, but the run has "
             f"{member_index.size} members and {pool_index.size} such non-members ({nonmembers}); try --nonmembers both."
         )
-    chosen_members = np.sort(numpy_rng(seed, Stream.ATTACK, Draw.MEMBERS).choice(member_index.size, per_side, replace=False))
-    chosen_pool = np.sort(numpy_rng(seed, Stream.ATTACK, Draw.NONMEMBERS).choice(pool_index.size, per_side, replace=False))
+    chosen_members = np.sort(
+        numpy_rng(seed, Stream.ATTACK, Draw.MEMBERS).choice(member_index.size, per_side, replace=False)
+    )
+    chosen_pool = np.sort(
+        numpy_rng(seed, Stream.ATTACK, Draw.NONMEMBERS).choice(pool_index.size, per_side, replace=False)
+    )
 
     split_rng = numpy_rng(seed, Stream.ATTACK, Draw.HALVES)
     halves = [split_rng.permutation(per_side) < per_side // 2 for _ in range(2)]

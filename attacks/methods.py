@@ -25,7 +25,7 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import QuantileTransformer
 
-from attacks.metrics import rates_at_fpr
+from fedaudit.attacks.metrics import rates_at_fpr
 
 METHODS: tuple[str, ...] = ("threshold", "classifier", "population")
 DEFAULT_METHODS: tuple[str, ...] = ("threshold", "classifier")
@@ -69,8 +69,9 @@ def classifier_attack(signal: np.ndarray, member: np.ndarray, attack_train: np.n
     features = signal.reshape(-1, 1)
     random_state = seed % 2**32
     model = make_pipeline(
-        QuantileTransformer(n_quantiles=min(1000, int(attack_train.sum())), output_distribution="normal",
-                            random_state=random_state),
+        QuantileTransformer(
+            n_quantiles=min(1000, int(attack_train.sum())), output_distribution="normal", random_state=random_state
+        ),
         MLPClassifier(hidden_layer_sizes=CLASSIFIER_HIDDEN, max_iter=CLASSIFIER_MAX_ITER, random_state=random_state),
     )
     with warnings.catch_warnings():
@@ -81,13 +82,15 @@ def classifier_attack(signal: np.ndarray, member: np.ndarray, attack_train: np.n
     return MethodOutput(
         scores=model.predict_proba(features)[:, list(mlp.classes_).index(1)],
         audit=~attack_train,
-        details={"classifier": {
-            "model": "MLPClassifier on the signal's normal scores (QuantileTransformer)",
-            "hidden_layer_sizes": list(CLASSIFIER_HIDDEN),
-            "iterations": int(mlp.n_iter_),
-            "converged": bool(mlp.n_iter_ < CLASSIFIER_MAX_ITER),
-            "training_records": int(attack_train.sum()),
-        }},
+        details={
+            "classifier": {
+                "model": "MLPClassifier on the signal's normal scores (QuantileTransformer)",
+                "hidden_layer_sizes": list(CLASSIFIER_HIDDEN),
+                "iterations": int(mlp.n_iter_),
+                "converged": bool(mlp.n_iter_ < CLASSIFIER_MAX_ITER),
+                "training_records": int(attack_train.sum()),
+            }
+        },
     )
 
 
@@ -102,4 +105,6 @@ def population_attack(
     """
     rows = [{"fpr_tolerance": alpha, **rates_at_fpr(member, score, attack_train, alpha)} for alpha in tolerances]
     reference = int((attack_train & (member == 0)).sum())
-    return MethodOutput(scores=score, audit=~attack_train, details={"population": rows, "reference_nonmembers": reference})
+    return MethodOutput(
+        scores=score, audit=~attack_train, details={"population": rows, "reference_nonmembers": reference}
+    )

@@ -94,16 +94,26 @@ def rates_at_fpr(member: np.ndarray, score: np.ndarray, select: np.ndarray, targ
     select = np.asarray(select, dtype=bool)
     reference = score[select & (member == 0)]
     members, nonmembers = score[~select & (member == 1)], score[~select & (member == 0)]
-    base = {"target_fpr": target, "num_members": int(members.size), "num_nonmembers": int(nonmembers.size),
-            "num_reference_nonmembers": int(reference.size), "nonmembers_needed": needed}
+    base = {
+        "target_fpr": target,
+        "num_members": int(members.size),
+        "num_nonmembers": int(nonmembers.size),
+        "num_reference_nonmembers": int(reference.size),
+        "nonmembers_needed": needed,
+    }
     if min(reference.size, nonmembers.size) < needed or members.size == 0:
-        return {**base, "estimable": False, "threshold": None, "tpr": None, "ci95": None, "fpr": None,
-                "fpr_ci95": None}
+        return {**base, "estimable": False, "threshold": None, "tpr": None, "ci95": None, "fpr": None, "fpr_ci95": None}
     threshold = float(np.quantile(reference, 1.0 - target, method="higher"))
     hits, false_alarms = int((members > threshold).sum()), int((nonmembers > threshold).sum())
-    return {**base, "estimable": True, "threshold": threshold, "tpr": hits / members.size,
-            "ci95": rate_interval(hits, members.size), "fpr": false_alarms / nonmembers.size,
-            "fpr_ci95": rate_interval(false_alarms, nonmembers.size)}
+    return {
+        **base,
+        "estimable": True,
+        "threshold": threshold,
+        "tpr": hits / members.size,
+        "ci95": rate_interval(hits, members.size),
+        "fpr": false_alarms / nonmembers.size,
+        "fpr_ci95": rate_interval(false_alarms, nonmembers.size),
+    }
 
 
 def wilson_interval(successes: int, trials: int, z: float) -> tuple[float, float]:
@@ -114,8 +124,9 @@ def wilson_interval(successes: int, trials: int, z: float) -> tuple[float, float
     return centre - half, centre + half
 
 
-def difference_interval(hits: int, positives: int, false_alarms: int, negatives: int,
-                        level: float = CONFIDENCE) -> list[float]:
+def difference_interval(
+    hits: int, positives: int, false_alarms: int, negatives: int, level: float = CONFIDENCE
+) -> list[float]:
     """Newcombe's hybrid score interval of TPR - FPR from two independent binomial samples (Newcombe 1998, method
     10): Wilson intervals of each rate, combined."""
     z = float(norm.ppf((1.0 + level) / 2.0))
@@ -138,17 +149,27 @@ def held_out_advantage(member: np.ndarray, score: np.ndarray, select: np.ndarray
     members, nonmembers = score[~select & (member == 1)], score[~select & (member == 0)]
     chosen = member[select]
     if members.size == 0 or nonmembers.size == 0 or chosen.min(initial=1) == chosen.max(initial=0):
-        return {"advantage": None, "ci95": None, "threshold": None, "num_members": int(members.size),
-                "num_nonmembers": int(nonmembers.size)}
+        return {
+            "advantage": None,
+            "ci95": None,
+            "threshold": None,
+            "num_members": int(members.size),
+            "num_nonmembers": int(nonmembers.size),
+        }
     curve = roc(chosen, score[select])
     gaps = curve.tpr - curve.fpr
     gaps[0] = -np.inf  # "nobody is a member": an infinite threshold, never the best
     threshold = _between(curve, int(np.argmax(gaps)))
     hits, false_alarms = int((members >= threshold).sum()), int((nonmembers >= threshold).sum())
-    return {"advantage": hits / members.size - false_alarms / nonmembers.size,
-            "ci95": difference_interval(hits, members.size, false_alarms, nonmembers.size), "threshold": threshold,
-            "tpr": hits / members.size, "fpr": false_alarms / nonmembers.size, "num_members": int(members.size),
-            "num_nonmembers": int(nonmembers.size)}
+    return {
+        "advantage": hits / members.size - false_alarms / nonmembers.size,
+        "ci95": difference_interval(hits, members.size, false_alarms, nonmembers.size),
+        "threshold": threshold,
+        "tpr": hits / members.size,
+        "fpr": false_alarms / nonmembers.size,
+        "num_members": int(members.size),
+        "num_nonmembers": int(nonmembers.size),
+    }
 
 
 def _between(curve: ROC, index: int) -> float:
@@ -173,8 +194,9 @@ class Bootstrap:
         return float(low), float(high)
 
 
-def bootstrap(member: np.ndarray, score: np.ndarray, *, rng: np.random.Generator,
-              resamples: int = DEFAULT_RESAMPLES) -> Bootstrap:
+def bootstrap(
+    member: np.ndarray, score: np.ndarray, *, rng: np.random.Generator, resamples: int = DEFAULT_RESAMPLES
+) -> Bootstrap:
     """The AUC of ``resamples`` bootstrap resamples, vectorised: each resample is a vector of multinomial counts per
     side, and :func:`weighted_auc` evaluates many such vectors at once without re-sorting."""
     positives, negatives = score[member == 1], score[member == 0]
@@ -221,8 +243,15 @@ def clopper_pearson_upper(successes: np.ndarray, trials: int, *, confidence: flo
     return np.where(k < trials, bound, 1.0)
 
 
-def threshold_bounds(true_positives: np.ndarray, false_positives: np.ndarray, positives: int, negatives: int, *,
-                delta: float, confidence: float = CONFIDENCE) -> dict[str, np.ndarray]:
+def threshold_bounds(
+    true_positives: np.ndarray,
+    false_positives: np.ndarray,
+    positives: int,
+    negatives: int,
+    *,
+    delta: float,
+    confidence: float = CONFIDENCE,
+) -> dict[str, np.ndarray]:
     """The epsilon bound of each test, by inequality, from its confusion counts (-inf where it gives none).
 
     A test calls a record a member when its score is at or above the threshold;
@@ -266,12 +295,16 @@ class EpsilonBound:
     selection_bound: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "procedure": BOUND_PROCEDURE,
-                "inequality_text": None if self.inequality is None else INEQUALITIES[self.inequality]}
+        return {
+            **asdict(self),
+            "procedure": BOUND_PROCEDURE,
+            "inequality_text": None if self.inequality is None else INEQUALITIES[self.inequality],
+        }
 
 
-def choose_test(member: np.ndarray, score: np.ndarray, *, delta: float,
-                confidence: float = CONFIDENCE) -> tuple[float, str, float] | None:
+def choose_test(
+    member: np.ndarray, score: np.ndarray, *, delta: float, confidence: float = CONFIDENCE
+) -> tuple[float, str, float] | None:
     """The threshold and inequality whose bound is largest on these records, and that bound (possibly <= 0, since
     the bound on other records may still be positive); None if no test gives a finite bound here.
 
@@ -280,8 +313,14 @@ def choose_test(member: np.ndarray, score: np.ndarray, *, delta: float,
     """
     curve = roc(member, score)
     positives, negatives = int((member == 1).sum()), int((member == 0).sum())
-    bounds = threshold_bounds(np.rint(curve.tpr * positives), np.rint(curve.fpr * negatives), positives, negatives,
-                              delta=delta, confidence=confidence)
+    bounds = threshold_bounds(
+        np.rint(curve.tpr * positives),
+        np.rint(curve.fpr * negatives),
+        positives,
+        negatives,
+        delta=delta,
+        confidence=confidence,
+    )
     for values in bounds.values():
         values[0] = -np.inf  # "nobody is a member" (an infinite threshold) bounds nothing
     name = max(bounds, key=lambda k: bounds[k].max())
@@ -291,8 +330,9 @@ def choose_test(member: np.ndarray, score: np.ndarray, *, delta: float,
     return _between(curve, best), name, float(bounds[name][best])
 
 
-def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, select: np.ndarray, *, delta: float,
-                        confidence: float = CONFIDENCE) -> EpsilonBound:
+def epsilon_lower_bound(
+    member: np.ndarray, score: np.ndarray, select: np.ndarray, *, delta: float, confidence: float = CONFIDENCE
+) -> EpsilonBound:
     """A valid one-sided lower bound on epsilon at ``delta``: one test chosen on the records where ``select`` is
     true, judged on the others (module docstring).
 
@@ -308,9 +348,12 @@ def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, select: np.ndarra
     """
     select = np.asarray(select, dtype=bool)
     judged = ~select
-    counts = {"selection_members": int((member[select] == 1).sum()),
-              "selection_nonmembers": int((member[select] == 0).sum()),
-              "bound_members": int((member[judged] == 1).sum()), "bound_nonmembers": int((member[judged] == 0).sum())}
+    counts = {
+        "selection_members": int((member[select] == 1).sum()),
+        "selection_nonmembers": int((member[select] == 0).sum()),
+        "bound_members": int((member[judged] == 1).sum()),
+        "bound_nonmembers": int((member[judged] == 0).sum()),
+    }
     chosen = None
     if min(counts.values()) > 0:
         chosen = choose_test(member[select], score[select], delta=delta, confidence=confidence)
@@ -321,22 +364,39 @@ def epsilon_lower_bound(member: np.ndarray, score: np.ndarray, select: np.ndarra
     tp = int((called & (member[judged] == 1)).sum())
     fp = int((called & (member[judged] == 0)).sum())
     positives, negatives = counts["bound_members"], counts["bound_nonmembers"]
-    bound = threshold_bounds(np.array([tp]), np.array([fp]), positives, negatives, delta=delta,
-                             confidence=confidence)[inequality][0]
+    bound = threshold_bounds(np.array([tp]), np.array([fp]), positives, negatives, delta=delta, confidence=confidence)[
+        inequality
+    ][0]
     if inequality == "tpr":
         lower = clopper_pearson_lower(np.array([tp]), positives, confidence=confidence)[0]
         upper = clopper_pearson_upper(np.array([fp]), negatives, confidence=confidence)[0]
     else:
         lower = clopper_pearson_lower(np.array([negatives - fp]), negatives, confidence=confidence)[0]
         upper = clopper_pearson_upper(np.array([positives - tp]), positives, confidence=confidence)[0]
-    return EpsilonBound(max(0.0, float(bound)), confidence, delta, threshold, inequality, **counts,
-                        true_positives=tp, false_positives=fp, rate_lower=float(lower), rate_upper=float(upper),
-                        selection_bound=selection_bound)
+    return EpsilonBound(
+        max(0.0, float(bound)),
+        confidence,
+        delta,
+        threshold,
+        inequality,
+        **counts,
+        true_positives=tp,
+        false_positives=fp,
+        rate_lower=float(lower),
+        rate_upper=float(upper),
+        selection_bound=selection_bound,
+    )
 
 
 def summarize(
-    member: np.ndarray, score: np.ndarray, *, report: np.ndarray, select: np.ndarray, delta: float,
-    rng: np.random.Generator, resamples: int = DEFAULT_RESAMPLES,
+    member: np.ndarray,
+    score: np.ndarray,
+    *,
+    report: np.ndarray,
+    select: np.ndarray,
+    delta: float,
+    rng: np.random.Generator,
+    resamples: int = DEFAULT_RESAMPLES,
 ) -> tuple[dict[str, Any], ROC]:
     """The metrics of one attack, and its ROC curve.
 
@@ -360,8 +420,9 @@ def summarize(
         "auc_ci95": list(boot.interval(boot.auc)),
         "auc_se": float(boot.auc.std(ddof=1)) if resamples > 1 else None,
         "bootstrap_resamples": resamples,
-        "tpr_at_fpr": {f"{target:g}": rates_at_fpr(member[used], score[used], select[used], target)
-                       for target in LOW_FPRS},
+        "tpr_at_fpr": {
+            f"{target:g}": rates_at_fpr(member[used], score[used], select[used], target) for target in LOW_FPRS
+        },
         "balanced_accuracy": 0.5 + adv / 2.0,
         "advantage": adv,
         "advantage_held_out": held_out_advantage(member[used], score[used], select[used]),

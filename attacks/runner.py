@@ -20,11 +20,11 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 import fedaudit
-from attacks import AttackError, Draw
-from attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
-from attacks.methods import DEFAULT_METHODS, METHODS, run_method
-from attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
-from attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
+from fedaudit.attacks import AttackError, Draw
+from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
+from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, run_method
+from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
+from fedaudit.attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
@@ -66,8 +66,12 @@ class AttackOptions:
         parse_target(self.target)
         if self.nonmembers not in NONMEMBER_SOURCES:
             raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
-        for option, value, least in (("--max-records", self.max_records, 2), ("--batch-size", self.batch_size, 1),
-                                     ("--bootstrap", self.resamples, 1), ("--seed", self.seed, 0)):
+        for option, value, least in (
+            ("--max-records", self.max_records, 2),
+            ("--batch-size", self.batch_size, 1),
+            ("--bootstrap", self.resamples, 1),
+            ("--seed", self.seed, 0),
+        ):
             if option == "--seed" and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -147,22 +151,39 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     dataset = load_dataset(config.data.dataset, config.data.data_dir, download=False)
     recorded = manifest.get("dataset")
     if not isinstance(recorded, dict) or dataset.fingerprint != recorded.get("fingerprint"):
-        raise RunError(f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch).")
+        raise RunError(
+            f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch)."
+        )
     largest = max(int(idx.max(initial=-1)) for idx in (*partition.clients, partition.holdout))
     if largest >= len(dataset.train_y):
-        raise RunError(f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records of {config.data.dataset}.")
+        raise RunError(
+            f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records of {config.data.dataset}."
+        )
     targets = attack_targets(run, parse_target(options.target), done)
     for target in targets:
         run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
     accountant = _accountant_epsilon(run, config, max(t.round for t in targets))
     seed = config.seed if options.seed is None else options.seed
     try:
-        evaluation = build_evaluation_set(partition, dataset.train_y.numpy(), dataset.test_y.numpy(),
-                                          nonmembers=options.nonmembers, max_records=options.max_records, seed=seed)
+        evaluation = build_evaluation_set(
+            partition,
+            dataset.train_y.numpy(),
+            dataset.test_y.numpy(),
+            nonmembers=options.nonmembers,
+            max_records=options.max_records,
+            seed=seed,
+        )
     except AttackError as exc:
         raise AttackError(f"{run.path}: {exc}") from exc
-    return PreparedRun(run=run, config=config, dataset=dataset, evaluation=evaluation, targets=targets, seed=seed,
-                       accountant_epsilon=accountant)
+    return PreparedRun(
+        run=run,
+        config=config,
+        dataset=dataset,
+        evaluation=evaluation,
+        targets=targets,
+        seed=seed,
+        accountant_epsilon=accountant,
+    )
 
 
 def attack_targets(run: RunDirectory, target: str | int, done: int) -> tuple[Target, ...]:
@@ -172,7 +193,9 @@ def attack_targets(run: RunDirectory, target: str | int, done: int) -> tuple[Tar
         return (Target(round=done, final=True),)
     if target == "all":
         if not saved:
-            raise RunError(f"{run.path} has no saved round checkpoints under checkpoints/, so --target all has nothing to attack.")
+            raise RunError(
+                f"{run.path} has no saved round checkpoints under checkpoints/, so --target all has nothing to attack."
+            )
         return tuple(Target(round=r, final=False) for r in saved)
     if target not in saved:
         listed = ", ".join(map(str, saved)) or "none"
@@ -202,8 +225,15 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     for target in prepared.targets:
         model = prepared.run.load_model(None if target.final else target.round, device)
         signals = compute_signals(
-            model, x, y, options.signals, per_layer=options.per_layer, batch_size=options.batch_size, device=device,
-            progress=options.progress, desc=f"{prepared.run.path.name} {target.label}",
+            model,
+            x,
+            y,
+            options.signals,
+            per_layer=options.per_layer,
+            batch_size=options.batch_size,
+            device=device,
+            progress=options.progress,
+            desc=f"{prepared.run.path.name} {target.label}",
         )
         for signal in options.signals:
             for method in options.methods:
@@ -211,17 +241,30 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     return results
 
 
-def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str, method: str,
-            options: AttackOptions) -> AttackResult:
+def _attack(
+    prepared: PreparedRun, target: Target, signals: Signals, signal: str, method: str, options: AttackOptions
+) -> AttackResult:
     ev, seed = prepared.evaluation, prepared.seed
     values = signals.values[signal]
-    output = run_method(method, values, oriented(signal, values), ev.member, ev.attack_train,
-                        seed=derive_seed(seed, Stream.ATTACK, Draw.CLASSIFIER))
+    output = run_method(
+        method,
+        values,
+        oriented(signal, values),
+        ev.member,
+        ev.attack_train,
+        seed=derive_seed(seed, Stream.ATTACK, Draw.CLASSIFIER),
+    )
     audit = output.audit
     member = ev.member[audit]
-    metrics, curve = summarize(ev.member, output.scores, report=audit, select=ev.attack_train,
-                               delta=prepared.config.privacy.delta, rng=numpy_rng(seed, Stream.ATTACK, Draw.BOOTSTRAP),
-                               resamples=options.resamples)
+    metrics, curve = summarize(
+        ev.member,
+        output.scores,
+        report=audit,
+        select=ev.attack_train,
+        delta=prepared.config.privacy.delta,
+        rng=numpy_rng(seed, Stream.ATTACK, Draw.BOOTSTRAP),
+        resamples=options.resamples,
+    )
     accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[target.round - 1]
     fitted = ~audit
     metrics = {
@@ -242,32 +285,42 @@ def _attack(prepared: PreparedRun, target: Target, signals: Signals, signal: str
         "num_attack_train_nonmembers": int((ev.member[fitted] == 0).sum()),
         **metrics,
         "accountant_epsilon": accountant,
-        "epsilon_lower_bound_exceeds_accountant": None if accountant is None else metrics["epsilon_lower_bound"] > accountant,
-        "per_client": _per_client(ev, audit, output.scores, rng=numpy_rng(seed, Stream.ATTACK, Draw.CLIENT_BOOTSTRAP),
-                                  resamples=options.resamples),
+        "epsilon_lower_bound_exceeds_accountant": None
+        if accountant is None
+        else metrics["epsilon_lower_bound"] > accountant,
+        "per_client": _per_client(
+            ev,
+            audit,
+            output.scores,
+            rng=numpy_rng(seed, Stream.ATTACK, Draw.CLIENT_BOOTSTRAP),
+            resamples=options.resamples,
+        ),
         **output.details,
         "fedaudit_version": fedaudit.__version__,
         "created": now_iso(),
     }
-    scores = pd.DataFrame({
-        "record": ev.index,
-        "source": ev.source,
-        "label": ev.label,
-        "client": ev.client,
-        "member": ev.member,
-        "split": np.where(audit, "audit", "attack-train"),
-        "bound_role": np.where(ev.attack_train, "choose", "judge"),
-        "signal": values,
-        "score": output.scores,
-    })
+    scores = pd.DataFrame(
+        {
+            "record": ev.index,
+            "source": ev.source,
+            "label": ev.label,
+            "client": ev.client,
+            "member": ev.member,
+            "split": np.where(audit, "audit", "attack-train"),
+            "bound_role": np.where(ev.attack_train, "choose", "judge"),
+            "signal": values,
+            "score": output.scores,
+        }
+    )
     if signal == "grad-norm":
         scores = scores.assign(**signals.per_layer)
     roc_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
     return AttackResult(name=f"{signal}-{method}{target.suffix}", scores=scores, roc=roc_table, metrics=metrics)
 
 
-def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray, *, rng: np.random.Generator,
-                resamples: int) -> dict[str, dict[str, Any]]:
+def _per_client(
+    ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray, *, rng: np.random.Generator, resamples: int
+) -> dict[str, dict[str, Any]]:
     """AUC (with its bootstrap 95% interval) of each client's audited members against the audited non-members of that
     client's classes."""
     table: dict[str, dict[str, Any]] = {}
@@ -281,8 +334,12 @@ def _per_client(ev: EvaluationSet, audit: np.ndarray, scores: np.ndarray, *, rng
             auc = float(roc_auc_score(ev.member[both], scores[both]))
             boot = bootstrap(ev.member[both], scores[both], rng=rng, resamples=resamples)
             interval = list(boot.interval(boot.auc))
-        table[str(k)] = {"auc": auc, "auc_ci95": interval, "num_members": int(members.sum()),
-                         "num_nonmembers": int(others.sum())}
+        table[str(k)] = {
+            "auc": auc,
+            "auc_ci95": interval,
+            "num_members": int(members.sum()),
+            "num_nonmembers": int(others.sum()),
+        }
     return table
 
 
@@ -294,8 +351,12 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         targets = attack_targets(run, parse_target(options.target), done if isinstance(done, int) else 0)
     except (RunError, AttackError):
         return {}
-    return {f"{signal}-{method}{target.suffix}": target.round for target in targets for signal in options.signals
-            for method in options.methods}
+    return {
+        f"{signal}-{method}{target.suffix}": target.round
+        for target in targets
+        for signal in options.signals
+        for method in options.methods
+    }
 
 
 def results_current(path: str | Path, options: AttackOptions) -> bool:
@@ -311,15 +372,23 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
         return False
     names = expected_results(run, options)
     seed = config.seed if options.seed is None else options.seed
-    expected = {"seed": seed, "nonmembers": options.nonmembers, "max_records": options.max_records,
-                "bootstrap_resamples": options.resamples, "per_layer": options.per_layer}
+    expected = {
+        "seed": seed,
+        "nonmembers": options.nonmembers,
+        "max_records": options.max_records,
+        "bootstrap_resamples": options.resamples,
+        "per_layer": options.per_layer,
+    }
     for name, round_number in names.items():
         try:
             metrics = run.read_json(run.attacks_dir / name / "metrics.json")
         except RunError:
             return False
-        if (metrics.get("format_version") != RESULT_FORMAT_VERSION or metrics.get("round") != round_number
-                or any(metrics.get(k) != v for k, v in expected.items())):
+        if (
+            metrics.get("format_version") != RESULT_FORMAT_VERSION
+            or metrics.get("round") != round_number
+            or any(metrics.get(k) != v for k, v in expected.items())
+        ):
             return False
     return bool(names)
 
@@ -353,21 +422,23 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
     rows = []
     for result in results:
         m = result.metrics
-        rows.append({
-            "run": m["run"],
-            "round": m["round"],
-            "signal": m["signal"],
-            "method": m["method"],
-            "members": m["num_members"],
-            "non-members": m["num_nonmembers"],
-            "AUC": m["auc"],
-            "AUC 95% CI": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
-            "TPR@1%FPR": _rate(m["tpr_at_fpr"]["0.01"]),
-            "TPR@0.1%FPR": _rate(m["tpr_at_fpr"]["0.001"]),
-            "advantage": m["advantage"],
-            "eps_lb": m["epsilon_lower_bound"],
-            "eps": np.nan if m["accountant_epsilon"] is None else m["accountant_epsilon"],
-        })
+        rows.append(
+            {
+                "run": m["run"],
+                "round": m["round"],
+                "signal": m["signal"],
+                "method": m["method"],
+                "members": m["num_members"],
+                "non-members": m["num_nonmembers"],
+                "AUC": m["auc"],
+                "AUC 95% CI": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
+                "TPR@1%FPR": _rate(m["tpr_at_fpr"]["0.01"]),
+                "TPR@0.1%FPR": _rate(m["tpr_at_fpr"]["0.001"]),
+                "advantage": m["advantage"],
+                "eps_lb": m["epsilon_lower_bound"],
+                "eps": np.nan if m["accountant_epsilon"] is None else m["accountant_epsilon"],
+            }
+        )
     return pd.DataFrame(rows)
 
 

@@ -108,7 +108,9 @@ def compute_signals(
                 grads = per_sample_gradients(model, xb, yb, params=params)
                 parts["grad-norm"].append(per_sample_norms(grads).detach().cpu())
                 for group, names in groups.items():
-                    parts[PER_LAYER_PREFIX + group].append(per_sample_norms({n: grads[n] for n in names}).detach().cpu())
+                    parts[PER_LAYER_PREFIX + group].append(
+                        per_sample_norms({n: grads[n] for n in names}).detach().cpu()
+                    )
             bar.update(len(yb))
     arrays = {name: _concat(chunks) for name, chunks in parts.items()}
     return Signals(
@@ -117,7 +119,9 @@ def compute_signals(
     )
 
 
-def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device: str | torch.device) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, device: str | torch.device
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
     for start in range(0, len(y), batch_size):
         yield x[start : start + batch_size].to(device), y[start : start + batch_size].to(device)
 

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
-
-from attacks.signals import compute_signals
 from twins import convnet_and_opacus_twin
+
+from fedaudit.attacks.signals import compute_signals
 
 
 def _sync(device: torch.device) -> None:
@@ -32,7 +32,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def opacus_norms(gsm: GradSampleModule, x: torch.Tensor, y: torch.Tensor, batch: int, device: torch.device) -> np.ndarray:
+def opacus_norms(
+    gsm: GradSampleModule, x: torch.Tensor, y: torch.Tensor, batch: int, device: torch.device
+) -> np.ndarray:
     """Per-example gradient norms from Opacus' hooks, batch by batch."""
     norms = []
     for start in range(0, len(y), batch):
@@ -57,10 +59,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, "
-          f"{args.examples} examples, batch {args.batch}, input 1x28x28, ConvNet depth 3")
-    print(f"{'width':>5} {'ours (s)':>9} {'ours (ex/s)':>12} {'opacus (s)':>11} {'opacus (ex/s)':>14} "
-          f"{'ours/opacus':>12} {'max rel. diff':>14}")
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, "
+        f"{args.examples} examples, batch {args.batch}, input 1x28x28, ConvNet depth 3"
+    )
+    print(
+        f"{'width':>5} {'ours (s)':>9} {'ours (ex/s)':>12} {'opacus (s)':>11} {'opacus (ex/s)':>14} "
+        f"{'ours/opacus':>12} {'max rel. diff':>14}"
+    )
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.examples, 1, 28, 28, generator=generator)
     y = torch.randint(0, 10, (args.examples,), generator=generator)
@@ -82,8 +88,10 @@ def main() -> None:
         gsm._close()
 
         diff = float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(theirs), 1e-12)))
-        print(f"{width:>5} {ours_s:>9.1f} {args.examples / ours_s:>12.0f} {opacus_s:>11.1f} "
-              f"{args.examples / opacus_s:>14.0f} {opacus_s / ours_s:>12.2f} {diff:>14.1e}")
+        print(
+            f"{width:>5} {ours_s:>9.1f} {args.examples / ours_s:>12.0f} {opacus_s:>11.1f} "
+            f"{args.examples / opacus_s:>14.0f} {opacus_s / ours_s:>12.2f} {diff:>14.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
@@ -24,7 +24,7 @@ import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedlap import FedLAP
-from fedaudit.config import FedLAPConfig, FederatedConfig, PrivacyConfig, RunConfig
+from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError, load_dataset, partition_dataset
 from fedaudit.models import ModelSpec, build_model
 
@@ -32,8 +32,9 @@ from fedaudit.models import ModelSpec, build_model
 def _client_data() -> tuple[ClientData, str]:
     try:
         dataset = load_dataset("fashion-mnist")
-        partition = partition_dataset(dataset.train_y.numpy(), num_clients=5, scheme="classes:2", seed=0,
-                                      holdout_fraction=0.1)
+        partition = partition_dataset(
+            dataset.train_y.numpy(), num_clients=5, scheme="classes:2", seed=0, holdout_fraction=0.1
+        )
         idx = torch.from_numpy(partition.clients[0].copy())
         return ClientData(0, dataset.train_x[idx], dataset.train_y[idx]), "Fashion-MNIST client 0"
     except DataError:
@@ -56,23 +57,34 @@ class Stopwatch:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - start
+
         return timed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
-    parser.add_argument("--trajectories", type=int, default=4, help="R_i (4 in the authors' DP config); fewer for a quicker run")
-    parser.add_argument("--augment", action="store_true", help="DSA augmentation of real and synthetic batches, as the authors' code does")
+    parser.add_argument(
+        "--trajectories", type=int, default=4, help="R_i (4 in the authors' DP config); fewer for a quicker run"
+    )
+    parser.add_argument(
+        "--augment",
+        action="store_true",
+        help="DSA augmentation of real and synthetic batches, as the authors' code does",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data, source = _client_data()
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
-    print(f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "
-          f"DP-FedAvg: the same number of DP queries (--local-steps), B=256, sigma=1, C=0.1")
-    header = (f"{'width':>5} {'T':>4} {'DP-FedAvg (s)':>14} {'FedLAP-DP (s)':>14} {'ratio':>6} "
-              f"{'DP queries':>11} {'matching':>9} {'syn. training':>14} {'server (s)':>11}")
+    print(
+        f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "
+        f"DP-FedAvg: the same number of DP queries (--local-steps), B=256, sigma=1, C=0.1"
+    )
+    header = (
+        f"{'width':>5} {'T':>4} {'DP-FedAvg (s)':>14} {'FedLAP-DP (s)':>14} {'ratio':>6} "
+        f"{'DP queries':>11} {'matching':>9} {'syn. training':>14} {'server (s)':>11}"
+    )
     print(header)
     for width in args.widths:
         spec = ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3)
@@ -117,9 +129,11 @@ def main() -> None:
         def share(name: str) -> str:
             return f"{watch.seconds[name]:.1f}s {100 * watch.seconds[name] / lap_seconds:.0f}%"
 
-        print(f"{width:>5} {queries:>4} {avg_seconds:>14.1f} {lap_seconds:>14.1f} {lap_seconds / avg_seconds:>6.2f} "
-              f"{share('dp'):>11} {share('matching'):>9} "
-              f"{f'{client_training:.1f}s {100 * client_training / lap_seconds:.0f}%':>14} {server_seconds:>11.1f}")
+        print(
+            f"{width:>5} {queries:>4} {avg_seconds:>14.1f} {lap_seconds:>14.1f} {lap_seconds / avg_seconds:>6.2f} "
+            f"{share('dp'):>11} {share('matching'):>9} "
+            f"{f'{client_training:.1f}s {100 * client_training / lap_seconds:.0f}%':>14} {server_seconds:>11.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ METHODS = ("threshold", "classifier")
 def fedaudit_command() -> list[str]:
     """The fedaudit CLI of the interpreter running this script."""
     script = Path(sys.executable).with_name("fedaudit")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "fedaudit.cli"]
 
 
 def run(args: list[str], env: dict[str, str]) -> None:
@@ -70,38 +70,45 @@ def attack_rows(directories: list[Path]) -> pd.DataFrame:
         metrics_csv = pd.read_csv(directory / "metrics.csv")
         for metrics_file in sorted(directory.glob("attacks/*/metrics.json")):
             m = json.loads(metrics_file.read_text())
-            rows.append({
-                "run": directory.name,
-                "rounds": int(metrics_csv["round"].iloc[-1]),
-                "test acc": float(metrics_csv["test_accuracy"].iloc[-1]),
-                "attack": f"{m['signal']}/{m['method']}",
-                "AUC": m["auc"],
-                "AUC 95% interval": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
-                "low": m["auc_ci95"][0],
-                "high": m["auc_ci95"][1],
-                "n per side": f"{m['num_members']}/{m['num_nonmembers']}",
-                "eps lower bound": m["epsilon_lower_bound"],
-                "accountant eps": m["accountant_epsilon"],
-            })
+            rows.append(
+                {
+                    "run": directory.name,
+                    "rounds": int(metrics_csv["round"].iloc[-1]),
+                    "test acc": float(metrics_csv["test_accuracy"].iloc[-1]),
+                    "attack": f"{m['signal']}/{m['method']}",
+                    "AUC": m["auc"],
+                    "AUC 95% interval": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
+                    "low": m["auc_ci95"][0],
+                    "high": m["auc_ci95"][1],
+                    "n per side": f"{m['num_members']}/{m['num_nonmembers']}",
+                    "eps lower bound": m["epsilon_lower_bound"],
+                    "accountant eps": m["accountant_epsilon"],
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def claims(table: pd.DataFrame) -> list[str]:
     """The paper's three claims, each checked on the intervals of this study."""
+
     def runs(prefix: str) -> pd.DataFrame:
         return table[table["run"].str.startswith(prefix)]
 
     lines = []
     for name, prefix in (("FedAvg", "fedavg-nodp"), ("FedLAP", "fedlap-nodp")):
         leaking = runs(prefix)[runs(prefix)["low"] > 0.5]
-        lines.append(f"- non-DP {name} leaks (some attack's AUC interval above 0.5): "
-                     f"{'holds' if len(leaking) else 'not seen'} ({len(leaking)} of {len(runs(prefix))} attacks)")
+        lines.append(
+            f"- non-DP {name} leaks (some attack's AUC interval above 0.5): "
+            f"{'holds' if len(leaking) else 'not seen'} ({len(leaking)} of {len(runs(prefix))} attacks)"
+        )
     avg, lap = runs("fedavg-nodp").set_index("attack"), runs("fedlap-nodp").set_index("attack")
     common = avg.index.intersection(lap.index)
     below = [a for a in common if lap.loc[a, "high"] < avg.loc[a, "low"]]
     lower = [a for a in common if lap.loc[a, "AUC"] < avg.loc[a, "AUC"]]
-    lines.append(f"- non-DP FedLAP leaks less than non-DP FedAvg: lower AUC in {len(lower)} of {len(common)} attacks, "
-                 f"with disjoint intervals in {len(below)}")
+    lines.append(
+        f"- non-DP FedLAP leaks less than non-DP FedAvg: lower AUC in {len(lower)} of {len(common)} attacks, "
+        f"with disjoint intervals in {len(below)}"
+    )
     dp = table[table["run"].str.contains("-eps")]
     chance = dp[(dp["low"] <= 0.5) & (dp["high"] >= 0.5)]
     lines.append(f"- DP runs sit at AUC 0.5 (interval covers 0.5): {len(chance)} of {len(dp)} attacks")
@@ -120,8 +127,20 @@ def main() -> None:
     parser.add_argument("--out", default="studies/leakage")
     args = parser.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    common = ["--dataset", "fashion-mnist", "--partition", "classes:2", "--num-clients", "5", "--width",
-              str(args.width), "--device", "cpu", "--seed", str(args.seed)]
+    common = [
+        "--dataset",
+        "fashion-mnist",
+        "--partition",
+        "classes:2",
+        "--num-clients",
+        "5",
+        "--width",
+        str(args.width),
+        "--device",
+        "cpu",
+        "--seed",
+        str(args.seed),
+    ]
     dp = ["--dp", "--target-epsilon", f"{args.epsilon:g}"]
     eps = f"eps{args.epsilon:g}"
     plan = {
@@ -130,10 +149,13 @@ def main() -> None:
         f"fedlap-nodp-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.fedlap_rounds)],
         f"fedlap-{eps}-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.rounds), *dp],
     }
-    print(f"Fashion-MNIST, 5 clients x 2 classes, ConvNet width {args.width}, {args.rounds} rounds "
-          f"({args.fedlap_rounds} for non-DP FedLAP), DP runs at epsilon {args.epsilon:g} (delta 1e-5), seed "
-          f"{args.seed}, up to {args.max_records} members and as many non-members attacked, {args.threads} torch "
-          f"thread(s), CPU", flush=True)
+    print(
+        f"Fashion-MNIST, 5 clients x 2 classes, ConvNet width {args.width}, {args.rounds} rounds "
+        f"({args.fedlap_rounds} for non-DP FedLAP), DP runs at epsilon {args.epsilon:g} (delta 1e-5), seed "
+        f"{args.seed}, up to {args.max_records} members and as many non-members attacked, {args.threads} torch "
+        f"thread(s), CPU",
+        flush=True,
+    )
     directories = []
     for name, options in plan.items():
         directory = Path(args.out) / "runs" / name
@@ -142,11 +164,34 @@ def main() -> None:
         print(f"  {name}: {done} ({time.perf_counter() - started:.0f} s)", flush=True)
         directories.append(directory)
     started = time.perf_counter()
-    run(["attack", *map(str, directories), *[f"--signal={s}" for s in SIGNALS], *[f"--method={m}" for m in METHODS],
-         "--max-records", str(args.max_records), "--device", "cpu", "--no-progress"], env)
+    run(
+        [
+            "attack",
+            *map(str, directories),
+            *[f"--signal={s}" for s in SIGNALS],
+            *[f"--method={m}" for m in METHODS],
+            "--max-records",
+            str(args.max_records),
+            "--device",
+            "cpu",
+            "--no-progress",
+        ],
+        env,
+    )
     print(f"  attacks: {time.perf_counter() - started:.0f} s", flush=True)
-    run(["report", *map(str, directories), "--out", str(Path(args.out) / "report"), "--format", "html",
-         "--format", "md"], env)
+    run(
+        [
+            "report",
+            *map(str, directories),
+            "--out",
+            str(Path(args.out) / "report"),
+            "--format",
+            "html",
+            "--format",
+            "md",
+        ],
+        env,
+    )
     table = attack_rows(directories)
     print()
     print(table.drop(columns=["low", "high"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))

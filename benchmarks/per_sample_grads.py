@@ -19,9 +19,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from twins import convnet_and_opacus_twin
 
 from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
-from twins import convnet_and_opacus_twin
 
 
 def _time(fn, device: torch.device) -> float:
@@ -45,8 +45,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, input 1x28x28")
-    print(f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} {'ratio grads':>12} {'ratio DP step':>14}")
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, input 1x28x28"
+    )
+    print(
+        f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} {'ratio grads':>12} {'ratio DP step':>14}"
+    )
     for width in args.widths:
         model, gsm = convnet_and_opacus_twin(width, device)
         x = torch.randn(args.batch, 1, 28, 28, device=device)
@@ -57,8 +61,15 @@ def main() -> None:
             per_sample_gradients(model, x, y)
 
         def ours_dp() -> None:
-            dp_gradient(model, x, y, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=args.batch,
-                        generator=generator)
+            dp_gradient(
+                model,
+                x,
+                y,
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                expected_batch_size=args.batch,
+                generator=generator,
+            )
 
         def opacus() -> None:
             gsm.zero_grad(set_to_none=True)
@@ -74,8 +85,10 @@ def main() -> None:
             times["dp"].append(_time(ours_dp, device))
             times["opacus"].append(_time(opacus, device))
         med = {key: statistics.median(values) for key, values in times.items()}
-        print(f"{width:>5} {med['grads']:>16.3f} {med['dp']:>18.3f} {med['opacus']:>11.3f} "
-              f"{med['opacus'] / med['grads']:>12.2f} {med['opacus'] / med['dp']:>14.2f}")
+        print(
+            f"{width:>5} {med['grads']:>16.3f} {med['dp']:>18.3f} {med['opacus']:>11.3f} "
+            f"{med['opacus'] / med['grads']:>12.2f} {med['opacus'] / med['dp']:>14.2f}"
+        )
         gsm._close()
 
 

@@ -24,8 +24,12 @@ from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyCon
 from fedaudit.training import prepare, train
 
 PAPER_TABLE_2 = pd.DataFrame(
-    {"epsilon": [2.79, 10.18], "FedLAP-DP": ["59.85 +- 1.5", "73.00 +- 0.7"], "DP-FedAvg": ["50.11 +- 4.2", "72.78 +- 1.3"],
-     "DP-FedProx": ["54.57 +- 2.9", "71.67 +- 2.2"]}
+    {
+        "epsilon": [2.79, 10.18],
+        "FedLAP-DP": ["59.85 +- 1.5", "73.00 +- 0.7"],
+        "DP-FedAvg": ["50.11 +- 4.2", "72.78 +- 1.3"],
+        "DP-FedProx": ["54.57 +- 2.9", "71.67 +- 2.2"],
+    }
 )
 
 
@@ -49,15 +53,27 @@ def main() -> None:
     queries = max(prepare(lap).queries.values())
     configs = {
         "FedLAP-DP": lap,
-        "DP-FedAvg": base.with_overrides({"federated": FederatedConfig(algorithm="fedavg", rounds=args.rounds, local_steps=queries)}),
-        "DP-FedProx": base.with_overrides({"federated": FederatedConfig(algorithm="fedprox", rounds=args.rounds, local_steps=queries)}),
+        "DP-FedAvg": base.with_overrides(
+            {"federated": FederatedConfig(algorithm="fedavg", rounds=args.rounds, local_steps=queries)}
+        ),
+        "DP-FedProx": base.with_overrides(
+            {"federated": FederatedConfig(algorithm="fedprox", rounds=args.rounds, local_steps=queries)}
+        ),
     }
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}; Fashion-MNIST, 5 clients x 2 classes, "
-          f"ConvNet width {args.width}, sigma 1, B 256, T = {queries} DP queries per client per round, seed {args.seed}")
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}; Fashion-MNIST, 5 clients x 2 classes, "
+        f"ConvNet width {args.width}, sigma 1, B 256, T = {queries} DP queries per client per round, seed {args.seed}"
+    )
     columns = {}
     for name, config in configs.items():
         started = time.perf_counter()
-        result = train(config, Path(args.out) / name, overwrite=True, progress=False, echo=lambda line, n=name: print(f"  {n}: {line}"))
+        result = train(
+            config,
+            Path(args.out) / name,
+            overwrite=True,
+            progress=False,
+            echo=lambda line, n=name: print(f"  {n}: {line}"),
+        )
         metrics = pd.read_csv(result.run_dir / "metrics.csv")
         columns[name] = metrics.set_index("round")[["epsilon", "test_accuracy"]]
         print(f"  {name}: {time.perf_counter() - started:.0f} s")

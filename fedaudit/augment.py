@@ -75,8 +75,16 @@ def _flip(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def _crop(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Translate by up to 1/8 of the image size with zero padding (a differentiable random crop)."""
     n, _, h, w = x.shape
-    shift_x = (torch.randint(-(w // 8), w // 8 + 1, (n,), generator=generator, device=x.device).to(x.dtype)) * 2 / max(w - 1, 1)
-    shift_y = (torch.randint(-(h // 8), h // 8 + 1, (n,), generator=generator, device=x.device).to(x.dtype)) * 2 / max(h - 1, 1)
+    shift_x = (
+        (torch.randint(-(w // 8), w // 8 + 1, (n,), generator=generator, device=x.device).to(x.dtype))
+        * 2
+        / max(w - 1, 1)
+    )
+    shift_y = (
+        (torch.randint(-(h // 8), h // 8 + 1, (n,), generator=generator, device=x.device).to(x.dtype))
+        * 2
+        / max(h - 1, 1)
+    )
     theta = torch.zeros(n, 2, 3, device=x.device, dtype=x.dtype)
     theta[:, 0, 0], theta[:, 1, 1] = 1.0, 1.0
     theta[:, 0, 2], theta[:, 1, 2] = shift_x, shift_y

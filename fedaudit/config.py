@@ -12,9 +12,10 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -126,8 +127,24 @@ class FedLAPConfig:
 
 # Authors' defaults for FedLAP-DP (dp=True) and FedLAP (dp=False).
 FEDLAP_DEFAULTS = {
-    True: {"ipc": 10, "trajectories": 4, "real_batches": 10, "model_epochs": 2, "radius": 1.5, "mse_weight": 0.0, "init": "noise"},
-    False: {"ipc": 50, "trajectories": 1, "real_batches": 40, "model_epochs": 0, "radius": 10.0, "mse_weight": 0.1, "init": "real"},
+    True: {
+        "ipc": 10,
+        "trajectories": 4,
+        "real_batches": 10,
+        "model_epochs": 2,
+        "radius": 1.5,
+        "mse_weight": 0.0,
+        "init": "noise",
+    },
+    False: {
+        "ipc": 50,
+        "trajectories": 1,
+        "real_batches": 40,
+        "model_epochs": 0,
+        "radius": 10.0,
+        "mse_weight": 0.1,
+        "init": "real",
+    },
 }
 FEDLAP_INITS = ("noise", "previous", "real")
 RADIUS_STRATEGIES = ("min", "median", "max", "fixed")
@@ -152,7 +169,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
         """Build from a nested dict; unknown sections or keys are errors (typos must not pass silently)."""
         if not isinstance(data, Mapping):
             raise ConfigError("The configuration must be a mapping of sections (data, model, federated, privacy).")
@@ -168,7 +185,7 @@ class RunConfig:
                 kwargs[key] = _build_section(section_type, key, value)
         return cls(**kwargs)
 
-    def with_overrides(self, overrides: Mapping[str, Any]) -> "RunConfig":
+    def with_overrides(self, overrides: Mapping[str, Any]) -> RunConfig:
         """Apply ``{"section.field": value}`` or ``{"field": value}`` overrides (``None`` values are ignored)."""
         config = self
         for dotted, value in overrides.items():
@@ -185,7 +202,7 @@ class RunConfig:
                 config = replace(config, **{dotted: value})
         return config
 
-    def resolved(self) -> "RunConfig":
+    def resolved(self) -> RunConfig:
         """Fill in algorithm-dependent defaults and validate; the result has no ``None`` where a value is used."""
         fed = self.federated
         priv = self.privacy
@@ -194,10 +211,12 @@ class RunConfig:
             raise ConfigError(f"Unknown algorithm '{algorithm}'; choose one of: {', '.join(ALGORITHMS)}.")
         fed = replace(
             fed,
-            client_lr=fed.client_lr if fed.client_lr is not None
+            client_lr=fed.client_lr
+            if fed.client_lr is not None
             else (0.002 if algorithm == "fedlap" else DATASET_CLIENT_LR.get(self.data.dataset, 0.1)),
             lr_schedule=fed.lr_schedule if fed.lr_schedule is not None else "cosine",
-            batch_size=fed.batch_size if fed.batch_size is not None
+            batch_size=fed.batch_size
+            if fed.batch_size is not None
             else DEFAULT_BATCH_SIZE.get(self.data.dataset, PAPER_BATCH_SIZE),
         )
         lap = self.fedlap
@@ -207,9 +226,13 @@ class RunConfig:
         if priv.dp:
             priv = replace(
                 priv,
-                max_grad_norm=priv.max_grad_norm if priv.max_grad_norm is not None
-                else (DEFAULT_MAX_GRAD_NORM[algorithm] if algorithm == "fedlap"
-                      else DATASET_DP_SGD_MAX_GRAD_NORM.get(self.data.dataset, DEFAULT_MAX_GRAD_NORM[algorithm])),
+                max_grad_norm=priv.max_grad_norm
+                if priv.max_grad_norm is not None
+                else (
+                    DEFAULT_MAX_GRAD_NORM[algorithm]
+                    if algorithm == "fedlap"
+                    else DATASET_DP_SGD_MAX_GRAD_NORM.get(self.data.dataset, DEFAULT_MAX_GRAD_NORM[algorithm])
+                ),
                 noise_multiplier=(
                     priv.noise_multiplier
                     if priv.noise_multiplier is not None or priv.target_epsilon is not None
@@ -229,61 +252,117 @@ class RunConfig:
         for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
         _check(d.data_dir is None or isinstance(d.data_dir, str), f"--data-dir must be a path, got {d.data_dir!r}.")
-        _check(_is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}.")
-        _check(_is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
-               f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.")
+        _check(
+            _is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}."
+        )
+        _check(
+            _is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
+            f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.",
+        )
         _check(_is_int(m.width) and m.width >= 1, f"--width must be a positive integer, got {m.width!r}.")
-        _check(m.depth is None or (_is_int(m.depth) and m.depth >= 0),
-               f"--depth must be a non-negative integer, got {m.depth!r}.")
+        _check(
+            m.depth is None or (_is_int(m.depth) and m.depth >= 0),
+            f"--depth must be a non-negative integer, got {m.depth!r}.",
+        )
         _check(_is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
-        _check(_is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
-               f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.")
+        _check(
+            _is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
+            f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.",
+        )
         _check(f.weighting in WEIGHTINGS, f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{f.weighting}'.")
         _check(_is_number(f.server_lr) and f.server_lr > 0, f"--server-lr must be positive, got {f.server_lr!r}.")
-        _check(_is_int(f.local_epochs) and f.local_epochs >= 1, f"--local-epochs must be a positive integer, got {f.local_epochs!r}.")
-        _check(f.local_steps is None or (_is_int(f.local_steps) and f.local_steps >= 1),
-               f"--local-steps must be a positive integer, got {f.local_steps!r}.")
-        _check(f.client_lr is None or (_is_number(f.client_lr) and f.client_lr > 0), f"--lr must be positive, got {f.client_lr!r}.")
+        _check(
+            _is_int(f.local_epochs) and f.local_epochs >= 1,
+            f"--local-epochs must be a positive integer, got {f.local_epochs!r}.",
+        )
+        _check(
+            f.local_steps is None or (_is_int(f.local_steps) and f.local_steps >= 1),
+            f"--local-steps must be a positive integer, got {f.local_steps!r}.",
+        )
+        _check(
+            f.client_lr is None or (_is_number(f.client_lr) and f.client_lr > 0),
+            f"--lr must be positive, got {f.client_lr!r}.",
+        )
         _check(_is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
-        _check(f.batch_size is None or (_is_int(f.batch_size) and f.batch_size >= 1),
-               f"--batch-size must be a positive integer, got {f.batch_size!r}.")
+        _check(
+            f.batch_size is None or (_is_int(f.batch_size) and f.batch_size >= 1),
+            f"--batch-size must be a positive integer, got {f.batch_size!r}.",
+        )
         _check(_is_number(f.mu) and f.mu >= 0, f"--mu must be non-negative, got {f.mu!r}.")
-        _check(f.lr_schedule is None or f.lr_schedule in LR_SCHEDULES,
-               f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{f.lr_schedule}'.")
-        _check(p.accountant in ACCOUNTANTS, f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{p.accountant}'.")
+        _check(
+            f.lr_schedule is None or f.lr_schedule in LR_SCHEDULES,
+            f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{f.lr_schedule}'.",
+        )
+        _check(
+            p.accountant in ACCOUNTANTS, f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{p.accountant}'."
+        )
         _check(_is_number(p.delta) and 0.0 < p.delta < 1.0, f"--delta must be in (0, 1), got {p.delta!r}.")
         if p.dp:
-            _check(p.noise_multiplier is None or (_is_number(p.noise_multiplier) and p.noise_multiplier > 0),
-                   f"--noise-multiplier must be positive with --dp, got {p.noise_multiplier!r}.")
-            _check(p.max_grad_norm is None or (_is_number(p.max_grad_norm) and p.max_grad_norm > 0),
-                   f"--max-grad-norm must be positive with --dp, got {p.max_grad_norm!r}.")
-            _check(p.target_epsilon is None or (_is_number(p.target_epsilon) and p.target_epsilon > 0),
-                   f"--target-epsilon must be positive, got {p.target_epsilon!r}.")
-            _check(not (p.target_epsilon is not None and p.noise_multiplier is not None and not p.calibrated),
-                   "Give either --noise-multiplier or --target-epsilon, not both.")
+            _check(
+                p.noise_multiplier is None or (_is_number(p.noise_multiplier) and p.noise_multiplier > 0),
+                f"--noise-multiplier must be positive with --dp, got {p.noise_multiplier!r}.",
+            )
+            _check(
+                p.max_grad_norm is None or (_is_number(p.max_grad_norm) and p.max_grad_norm > 0),
+                f"--max-grad-norm must be positive with --dp, got {p.max_grad_norm!r}.",
+            )
+            _check(
+                p.target_epsilon is None or (_is_number(p.target_epsilon) and p.target_epsilon > 0),
+                f"--target-epsilon must be positive, got {p.target_epsilon!r}.",
+            )
+            _check(
+                not (p.target_epsilon is not None and p.noise_multiplier is not None and not p.calibrated),
+                "Give either --noise-multiplier or --target-epsilon, not both.",
+            )
         else:
-            _check(p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
-                   "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.")
+            _check(
+                p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
+                "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
+            )
         _validate_fedlap(self.fedlap, dp=p.dp)
 
 
 def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
     """Check the FedLAP section (values left at None are filled in by resolved())."""
-    for name in ("ipc", "trajectories", "max_loops", "real_batches", "image_steps", "server_batch_size", "server_epochs"):
+    for name in (
+        "ipc",
+        "trajectories",
+        "max_loops",
+        "real_batches",
+        "image_steps",
+        "server_batch_size",
+        "server_epochs",
+    ):
         value = getattr(lap, name)
-        _check(value is None or (_is_int(value) and value >= 1),
-               f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-    _check(lap.model_epochs is None or (_is_int(lap.model_epochs) and lap.model_epochs >= 0),
-           f"--model-epochs must be a non-negative integer, got {lap.model_epochs!r}.")
-    _check(lap.radius is None or (_is_number(lap.radius) and lap.radius > 0), f"--radius must be positive, got {lap.radius!r}.")
+        _check(
+            value is None or (_is_int(value) and value >= 1),
+            f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.",
+        )
+    _check(
+        lap.model_epochs is None or (_is_int(lap.model_epochs) and lap.model_epochs >= 0),
+        f"--model-epochs must be a non-negative integer, got {lap.model_epochs!r}.",
+    )
+    _check(
+        lap.radius is None or (_is_number(lap.radius) and lap.radius > 0),
+        f"--radius must be positive, got {lap.radius!r}.",
+    )
     _check(_is_number(lap.image_lr) and lap.image_lr > 0, f"--image-lr must be positive, got {lap.image_lr!r}.")
-    _check(lap.mse_weight is None or (_is_number(lap.mse_weight) and lap.mse_weight >= 0),
-           f"--mse-weight must be non-negative, got {lap.mse_weight!r}.")
-    _check(lap.init is None or lap.init in FEDLAP_INITS, f"--init must be one of {', '.join(FEDLAP_INITS)}, got '{lap.init}'.")
-    _check(not (dp and lap.init == "real"),
-           "--init real is refused with --dp: the synthetic set would start as real records and be published.")
-    _check(lap.radius_strategy in RADIUS_STRATEGIES,
-           f"--radius-strategy must be one of {', '.join(RADIUS_STRATEGIES)}, got '{lap.radius_strategy}'.")
+    _check(
+        lap.mse_weight is None or (_is_number(lap.mse_weight) and lap.mse_weight >= 0),
+        f"--mse-weight must be non-negative, got {lap.mse_weight!r}.",
+    )
+    _check(
+        lap.init is None or lap.init in FEDLAP_INITS,
+        f"--init must be one of {', '.join(FEDLAP_INITS)}, got '{lap.init}'.",
+    )
+    _check(
+        not (dp and lap.init == "real"),
+        "--init real is refused with --dp: the synthetic set would start as real records and be published.",
+    )
+    _check(
+        lap.radius_strategy in RADIUS_STRATEGIES,
+        f"--radius-strategy must be one of {', '.join(RADIUS_STRATEGIES)}, got '{lap.radius_strategy}'.",
+    )
 
 
 def load_config_file(path: str | Path) -> RunConfig:
@@ -331,7 +410,9 @@ def _build_section(section_type: type, name: str, value: Any) -> Any:
     known = {f.name for f in fields(section_type)}
     for key in value:
         if key not in known:
-            raise ConfigError(f"Unknown key '{key}' in configuration section '{name}'; expected one of: {', '.join(sorted(known))}.")
+            raise ConfigError(
+                f"Unknown key '{key}' in configuration section '{name}'; expected one of: {', '.join(sorted(known))}."
+            )
     return section_type(**dict(value))
 
 

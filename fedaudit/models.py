@@ -35,7 +35,7 @@ class ConvNet(nn.Module):
         if min(height, width_px) < 2**depth:
             raise ModelError(
                 f"ConvNet of depth {depth} halves the image {depth} times, which needs inputs of at least "
-                f"{2 ** depth}x{2 ** depth} pixels, but the data is {height}x{width_px}; use a smaller --depth."
+                f"{2**depth}x{2**depth} pixels, but the data is {height}x{width_px}; use a smaller --depth."
             )
         layers: list[nn.Module] = []
         in_channels = channels

@@ -20,9 +20,10 @@ import platform
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -85,7 +86,9 @@ def _umask() -> int:
 _TEMPORARY_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX) + "$")
 
 
-def remove_stale_temporaries(directory: Path, folders: tuple[str, ...] = ("", "checkpoints", "transmitted")) -> list[Path]:
+def remove_stale_temporaries(
+    directory: Path, folders: tuple[str, ...] = ("", "checkpoints", "transmitted")
+) -> list[Path]:
     """Delete the temporary files that an interrupted :func:`atomic_write_bytes` of training left in ``directory``
     and its training ``folders`` (each folder and what is below it); nothing else, and nothing under attacks/."""
     stale: list[Path] = []
@@ -209,7 +212,9 @@ class RunDirectory:
                     f"--out {self.path} already exists; pass --resume {self.path} to continue it or --overwrite to replace it."
                 )
             if not self.is_run():
-                raise RunError(f"--out {self.path} is a non-empty directory that is not a fedaudit run; refusing to overwrite it.")
+                raise RunError(
+                    f"--out {self.path} is a non-empty directory that is not a fedaudit run; refusing to overwrite it."
+                )
             shutil.rmtree(self.path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -237,7 +242,9 @@ class RunDirectory:
             raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
         manifest = self.read_json(self.manifest_path)
         if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT:
-            raise RunError(f"{self.path} is not a fedaudit run directory (its manifest.json has no fedaudit format tag).")
+            raise RunError(
+                f"{self.path} is not a fedaudit run directory (its manifest.json has no fedaudit format tag)."
+            )
         if manifest.get("format_version") != FORMAT_VERSION:
             raise RunError(
                 f"{self.path} was written in run format {manifest.get('format_version')} but this fedaudit reads format {FORMAT_VERSION}."
@@ -245,7 +252,10 @@ class RunDirectory:
         return manifest
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        atomic_write_json(self.manifest_path, {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **manifest, "updated": now_iso()})
+        atomic_write_json(
+            self.manifest_path,
+            {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **manifest, "updated": now_iso()},
+        )
 
     def write_membership(self, arrays: Mapping[str, np.ndarray]) -> None:
         buffer = io.BytesIO()
@@ -264,7 +274,9 @@ class RunDirectory:
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         frame = pd.DataFrame(rows)
-        ordered = [c for c in METRIC_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in METRIC_COLUMNS]
+        ordered = [c for c in METRIC_COLUMNS if c in frame.columns] + [
+            c for c in frame.columns if c not in METRIC_COLUMNS
+        ]
         atomic_write_bytes(self.metrics_path, csv_bytes(frame[ordered]))
 
     def read_metrics(self) -> pd.DataFrame:
@@ -283,7 +295,9 @@ class RunDirectory:
         save_tensors(self.checkpoint_path(round_number), params, {"round": str(round_number)})
         atomic_write_json(self.checkpoint_state_path(round_number), state)
 
-    def load_checkpoint(self, round_number: int, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def load_checkpoint(
+        self, round_number: int, device: str | torch.device = "cpu"
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         params = load_tensors(self.checkpoint_path(round_number), device)
         return params, self.read_json(self.checkpoint_state_path(round_number))
 
@@ -295,7 +309,9 @@ class RunDirectory:
         flat = {f"client{k}/{name}": t for k, state in states.items() for name, t in state.items()}
         save_tensors(self.client_states_path(round_number), flat, {"round": str(round_number)})
 
-    def load_client_states(self, round_number: int, device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
+    def load_client_states(
+        self, round_number: int, device: str | torch.device = "cpu"
+    ) -> dict[int, dict[str, torch.Tensor]]:
         path = self.client_states_path(round_number)
         if not path.is_file():
             return {}
@@ -314,7 +330,9 @@ class RunDirectory:
         """Round numbers that have a checkpoint, ascending."""
         if not self.checkpoints_dir.is_dir():
             return []
-        return sorted(int(p.stem.split("-")[1]) for p in self.checkpoints_dir.glob("round-[0-9][0-9][0-9][0-9].safetensors"))
+        return sorted(
+            int(p.stem.split("-")[1]) for p in self.checkpoints_dir.glob("round-[0-9][0-9][0-9][0-9].safetensors")
+        )
 
     def save_model(self, params: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
         save_tensors(self.model_path, params, metadata)
@@ -326,10 +344,17 @@ class RunDirectory:
             shape = tuple(int(v) for v in entry["input_shape"])
             if len(shape) != 3:
                 raise ValueError("input_shape must have three entries")
-            return ModelSpec(arch=str(entry["arch"]), input_shape=shape, num_classes=int(entry["num_classes"]),
-                             width=int(entry["width"]), depth=int(entry["depth"]))
+            return ModelSpec(
+                arch=str(entry["arch"]),
+                input_shape=shape,
+                num_classes=int(entry["num_classes"]),
+                width=int(entry["width"]),
+                depth=int(entry["depth"]),
+            )
         except (TypeError, KeyError, ValueError) as exc:
-            raise RunError(f"{self.manifest_path} has no valid \"model\" entry (arch, input_shape, num_classes, width, depth).") from exc
+            raise RunError(
+                f'{self.manifest_path} has no valid "model" entry (arch, input_shape, num_classes, width, depth).'
+            ) from exc
 
     def load_model(self, round_number: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
         """The global model after ``round_number`` (a checkpoint), or the final model.safetensors when None.

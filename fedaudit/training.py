@@ -12,9 +12,10 @@ import base64
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,7 +91,9 @@ def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
         holdout_fraction=config.data.holdout_fraction,
     )
     if config.model.depth is None:
-        config = replace(config, model=replace(config.model, depth=default_depth(config.model.arch, dataset.input_shape)))
+        config = replace(
+            config, model=replace(config.model, depth=default_depth(config.model.arch, dataset.input_shape))
+        )
     spec = ModelSpec(
         arch=config.model.arch,
         input_shape=dataset.input_shape,
@@ -166,7 +169,11 @@ def train_setup(
 
 
 def resume(
-    run_dir: str | Path, *, rounds: int | None = None, device: str | None = None, progress: bool = True,
+    run_dir: str | Path,
+    *,
+    rounds: int | None = None,
+    device: str | None = None,
+    progress: bool = True,
     echo: Echo = tqdm.write,
 ) -> TrainResult:
     """Continue an interrupted run from its last completed round (optionally extending ``rounds``).
@@ -188,10 +195,14 @@ def resume(
         config = replace(config, federated=replace(config.federated, rounds=rounds))
     setup = prepare(config, device=device)
     if setup.dataset.fingerprint != manifest["dataset"]["fingerprint"]:
-        raise RunError(f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch).")
+        raise RunError(
+            f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch)."
+        )
     stored = run.read_membership()
     if any(not np.array_equal(stored[key], value) for key, value in setup.partition.to_arrays().items()):
-        raise RunError(f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed.")
+        raise RunError(
+            f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed."
+        )
     remove_stale_temporaries(run.path)  # half-written files of the interrupted process
     run.write_config(setup.config.to_dict())
     states: dict[int, TensorDict] = {}
@@ -208,9 +219,14 @@ def resume(
         stored_ledger = run.read_privacy()
         ledger = _ledger_upto(stored_ledger, done) if stored_ledger else _new_ledger(setup.config)
         if ledger.rounds != done:
-            raise RunError(f"{run.privacy_path} records {ledger.rounds} rounds but the manifest says {done}; the run is inconsistent.")
+            raise RunError(
+                f"{run.privacy_path} records {ledger.rounds} rounds but the manifest says {done}; the run is inconsistent."
+            )
     rows = run.read_metrics().to_dict("records")[:done]
-    manifest = {**manifest, **_manifest(setup, status="running", rounds_done=done, created=manifest.get("created", now_iso()))}
+    manifest = {
+        **manifest,
+        **_manifest(setup, status="running", rounds_done=done, created=manifest.get("created", now_iso())),
+    }
     if done == setup.config.federated.rounds:
         echo(f"{run.path} has already completed all {done} rounds; nothing to do.")
     return _run_rounds(setup, run, manifest, params, ledger, rows, states, start=done, progress=progress, echo=echo)
@@ -231,7 +247,9 @@ def equal_data_access(config: RunConfig) -> list[str]:
     ]
 
 
-def evaluate(model: torch.nn.Module, params: TensorDict, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
+def evaluate(
+    model: torch.nn.Module, params: TensorDict, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float]:
     """Accuracy and mean cross-entropy of the model with ``params`` on (x, y)."""
     load_params(model, params)
     model.eval()
@@ -270,8 +288,12 @@ def _ledger_upto(stored: dict[str, Any], done: int) -> PrivacyLedger:
     if ledger.rounds <= done:
         return ledger
     lists = [[SGMEvent.from_dict(e) for e in events] for events in stored["history"]["event_lists"]]
-    replay = PrivacyLedger(accountant=stored["accountant"], delta=stored["delta"],
-                           noise_multiplier=stored["noise_multiplier"], max_grad_norm=stored["max_grad_norm"])
+    replay = PrivacyLedger(
+        accountant=stored["accountant"],
+        delta=stored["delta"],
+        noise_multiplier=stored["noise_multiplier"],
+        max_grad_norm=stored["max_grad_norm"],
+    )
     for row in stored["history"]["rounds"][:done]:
         replay.record_round({int(k): lists[i] for k, i in row.items()})
     return replay
@@ -361,7 +383,11 @@ def _run_rounds(
     rounds = config.federated.rounds
     dataset = setup.dataset
     clients = [
-        ClientData(k, dataset.train_x[torch.from_numpy(idx.copy())].to(device), dataset.train_y[torch.from_numpy(idx.copy())].to(device))
+        ClientData(
+            k,
+            dataset.train_x[torch.from_numpy(idx.copy())].to(device),
+            dataset.train_y[torch.from_numpy(idx.copy())].to(device),
+        )
         for k, idx in enumerate(setup.partition.clients)
     ]
     test_x, test_y = dataset.test_x.to(device), dataset.test_y.to(device)
@@ -370,12 +396,18 @@ def _run_rounds(
     accuracy = float(rows[-1]["test_accuracy"]) if rows else float("nan")
     with make_engine(config, num_clients=len(clients), progress=progress, echo=echo) as engine:
         try:
-            for m in tqdm(range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress):
+            for m in tqdm(
+                range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress
+            ):
                 began = time.perf_counter()
                 ctx = RoundContext(round=m, rounds=rounds, config=config, device=device)
                 selected = select_clients(config.seed, m, len(clients), config.federated.client_fraction)
                 messages = engine.run_clients(
-                    setup.algorithm, model, params, [clients[k] for k in selected], ctx,
+                    setup.algorithm,
+                    model,
+                    params,
+                    [clients[k] for k in selected],
+                    ctx,
                     lambda k: make_generator(config.seed, Stream.CLIENT, m, k, device=device),
                     states,
                 )
@@ -389,21 +421,31 @@ def _run_rounds(
                 if ledger is not None:
                     epsilon = ledger.record_round(_round_privacy_events(setup, messages, selected))
                 accuracy, loss = evaluate(model, params, test_x, test_y)
-                rows.append({
-                    "round": m + 1,
-                    "test_accuracy": accuracy,
-                    "test_loss": loss,
-                    "epsilon": epsilon,
-                    "wall_seconds": wall,
-                    "bytes_up": sum(msg.nbytes for msg in messages),
-                    "clients": len(messages),
-                    **{key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
-                })
-                run.save_checkpoint(m + 1, params, {
-                    **_checkpoint_state(config.seed, m + 1),
-                    "clients": [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in messages],
-                    "server": {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
-                })
+                rows.append(
+                    {
+                        "round": m + 1,
+                        "test_accuracy": accuracy,
+                        "test_loss": loss,
+                        "epsilon": epsilon,
+                        "wall_seconds": wall,
+                        "bytes_up": sum(msg.nbytes for msg in messages),
+                        "clients": len(messages),
+                        **{key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
+                    }
+                )
+                run.save_checkpoint(
+                    m + 1,
+                    params,
+                    {
+                        **_checkpoint_state(config.seed, m + 1),
+                        "clients": [
+                            {"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in messages
+                        ],
+                        "server": {
+                            key: value for key, value in result.metrics.items() if isinstance(value, (int, float))
+                        },
+                    },
+                )
                 if states:
                     run.save_client_states(m + 1, states)
                 if config.save_transmitted:
@@ -416,8 +458,10 @@ def _run_rounds(
                 manifest.update(rounds_done=m + 1, status="complete" if m + 1 == rounds else "running")
                 run.write_manifest(manifest)
                 eps_text = f"epsilon {epsilon:.3f}" if ledger is not None else "no DP"
-                echo(f"round {m + 1}/{rounds}: test accuracy {accuracy:.4f}, loss {loss:.4f}, {eps_text}, "
-                     f"{wall:.1f}s, {rows[-1]['bytes_up'] / 1e6:.2f} MB up")
+                echo(
+                    f"round {m + 1}/{rounds}: test accuracy {accuracy:.4f}, loss {loss:.4f}, {eps_text}, "
+                    f"{wall:.1f}s, {rows[-1]['bytes_up'] / 1e6:.2f} MB up"
+                )
         except KeyboardInterrupt:
             manifest.update(status="interrupted")
             run.write_manifest(manifest)

@@ -5,13 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from reports.collect import collect_runs
-from reports.policy import load_policy
-from reports.render import ReportOutcome, output_paths, write_report
+from fedaudit.reports.collect import collect_runs
+from fedaudit.reports.policy import load_policy
+from fedaudit.reports.render import ReportOutcome, output_paths, write_report
 
 
-def build_report(run_dirs: Sequence[str | Path], *, out: str | Path, formats: Sequence[str] = (),
-                 policy_file: str | Path | None = None) -> ReportOutcome:
+def build_report(
+    run_dirs: Sequence[str | Path],
+    *,
+    out: str | Path,
+    formats: Sequence[str] = (),
+    policy_file: str | Path | None = None,
+) -> ReportOutcome:
     """Write the report of ``run_dirs`` to ``out``; bad input raises :class:`ReportError` before anything is written."""
     chosen = tuple(f.lower() for f in formats)
     output_paths(out, chosen)

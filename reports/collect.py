@@ -14,12 +14,19 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from scipy.stats import norm
 
-from attacks.metrics import rate_interval, threshold_bounds
+from fedaudit.attacks.metrics import rate_interval, threshold_bounds
 from fedaudit.runs import RunDirectory, RunError
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
-BOUND_TEST_KEYS = {"threshold", "inequality", "true_positives", "false_positives", "bound_members", "bound_nonmembers",
-                   "delta"}
+BOUND_TEST_KEYS = {
+    "threshold",
+    "inequality",
+    "true_positives",
+    "false_positives",
+    "bound_members",
+    "bound_nonmembers",
+    "delta",
+}
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
 
 
@@ -78,15 +85,22 @@ class LowFprRate:
     fpr_ci: tuple[float, float] | None = None
 
     @classmethod
-    def read(cls, entry: Any, target: float, num_members: Any, num_nonmembers: Any) -> "LowFprRate | None":
+    def read(cls, entry: Any, target: float, num_members: Any, num_nonmembers: Any) -> LowFprRate | None:
         """From metrics.json: the current form (a mapping) or a bare number of older results (no interval)."""
         needed = math.ceil(1.0 / target - 1e-9)
         if isinstance(entry, dict):
             ci = entry.get("ci95")
-            return cls(target, _number(entry.get("tpr")), _pair(ci), bool(entry.get("estimable", True)),
-                       entry.get("num_members", num_members), entry.get("num_nonmembers", num_nonmembers),
-                       int(entry.get("nonmembers_needed", needed)), _number(entry.get("fpr")),
-                       _pair(entry.get("fpr_ci95")))
+            return cls(
+                target,
+                _number(entry.get("tpr")),
+                _pair(ci),
+                bool(entry.get("estimable", True)),
+                entry.get("num_members", num_members),
+                entry.get("num_nonmembers", num_nonmembers),
+                int(entry.get("nonmembers_needed", needed)),
+                _number(entry.get("fpr")),
+                _pair(entry.get("fpr_ci95")),
+            )
         value = _number(entry)
         if value is None:
             return None
@@ -148,9 +162,14 @@ class AttackSummary:
             return None
         if test["threshold"] is None:  # no test could be chosen: no bound at any confidence
             return 0.0
-        bounds = threshold_bounds(np.array([test["true_positives"]]), np.array([test["false_positives"]]),
-                                  int(test["bound_members"]), int(test["bound_nonmembers"]), delta=float(test["delta"]),
-                                  confidence=confidence)
+        bounds = threshold_bounds(
+            np.array([test["true_positives"]]),
+            np.array([test["false_positives"]]),
+            int(test["bound_members"]),
+            int(test["bound_nonmembers"]),
+            delta=float(test["delta"]),
+            confidence=confidence,
+        )
         return max(0.0, float(bounds[test["inequality"]][0]))
 
     def simultaneous_ci(self, compared: int, level: float = 0.95) -> tuple[float, float] | None:
@@ -229,8 +248,9 @@ class RunSummary:
         compared = len(scored)
         return max(scored, key=lambda a: ((a.simultaneous_ci(compared) or (a.auc, a.auc))[0], a.auc))
 
-    def corrected_bounds(self, attacks: tuple[AttackSummary, ...] | None = None,
-                         confidence: float = 0.95) -> dict[str, float]:
+    def corrected_bounds(
+        self, attacks: tuple[AttackSummary, ...] | None = None, confidence: float = 0.95
+    ) -> dict[str, float]:
         """The epsilon lower bound of each of ``attacks`` (default: the final-model attacks) with a recorded test, by
         attack name, recomputed at confidence 1 - (1 - ``confidence``) / K for those K attacks (Bonferroni), so that
         the largest of them still holds at ``confidence``."""
@@ -238,8 +258,9 @@ class RunSummary:
         level = 1.0 - (1.0 - confidence) / max(len(tested), 1)
         return {a.name: a.epsilon_bound_at(level) for a in tested}
 
-    def epsilon_lower_bound(self, attacks: tuple[AttackSummary, ...] | None = None,
-                            confidence: float = 0.95) -> tuple[float | None, int]:
+    def epsilon_lower_bound(
+        self, attacks: tuple[AttackSummary, ...] | None = None, confidence: float = 0.95
+    ) -> tuple[float | None, int]:
         """The largest of :meth:`corrected_bounds` and how many attacks it is over; (None, 0) when no attack recorded
         its test."""
         bounds = self.corrected_bounds(attacks, confidence)
@@ -301,14 +322,30 @@ def collect_run(path: Path) -> RunSummary:
         raise ReportError(f"{path} holds malformed run or attack files ({type(exc).__name__}: {exc}).") from exc
     synthetic = _synthetic(run) if config.get("federated", {}).get("algorithm") == "fedlap" else ()
     if config.get("federated", {}).get("algorithm") == "fedlap" and not synthetic:
-        notes.append(Note("No synthetic sets were stored, so none are shown.",
-                          "train with `--save-transmitted` to keep what every client sent"))
+        notes.append(
+            Note(
+                "No synthetic sets were stored, so none are shown.",
+                "train with `--save-transmitted` to keep what every client sent",
+            )
+        )
     if "test_accuracy" not in metrics.columns or metrics.empty:
-        notes.append(Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`"))
+        notes.append(
+            Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`")
+        )
     utility = metrics[[c for c in ("round", "test_accuracy", "test_loss", "epsilon") if c in metrics.columns]]
     test_records = manifest.get("dataset", {}).get("test_size")
-    return RunSummary(path.resolve().name, path, setup, utility, privacy, attacks, synthetic, tuple(notes),
-                      seedless_config(config), test_records if isinstance(test_records, int) else None)
+    return RunSummary(
+        path.resolve().name,
+        path,
+        setup,
+        utility,
+        privacy,
+        attacks,
+        synthetic,
+        tuple(notes),
+        seedless_config(config),
+        test_records if isinstance(test_records, int) else None,
+    )
 
 
 def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
@@ -327,7 +364,7 @@ def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
         "rounds done": manifest.get("rounds_done", 0),
         "status": manifest.get("status"),
         "model": f"{model.get('arch')} (width {model.get('width')}, depth {model.get('depth')}, "
-                 f"{manifest.get('model', {}).get('num_parameters', '?')} parameters)",
+        f"{manifest.get('model', {}).get('num_parameters', '?')} parameters)",
         "batch size": federated.get("batch_size"),
         "local epochs": federated.get("local_epochs"),
         "seed": config.get("seed"),
@@ -336,7 +373,7 @@ def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
         "dataset fingerprint": dataset.get("fingerprint"),
         "dataset source": dataset.get("source"),
         "train / test / held-out records": f"{dataset.get('train_size')} / {dataset.get('test_size')} / "
-                                           f"{manifest.get('clients', {}).get('holdout')}",
+        f"{manifest.get('clients', {}).get('holdout')}",
     }
 
 
@@ -358,16 +395,25 @@ def budget_label(privacy: dict[str, Any]) -> str:
     return f"sigma {sigma:g}" if isinstance(sigma, (int, float)) else "DP"
 
 
-def _privacy(config: dict[str, Any], manifest: dict[str, Any], ledger: dict[str, Any] | None, path: Path,
-             notes: list[Note]) -> PrivacySummary:
+def _privacy(
+    config: dict[str, Any], manifest: dict[str, Any], ledger: dict[str, Any] | None, path: Path, notes: list[Note]
+) -> PrivacySummary:
     settings = config.get("privacy", {})
     if not settings.get("dp", False):
-        notes.append(Note("No DP guarantee: epsilon is infinite (the run was trained without differential privacy).",
-                          "train with `--dp` (and `--noise-multiplier` or `--target-epsilon`) for a guarantee"))
+        notes.append(
+            Note(
+                "No DP guarantee: epsilon is infinite (the run was trained without differential privacy).",
+                "train with `--dp` (and `--noise-multiplier` or `--target-epsilon`) for a guarantee",
+            )
+        )
         return PrivacySummary(dp=False)
     if ledger is None:
-        notes.append(Note("The privacy ledger privacy.json is missing, so no epsilon can be reported.",
-                          f"resume the run to rewrite its ledger: `fedaudit train --resume {path}`"))
+        notes.append(
+            Note(
+                "The privacy ledger privacy.json is missing, so no epsilon can be reported.",
+                f"resume the run to rewrite its ledger: `fedaudit train --resume {path}`",
+            )
+        )
         return PrivacySummary(dp=True, accountant=settings.get("accountant"), delta=settings.get("delta"))
     clients = manifest.get("clients", {})
     sizes = list(clients.get("num_examples", []))
@@ -404,13 +450,21 @@ def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
         try:
             metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            notes.append(Note(f"The attack result {directory.name} is unreadable and is left out.", ATTACK_HINT.format(path=path)))
+            notes.append(
+                Note(
+                    f"The attack result {directory.name} is unreadable and is left out.", ATTACK_HINT.format(path=path)
+                )
+            )
             continue
         if isinstance(metrics, dict):
             results.append(_attack(directory, metrics, notes))
     if not results:
-        notes.append(Note("No membership inference results were found, so no empirical leakage is reported.",
-                          ATTACK_HINT.format(path=path)))
+        notes.append(
+            Note(
+                "No membership inference results were found, so no empirical leakage is reported.",
+                ATTACK_HINT.format(path=path),
+            )
+        )
     return tuple(sorted(results, key=lambda a: (a.signal, a.method, a.round or 0)))
 
 
@@ -428,14 +482,21 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
     members = metrics.get("num_members", metrics.get("n_members"))
     nonmembers = metrics.get("num_nonmembers", metrics.get("n_nonmembers"))
     bound_test = metrics.get("epsilon_lower_bound_test")
-    if not isinstance(bound_test, dict) or not BOUND_TEST_KEYS <= set(bound_test) or (
-            bound_test["threshold"] is not None and bound_test["inequality"] not in ("tpr", "tnr")):
+    if (
+        not isinstance(bound_test, dict)
+        or not BOUND_TEST_KEYS <= set(bound_test)
+        or (bound_test["threshold"] is not None and bound_test["inequality"] not in ("tpr", "tnr"))
+    ):
         bound_test = None
     held_out = metrics.get("advantage_held_out") if isinstance(metrics.get("advantage_held_out"), dict) else {}
     if metrics.get("epsilon_lower_bound") is not None and not isinstance(bound_test, dict):
-        notes.append(Note(f"The epsilon lower bound of {directory.name} comes from an older fedaudit that took the best "
-                          "of every threshold of the same records, which is not a valid bound; it is left out.",
-                          f"re-run `fedaudit attack {directory.parent.parent}`"))
+        notes.append(
+            Note(
+                f"The epsilon lower bound of {directory.name} comes from an older fedaudit that took the best "
+                "of every threshold of the same records, which is not a valid bound; it is left out.",
+                f"re-run `fedaudit attack {directory.parent.parent}`",
+            )
+        )
     roc = None
     try:
         roc = pd.read_csv(directory / "roc.csv")
@@ -444,8 +505,12 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
     except (OSError, ValueError, pd.errors.ParserError):
         roc = None
     if roc is None:
-        notes.append(Note(f"The ROC curve of {directory.name} (roc.csv) is missing or unreadable.",
-                          f"re-run `fedaudit attack {directory.parent.parent}`"))
+        notes.append(
+            Note(
+                f"The ROC curve of {directory.name} (roc.csv) is missing or unreadable.",
+                f"re-run `fedaudit attack {directory.parent.parent}`",
+            )
+        )
     signal, _, method = directory.name.partition("-round-")[0].rpartition("-")
     round_number = metrics.get("round")
     seed = metrics.get("seed")
@@ -457,8 +522,9 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
         auc=_number(metrics.get("auc")),
         auc_ci=interval,
         tpr_at_1pct_fpr=LowFprRate.read(tpr.get("0.01", metrics.get("tpr_at_fpr_1pct")), 0.01, members, nonmembers),
-        tpr_at_0_1pct_fpr=LowFprRate.read(tpr.get("0.001", metrics.get("tpr_at_fpr_0_1pct")), 0.001, members,
-                                          nonmembers),
+        tpr_at_0_1pct_fpr=LowFprRate.read(
+            tpr.get("0.001", metrics.get("tpr_at_fpr_0_1pct")), 0.001, members, nonmembers
+        ),
         balanced_accuracy=_number(metrics.get("balanced_accuracy")),
         advantage=_number(metrics.get("advantage")),
         epsilon_lower_bound=_number(metrics.get("epsilon_lower_bound")) if isinstance(bound_test, dict) else None,

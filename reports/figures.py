@@ -16,7 +16,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from reports.collect import AttackSummary, RunSummary, SyntheticSet  # noqa: E402
+from fedaudit.reports.collect import AttackSummary, RunSummary, SyntheticSet  # noqa: E402
 
 DPI = 100
 LOG_FLOOR = 1e-4
@@ -64,9 +64,18 @@ def roc_curves(curves: Sequence[tuple[str, AttackSummary]], title: str) -> bytes
     diagonal = np.logspace(math.log10(LOG_FLOOR), 0, 50)
     linear.plot([0, 1], [0, 1], "k--", lw=0.8, label="chance")
     loglog.plot(diagonal, diagonal, "k--", lw=0.8)
-    linear.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title} (linear)", xlim=(0, 1), ylim=(0, 1))
-    loglog.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title} (log-log)",
-               xscale="log", yscale="log", xlim=(LOG_FLOOR, 1), ylim=(LOG_FLOOR, 1))
+    linear.set(
+        xlabel="false positive rate", ylabel="true positive rate", title=f"{title} (linear)", xlim=(0, 1), ylim=(0, 1)
+    )
+    loglog.set(
+        xlabel="false positive rate",
+        ylabel="true positive rate",
+        title=f"{title} (log-log)",
+        xscale="log",
+        yscale="log",
+        xlim=(LOG_FLOOR, 1),
+        ylim=(LOG_FLOOR, 1),
+    )
     linear.legend(fontsize=7, loc="lower right")
     for ax in (linear, loglog):
         ax.grid(alpha=0.3, which="both")
@@ -78,8 +87,10 @@ def auc_per_round(attacks: Sequence[AttackSummary], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     labels = sorted({a.label for a in attacks})
     for label in labels:
-        points = sorted((a for a in attacks if a.label == label and a.auc is not None and a.round is not None),
-                        key=lambda a: a.round)
+        points = sorted(
+            (a for a in attacks if a.label == label and a.auc is not None and a.round is not None),
+            key=lambda a: a.round,
+        )
         rounds = [a.round for a in points]
         aucs = np.array([a.auc for a in points])
         lo = np.array([a.auc_ci[0] if a.auc_ci else a.auc for a in points])

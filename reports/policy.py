@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from reports.collect import ReportError, RunSummary
+from fedaudit.reports.collect import ReportError, RunSummary
 
 LIMITS: dict[str, str] = {
     "max_epsilon": "accountant's epsilon after the last round <= {limit:g} at delta {delta}",
@@ -108,7 +108,9 @@ def check_run(policy: Policy, run: RunSummary) -> list[Check]:
     """Check every limit of ``policy`` on ``run``; a value that is not available fails its limit."""
     checks = []
     for name, limit in policy.limits().items():
-        requirement = LIMITS[name].format(limit=limit, delta="of the run" if policy.delta is None else f"{policy.delta:g}")
+        requirement = LIMITS[name].format(
+            limit=limit, delta="of the run" if policy.delta is None else f"{policy.delta:g}"
+        )
         value, verdict, detail = _CHECKS[name](policy, run, limit)
         checks.append(Check(run.name, name, requirement, value, verdict, detail))
     return checks
@@ -132,13 +134,23 @@ def records_needed(n: int | None, interval: tuple[float, float], estimate: float
     return math.ceil(n * (half / abs(estimate - limit)) ** 2)
 
 
-def _judged(estimate: float, interval: tuple[float, float], limit: float, n: int | None, detail: str, *,
-            at_most: bool = True, unit: str = "per side") -> tuple[str, float, str]:
+def _judged(
+    estimate: float,
+    interval: tuple[float, float],
+    limit: float,
+    n: int | None,
+    detail: str,
+    *,
+    at_most: bool = True,
+    unit: str = "per side",
+) -> tuple[str, float, str]:
     """(verdict, value, detail) of one interval against one limit; an inconclusive detail says what would resolve it."""
     verdict = judge(interval, limit, at_most=at_most)
     if verdict == INCONCLUSIVE:
         needed = records_needed(n, interval, estimate, limit)
-        detail += " (the estimate sits on the limit)" if needed is None else f" (about {needed} {unit} would resolve it)"
+        detail += (
+            " (the estimate sits on the limit)" if needed is None else f" (about {needed} {unit} would resolve it)"
+        )
     return verdict, estimate, detail
 
 
@@ -160,7 +172,11 @@ def _epsilon(policy: Policy, run: RunSummary, limit: float) -> tuple[float | Non
         return None, FAIL, "not available: the privacy ledger is missing"
     eps = privacy.epsilon
     if policy.delta is not None and privacy.delta is None:
-        return eps, FAIL, f"the run's delta is not recorded, so it cannot be compared with the policy's delta {policy.delta:g}"
+        return (
+            eps,
+            FAIL,
+            f"the run's delta is not recorded, so it cannot be compared with the policy's delta {policy.delta:g}",
+        )
     if policy.delta is not None and privacy.delta > policy.delta:
         return eps, FAIL, f"accounted at delta {privacy.delta:g}, larger than the policy's delta {policy.delta:g}"
     delta = "not recorded" if privacy.delta is None else f"{privacy.delta:g}"
@@ -175,13 +191,19 @@ def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
     results = []
     for a in attacks:
         verdict, value, detail = _judged(
-            a.auc, a.auc_ci, limit, a.num_members,
-            f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}")
+            a.auc,
+            a.auc_ci,
+            limit,
+            a.num_members,
+            f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}",
+        )
         simultaneous = a.simultaneous_ci(len(attacks))
         if verdict == FAIL and len(attacks) > 1 and simultaneous is not None and simultaneous[0] <= limit:
             verdict = INCONCLUSIVE
-            detail += (f" (above the limit, but not with its interval simultaneous over the {len(attacks)} attacks, "
-                       f"[{simultaneous[0]:.4f}, {simultaneous[1]:.4f}])")
+            detail += (
+                f" (above the limit, but not with its interval simultaneous over the {len(attacks)} attacks, "
+                f"[{simultaneous[0]:.4f}, {simultaneous[1]:.4f}])"
+            )
         results.append((verdict, value, detail))
     if not results:
         return None, FAIL, "not available: no attack results with an AUC interval"
@@ -195,14 +217,21 @@ def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
         if rate is None:
             continue
         if not rate.estimable:
-            results.append((INCONCLUSIVE, None, f"{a.label}: not estimable from {rate.num_nonmembers} non-members per "
-                                                f"half (0.1% FPR needs at least {rate.nonmembers_needed} in each half "
-                                                f"of the evaluation set)"))
+            results.append(
+                (
+                    INCONCLUSIVE,
+                    None,
+                    f"{a.label}: not estimable from {rate.num_nonmembers} non-members per "
+                    f"half (0.1% FPR needs at least {rate.nonmembers_needed} in each half "
+                    f"of the evaluation set)",
+                )
+            )
         elif rate.tpr is None or rate.ci is None:
             results.append((FAIL, rate.tpr, f"{a.label}: no interval recorded; re-run fedaudit attack"))
         else:
-            results.append(_judged(rate.tpr, rate.ci, limit, rate.num_members,
-                                   f"{a.label}: {rate}, n={rate.num_members} members"))
+            results.append(
+                _judged(rate.tpr, rate.ci, limit, rate.num_members, f"{a.label}: {rate}, n={rate.num_members} members")
+            )
     if not results:
         return None, FAIL, "not available: no attack results with TPR at 0.1% FPR"
     return _worst(results)
@@ -215,9 +244,15 @@ def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | No
     interval = run.final_accuracy_ci
     if interval is None:
         return accuracy, PASS if accuracy >= limit else FAIL, f"{accuracy:.4f} (test split size not recorded)"
-    verdict, _, detail = _judged(accuracy, interval, limit, run.test_records,
-                                 f"{accuracy:.4f} [{interval[0]:.4f}, {interval[1]:.4f}] on {run.test_records} test records",
-                                 at_most=False, unit="test records")
+    verdict, _, detail = _judged(
+        accuracy,
+        interval,
+        limit,
+        run.test_records,
+        f"{accuracy:.4f} [{interval[0]:.4f}, {interval[1]:.4f}] on {run.test_records} test records",
+        at_most=False,
+        unit="test records",
+    )
     return accuracy, verdict, detail
 
 

@@ -11,12 +11,24 @@ from typing import Any
 import pandas as pd
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
+from fedaudit.reports import figures
+from fedaudit.reports.collect import ReportError, RunSummary
+from fedaudit.reports.policy import Check, Policy, check_run, overall
+from fedaudit.reports.summary import (
+    attack_table,
+    comparison_table,
+    epsilon_table,
+    fmt,
+    group_rows,
+    group_table,
+    interval,
+    policy_table,
+    privacy_table,
+    setup_table,
+    summary_json,
+    summary_rows,
+)
 from fedaudit.runs import atomic_write_bytes, csv_bytes, now_iso
-from reports import figures
-from reports.collect import ReportError, RunSummary
-from reports.policy import Check, Policy, check_run, overall
-from reports.summary import (attack_table, comparison_table, epsilon_table, fmt, group_rows, group_table, interval,
-                             policy_table, privacy_table, setup_table, summary_json, summary_rows)
 
 FORMATS = ("html", "md", "pdf")
 SUFFIXES = {f".{name}": name for name in FORMATS}
@@ -63,15 +75,29 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
     per_round = [a for a in run.attacks if a.round is not None]
     rounds_attacked = {a.round for a in per_round}
     has_accuracy = {"round", "test_accuracy"} <= set(run.utility.columns) and not run.utility.empty
-    figs = {
-        "accuracy": _b64(figures.accuracy_curve(run)) if has_accuracy else None,
-        "epsilon": _b64(figures.epsilon_curve(run)) if run.privacy.epsilon_per_round else None,
-        "roc": _b64(figures.roc_curves(curves, f"ROC, round {run.rounds_done}")) if curves else None,
-        "auc_rounds": _b64(figures.auc_per_round(per_round, "Attack AUC per round")) if len(rounds_attacked) > 1 else None,
-        "synthetic": [(number, _b64(figures.synthetic_grid([s for s in run.synthetic if s.round == number],
-                                                           f"Synthetic sets sent in round {number}")))
-                      for number in sorted({s.round for s in run.synthetic})],
-    } if draw else {}
+    figs = (
+        {
+            "accuracy": _b64(figures.accuracy_curve(run)) if has_accuracy else None,
+            "epsilon": _b64(figures.epsilon_curve(run)) if run.privacy.epsilon_per_round else None,
+            "roc": _b64(figures.roc_curves(curves, f"ROC, round {run.rounds_done}")) if curves else None,
+            "auc_rounds": _b64(figures.auc_per_round(per_round, "Attack AUC per round"))
+            if len(rounds_attacked) > 1
+            else None,
+            "synthetic": [
+                (
+                    number,
+                    _b64(
+                        figures.synthetic_grid(
+                            [s for s in run.synthetic if s.round == number], f"Synthetic sets sent in round {number}"
+                        )
+                    ),
+                )
+                for number in sorted({s.round for s in run.synthetic})
+            ],
+        }
+        if draw
+        else {}
+    )
     strongest = run.strongest_attack
     compared = run.attacks_compared
     return {
@@ -100,8 +126,11 @@ def _exceeds(run: RunSummary) -> dict[str, Any] | None:
     attack of the run, 95%) exceeds the accountant's epsilon of its round by the most."""
     dp = {a.name: a for a in run.attacks if a.accountant_epsilon is not None}
     bounds = run.corrected_bounds(tuple(dp.values()))
-    excess = {name: bound - dp[name].accountant_epsilon for name, bound in bounds.items()
-              if bound > dp[name].accountant_epsilon}
+    excess = {
+        name: bound - dp[name].accountant_epsilon
+        for name, bound in bounds.items()
+        if bound > dp[name].accountant_epsilon
+    }
     if not excess:
         return None
     name = max(excess, key=excess.__getitem__)
@@ -109,22 +138,32 @@ def _exceeds(run: RunSummary) -> dict[str, Any] | None:
 
 
 def _environment() -> Environment:
-    env = Environment(loader=PackageLoader("reports", "templates"), autoescape=select_autoescape(["html", "txt"]),
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env = Environment(
+        loader=PackageLoader("fedaudit.reports", "templates"),
+        autoescape=select_autoescape(["html", "txt"]),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
     env.filters["fmt"] = fmt
     env.filters["md_cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
     return env
 
 
-def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
-                  draw: bool = True) -> tuple[dict[str, Any], dict[str, list[Check]], pd.DataFrame, pd.DataFrame]:
+def build_context(
+    runs: list[RunSummary], policy: Policy | None, created: str, draw: bool = True
+) -> tuple[dict[str, Any], dict[str, list[Check]], pd.DataFrame, pd.DataFrame]:
     """The template context (with figures when ``draw``), the policy checks per run, the summary rows and the groups
     of runs that differ only in their seed."""
     checks = {run.name: check_run(policy, run) for run in runs} if policy else {}
     rows = summary_rows(runs, checks)
     groups = group_rows(rows)
-    overlay = [(run.name, run.strongest_attack) for run in runs
-               if run.strongest_attack is not None and run.strongest_attack.roc is not None]
+    overlay = [
+        (run.name, run.strongest_attack)
+        for run in runs
+        if run.strongest_attack is not None and run.strongest_attack.roc is not None
+    ]
     context = {
         "created": created,
         "runs": [_run_context(run, checks.get(run.name) if policy else None, draw) for run in runs],
@@ -132,7 +171,9 @@ def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
         "all_checks": policy_table([c for group in checks.values() for c in group]) if policy else None,
         "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),
         "comparison": comparison_table(rows) if len(runs) > 1 else None,
-        "overlay": _b64(figures.roc_curves(overlay, "Strongest attack per run")) if draw and len(runs) > 1 and overlay else None,
+        "overlay": _b64(figures.roc_curves(overlay, "Strongest attack per run"))
+        if draw and len(runs) > 1 and overlay
+        else None,
         "groups": group_table(groups) if len(groups) < len(runs) else None,
         "tradeoff": _b64(figures.privacy_utility(groups)) if draw and len(runs) > 1 else None,
         "tradeoff_caption": figures.spread_caption(groups),
@@ -140,7 +181,9 @@ def build_context(runs: list[RunSummary], policy: Policy | None, created: str,
     return context, checks, rows, groups
 
 
-def write_report(runs: list[RunSummary], out: str | Path, formats: tuple[str, ...], policy: Policy | None) -> ReportOutcome:
+def write_report(
+    runs: list[RunSummary], out: str | Path, formats: tuple[str, ...], policy: Policy | None
+) -> ReportOutcome:
     """Render and write the requested formats plus summary.csv, groups.csv and summary.json (each file atomically)."""
     targets, folder = output_paths(out, formats)
     created = now_iso()

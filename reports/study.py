@@ -21,23 +21,31 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
 from fedaudit.algorithms.fedlap import FedLAP
+from fedaudit.attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
 from fedaudit.config import ALGORITHMS, ConfigError, RunConfig, load_config_file
+from fedaudit.reports.collect import ReportError, collect_runs
+from fedaudit.reports.policy import load_policy, read_yaml
+from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
 from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
 from fedaudit.training import Setup, prepare, resume, train_setup
-from reports.collect import ReportError, collect_runs
-from reports.policy import load_policy, read_yaml
-from reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
 
 STUDY_FORMAT = "fedaudit-study"
 STUDY_FILE = "study.json"
 RUNS_DIR = "runs"
 DEFAULT_ALGORITHMS: tuple[str, ...] = ("fedavg", "fedprox", "fedlap")
 # What a study file's "attack" section may set, and the AttackOptions field each one fills.
-ATTACK_KEYS: dict[str, str] = {"signals": "signals", "methods": "methods", "target": "target", "nonmembers": "nonmembers",
-                               "max_records": "max_records", "per_layer": "per_layer", "batch_size": "batch_size",
-                               "bootstrap": "resamples", "seed": "seed"}
+ATTACK_KEYS: dict[str, str] = {
+    "signals": "signals",
+    "methods": "methods",
+    "target": "target",
+    "nonmembers": "nonmembers",
+    "max_records": "max_records",
+    "per_layer": "per_layer",
+    "batch_size": "batch_size",
+    "bootstrap": "resamples",
+    "seed": "seed",
+}
 STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "attack", "report")
 
 Echo = Callable[[str], None]
@@ -55,7 +63,7 @@ class Budget:
     value: float | None = None
 
     @classmethod
-    def parse(cls, text: Any) -> "Budget":
+    def parse(cls, text: Any) -> Budget:
         """``epsilon:E``, ``sigma:S`` or ``none`` (the syntax of ``--budget`` and of a study file's budgets list)."""
         spec = str(text).strip().lower()
         if spec in ("none", "no-dp", "nodp"):
@@ -67,7 +75,9 @@ class Budget:
         except ValueError:
             value = math.nan
         if not kind or not math.isfinite(value) or value <= 0:
-            raise StudyError(f"Budget {text!r} is not understood; use epsilon:E or sigma:S with a positive number, or none.")
+            raise StudyError(
+                f"Budget {text!r} is not understood; use epsilon:E or sigma:S with a positive number, or none."
+            )
         return cls(kind, value)
 
     def __str__(self) -> str:
@@ -131,15 +141,21 @@ class Study:
             raise StudyError(f"Study seeds must be non-negative integers, got {list(self.seeds)!r}.")
         privacy = self.base.privacy
         if privacy.dp or privacy.noise_multiplier is not None or privacy.target_epsilon is not None:
-            raise StudyError("The base configuration must not set privacy.dp, noise_multiplier or target_epsilon: "
-                             "a study's budgets set them for every run.")
+            raise StudyError(
+                "The base configuration must not set privacy.dp, noise_multiplier or target_epsilon: "
+                "a study's budgets set them for every run."
+            )
         if self.equal_data_access:
             if "fedlap" not in self.algorithms:
-                raise StudyError("Equal data access gives the gradient-sharing baselines as many DP queries per round as "
-                                 "FedLAP makes, so the study must include fedlap.")
+                raise StudyError(
+                    "Equal data access gives the gradient-sharing baselines as many DP queries per round as "
+                    "FedLAP makes, so the study must include fedlap."
+                )
             if "fedsgd" in self.algorithms:
-                raise StudyError("fedsgd makes one query per round and cannot be run at equal data access; drop it or "
-                                 "turn equal data access off.")
+                raise StudyError(
+                    "fedsgd makes one query per round and cannot be run at equal data access; drop it or "
+                    "turn equal data access off."
+                )
         for name in self.formats:
             if name not in FORMATS:
                 raise StudyError(f"Unknown report format {name!r}; choose from {', '.join(FORMATS)}.")
@@ -200,10 +216,13 @@ def load_study(path: str | Path) -> Study:
     unknown = [key for key in attack if key not in ATTACK_KEYS]
     if unknown:
         raise StudyError(f"Unknown key {unknown[0]!r} in the attack section of {file}; use {', '.join(ATTACK_KEYS)}.")
-    values["attack"] = replace(AttackOptions(), **{
-        ATTACK_KEYS[key]: tuple(_as_list(value, key, file)) if key in ("signals", "methods") else value
-        for key, value in attack.items()
-    })
+    values["attack"] = replace(
+        AttackOptions(),
+        **{
+            ATTACK_KEYS[key]: tuple(_as_list(value, key, file)) if key in ("signals", "methods") else value
+            for key, value in attack.items()
+        },
+    )
     report = _section(data, "report", file)
     unknown = [key for key in report if key not in ("formats", "policy")]
     if unknown:
@@ -240,8 +259,9 @@ def plan(study: Study) -> list[PlannedRun]:
                 name = f"{algorithm}-{budget.slug}-seed{seed}"
                 if any(run.name == name for run in runs):
                     continue  # the same run given twice (sigma:1 and sigma:1.0, none and no-dp, ...)
-                config = budget.apply(replace(study.base, seed=seed,
-                                              federated=replace(study.base.federated, algorithm=algorithm)))
+                config = budget.apply(
+                    replace(study.base, seed=seed, federated=replace(study.base.federated, algorithm=algorithm))
+                )
                 runs.append(PlannedRun(name, algorithm, budget, seed, config))
     if study.equal_data_access:
         runs = [_equal_data_access(run) for run in runs]
@@ -260,8 +280,9 @@ def _equal_data_access(run: PlannedRun) -> PlannedRun:
     return replace(run, config=replace(run.config, federated=replace(run.config.federated, local_steps=queries)))
 
 
-def run_study(study: Study, out: str | Path, *, overwrite: bool = False, progress: bool = True,
-              echo: Echo = tqdm.write) -> ReportOutcome:
+def run_study(
+    study: Study, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
+) -> ReportOutcome:
     """Train, attack and report every run of ``study`` under ``out``, skipping what is already done.
 
     Everything that can be checked (the study, every run's configuration and data,
@@ -272,7 +293,9 @@ def run_study(study: Study, out: str | Path, *, overwrite: bool = False, progres
     folder = Path(out)
     planned = plan(study)
     if folder.suffix.lower() in SUFFIXES:
-        raise StudyError(f"--out {folder} names a report file, but a study needs a directory (the report goes inside it).")
+        raise StudyError(
+            f"--out {folder} names a report file, but a study needs a directory (the report goes inside it)."
+        )
     output_paths(folder, study.formats)
     policy = load_policy(study.policy) if study.policy else None
     setups = [prepare(run.config) for run in planned]
@@ -313,8 +336,10 @@ def _check_folder(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise StudyError(f"--out {folder} exists and is not a directory.")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / STUDY_FILE).is_file():
-        raise StudyError(f"--out {folder} is a non-empty directory without {STUDY_FILE}, so it is not a fedaudit study; "
-                         "choose another --out.")
+        raise StudyError(
+            f"--out {folder} is a non-empty directory without {STUDY_FILE}, so it is not a fedaudit study; "
+            "choose another --out."
+        )
 
 
 def _claim(folder: Path, study: Study, names: list[str]) -> None:
@@ -326,8 +351,17 @@ def _claim(folder: Path, study: Study, names: list[str]) -> None:
             created = RunDirectory(folder).read_json(record).get("created", created)
         except (RunError, AttributeError):
             pass
-    atomic_write_json(record, {"format": STUDY_FORMAT, "format_version": 1, "created": created, "updated": now_iso(),
-                               "study": study.to_dict(), "runs": names})
+    atomic_write_json(
+        record,
+        {
+            "format": STUDY_FORMAT,
+            "format_version": 1,
+            "created": created,
+            "updated": now_iso(),
+            "study": study.to_dict(),
+            "runs": names,
+        },
+    )
 
 
 def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
@@ -342,8 +376,10 @@ def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
         stored, done = None, 0
     if _comparable(stored) != _comparable(setup.config.to_dict()):
         if not overwrite:
-            raise StudyError(f"{directory} holds a run whose configuration differs from the one the study plans; "
-                             "remove it, or pass --overwrite to retrain it.")
+            raise StudyError(
+                f"{directory} holds a run whose configuration differs from the one the study plans; "
+                "remove it, or pass --overwrite to retrain it."
+            )
         return "retrain"
     return "keep" if done == setup.config.federated.rounds else "resume"
 
@@ -382,9 +418,19 @@ def _outcome(accuracy: float, epsilon: float) -> str:
     return f"test accuracy {accuracy:.4f}, " + ("no DP" if math.isinf(epsilon) else f"epsilon {epsilon:.3f}")
 
 
-def study_from_options(study_file: str | None, *, algorithms: Sequence[str], budgets: Sequence[str], seeds: Sequence[int],
-                       equal_data_access: bool | None, config_file: str | None, base_overrides: Mapping[str, Any],
-                       attack_overrides: Mapping[str, Any], formats: Sequence[str], policy: str | None) -> Study:
+def study_from_options(
+    study_file: str | None,
+    *,
+    algorithms: Sequence[str],
+    budgets: Sequence[str],
+    seeds: Sequence[int],
+    equal_data_access: bool | None,
+    config_file: str | None,
+    base_overrides: Mapping[str, Any],
+    attack_overrides: Mapping[str, Any],
+    formats: Sequence[str],
+    policy: str | None,
+) -> Study:
     """The study of ``fedaudit compare``: the study file (or the defaults) with the command line's options on top."""
     study = load_study(study_file) if study_file else Study()
     base = load_config_file(config_file) if config_file else study.base
@@ -402,4 +448,3 @@ def study_from_options(study_file: str | None, *, algorithms: Sequence[str], bud
         formats=tuple(f.lower() for f in formats) or study.formats,
         policy=policy or study.policy,
     )
-

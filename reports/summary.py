@@ -8,12 +8,14 @@ from typing import Any
 
 import pandas as pd
 
-from reports.collect import AttackSummary, LowFprRate, RunSummary
-from reports.policy import Check, Policy, overall
+from fedaudit.reports.collect import AttackSummary, LowFprRate, RunSummary
+from fedaudit.reports.policy import Check, Policy, overall
 
 NOT_AVAILABLE = "not available"
-STRONGEST_RULE = ("the final-model attack whose AUC interval, simultaneous over all {compared} such attacks "
-                  "(Bonferroni, 95%), has the highest lower end")
+STRONGEST_RULE = (
+    "the final-model attack whose AUC interval, simultaneous over all {compared} such attacks "
+    "(Bonferroni, 95%), has the highest lower end"
+)
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -51,7 +53,9 @@ def privacy_table(run: RunSummary) -> pd.DataFrame:
         "q1 = p * q (first query of a round)": p.q1,
         "q2 = q (later queries of a round)": p.q2,
         "DP queries per round T": p.queries_per_round,
-        "worst client k (N_k records)": None if p.worst_client is None else f"{p.worst_client} ({p.worst_client_examples})",
+        "worst client k (N_k records)": None
+        if p.worst_client is None
+        else f"{p.worst_client} ({p.worst_client_examples})",
         "rounds": p.rounds,
         "epsilon after the last round": p.epsilon if p.epsilon_per_round else None,
     }
@@ -65,24 +69,43 @@ def epsilon_table(run: RunSummary) -> pd.DataFrame:
 
 def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
     """One row per attack result: the numbers of its metrics.json."""
-    return pd.DataFrame([{
-        "attack": a.label,
-        "round": fmt(a.round),
-        "members / non-members": f"{fmt(a.num_members)} / {fmt(a.num_nonmembers)}",
-        "AUC": fmt(a.auc),
-        "AUC 95% interval": interval(a.auc_ci),
-        "TPR at 1% FPR [95%]": rate(a.tpr_at_1pct_fpr),
-        "TPR at 0.1% FPR [95%]": rate(a.tpr_at_0_1pct_fpr),
-        "advantage, held-out [95%]": (f"{fmt(a.advantage_held_out, 3)} {interval(a.advantage_held_out_ci)}"
-                                      if a.advantage_held_out_ci else fmt(a.advantage_held_out)),
-        "epsilon lower bound (95%, this attack)": fmt(a.epsilon_lower_bound),
-        "accountant epsilon": fmt(a.accountant_epsilon),
-    } for a in attacks])
+    return pd.DataFrame(
+        [
+            {
+                "attack": a.label,
+                "round": fmt(a.round),
+                "members / non-members": f"{fmt(a.num_members)} / {fmt(a.num_nonmembers)}",
+                "AUC": fmt(a.auc),
+                "AUC 95% interval": interval(a.auc_ci),
+                "TPR at 1% FPR [95%]": rate(a.tpr_at_1pct_fpr),
+                "TPR at 0.1% FPR [95%]": rate(a.tpr_at_0_1pct_fpr),
+                "advantage, held-out [95%]": (
+                    f"{fmt(a.advantage_held_out, 3)} {interval(a.advantage_held_out_ci)}"
+                    if a.advantage_held_out_ci
+                    else fmt(a.advantage_held_out)
+                ),
+                "epsilon lower bound (95%, this attack)": fmt(a.epsilon_lower_bound),
+                "accountant epsilon": fmt(a.accountant_epsilon),
+            }
+            for a in attacks
+        ]
+    )
 
 
 def policy_table(checks: list[Check]) -> pd.DataFrame:
-    return pd.DataFrame([{"run": c.run, "limit": c.limit, "requirement": c.requirement, "value": fmt(c.value),
-                          "verdict": c.verdict, "detail": c.detail} for c in checks])
+    return pd.DataFrame(
+        [
+            {
+                "run": c.run,
+                "limit": c.limit,
+                "requirement": c.requirement,
+                "value": fmt(c.value),
+                "verdict": c.verdict,
+                "detail": c.detail,
+            }
+            for c in checks
+        ]
+    )
 
 
 def group_names(runs: list[RunSummary]) -> list[str]:
@@ -108,46 +131,48 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
         bound, bound_attacks = run.epsilon_lower_bound()
         p = run.privacy
         verdicts = checks.get(run.name)
-        rows.append({
-            "run": run.name,
-            "path": str(run.path),
-            "group": group,
-            "algorithm": run.setup["algorithm"],
-            "budget": run.setup["privacy budget"],
-            "dataset": run.setup["dataset"],
-            "partition": run.setup["partition"],
-            "clients": run.setup["clients"],
-            "rounds": run.rounds_done,
-            "seed": run.setup["seed"],
-            "final_accuracy": run.final_accuracy,
-            "final_accuracy_ci_low": None if accuracy_ci is None else accuracy_ci[0],
-            "final_accuracy_ci_high": None if accuracy_ci is None else accuracy_ci[1],
-            "test_records": run.test_records,
-            "dp": p.dp,
-            "noise_multiplier": p.noise_multiplier,
-            "max_grad_norm": p.max_grad_norm,
-            "q1": p.q1,
-            "q2": p.q2,
-            "queries_per_round": p.queries_per_round,
-            "delta": p.delta,
-            "accountant": p.accountant,
-            "epsilon": p.epsilon if (p.epsilon_per_round or not p.dp) else None,
-            "attack": None if attack is None else attack.label,
-            "attack_auc": None if attack is None else attack.auc,
-            "attack_auc_ci_low": None if attack is None or attack.auc_ci is None else attack.auc_ci[0],
-            "attack_auc_ci_high": None if attack is None or attack.auc_ci is None else attack.auc_ci[1],
-            "attacks_compared": run.attacks_compared,
-            "attack_auc_simultaneous_ci_low": None if simultaneous is None else simultaneous[0],
-            "attack_auc_simultaneous_ci_high": None if simultaneous is None else simultaneous[1],
-            "attack_members": None if attack is None else attack.num_members,
-            "attack_nonmembers": None if attack is None else attack.num_nonmembers,
-            "tpr_at_1pct_fpr": _tpr(attack, "tpr_at_1pct_fpr"),
-            "tpr_at_0_1pct_fpr": _tpr(attack, "tpr_at_0_1pct_fpr"),
-            "advantage": None if attack is None else attack.advantage,
-            "epsilon_lower_bound": bound,
-            "epsilon_lower_bound_attacks": bound_attacks,
-            "policy": None if verdicts is None else overall(verdicts),
-        })
+        rows.append(
+            {
+                "run": run.name,
+                "path": str(run.path),
+                "group": group,
+                "algorithm": run.setup["algorithm"],
+                "budget": run.setup["privacy budget"],
+                "dataset": run.setup["dataset"],
+                "partition": run.setup["partition"],
+                "clients": run.setup["clients"],
+                "rounds": run.rounds_done,
+                "seed": run.setup["seed"],
+                "final_accuracy": run.final_accuracy,
+                "final_accuracy_ci_low": None if accuracy_ci is None else accuracy_ci[0],
+                "final_accuracy_ci_high": None if accuracy_ci is None else accuracy_ci[1],
+                "test_records": run.test_records,
+                "dp": p.dp,
+                "noise_multiplier": p.noise_multiplier,
+                "max_grad_norm": p.max_grad_norm,
+                "q1": p.q1,
+                "q2": p.q2,
+                "queries_per_round": p.queries_per_round,
+                "delta": p.delta,
+                "accountant": p.accountant,
+                "epsilon": p.epsilon if (p.epsilon_per_round or not p.dp) else None,
+                "attack": None if attack is None else attack.label,
+                "attack_auc": None if attack is None else attack.auc,
+                "attack_auc_ci_low": None if attack is None or attack.auc_ci is None else attack.auc_ci[0],
+                "attack_auc_ci_high": None if attack is None or attack.auc_ci is None else attack.auc_ci[1],
+                "attacks_compared": run.attacks_compared,
+                "attack_auc_simultaneous_ci_low": None if simultaneous is None else simultaneous[0],
+                "attack_auc_simultaneous_ci_high": None if simultaneous is None else simultaneous[1],
+                "attack_members": None if attack is None else attack.num_members,
+                "attack_nonmembers": None if attack is None else attack.num_nonmembers,
+                "tpr_at_1pct_fpr": _tpr(attack, "tpr_at_1pct_fpr"),
+                "tpr_at_0_1pct_fpr": _tpr(attack, "tpr_at_0_1pct_fpr"),
+                "advantage": None if attack is None else attack.advantage,
+                "epsilon_lower_bound": bound,
+                "epsilon_lower_bound_attacks": bound_attacks,
+                "policy": None if verdicts is None else overall(verdicts),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -158,8 +183,13 @@ def _tpr(attack: AttackSummary | None, name: str) -> float | None:
 
 
 # Headline numbers averaged over the seeds of a group, and their names in the table.
-GROUPED: dict[str, str] = {"final_accuracy": "test accuracy", "epsilon": "epsilon", "attack_auc": "attack AUC",
-                           "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR", "epsilon_lower_bound": "epsilon lower bound"}
+GROUPED: dict[str, str] = {
+    "final_accuracy": "test accuracy",
+    "epsilon": "epsilon",
+    "attack_auc": "attack AUC",
+    "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR",
+    "epsilon_lower_bound": "epsilon lower bound",
+}
 
 
 def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -168,8 +198,12 @@ def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
     one run also carries the intervals its figure shows: its accuracy's Clopper-Pearson interval and its strongest
     attack's simultaneous AUC interval (final_accuracy_interval_low/high, attack_auc_interval_low/high)."""
     grouped = rows.groupby("group", sort=False)
-    table = grouped.agg(algorithm=("algorithm", "first"), budget=("budget", "first"), runs=("run", "size"),
-                        seeds=("seed", lambda seeds: " ".join(str(s) for s in seeds)))
+    table = grouped.agg(
+        algorithm=("algorithm", "first"),
+        budget=("budget", "first"),
+        runs=("run", "size"),
+        seeds=("seed", lambda seeds: " ".join(str(s) for s in seeds)),
+    )
     for column in GROUPED:
         values = pd.to_numeric(rows[column], errors="coerce").groupby(rows["group"], sort=False)
         table[f"{column}_mean"] = values.mean()
@@ -186,7 +220,7 @@ def group_rows(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def spread(mean: Any, std: Any, count: Any, runs: int, digits: int = 4) -> str:
-    """"mean ± std" of a group's number, with (n=k) when only k of its runs have it."""
+    """ "mean ± std" of a group's number, with (n=k) when only k of its runs have it."""
     if not count:
         return NOT_AVAILABLE
     text = fmt(float(mean), digits)
@@ -197,31 +231,57 @@ def spread(mean: Any, std: Any, count: Any, runs: int, digits: int = 4) -> str:
 
 def group_table(groups: pd.DataFrame) -> pd.DataFrame:
     """The over-seeds table of a report, formatted for reading."""
-    table = pd.DataFrame({"algorithm": groups["algorithm"], "privacy budget": groups["budget"], "runs": groups["runs"],
-                          "seeds": groups["seeds"]})
+    table = pd.DataFrame(
+        {
+            "algorithm": groups["algorithm"],
+            "privacy budget": groups["budget"],
+            "runs": groups["runs"],
+            "seeds": groups["seeds"],
+        }
+    )
     for column, title in GROUPED.items():
-        table[title] = [spread(row[f"{column}_mean"], row[f"{column}_std"], row[f"{column}_n"], row["runs"])
-                        for _, row in groups.iterrows()]
+        table[title] = [
+            spread(row[f"{column}_mean"], row[f"{column}_std"], row[f"{column}_n"], row["runs"])
+            for _, row in groups.iterrows()
+        ]
     if groups["policy_checked"].any():
-        table["policy passed"] = [f"{int(p)} of {int(c)}" for p, c in zip(groups["policy_passed"], groups["policy_checked"])]
+        table["policy passed"] = [
+            f"{int(p)} of {int(c)}" for p, c in zip(groups["policy_passed"], groups["policy_checked"])
+        ]
     return table.map(str)
 
 
 def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The side-by-side table of several runs, formatted for reading."""
     frame = frame.assign(
-        accuracy_shown=[f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
-                        for a, lo, hi in zip(frame["final_accuracy"], frame["final_accuracy_ci_low"],
-                                             frame["final_accuracy_ci_high"])],
-        auc_shown=[f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
-                   for a, lo, hi in zip(frame["attack_auc"], frame["attack_auc_simultaneous_ci_low"],
-                                        frame["attack_auc_simultaneous_ci_high"])],
+        accuracy_shown=[
+            f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
+            for a, lo, hi in zip(
+                frame["final_accuracy"], frame["final_accuracy_ci_low"], frame["final_accuracy_ci_high"]
+            )
+        ],
+        auc_shown=[
+            f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
+            for a, lo, hi in zip(
+                frame["attack_auc"], frame["attack_auc_simultaneous_ci_low"], frame["attack_auc_simultaneous_ci_high"]
+            )
+        ],
         records=[f"{fmt(m)} / {fmt(n)}" for m, n in zip(frame["attack_members"], frame["attack_nonmembers"])],
     )
-    columns = {"run": "run", "algorithm": "algorithm", "budget": "privacy budget", "rounds": "rounds",
-               "accuracy_shown": "test accuracy [95%]", "epsilon": "epsilon", "delta": "delta",
-               "attack": "strongest attack", "auc_shown": "AUC [95% simultaneous]", "records": "members / non-members",
-               "epsilon_lower_bound": "epsilon lower bound (95%, all final attacks)", "policy": "policy"}
+    columns = {
+        "run": "run",
+        "algorithm": "algorithm",
+        "budget": "privacy budget",
+        "rounds": "rounds",
+        "accuracy_shown": "test accuracy [95%]",
+        "epsilon": "epsilon",
+        "delta": "delta",
+        "attack": "strongest attack",
+        "auc_shown": "AUC [95% simultaneous]",
+        "records": "members / non-members",
+        "epsilon_lower_bound": "epsilon lower bound (95%, all final attacks)",
+        "policy": "policy",
+    }
     if frame["policy"].isna().all():  # no policy was given
         del columns["policy"]
     shown = frame[list(columns)].rename(columns=columns)
@@ -239,30 +299,43 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def summary_json(runs: list[RunSummary], checks: dict[str, list[Check]], policy: Policy | None,
-                 created: str, groups: pd.DataFrame) -> dict[str, Any]:
+def summary_json(
+    runs: list[RunSummary], checks: dict[str, list[Check]], policy: Policy | None, created: str, groups: pd.DataFrame
+) -> dict[str, Any]:
     """Everything the report states, as plain JSON (infinite epsilon is null with ``epsilon_infinite``)."""
-    return _finite({
-        "format": "fedaudit-report",
-        "format_version": 1,
-        "created": created,
-        "policy": None if policy is None else {"source": policy.source, "delta": policy.delta, "limits": policy.limits()},
-        "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),
-        "groups": [{key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
-                   for row in groups.to_dict("records")],
-        "runs": [{
-            "name": run.name,
-            "group": group,
-            "path": str(run.path),
-            "setup": run.setup,
-            "utility": {column: run.utility[column].tolist() for column in run.utility.columns},
-            "final_accuracy": run.final_accuracy,
-            "privacy": {**asdict(run.privacy), "epsilon": run.privacy.epsilon,
-                        "epsilon_infinite": math.isinf(run.privacy.epsilon)},
-            "attacks": [{key: value for key, value in asdict(a).items() if key != "roc"} for a in run.attacks],
-            "strongest_attack": None if run.strongest_attack is None else run.strongest_attack.name,
-            "strongest_attack_rule": STRONGEST_RULE.format(compared=run.attacks_compared),
-            "missing": [asdict(note) for note in run.notes],
-            "policy": [{k: v for k, v in asdict(c).items() if k != "run"} for c in checks.get(run.name, [])],
-        } for run, group in zip(runs, group_names(runs))],
-    })
+    return _finite(
+        {
+            "format": "fedaudit-report",
+            "format_version": 1,
+            "created": created,
+            "policy": None
+            if policy is None
+            else {"source": policy.source, "delta": policy.delta, "limits": policy.limits()},
+            "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),
+            "groups": [
+                {key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
+                for row in groups.to_dict("records")
+            ],
+            "runs": [
+                {
+                    "name": run.name,
+                    "group": group,
+                    "path": str(run.path),
+                    "setup": run.setup,
+                    "utility": {column: run.utility[column].tolist() for column in run.utility.columns},
+                    "final_accuracy": run.final_accuracy,
+                    "privacy": {
+                        **asdict(run.privacy),
+                        "epsilon": run.privacy.epsilon,
+                        "epsilon_infinite": math.isinf(run.privacy.epsilon),
+                    },
+                    "attacks": [{key: value for key, value in asdict(a).items() if key != "roc"} for a in run.attacks],
+                    "strongest_attack": None if run.strongest_attack is None else run.strongest_attack.name,
+                    "strongest_attack_rule": STRONGEST_RULE.format(compared=run.attacks_compared),
+                    "missing": [asdict(note) for note in run.notes],
+                    "policy": [{k: v for k, v in asdict(c).items() if k != "run"} for c in checks.get(run.name, [])],
+                }
+                for run, group in zip(runs, group_names(runs))
+            ],
+        }
+    )

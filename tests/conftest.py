@@ -7,40 +7,15 @@ so that a three-round run takes well under a second once torch is loaded.
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from click.testing import Result
+from helpers import FAST_ARGS, invoke
 
 torch.set_num_threads(1)
-
-# Options that keep a run small and quick; tests add --rounds, --dp, ... to these.
-FAST_ARGS: tuple[str, ...] = (
-    "--dataset", "digits",
-    "--model", "mlp", "--width", "16", "--depth", "1",
-    "--batch-size", "32", "--local-epochs", "1",
-    "--device", "cpu",
-    "--no-progress",
-)
-
-
-def invoke(*args: str) -> Result:
-    """Run ``fedaudit ARGS`` in-process; exceptions other than SystemExit propagate (no hidden tracebacks)."""
-    from cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-def tree_digest(path: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``path`` by relative name: equal digests mean a byte-identical tree."""
-    return {
-        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture

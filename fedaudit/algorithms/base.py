@@ -88,13 +88,22 @@ class Algorithm(Protocol):
     name: str
 
     def client_update(
-        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
         state: TensorDict | None = None,
     ) -> ClientMessage:
         """Run one round on a client; ``model`` is a scratch module, ``state`` what it kept from its last round."""
 
     def server_update(
-        self, model: nn.Module, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext,
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        messages: list[ClientMessage],
+        ctx: RoundContext,
         generator: torch.Generator,
     ) -> ServerResult:
         """Combine the selected clients' messages into the next global parameters."""

@@ -47,7 +47,12 @@ class FedAvg:
         return config.federated.local_epochs * max(1, num_examples // config.federated.batch_size)
 
     def client_update(
-        self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
         state: TensorDict | None = None,
     ) -> ClientMessage:
         """Local training from the global model; the message carries the model delta."""
@@ -61,11 +66,19 @@ class FedAvg:
             events, metrics = [], self._train_plain(model, optimizer, global_params, data, ctx, generator)
         delta = {name: p.detach() - global_params[name] for name, p in model.named_parameters()}
         return ClientMessage(
-            client_id=data.client_id, num_examples=data.num_examples, payload=delta, metrics=metrics, privacy_events=events
+            client_id=data.client_id,
+            num_examples=data.num_examples,
+            payload=delta,
+            metrics=metrics,
+            privacy_events=events,
         )
 
     def server_update(
-        self, model: nn.Module, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext,
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        messages: list[ClientMessage],
+        ctx: RoundContext,
         generator: torch.Generator,
     ) -> ServerResult:
         """w_g <- w_g + eta_s * sum_k weight_k * delta_k."""
@@ -82,8 +95,13 @@ class FedAvg:
                 p.grad.add_(p.detach() - global_params[name], alpha=self.mu)
 
     def _train_plain(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, global_params: TensorDict, data: ClientData,
-        ctx: RoundContext, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
     ) -> dict[str, float]:
         fed = ctx.config.federated
         n = data.num_examples
@@ -111,8 +129,13 @@ class FedAvg:
         return {"train_loss": sum(losses) / len(losses), "local_steps": float(len(batches))}
 
     def _train_dp(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, global_params: TensorDict, data: ClientData,
-        ctx: RoundContext, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
     ) -> tuple[list[SGMEvent], dict[str, float]]:
         priv = ctx.config.privacy
         batch_size = ctx.config.federated.batch_size

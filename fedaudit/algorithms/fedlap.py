@@ -13,8 +13,8 @@ leaves the trust region of radius r_g.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -109,29 +109,53 @@ class FedLAP:
                     target = self._real_gradient(model, params, data, ctx, generator, seed)
                     queries += 1
                     for _ in range(lap.image_steps):
-                        loss = self._image_step(model, params, names, target, images, synthetic.labels, image_opt, lap, seed)
+                        loss = self._image_step(
+                            model, params, names, target, images, synthetic.labels, image_opt, lap, seed
+                        )
                         image_steps += 1
                         first_loss = loss if first_loss is None else first_loss
                         last_loss = loss
                 if loop == lap.max_loops - 1:
                     break
                 params, moved, _, before = self._train(
-                    model, params, global_params, images.detach(), synthetic.labels,
-                    torch.ones(len(synthetic.labels), device=images.device), lr, lap.model_epochs, lap.radius,
-                    lap.server_batch_size, generator, lap.augment,
+                    model,
+                    params,
+                    global_params,
+                    images.detach(),
+                    synthetic.labels,
+                    torch.ones(len(synthetic.labels), device=images.device),
+                    lr,
+                    lap.model_epochs,
+                    lap.radius,
+                    lap.server_batch_size,
+                    generator,
+                    lap.augment,
                 )
                 max_distance = max(max_distance, moved)
                 last_step_start = max(last_step_start, before)
         final = SyntheticSet(images.detach(), synthetic.labels)
-        radius = lap.radius if ctx.config.privacy.dp else self._measured_radius(model, global_params, final, data, ctx, lr, generator)
+        radius = (
+            lap.radius
+            if ctx.config.privacy.dp
+            else self._measured_radius(model, global_params, final, data, ctx, lr, generator)
+        )
         events = []
         if ctx.config.privacy.dp:
-            events = [SGMEvent(noise_multiplier=ctx.config.privacy.noise_multiplier,
-                               sample_rate=ctx.config.federated.batch_size / data.num_examples, steps=queries)]
+            events = [
+                SGMEvent(
+                    noise_multiplier=ctx.config.privacy.noise_multiplier,
+                    sample_rate=ctx.config.federated.batch_size / data.num_examples,
+                    steps=queries,
+                )
+            ]
         return ClientMessage(
             client_id=data.client_id,
             num_examples=data.num_examples,
-            payload={"images": final.images, "labels": final.labels, "radius": torch.tensor([radius], dtype=torch.float32)},
+            payload={
+                "images": final.images,
+                "labels": final.labels,
+                "radius": torch.tensor([radius], dtype=torch.float32),
+            },
             metrics={
                 "matching_loss_first": float(first_loss or 0.0),
                 "matching_loss_last": float(last_loss or 0.0),
@@ -147,7 +171,11 @@ class FedLAP:
         )
 
     def server_update(
-        self, model: nn.Module, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext,
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        messages: list[ClientMessage],
+        ctx: RoundContext,
         generator: torch.Generator,
     ) -> ServerResult:
         """Train on the union of the synthetic sets, weighted per client, until ||w - w_g|| >= r_g."""
@@ -160,14 +188,26 @@ class FedLAP:
         images = torch.cat([m.payload["images"].to(ctx.device) for m in messages])
         labels = torch.cat([m.payload["labels"].to(ctx.device) for m in messages])
         # per-image weight so that client k's loss counts weight_k whatever |S_k| is
-        sample_weights = torch.cat([
-            torch.full((len(m.payload["labels"]),), w * len(labels) / len(m.payload["labels"]), device=ctx.device)
-            for w, m in zip(weights, messages)
-        ])
+        sample_weights = torch.cat(
+            [
+                torch.full((len(m.payload["labels"]),), w * len(labels) / len(m.payload["labels"]), device=ctx.device)
+                for w, m in zip(weights, messages)
+            ]
+        )
         lr = ctx.cosine_lr(ctx.config.federated.client_lr)
         params, distance, steps, before_last = self._train(
-            model, global_params, global_params, images, labels, sample_weights, lr, lap.server_epochs, r_g,
-            lap.server_batch_size, generator, lap.augment,
+            model,
+            global_params,
+            global_params,
+            images,
+            labels,
+            sample_weights,
+            lr,
+            lap.server_epochs,
+            r_g,
+            lap.server_batch_size,
+            generator,
+            lap.augment,
         )
         model_size = sum(p.numel() for p in global_params.values())
         transmitted = [m.payload["images"].numel() for m in messages]
@@ -186,7 +226,9 @@ class FedLAP:
             },
         )
 
-    def _initial_set(self, data: ClientData, ctx: RoundContext, generator: torch.Generator, state: TensorDict | None) -> SyntheticSet:
+    def _initial_set(
+        self, data: ClientData, ctx: RoundContext, generator: torch.Generator, state: TensorDict | None
+    ) -> SyntheticSet:
         lap = ctx.config.fedlap
         classes = torch.unique(data.y).sort().values
         labels = classes.repeat_interleave(lap.ipc)
@@ -205,7 +247,12 @@ class FedLAP:
         return SyntheticSet(noise.to(data.x.device), labels)
 
     def _real_gradient(
-        self, model: nn.Module, params: TensorDict, data: ClientData, ctx: RoundContext, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
         seed: int,
     ) -> list[torch.Tensor]:
         """The matching target at ``params``: one DP query (Poisson batch), or a plain batch gradient without DP."""
@@ -217,7 +264,9 @@ class FedLAP:
             if ctx.config.fedlap.augment:
                 x = augment(x, seed=seed)
             result = dp_gradient(
-                model, x, y,
+                model,
+                x,
+                y,
                 noise_multiplier=ctx.config.privacy.noise_multiplier,
                 max_grad_norm=ctx.config.privacy.max_grad_norm,
                 expected_batch_size=batch,
@@ -234,8 +283,16 @@ class FedLAP:
         return [g.detach() for g in torch.autograd.grad(loss, list(leaves.values()))]
 
     def _image_step(
-        self, model: nn.Module, params: TensorDict, names: list[str], target: list[torch.Tensor], images: torch.Tensor,
-        labels: torch.Tensor, image_opt: torch.optim.Optimizer, lap: FedLAPConfig, seed: int,
+        self,
+        model: nn.Module,
+        params: TensorDict,
+        names: list[str],
+        target: list[torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        image_opt: torch.optim.Optimizer,
+        lap: FedLAPConfig,
+        seed: int,
     ) -> float:
         """One second-order update of the synthetic images towards the real gradient."""
         leaves = {name: params[name].detach().requires_grad_(True) for name in names}
@@ -249,9 +306,19 @@ class FedLAP:
         return float(distance.detach())
 
     def _train(
-        self, model: nn.Module, start: TensorDict, origin: TensorDict, images: torch.Tensor, labels: torch.Tensor,
-        sample_weights: torch.Tensor, lr: float, epochs: int, radius: float, batch_size: int,
-        generator: torch.Generator, use_augment: bool,
+        self,
+        model: nn.Module,
+        start: TensorDict,
+        origin: TensorDict,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        sample_weights: torch.Tensor,
+        lr: float,
+        epochs: int,
+        radius: float,
+        batch_size: int,
+        generator: torch.Generator,
+        use_augment: bool,
     ) -> tuple[TensorDict, float, int, float]:
         """SGD on (images, labels) from ``start``; stops after the step that leaves the ball of ``radius`` around ``origin``.
 
@@ -282,8 +349,14 @@ class FedLAP:
         return {name: p.detach() for name, p in params.items()}, distance, steps, before
 
     def _measured_radius(
-        self, model: nn.Module, global_params: TensorDict, synthetic: SyntheticSet, data: ClientData, ctx: RoundContext,
-        lr: float, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        synthetic: SyntheticSet,
+        data: ClientData,
+        ctx: RoundContext,
+        lr: float,
+        generator: torch.Generator,
     ) -> float:
         """Non-DP r_k: distance from w_g where training on S_k reaches the smallest loss on the real data, capped at r."""
         lap = ctx.config.fedlap

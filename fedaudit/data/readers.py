@@ -14,7 +14,8 @@ import io
 import os
 import pickle
 import zlib
-from typing import IO, Any, Callable
+from collections.abc import Callable
+from typing import IO, Any
 
 import numpy as np
 
@@ -194,12 +195,7 @@ def read_cifar10_batch(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise DataError(f"{path} is not a CIFAR-10 batch (no b'data'/b'labels' entries); delete it and get it again.")
     data, labels = batch[b"data"], batch[b"labels"]
-    if (
-        not isinstance(data, np.ndarray)
-        or data.dtype != np.uint8
-        or data.ndim != 2
-        or data.shape[1] != _CIFAR_PIXELS
-    ):
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != _CIFAR_PIXELS:
         raise DataError(
             f"{path} has malformed image data (expected a uint8 array of shape [n, {_CIFAR_PIXELS}]); "
             "delete it and get it again."
@@ -209,9 +205,7 @@ def read_cifar10_batch(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
     except (TypeError, ValueError, OverflowError) as exc:
         raise DataError(f"{path} has non-integer labels; delete it and get it again.") from exc
     if label_array.shape != (data.shape[0],):
-        raise DataError(
-            f"{path} has {label_array.size} labels for {data.shape[0]} images; delete it and get it again."
-        )
+        raise DataError(f"{path} has {label_array.size} labels for {data.shape[0]} images; delete it and get it again.")
     if label_array.size and (label_array.min() < 0 or label_array.max() > 9):
         raise DataError(f"{path} has labels outside 0..9; delete it and get it again.")
     return np.ascontiguousarray(data.reshape(-1, 3, 32, 32)), label_array

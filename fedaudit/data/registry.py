@@ -452,4 +452,3 @@ def dataset_table(data_dir: str | None = None) -> pd.DataFrame:
         )
     table = pd.DataFrame(rows)
     return table.astype({"train": "Int64", "test": "Int64"})
-

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from fedaudit.engine.flower import FlowerEngine
 
 
-def make_engine(config: RunConfig, *, num_clients: int, progress: bool,
-                echo: Callable[[str], None] | None = None) -> LocalEngine | FlowerEngine:
+def make_engine(
+    config: RunConfig, *, num_clients: int, progress: bool, echo: Callable[[str], None] | None = None
+) -> LocalEngine | FlowerEngine:
     """The engine ``config.engine`` names, as a context manager that releases what it started."""
     if config.engine == "flower":
         from fedaudit.engine.flower import FlowerEngine

@@ -22,10 +22,11 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +73,14 @@ def _client_side(config_json: str) -> tuple[RunConfig, Algorithm, nn.Module, Any
 
     setup = prepare(RunConfig.from_dict(json.loads(config_json)))
     torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
-    return setup.config, setup.algorithm, build_model(setup.spec).to(setup.device), setup.dataset, setup.partition, setup.device
+    return (
+        setup.config,
+        setup.algorithm,
+        build_model(setup.spec).to(setup.device),
+        setup.dataset,
+        setup.partition,
+        setup.device,
+    )
 
 
 @lru_cache(maxsize=16)
@@ -97,7 +105,9 @@ def _train(message: Any, context: Any) -> Any:
     task = message.content["task"]
     config_json, client, round_index = str(task["config"]), int(task["client"]), int(task["round"])
     if client != int(context.node_config["partition-id"]):
-        raise RuntimeError(f"SuperNode of client {context.node_config['partition-id']} was sent client {client}'s work.")
+        raise RuntimeError(
+            f"SuperNode of client {context.node_config['partition-id']} was sent client {client}'s work."
+        )
     config, algorithm, model, _, _, device = _client_side(config_json)
     repeatable(device)
     data = _client_data(config_json, client)
@@ -110,12 +120,14 @@ def _train(message: Any, context: Any) -> Any:
     result = algorithm.client_update(model, global_params, data, ctx, generator, state=state)
     content = {
         "payload": _to_record(result.payload),
-        "info": ConfigRecord({
-            "client": result.client_id,
-            "num_examples": result.num_examples,
-            "metrics": json.dumps(result.metrics),
-            "events": json.dumps([event.to_dict() for event in result.privacy_events]),
-        }),
+        "info": ConfigRecord(
+            {
+                "client": result.client_id,
+                "num_examples": result.num_examples,
+                "metrics": json.dumps(result.metrics),
+                "events": json.dumps([event.to_dict() for event in result.privacy_events]),
+            }
+        ),
     }
     if result.state:
         content["state"] = _to_record(result.state)
@@ -151,7 +163,7 @@ class FlowerEngine:
         self._thread: threading.Thread | None = None
         self._node_of: dict[int, int] = {}
 
-    def __enter__(self) -> "FlowerEngine":
+    def __enter__(self) -> FlowerEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -176,13 +188,15 @@ class FlowerEngine:
         for data in clients:
             content = {
                 "global": _to_record(global_params),
-                "task": ConfigRecord({"config": self.config_json, "client": data.client_id, "round": ctx.round,
-                                      "rounds": ctx.rounds}),
+                "task": ConfigRecord(
+                    {"config": self.config_json, "client": data.client_id, "round": ctx.round, "rounds": ctx.rounds}
+                ),
             }
             if data.client_id in states:
                 content["state"] = _to_record(states[data.client_id])
-            requests.append(Message(content=RecordDict(content), message_type="train",
-                                    dst_node_id=self._node_of[data.client_id]))
+            requests.append(
+                Message(content=RecordDict(content), message_type="train", dst_node_id=self._node_of[data.client_id])
+            )
         self._requests.put(requests)
         replies = self._receive()
         messages = {}
@@ -217,14 +231,23 @@ class FlowerEngine:
         logging.getLogger("flwr").setLevel(logging.ERROR)
         server_app = ServerApp()
         server_app.main()(lambda grid, context: self._serve(grid))
-        gpus = 1.0 / self.num_clients if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else 0.0
+        gpus = (
+            1.0 / self.num_clients
+            if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+            else 0.0
+        )
         backend = {
             "client_resources": {"num_cpus": 1, "num_gpus": gpus},
-            "init_args": {"num_cpus": max(1, os.cpu_count() or 1), "include_dashboard": False,
-                          "logging_level": logging.ERROR, "log_to_driver": False},
+            "init_args": {
+                "num_cpus": max(1, os.cpu_count() or 1),
+                "include_dashboard": False,
+                "logging_level": logging.ERROR,
+                "log_to_driver": False,
+            },
         }
-        self._thread = threading.Thread(target=self._simulate, args=(server_app, backend), name="flower-simulation",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._simulate, args=(server_app, backend), name="flower-simulation", daemon=True
+        )
         self._thread.start()
         self._node_of = self._receive()
 
@@ -232,8 +255,9 @@ class FlowerEngine:
         from flwr.simulation import run_simulation
 
         try:
-            run_simulation(server_app=server_app, client_app=_client_app(), num_supernodes=self.num_clients,
-                           backend_config=backend)
+            run_simulation(
+                server_app=server_app, client_app=_client_app(), num_supernodes=self.num_clients, backend_config=backend
+            )
         except BaseException as exc:  # handed to the training thread, which raises it
             self._replies.put(exc)
         finally:
@@ -250,7 +274,9 @@ class FlowerEngine:
                 raise RuntimeError(f"Flower brought up {len(nodes)} of {self.num_clients} SuperNodes in time.")
             time.sleep(0.1)
             nodes = list(grid.get_node_ids())
-        hello = grid.send_and_receive([Message(content=RecordDict(), message_type="query", dst_node_id=n) for n in nodes])
+        hello = grid.send_and_receive(
+            [Message(content=RecordDict(), message_type="query", dst_node_id=n) for n in nodes]
+        )
         self._replies.put({int(r.content["node"]["client"]): r.metadata.src_node_id for r in hello})
         while (request := self._requests.get()) is not None:
             self._replies.put(list(grid.send_and_receive(request)))

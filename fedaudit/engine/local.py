@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
-
 
 # A round whose clients are estimated to take at least this long gets an estimate of the time left, said after the
 # first client of the process has run (so that a long run says up front what it will cost, in a log too).
@@ -34,7 +33,7 @@ class LocalEngine:
         self.echo = echo
         self._estimated = False
 
-    def __enter__(self) -> "LocalEngine":
+    def __enter__(self) -> LocalEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -52,14 +51,21 @@ class LocalEngine:
     ) -> list[ClientMessage]:
         """One client update per selected client; ``model`` is reused as scratch space, ``states`` is what clients kept."""
         messages = []
-        bar = tqdm(clients, desc=f"round {ctx.round + 1}/{ctx.rounds} clients", unit="client",
-                   leave=False, disable=not self.progress)
+        bar = tqdm(
+            clients,
+            desc=f"round {ctx.round + 1}/{ctx.rounds} clients",
+            unit="client",
+            leave=False,
+            disable=not self.progress,
+        )
         for data in bar:
             bar.set_postfix(client=data.client_id)
             began = time.perf_counter()
-            messages.append(algorithm.client_update(
-                model, global_params, data, ctx, make_generator(data.client_id), state=states.get(data.client_id)
-            ))
+            messages.append(
+                algorithm.client_update(
+                    model, global_params, data, ctx, make_generator(data.client_id), state=states.get(data.client_id)
+                )
+            )
             if not self._estimated:
                 self._estimated = True
                 self._estimate(time.perf_counter() - began, len(clients), ctx)
@@ -71,5 +77,7 @@ class LocalEngine:
         if self.echo is None or per_round < ESTIMATE_FROM_SECONDS:
             return
         left = ctx.rounds - ctx.round
-        self.echo(f"round {ctx.round + 1}/{ctx.rounds}: the first client took {duration(seconds)}, so a round's clients "
-                  f"take about {duration(per_round)} and the {left} round(s) to go about {duration(per_round * left)}")
+        self.echo(
+            f"round {ctx.round + 1}/{ctx.rounds}: the first client took {duration(seconds)}, so a round's clients "
+            f"take about {duration(per_round)} and the {left} round(s) to go about {duration(per_round * left)}"
+        )

@@ -31,11 +31,11 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from scipy.optimize import brentq
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.prv import Domain
 from opacus.accountants.analysis.rdp import compute_rdp as _opacus_compute_rdp
 from opacus.accountants.analysis.rdp import get_privacy_spent as _opacus_get_privacy_spent
+from scipy.optimize import brentq
 
 __all__ = [
     "ACCOUNTANTS",
@@ -361,9 +361,7 @@ def calibrate_noise_multiplier(
     accountant = _check_accountant(accountant)
 
     def epsilon_at(sigma: float, how: str) -> float:
-        events = _rounds_events(
-            noise_multiplier=sigma, sample_rate=q, queries_per_round=t, rounds=m, client_fraction=p
-        )
+        events = _rounds_events(noise_multiplier=sigma, sample_rate=q, queries_per_round=t, rounds=m, client_fraction=p)
         try:
             return compute_epsilon(events, delta=delta, accountant=how)
         except AccountingError:
@@ -563,21 +561,33 @@ class PrivacyLedger:
         Stored epsilons are kept as written (no recomputation); the stored
         per-client entries must match the replayed history.
         """
-        required = {"accountant", "delta", "noise_multiplier", "max_grad_norm", "epsilon_per_round", "per_client",
-                    "rounds", "history"}
+        required = {
+            "accountant",
+            "delta",
+            "noise_multiplier",
+            "max_grad_norm",
+            "epsilon_per_round",
+            "per_client",
+            "rounds",
+            "history",
+        }
         if not isinstance(d, Mapping) or not required <= set(d):
             missing = sorted(required - set(d)) if isinstance(d, Mapping) else sorted(required)
             raise AccountingError(f"The privacy ledger is missing {', '.join(missing)}; it cannot be resumed.")
         ledger = cls(
-            accountant=d["accountant"], delta=d["delta"], noise_multiplier=d["noise_multiplier"],
+            accountant=d["accountant"],
+            delta=d["delta"],
+            noise_multiplier=d["noise_multiplier"],
             max_grad_norm=d["max_grad_norm"],
         )
         try:
             lists = [tuple(SGMEvent.from_dict(e) for e in events) for events in d["history"]["event_lists"]]
             for round_ in d["history"]["rounds"]:
                 ledger._history.append(
-                    {_check_int("client id", int(k), minimum=0): lists[_check_int("event list index", i, minimum=0)]
-                     for k, i in round_.items()}
+                    {
+                        _check_int("client id", int(k), minimum=0): lists[_check_int("event list index", i, minimum=0)]
+                        for k, i in round_.items()
+                    }
                 )
             eps_rounds = [float(e) for e in d["epsilon_per_round"]]
             client_eps = {int(k): float(v["epsilon"]) for k, v in d["per_client"].items()}

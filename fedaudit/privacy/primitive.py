@@ -10,8 +10,8 @@ double-backward code (FedLAP's gradient matching) without interference.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F

@@ -24,12 +24,28 @@ from fedaudit.config import (
 CUSTOM = RunConfig(
     seed=42,
     device="cpu",
-    data=DataConfig(dataset="fashion-mnist", data_dir="/data", download=True, partition="dirichlet:0.5",
-                    num_clients=7, holdout_fraction=0.2),
+    data=DataConfig(
+        dataset="fashion-mnist",
+        data_dir="/data",
+        download=True,
+        partition="dirichlet:0.5",
+        num_clients=7,
+        holdout_fraction=0.2,
+    ),
     model=ModelConfig(arch="mlp", width=32, depth=1),
-    federated=FederatedConfig(algorithm="fedprox", rounds=3, client_fraction=0.5, weighting="uniform", server_lr=0.5,
-                              local_epochs=2, client_lr=0.05, momentum=0.9, batch_size=16, mu=0.01,
-                              lr_schedule="cosine"),
+    federated=FederatedConfig(
+        algorithm="fedprox",
+        rounds=3,
+        client_fraction=0.5,
+        weighting="uniform",
+        server_lr=0.5,
+        local_epochs=2,
+        client_lr=0.05,
+        momentum=0.9,
+        batch_size=16,
+        mu=0.01,
+        lr_schedule="cosine",
+    ),
     privacy=PrivacyConfig(dp=True, noise_multiplier=1.3, max_grad_norm=0.5, delta=1e-6, accountant="prv"),
 )
 
@@ -81,8 +97,10 @@ def test_load_config_file_partial_and_empty(tmp_path):
 def test_yaml_reads_exponents_as_numbers(tmp_path):
     # PyYAML's YAML 1.1 rules read 1e-5 as a string; people write delta and learning rates like this.
     path = tmp_path / "c.yaml"
-    path.write_text("privacy:\n  dp: true\n  delta: 1e-5\n  noise_multiplier: 2E0\nfederated:\n  client_lr: 5e-2\n"
-                    "  server_lr: 1.5e+0\n")
+    path.write_text(
+        "privacy:\n  dp: true\n  delta: 1e-5\n  noise_multiplier: 2E0\nfederated:\n  client_lr: 5e-2\n"
+        "  server_lr: 1.5e+0\n"
+    )
     config = load_config_file(path)
     assert config.privacy.delta == 1e-5 and config.privacy.noise_multiplier == 2.0
     assert config.federated.client_lr == 0.05 and config.federated.server_lr == 1.5
@@ -106,8 +124,11 @@ def test_with_overrides_applies_dotted_fields_and_ignores_none():
 @pytest.mark.parametrize("algorithm, clip", [("fedavg", 0.1), ("fedprox", 0.2), ("fedsgd", 0.1)])
 def test_resolved_fills_algorithm_defaults_with_dp(algorithm, clip):
     """The authors' DP configurations on the paper's datasets."""
-    config = RunConfig(data=DataConfig(dataset="fashion-mnist"), federated=FederatedConfig(algorithm=algorithm),
-                       privacy=PrivacyConfig(dp=True)).resolved()
+    config = RunConfig(
+        data=DataConfig(dataset="fashion-mnist"),
+        federated=FederatedConfig(algorithm=algorithm),
+        privacy=PrivacyConfig(dp=True),
+    ).resolved()
     assert config.privacy.max_grad_norm == clip
     assert config.privacy.noise_multiplier == 1.0
     assert config.federated.client_lr == 0.1
@@ -123,8 +144,9 @@ def test_dp_sgd_defaults_on_digits_take_a_larger_step_and_clipping_norm(algorith
     assert (config.federated.client_lr, config.privacy.max_grad_norm) == (0.5, 1.0)
     plain = RunConfig(federated=FederatedConfig(algorithm=algorithm)).resolved()
     assert plain.federated.client_lr == 0.5
-    given = RunConfig(federated=FederatedConfig(algorithm=algorithm, client_lr=0.2),
-                      privacy=PrivacyConfig(dp=True, max_grad_norm=0.3)).resolved()
+    given = RunConfig(
+        federated=FederatedConfig(algorithm=algorithm, client_lr=0.2), privacy=PrivacyConfig(dp=True, max_grad_norm=0.3)
+    ).resolved()
     assert (given.federated.client_lr, given.privacy.max_grad_norm) == (0.2, 0.3)
     lap = RunConfig(federated=FederatedConfig(algorithm="fedlap"), privacy=PrivacyConfig(dp=True)).resolved()
     assert (lap.federated.client_lr, lap.privacy.max_grad_norm) == (0.002, 1.0)
@@ -155,7 +177,11 @@ def test_resolved_without_dp_writes_no_mechanism():
 
 def test_mark_calibrated_keeps_the_target():
     config = mark_calibrated(dp(target_epsilon=4.0).resolved(), 1.75)
-    assert (config.privacy.noise_multiplier, config.privacy.target_epsilon, config.privacy.calibrated) == (1.75, 4.0, True)
+    assert (config.privacy.noise_multiplier, config.privacy.target_epsilon, config.privacy.calibrated) == (
+        1.75,
+        4.0,
+        True,
+    )
     assert config.resolved() == config  # a calibrated sigma next to its target is valid
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
@@ -208,8 +234,11 @@ def test_invalid_values_name_the_option_in_one_sentence(config, option):
 
 
 def test_valid_edge_values_pass():
-    RunConfig(data=DataConfig(holdout_fraction=0.0, num_clients=1), model=ModelConfig(depth=0),
-              federated=FederatedConfig(client_fraction=1.0, momentum=0.0, mu=0.0)).resolved()
+    RunConfig(
+        data=DataConfig(holdout_fraction=0.0, num_clients=1),
+        model=ModelConfig(depth=0),
+        federated=FederatedConfig(client_fraction=1.0, momentum=0.0, mu=0.0),
+    ).resolved()
     dp(noise_multiplier=1e-3, max_grad_norm=1e-3, delta=0.999).resolved()
 
 

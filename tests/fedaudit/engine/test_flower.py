@@ -7,25 +7,44 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
-from conftest import FAST_ARGS, tree_digest
-from test_cli import assert_user_error, interrupt_in_round
+from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, tree_digest
 
 pytest.importorskip("flwr.simulation", reason="the flower extra is not installed")  # `make test` installs it
 
 # FedLAP-DP with what a client keeps between rounds (--init previous), a sampled subset of clients per round,
 # and what crossed the wire saved: every path of the message seam is exercised.
-ARGS = (*FAST_ARGS, "--dp", "--algorithm", "fedlap", "--ipc", "2", "--trajectories", "1", "--max-loops", "2",
-        "--real-batches", "2", "--image-steps", "2", "--init", "previous", "--client-fraction", "0.6",
-        "--save-transmitted")
+ARGS = (
+    *FAST_ARGS,
+    "--dp",
+    "--algorithm",
+    "fedlap",
+    "--ipc",
+    "2",
+    "--trajectories",
+    "1",
+    "--max-loops",
+    "2",
+    "--real-batches",
+    "2",
+    "--image-steps",
+    "2",
+    "--init",
+    "previous",
+    "--client-fraction",
+    "0.6",
+    "--save-transmitted",
+)
 VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the engine, or hold wall-clock times
 READ_JSON = json.loads
 
 
 def comparable(run: Path) -> dict[str, str]:
     """Digests of every file whose bytes do not depend on the engine or the clock."""
-    return {name: value for name, value in tree_digest(run).items()
-            if name not in VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))}
+    return {
+        name: value
+        for name, value in tree_digest(run).items()
+        if name not in VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))
+    }
 
 
 def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cli, monkeypatch):

@@ -12,17 +12,30 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_user_error, invoke, tree_digest
 from sklearn.metrics import roc_auc_score
 
-from conftest import invoke, tree_digest
 from fedaudit.data import load_dataset
 from fedaudit.runs import RunDirectory
-from test_cli import assert_user_error
 
 # A deliberately overfit run: 2 clients with about 21 records each (97% of digits held out), a wide MLP,
 # 3 rounds of 100 local epochs. Digits generalises well, so leakage needs this few records per client.
-OVERFIT = ("--num-clients", "2", "--partition", "iid", "--holdout-fraction", "0.97", "--width", "256",
-           "--batch-size", "8", "--rounds", "3", "--local-epochs", "100")
+OVERFIT = (
+    "--num-clients",
+    "2",
+    "--partition",
+    "iid",
+    "--holdout-fraction",
+    "0.97",
+    "--width",
+    "256",
+    "--batch-size",
+    "8",
+    "--rounds",
+    "3",
+    "--local-epochs",
+    "100",
+)
 # DP-FedAvg with a small epsilon: sigma 5 on the fast configuration.
 SMALL_EPSILON = ("--dp", "--noise-multiplier", "5", "--rounds", "3")
 SCORE_COLUMNS = ["record", "source", "label", "client", "member", "split", "bound_role", "signal", "score"]
@@ -47,7 +60,9 @@ def attack_ok(cli, *args) -> str:
 def overfit_attacked(trained, tmp_path_factory) -> tuple[Path, str]:
     """The overfit run attacked with the defaults (loss and grad-norm, threshold and classifier)."""
     run = copy_run(trained(*OVERFIT), tmp_path_factory.mktemp("overfit"))
-    result = invoke("attack", str(run), "--no-progress", "--device", "cpu")  # the signal checks below recompute on the CPU
+    result = invoke(
+        "attack", str(run), "--no-progress", "--device", "cpu"
+    )  # the signal checks below recompute on the CPU
     assert result.exit_code == 0, result.output
     return run, result.stdout
 
@@ -250,8 +265,15 @@ def _truncated_weights(run):
         (_truncated_weights, "corrupt"),
         (_no_model_entry, '"model" entry'),
     ],
-    ids=["no-membership", "no-model", "no-config", "other-format", "model-ahead-of-manifest", "truncated-weights",
-         "no-model-entry"],
+    ids=[
+        "no-membership",
+        "no-model",
+        "no-config",
+        "other-format",
+        "model-ahead-of-manifest",
+        "truncated-weights",
+        "no-model-entry",
+    ],
 )
 def test_damaged_runs_are_user_errors(plain_run, tmp_path, cli, damage, mentions):
     run = copy_run(plain_run, tmp_path)

@@ -14,7 +14,7 @@ import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import ClientData, RoundContext, flat_distance
 from fedaudit.algorithms.fedlap import FedLAP, layer_distance, matching_loss
-from fedaudit.config import FedLAPConfig, FederatedConfig, PrivacyConfig, RunConfig
+from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model
 
 SPEC = ModelSpec("convnet", (1, 8, 8), 4, width=4, depth=2)
@@ -135,21 +135,29 @@ def test_dp_target_comes_from_the_shared_primitive(monkeypatch: pytest.MonkeyPat
     assert 0 < norm <= 1e-4 * (1 + 1e-5)  # clipped mean of a batch of at most B records over B
     get_algorithm(config).client_update(model, params, data, _ctx(config), torch.Generator().manual_seed(0))
     assert len(calls) == 1 + 12
-    assert all(c["noise_multiplier"] == 1.0 and c["max_grad_norm"] == 1.0 and c["expected_batch_size"] == 16 for c in calls[1:])
+    assert all(
+        c["noise_multiplier"] == 1.0 and c["max_grad_norm"] == 1.0 and c["expected_batch_size"] == 16 for c in calls[1:]
+    )
 
 
 def test_image_updates_reduce_the_matching_loss_on_a_fixed_real_gradient() -> None:
     model, params, data = _client(n=128)
     leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    target = [g.detach() for g in torch.autograd.grad(
-        F.cross_entropy(functional_call(model, leaves, (data.x,)), data.y), list(leaves.values()))]
+    target = [
+        g.detach()
+        for g in torch.autograd.grad(
+            F.cross_entropy(functional_call(model, leaves, (data.x,)), data.y), list(leaves.values())
+        )
+    ]
     config = _config(dp=False)
     images = torch.randn(10, 1, 8, 8, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
     labels = torch.tensor([0] * 5 + [1] * 5)
     optimizer = torch.optim.SGD([images], lr=1.0, momentum=0.5)
     algorithm = FedLAP()
-    losses = [algorithm._image_step(model, params, list(params), target, images, labels, optimizer, config.fedlap, 0)
-              for _ in range(150)]
+    losses = [
+        algorithm._image_step(model, params, list(params), target, images, labels, optimizer, config.fedlap, 0)
+        for _ in range(150)
+    ]
     assert min(losses[-10:]) < 0.7 * losses[0]
     assert not torch.equal(images.detach(), torch.randn(10, 1, 8, 8, generator=torch.Generator().manual_seed(3)))
 

@@ -27,9 +27,9 @@ from fedaudit.data import (
     load_dataset,
     locate_dataset,
     partition_dataset,
+    registry,
     validate_partition_spec,
 )
-from fedaudit.data import registry
 from fedaudit.data.readers import read_cifar10_batch, read_idx, read_idx_shape
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -584,8 +584,15 @@ def test_from_arrays_rejects_malformed_input(arrays: dict[str, np.ndarray], mess
 
 @pytest.mark.parametrize(
     ("spec", "normalised"),
-    [("iid", "iid"), (" IID ", "iid"), ("classes:2", "classes:2"), ("Classes: 03", "classes:3"),
-     ("dirichlet:0.5", "dirichlet:0.5"), ("dirichlet:1", "dirichlet:1.0"), ("dirichlet:1e-2", "dirichlet:0.01")],
+    [
+        ("iid", "iid"),
+        (" IID ", "iid"),
+        ("classes:2", "classes:2"),
+        ("Classes: 03", "classes:3"),
+        ("dirichlet:0.5", "dirichlet:0.5"),
+        ("dirichlet:1", "dirichlet:1.0"),
+        ("dirichlet:1e-2", "dirichlet:0.01"),
+    ],
 )
 def test_validate_partition_spec_normalises(spec: str, normalised: str) -> None:
     assert validate_partition_spec(spec) == normalised

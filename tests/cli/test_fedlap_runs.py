@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from helpers import FAST_ARGS, assert_same_tensors, assert_user_error, interrupt_in_round, read_json, without_wall
 from safetensors.torch import load_file
 
-from conftest import FAST_ARGS
-from test_cli import assert_same_tensors, assert_user_error, interrupt_in_round, read_json, without_wall
-
 LAP_ARGS = (
-    "--algorithm", "fedlap", "--ipc", "2", "--trajectories", "2", "--max-loops", "2", "--real-batches", "2",
-    "--image-steps", "2", "--model-epochs", "1", "--server-epochs", "5", "--rounds", "2",
+    "--algorithm",
+    "fedlap",
+    "--ipc",
+    "2",
+    "--trajectories",
+    "2",
+    "--max-loops",
+    "2",
+    "--real-batches",
+    "2",
+    "--image-steps",
+    "2",
+    "--model-epochs",
+    "1",
+    "--server-epochs",
+    "5",
+    "--rounds",
+    "2",
 )
 
 
@@ -28,11 +42,14 @@ def test_fedlap_trains_accounts_and_resumes_exactly(tmp_path, monkeypatch, cli, 
     assert config["federated"]["algorithm"] == "fedlap" and config["fedlap"]["ipc"] == 2
     # what crossed the wire: 5 clients x 2 classes x ipc images per round, stored as safetensors
     sent = load_file(str(reference / "transmitted" / "round-0001" / "client-000.safetensors"))
-    assert sent["images"].shape == (4, 1, 8, 8) and sorted(set(sent["labels"].tolist())) == sorted(sent["labels"].unique().tolist())
+    assert sent["images"].shape == (4, 1, 8, 8) and sorted(set(sent["labels"].tolist())) == sorted(
+        sent["labels"].unique().tolist()
+    )
     assert len(list((reference / "transmitted").glob("round-*/client-*.safetensors"))) == 10
     assert metrics["bytes_up"].iloc[0] == sum(
         sum(t.numel() * t.element_size() for t in load_file(str(p)).values())
-        for p in (reference / "transmitted" / "round-0001").glob("*.safetensors"))
+        for p in (reference / "transmitted" / "round-0001").glob("*.safetensors")
+    )
     if dp:
         ledger = read_json(reference / "privacy.json")
         assert all(entry["steps"] == 2 * (2 * 2 * 2) for entry in ledger["entries"])  # M * R_i * L * R_b

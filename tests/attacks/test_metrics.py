@@ -1,4 +1,4 @@
-"""Membership inference building blocks: metrics against closed forms, signals against slow loops, evaluation sets, methods."""
+"""Metrics against closed forms, exact binomial intervals and slow loops."""
 
 from __future__ import annotations
 
@@ -6,16 +6,11 @@ import math
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 from scipy.optimize import brentq
 from scipy.stats import binomtest, norm
 from sklearn.metrics import roc_auc_score
 
-from attacks import AttackError
-from attacks.membership import build_evaluation_set
-from attacks.methods import FPR_TOLERANCES, classifier_attack, population_attack, run_method
-from attacks.metrics import (
+from fedaudit.attacks.metrics import (
     Bootstrap,
     bootstrap,
     clopper_pearson_lower,
@@ -30,9 +25,6 @@ from attacks.metrics import (
     threshold_bounds,
     weighted_auc,
 )
-from attacks.signals import PER_LAYER_PREFIX, compute_signals, oriented
-from fedaudit.data import Partition
-from fedaudit.models import ModelSpec, build_model
 
 DELTA = 1e-5
 
@@ -60,7 +52,9 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 def halves(n_members: int, n_nonmembers: int, seed: int = 0) -> np.ndarray:
     """A random half of each side, as the evaluation set's attack-training half."""
     rng = np.random.default_rng(seed)
-    return np.concatenate([rng.permutation(n_members) < n_members // 2, rng.permutation(n_nonmembers) < n_nonmembers // 2])
+    return np.concatenate(
+        [rng.permutation(n_members) < n_members // 2, rng.permutation(n_nonmembers) < n_nonmembers // 2]
+    )
 
 
 def bound(member: np.ndarray, score: np.ndarray, delta: float = DELTA, seed: int = 0) -> float:
@@ -72,8 +66,15 @@ def test_perfectly_separated_scores() -> None:
     member = labels(1500, 1500)
     score = np.concatenate([np.linspace(2, 3, 1500), np.linspace(0, 1, 1500)])
     everyone = np.ones(3000, dtype=bool)
-    metrics, curve = summarize(member, score, report=everyone, select=halves(1500, 1500), delta=DELTA,
-                               rng=np.random.default_rng(0), resamples=200)
+    metrics, curve = summarize(
+        member,
+        score,
+        report=everyone,
+        select=halves(1500, 1500),
+        delta=DELTA,
+        rng=np.random.default_rng(0),
+        resamples=200,
+    )
     assert metrics["auc"] == 1.0
     assert metrics["auc_ci95"] == [1.0, 1.0]
     # TPR at 1% FPR: threshold from the choosing half's 750 non-members, measured on the other 750 of each side
@@ -98,8 +99,9 @@ def test_perfectly_separated_scores() -> None:
 def test_identically_distributed_scores() -> None:
     rng = np.random.default_rng(1)
     member, score = labels(2000, 2000), rng.normal(size=4000)
-    metrics, _ = summarize(member, score, report=np.ones(4000, dtype=bool), select=halves(2000, 2000), delta=DELTA,
-                           rng=rng)
+    metrics, _ = summarize(
+        member, score, report=np.ones(4000, dtype=bool), select=halves(2000, 2000), delta=DELTA, rng=rng
+    )
     low, high = metrics["auc_ci95"]
     assert low < 0.5 < high
     assert high - low < 0.08  # 2000 per side: a tight interval
@@ -112,16 +114,27 @@ def test_tpr_below_the_sample_s_resolution_is_not_estimable() -> None:
     """253 non-members (126 and 127 per half) cannot show an FPR of 0.1%: say so, and what it needs."""
     rng = np.random.default_rng(5)
     member, score = labels(253, 253), rng.normal(size=506) + 0.5 * labels(253, 253)
-    metrics, _ = summarize(member, score, report=np.ones(506, dtype=bool), select=halves(253, 253), delta=DELTA,
-                           rng=rng, resamples=50)
+    metrics, _ = summarize(
+        member, score, report=np.ones(506, dtype=bool), select=halves(253, 253), delta=DELTA, rng=rng, resamples=50
+    )
     at_1pct, at_01pct = metrics["tpr_at_fpr"]["0.01"], metrics["tpr_at_fpr"]["0.001"]
     assert at_1pct["estimable"] and at_1pct["num_nonmembers"] == 127 and at_1pct["nonmembers_needed"] == 100
     for rate in ("tpr", "fpr"):
         low, high = at_1pct[f"{rate}_ci95" if rate == "fpr" else "ci95"]
         assert low <= at_1pct[rate] <= high
-    assert at_01pct == {"target_fpr": 0.001, "num_members": 127, "num_nonmembers": 127, "num_reference_nonmembers": 126,
-                        "nonmembers_needed": 1000, "estimable": False, "threshold": None, "tpr": None, "ci95": None,
-                        "fpr": None, "fpr_ci95": None}
+    assert at_01pct == {
+        "target_fpr": 0.001,
+        "num_members": 127,
+        "num_nonmembers": 127,
+        "num_reference_nonmembers": 126,
+        "nonmembers_needed": 1000,
+        "estimable": False,
+        "threshold": None,
+        "tpr": None,
+        "ci95": None,
+        "fpr": None,
+        "fpr_ci95": None,
+    }
 
 
 def test_bootstrap_interval_matches_a_naive_bootstrap() -> None:
@@ -154,8 +167,9 @@ def test_tpr_at_low_fpr_sets_its_threshold_on_one_half_and_measures_on_the_other
     # choosing half: 1000 non-members at 0..999; judged half: 100 members (5 above 999, 10 at 990.5..999.5, 85 low)
     # and 1000 non-members at 0.25..999.25
     member = np.concatenate([labels(0, 1000), labels(100, 1000)])
-    score = np.concatenate([np.arange(1000.0), np.full(5, 2000.0), np.arange(990.5, 1000.5), np.full(85, -1.0),
-                            np.arange(1000.0) + 0.25])
+    score = np.concatenate(
+        [np.arange(1000.0), np.full(5, 2000.0), np.arange(990.5, 1000.5), np.full(85, -1.0), np.arange(1000.0) + 0.25]
+    )
     select = np.arange(score.size) < 1000
     entry = rates_at_fpr(member, score, select, 0.01)
     assert entry["threshold"] == 990.0  # the "higher" 99% quantile: 9 of the 1000 choosing non-members lie above it
@@ -222,7 +236,9 @@ def test_the_bound_is_one_fixed_test_judged_on_the_other_half() -> None:
         return out
 
     scores = np.unique(score[select])
-    candidates = [(b, i, name) for i, t in enumerate(scores) for name, b in bounds(member[select], score[select], t).items()]
+    candidates = [
+        (b, i, name) for i, t in enumerate(scores) for name, b in bounds(member[select], score[select], t).items()
+    ]
     best, i, inequality = max(candidates, key=lambda c: (c[0], c[1]))
     threshold = (scores[i] + scores[i - 1]) / 2 if i > 0 else scores[i]  # halfway to the next lower score
     assert (got.threshold, got.inequality) == (pytest.approx(threshold), inequality)
@@ -304,181 +320,3 @@ def test_an_attack_worse_than_chance_gives_no_bound() -> None:
     score = np.concatenate([rng.normal(0, 1, 3000), rng.normal(1.0, 1, 3000)])
     assert bound(member, score) == 0.0
     assert bound(member, -score) > 0.5
-
-
-# ---------------------------------------------------------------------------- signals
-
-SPECS = {
-    "mlp": ModelSpec("mlp", (1, 8, 8), 10, width=16, depth=2),
-    "convnet": ModelSpec("convnet", (1, 8, 8), 10, width=6, depth=2),
-}
-
-
-def model_and_records(name: str, n: int = 11) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    spec = SPECS[name]
-    return build_model(spec), torch.randn(n, *spec.input_shape), torch.randint(0, spec.num_classes, (n,))
-
-
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_output_signals_match_a_plain_loop(name: str) -> None:
-    model, x, y = model_and_records(name)
-    got = compute_signals(model, x, y, ["loss", "confidence", "logit-confidence"], batch_size=4).values
-    for i in range(len(y)):
-        with torch.no_grad():
-            logits = model(x[i : i + 1]).double()
-        loss = F.cross_entropy(logits, y[i : i + 1])
-        p = torch.softmax(logits, dim=1)[0]
-        assert got["loss"][i] == pytest.approx(float(loss), rel=1e-6)
-        assert got["confidence"][i] == pytest.approx(float(p[y[i]]), rel=1e-6)
-        assert got["logit-confidence"][i] == pytest.approx(float(torch.log(p[y[i]]) - torch.log(1 - p[y[i]])), rel=1e-6)
-
-
-def test_logit_confidence_stays_exact_when_the_model_is_certain() -> None:
-    model = torch.nn.Identity()
-    logits = torch.tensor([[60.0, 0.0, 0.0], [0.0, 5.0, 0.0]])  # 1 - p_y = 2e-26 rounds to 0 in float64
-    got = compute_signals(model, logits, torch.tensor([0, 1]), ["logit-confidence", "loss"]).values
-    assert got["logit-confidence"][0] == pytest.approx(60.0 - math.log(2.0))
-    assert got["logit-confidence"][1] == pytest.approx(5.0 - math.log(2.0))
-    assert np.all(np.isfinite(got["logit-confidence"]))
-
-
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_gradient_norms_match_per_example_autograd(name: str) -> None:
-    model, x, y = model_and_records(name)
-    signals = compute_signals(model, x, y, ["grad-norm"], per_layer=True, batch_size=4)
-    layers = {}
-    for param_name, _ in model.named_parameters():
-        layers.setdefault(param_name.rpartition(".")[0], []).append(param_name)
-    assert set(signals.per_layer) == {PER_LAYER_PREFIX + layer for layer in layers}
-    for i in range(len(y)):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        grads = dict(model.named_parameters())
-        total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in grads.values()))
-        assert signals.values["grad-norm"][i] == pytest.approx(total, rel=1e-5)
-        for layer, names in layers.items():
-            expected = math.sqrt(sum(float(grads[n].grad.pow(2).sum()) for n in names))
-            assert signals.per_layer[PER_LAYER_PREFIX + layer][i] == pytest.approx(expected, rel=1e-5)
-
-
-def test_signals_do_not_depend_on_the_batch_size() -> None:
-    model, x, y = model_and_records("convnet", n=9)
-    one = compute_signals(model, x, y, ["loss", "grad-norm"], batch_size=2).values
-    other = compute_signals(model, x, y, ["loss", "grad-norm"], batch_size=64).values
-    for name in one:
-        np.testing.assert_allclose(one[name], other[name], rtol=1e-5)
-
-
-def test_orientation_makes_members_score_higher() -> None:
-    values = np.array([0.1, 2.0])
-    assert list(oriented("loss", values)) == [-0.1, -2.0]
-    assert list(oriented("grad-norm", values)) == [-0.1, -2.0]
-    assert list(oriented("confidence", values)) == [0.1, 2.0]
-    assert list(oriented("logit-confidence", values)) == [0.1, 2.0]
-
-
-# ---------------------------------------------------------------------------- evaluation sets
-
-
-def digits_like(seed: int = 0) -> tuple[Partition, np.ndarray, np.ndarray]:
-    """1000 train records of 10 classes (client 0: classes 0-1, client 1: classes 2-3, holdout: every class), 300 test."""
-    rng = np.random.default_rng(seed)
-    train_y = np.repeat(np.arange(10), 100)
-    test_y = rng.integers(0, 10, 300)
-    holdout = np.sort(np.concatenate([np.flatnonzero(train_y == c)[:30] for c in range(10)]))
-    clients = [np.flatnonzero(np.isin(train_y, pair) & ~np.isin(np.arange(1000), holdout)) for pair in ((0, 1), (2, 3))]
-    return Partition(clients=tuple(clients), holdout=holdout), train_y, test_y
-
-
-@pytest.mark.parametrize("nonmembers", ["holdout", "test", "both"])
-def test_evaluation_set_is_balanced_disjoint_and_like_with_like(nonmembers: str) -> None:
-    partition, train_y, test_y = digits_like()
-    ev = build_evaluation_set(partition, train_y, test_y, nonmembers=nonmembers, max_records=5000, seed=0)
-    members, others = ev.member == 1, ev.member == 0
-    assert ev.num_members == ev.num_nonmembers
-    assert set(np.unique(ev.label[others])) <= {0, 1, 2, 3}  # only the classes clients trained on
-    member_pool = np.concatenate(partition.clients)
-    assert np.all(np.isin(ev.index[members], member_pool)) and np.all(ev.source[members] == "train")
-    assert set(ev.client[members]) == {0, 1} and np.all(ev.client[others] == -1)
-    train_non = others & (ev.source == "train")
-    assert np.all(np.isin(ev.index[train_non], partition.holdout))
-    assert not np.intersect1d(ev.index[members], ev.index[train_non]).size
-    expected_sources = {"holdout": {"train"}, "test": {"test"}, "both": {"train", "test"}}[nonmembers]
-    assert set(ev.source[others]) == expected_sources
-    np.testing.assert_array_equal(ev.label[members], train_y[ev.index[members]])
-    np.testing.assert_array_equal(ev.label[ev.source == "test"], test_y[ev.index[ev.source == "test"]])
-    pairs = list(zip(ev.source, ev.index))
-    assert len(set(pairs)) == len(pairs)  # no record twice
-    # halves: each side split evenly into attack-train and audit
-    for side in (members, others):
-        assert abs(int(ev.attack_train[side].sum()) - int((~ev.attack_train[side]).sum())) <= 1
-    assert {k: list(v) for k, v in ev.client_classes.items()} == {0: [0, 1], 1: [2, 3]}
-
-
-def test_evaluation_set_size_cap_and_seed() -> None:
-    partition, train_y, test_y = digits_like()
-    one = build_evaluation_set(partition, train_y, test_y, max_records=50, seed=3)
-    same = build_evaluation_set(partition, train_y, test_y, max_records=50, seed=3)
-    other = build_evaluation_set(partition, train_y, test_y, max_records=50, seed=4)
-    assert one.num_members == one.num_nonmembers == 50
-    for field in ("source", "index", "member", "attack_train"):
-        np.testing.assert_array_equal(getattr(one, field), getattr(same, field))
-    assert not np.array_equal(one.index, other.index)
-
-
-def test_evaluation_set_needs_two_records_per_side() -> None:
-    partition, train_y, test_y = digits_like()
-    lonely = Partition(clients=(partition.clients[0][:1],), holdout=partition.holdout)
-    with pytest.raises(AttackError, match="at least 2 members"):
-        build_evaluation_set(lonely, train_y, test_y, seed=0)
-    with pytest.raises(AttackError, match="non-member source"):
-        build_evaluation_set(partition, train_y, test_y, nonmembers="train", seed=0)
-
-
-# ---------------------------------------------------------------------------- methods
-
-
-def test_threshold_reports_on_every_record() -> None:
-    member = labels(50, 50)
-    values = np.concatenate([np.full(50, 0.1), np.full(50, 1.0)])  # members: low loss
-    out = run_method("threshold", values, oriented("loss", values), member, np.zeros(100, dtype=bool), seed=0)
-    assert out.audit.all()
-    assert roc_auc_score(member, out.scores) == 1.0
-
-
-def test_classifier_fits_on_attack_train_and_finds_non_monotone_leakage() -> None:
-    rng = np.random.default_rng(6)
-    n = 600
-    member = labels(n, n)
-    # members sit in a band, non-members on both sides of it: no single threshold separates them
-    values = np.concatenate([rng.normal(0, 0.3, n), rng.choice([-2.0, 2.0], n) + rng.normal(0, 0.3, n)])
-    attack_train = rng.random(2 * n) < 0.5
-    out = classifier_attack(values, member, attack_train, seed=0)
-    np.testing.assert_array_equal(out.audit, ~attack_train)
-    audited = roc_auc_score(member[out.audit], out.scores[out.audit])
-    assert audited > 0.95
-    assert abs(roc_auc_score(member, values) - 0.5) < 0.1  # the threshold attack sees nothing
-    assert out.details["classifier"]["training_records"] == int(attack_train.sum())
-
-
-def test_population_thresholds_hold_the_false_positive_tolerance() -> None:
-    rng = np.random.default_rng(7)
-    n = 20000
-    member = labels(n, n)
-    score = np.concatenate([rng.normal(1, 1, n), rng.normal(0, 1, n)])
-    attack_train = rng.random(2 * n) < 0.5
-    out = population_attack(score, member, attack_train)
-    rows = out.details["population"]
-    assert [r["fpr_tolerance"] for r in rows] == list(FPR_TOLERANCES)
-    reference = score[attack_train & (member == 0)]
-    for row in rows:
-        alpha = row["fpr_tolerance"]
-        assert np.mean(reference > row["threshold"]) <= alpha  # by construction on the reference
-        assert row["fpr"] == pytest.approx(alpha, abs=4 * math.sqrt(alpha * (1 - alpha) / (n / 2)) + 1e-3)
-        assert row["tpr"] == pytest.approx(norm.sf(row["threshold"] - 1), abs=0.02)  # N(1, 1) above the threshold
-        assert row["num_members"] == int((~attack_train & (member == 1)).sum())
-        for rate, key in (("tpr", "ci95"), ("fpr", "fpr_ci95")):
-            low, high = row[key]
-            assert low <= row[rate] <= high
-    np.testing.assert_array_equal(out.audit, ~attack_train)

@@ -89,7 +89,9 @@ def test_clipping_bounds_every_norm_and_keeps_small_gradients() -> None:
 def test_dp_gradient_without_noise_is_bounded_by_clip_norm() -> None:
     model, x, y = _model_and_batch("mlp", batch=32)
     generator = torch.Generator().manual_seed(0)
-    result = dp_gradient(model, x, y, noise_multiplier=0.0, max_grad_norm=1e-3, expected_batch_size=32, generator=generator)
+    result = dp_gradient(
+        model, x, y, noise_multiplier=0.0, max_grad_norm=1e-3, expected_batch_size=32, generator=generator
+    )
     total = math.sqrt(sum(float(g.pow(2).sum()) for g in result.grads.values()))
     assert total <= 1e-3 * (1 + 1e-6)
     assert result.batch_size == 32
@@ -99,7 +101,9 @@ def test_noise_standard_deviation_is_sigma_c_over_b() -> None:
     sigma, clip, batch = 1.3, 0.7, 50.0
     zeros = {"w": torch.zeros(200_000, dtype=torch.float64)}
     generator = torch.Generator().manual_seed(123)
-    noisy = add_noise(zeros, noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch, generator=generator)["w"]
+    noisy = add_noise(
+        zeros, noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch, generator=generator
+    )["w"]
     expected = sigma * clip / batch
     # the sample std of n Gaussians has relative standard error ~ 1/sqrt(2n) = 0.0016; allow 5 of them
     assert abs(float(noisy.std()) / expected - 1.0) < 0.008
@@ -109,10 +113,24 @@ def test_noise_standard_deviation_is_sigma_c_over_b() -> None:
 def test_noise_is_added_once_to_the_sum() -> None:
     """Same generator state gives the same noise; the noisy mean minus the clipped mean is exactly noise / B."""
     model, x, y = _model_and_batch("mlp", batch=8)
-    a = dp_gradient(model, x, y, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=10,
-                    generator=torch.Generator().manual_seed(5))
-    clean = dp_gradient(model, x, y, noise_multiplier=0.0, max_grad_norm=0.5, expected_batch_size=10,
-                        generator=torch.Generator().manual_seed(5))
+    a = dp_gradient(
+        model,
+        x,
+        y,
+        noise_multiplier=2.0,
+        max_grad_norm=0.5,
+        expected_batch_size=10,
+        generator=torch.Generator().manual_seed(5),
+    )
+    clean = dp_gradient(
+        model,
+        x,
+        y,
+        noise_multiplier=0.0,
+        max_grad_norm=0.5,
+        expected_batch_size=10,
+        generator=torch.Generator().manual_seed(5),
+    )
     # regenerate the noise the way dp_gradient draws it: one draw per parameter, in order, from one generator
     generator = torch.Generator().manual_seed(5)
     for key, value in clean.grads.items():
@@ -133,7 +151,14 @@ def test_poisson_batch_sizes_have_the_right_mean_and_variance() -> None:
 
 def test_empty_poisson_batch_gives_pure_noise() -> None:
     model, x, y = _model_and_batch("mlp", batch=4)
-    result = dp_gradient(model, x[:0], y[:0], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
-                         generator=torch.Generator().manual_seed(0))
+    result = dp_gradient(
+        model,
+        x[:0],
+        y[:0],
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert result.batch_size == 0
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in result.grads.values())

@@ -52,15 +52,24 @@ def test_fedavg_one_client_one_step_equals_sgd() -> None:
 
 def test_dp_fedavg_one_client_one_step_equals_dp_sgd_step() -> None:
     model, params, data = _setup(n=40)
-    config = replace(_config(algorithm="fedavg", local_epochs=1, batch_size=40, client_lr=0.5),
-                     privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=0.2))
+    config = replace(
+        _config(algorithm="fedavg", local_epochs=1, batch_size=40, client_lr=0.5),
+        privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=0.2),
+    )
     new, messages = _round(config, model, params, [data], seed=3)
     generator = torch.Generator().manual_seed(3)
     idx = poisson_sample(40, 1.0, generator=generator)
     reference = build_model(SPEC).double()
     reference.load_state_dict(params)
-    step = dp_gradient(reference, data.x[idx], data.y[idx], noise_multiplier=1.0, max_grad_norm=0.2,
-                       expected_batch_size=40, generator=generator)
+    step = dp_gradient(
+        reference,
+        data.x[idx],
+        data.y[idx],
+        noise_multiplier=1.0,
+        max_grad_norm=0.2,
+        expected_batch_size=40,
+        generator=generator,
+    )
     for name in params:
         torch.testing.assert_close(new[name], params[name] - 0.5 * step.grads[name])
     assert [(e.noise_multiplier, e.sample_rate, e.steps) for e in messages[0].privacy_events] == [(1.0, 1.0, 1)]
@@ -85,8 +94,10 @@ def test_fedprox_with_mu_zero_equals_fedavg_and_mu_pulls_towards_global() -> Non
 def test_dp_fedprox_adds_prox_gradient_after_the_noise() -> None:
     """With a huge mu the update is dominated by the prox term, which is not clipped away."""
     model, params, data = _setup(n=32)
-    base = replace(_config(algorithm="fedprox", mu=0.0, batch_size=8, local_epochs=1, client_lr=0.1),
-                   privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=0.2))
+    base = replace(
+        _config(algorithm="fedprox", mu=0.0, batch_size=8, local_epochs=1, client_lr=0.1),
+        privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=0.2),
+    )
     plain, _ = _round(base, model, params, [data], seed=1)
     with_prox, _ = _round(replace(base, federated=replace(base.federated, mu=2.0)), model, params, [data], seed=1)
     # Same noise and batches: the prox term (which would vanish if it were clipped with the data
@@ -114,8 +125,10 @@ def test_fedsgd_is_one_full_batch_step_and_server_weights_by_size() -> None:
 
 
 def test_dp_query_count_is_epochs_times_batches() -> None:
-    config = replace(_config(algorithm="fedavg", batch_size=10, local_epochs=3),
-                     privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0))
+    config = replace(
+        _config(algorithm="fedavg", batch_size=10, local_epochs=3),
+        privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0),
+    )
     algorithm = get_algorithm(config)
     assert algorithm.queries_per_round(config, 105) == 3 * 10
     model, params, data = _setup(n=105)

@@ -14,19 +14,58 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import invoke
 from PIL import Image
 
-from conftest import invoke
-
 IN_CI = os.environ.get("CI") == "true"
-LAP_ARGS = ("--algorithm", "fedlap", "--dp", "--ipc", "1", "--trajectories", "1", "--max-loops", "1",
-            "--real-batches", "1", "--image-steps", "1", "--model-epochs", "1", "--server-epochs", "2",
-            "--rounds", "2", "--save-transmitted")
-ATTACK_ARGS = ("--target", "all", "--signal", "loss", "--method", "threshold",
-               "--max-records", "200", "--bootstrap", "50", "--device", "cpu", "--no-progress")
+LAP_ARGS = (
+    "--algorithm",
+    "fedlap",
+    "--dp",
+    "--ipc",
+    "1",
+    "--trajectories",
+    "1",
+    "--max-loops",
+    "1",
+    "--real-batches",
+    "1",
+    "--image-steps",
+    "1",
+    "--model-epochs",
+    "1",
+    "--server-epochs",
+    "2",
+    "--rounds",
+    "2",
+    "--save-transmitted",
+)
+ATTACK_ARGS = (
+    "--target",
+    "all",
+    "--signal",
+    "loss",
+    "--method",
+    "threshold",
+    "--max-records",
+    "200",
+    "--bootstrap",
+    "50",
+    "--device",
+    "cpu",
+    "--no-progress",
+)
 SECTIONS = ("Setup", "Threat model", "Utility", "Privacy accounting", "Membership inference attacks")
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
 
 
 def binary(name: str) -> str:
@@ -95,7 +134,10 @@ def test_report_has_every_section_and_the_run_s_numbers(audited, report):
         for key, target in (("tpr_at_1pct_fpr", "0.01"), ("tpr_at_0_1pct_fpr", "0.001")):
             shown, entry = attack[key], stored["tpr_at_fpr"][target]
             assert (shown["tpr"], shown["estimable"], shown["nonmembers_needed"]) == (
-                entry["tpr"], entry["estimable"], entry["nonmembers_needed"])
+                entry["tpr"],
+                entry["estimable"],
+                entry["nonmembers_needed"],
+            )
         assert attack["epsilon_lower_bound_test"] == stored["epsilon_lower_bound_test"]
         assert attack["epsilon_lower_bound"] == pytest.approx(stored["epsilon_lower_bound"])
         assert attack["accountant_epsilon"] == pytest.approx(stored["accountant_epsilon"])
@@ -130,24 +172,39 @@ def test_html_opens_in_chromium_without_errors(report, tmp_path):
     chromium = binary("chromium")
     shot = tmp_path / "shot.png"
     result = subprocess.run(
-        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-         f"--screenshot={shot}", "--window-size=1280,2000", (report / "report.html").as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            chromium,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--screenshot={shot}",
+            "--window-size=1280,2000",
+            (report / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Uncaught" not in result.stderr and "ERROR:CONSOLE" not in result.stderr
     colours = Image.open(shot).convert("RGB").getcolors(1 << 20)
     assert colours is not None and len(colours) > 16
 
 
-@pytest.mark.parametrize("limits, verdict", [
-    ({"max_epsilon": 1000, "delta": 1e-5, "max_attack_auc": 0.99, "min_accuracy": 0.0}, "PASS"),
-    ({"max_epsilon": 1.0, "min_accuracy": 0.0}, "FAIL"),
-    ({"max_epsilon": 1000, "delta": 1e-6}, "FAIL"),
-    ({"min_accuracy": 0.999}, "FAIL"),
-    ({"max_attack_auc": 0.01}, "FAIL"),
-    ({"max_epsilon": 1000, "max_tpr_at_0_1pct_fpr": 1.0}, "INCONCLUSIVE"),
-    ({"max_attack_auc": 0.01, "max_tpr_at_0_1pct_fpr": 1.0}, "FAIL"),
-], ids=["all-pass", "epsilon", "smaller-delta", "accuracy", "auc", "tpr-unresolvable", "fail-beats-inconclusive"])
+@pytest.mark.parametrize(
+    "limits, verdict",
+    [
+        ({"max_epsilon": 1000, "delta": 1e-5, "max_attack_auc": 0.99, "min_accuracy": 0.0}, "PASS"),
+        ({"max_epsilon": 1.0, "min_accuracy": 0.0}, "FAIL"),
+        ({"max_epsilon": 1000, "delta": 1e-6}, "FAIL"),
+        ({"min_accuracy": 0.999}, "FAIL"),
+        ({"max_attack_auc": 0.01}, "FAIL"),
+        ({"max_epsilon": 1000, "max_tpr_at_0_1pct_fpr": 1.0}, "INCONCLUSIVE"),
+        ({"max_attack_auc": 0.01, "max_tpr_at_0_1pct_fpr": 1.0}, "FAIL"),
+    ],
+    ids=["all-pass", "epsilon", "smaller-delta", "accuracy", "auc", "tpr-unresolvable", "fail-beats-inconclusive"],
+)
 def test_policy_gives_pass_fail_inconclusive_and_exit_code(audited, tmp_path, cli, limits, verdict):
     policy = tmp_path / "policy.yaml"
     policy.write_text("".join(f"{key}: {value}\n" for key, value in limits.items()))
@@ -208,7 +265,7 @@ def test_several_runs_are_compared(audited, plain_run, tmp_path, cli):
     result = cli("report", audited, plain_run, "--out", tmp_path)
     assert result.exit_code == 0, result.output
     html = (tmp_path / "report.html").read_text()
-    assert "<h2 id=\"comparison\">Comparison</h2>" in html
+    assert '<h2 id="comparison">Comparison</h2>' in html
     assert "ROC curves of the strongest attack on each run" in html and "Privacy-utility trade-off" in html
     rows = pd.read_csv(tmp_path / "summary.csv")
     assert list(rows["path"]) == [str(audited), str(plain_run)]
@@ -227,8 +284,9 @@ def test_comparison_pdf_lays_out_without_split_words_or_blank_pages(audited, pla
         assert header in words, header
     for fragment in ("algorith", "epsilo", "roun", "ru"):
         assert fragment not in words, fragment
-    subprocess.run([pdftoppm, "-r", "30", "-gray", "-png", tmp_path / "report.pdf", tmp_path / "page"], check=True,
-                   timeout=60)
+    subprocess.run(
+        [pdftoppm, "-r", "30", "-gray", "-png", tmp_path / "report.pdf", tmp_path / "page"], check=True, timeout=60
+    )
     pages = sorted(tmp_path.glob("page*.png"))
     assert len(pages) >= 2
     for page in pages[:-1]:
@@ -252,8 +310,9 @@ def test_attack_results_with_other_key_names_or_missing_keys_are_tolerated(audit
     shutil.copytree(audited, run, ignore=shutil.ignore_patterns("attacks"))
     custom = run / "attacks" / "loss-custom"
     custom.mkdir(parents=True)
-    (custom / "metrics.json").write_text(json.dumps({"signal": "loss", "method": "custom", "auc": 0.61,
-                                                     "auc_ci": [0.55, 0.67], "tpr_at_fpr_1pct": 0.02}))
+    (custom / "metrics.json").write_text(
+        json.dumps({"signal": "loss", "method": "custom", "auc": 0.61, "auc_ci": [0.55, 0.67], "tpr_at_fpr_1pct": 0.02})
+    )
     (custom / "roc.csv").write_text("fpr,tpr,threshold\n0,0,inf\n0.5,0.7,0.1\n1,1,-inf\n")
     result = cli("report", run, "--out", tmp_path / "out.md")
     assert result.exit_code == 0, result.output
@@ -261,16 +320,26 @@ def test_attack_results_with_other_key_names_or_missing_keys_are_tolerated(audit
     assert attack["auc_ci"] == [0.55, 0.67] and attack["tpr_at_1pct_fpr"]["tpr"] == 0.02
     assert attack["tpr_at_1pct_fpr"]["ci"] is None and attack["tpr_at_0_1pct_fpr"] is None
     markdown = (tmp_path / "out.md").read_text()
-    assert "| loss/custom | not available | not available / not available | 0.61 | [0.550, 0.670] | 0.02 | not available |" in markdown
+    assert (
+        "| loss/custom | not available | not available / not available | 0.61 | [0.550, 0.670] | 0.02 | not available |"
+        in markdown
+    )
 
 
-@pytest.mark.parametrize("case", ["not-a-run", "missing-run", "unknown-format", "missing-policy", "bad-yaml",
-                                  "unknown-limit", "non-numeric-limit"])
+@pytest.mark.parametrize(
+    "case",
+    ["not-a-run", "missing-run", "unknown-format", "missing-policy", "bad-yaml", "unknown-limit", "non-numeric-limit"],
+)
 def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(audited, tmp_path, cli, case):
     out = tmp_path / "out"
     policy = tmp_path / "policy.yaml"
-    policy.write_text({"bad-yaml": "max_epsilon: [1\n", "unknown-limit": "max_epsilom: 1\n",
-                       "non-numeric-limit": "max_epsilon: lots\n"}.get(case, "max_epsilon: 8\n"))
+    policy.write_text(
+        {
+            "bad-yaml": "max_epsilon: [1\n",
+            "unknown-limit": "max_epsilom: 1\n",
+            "non-numeric-limit": "max_epsilon: lots\n",
+        }.get(case, "max_epsilon: 8\n")
+    )
     args = {
         "not-a-run": [tmp_path, "--out", out],
         "missing-run": [tmp_path / "nowhere", "--out", out],
@@ -287,17 +356,20 @@ def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(audited, tmp_path, 
 def test_synthetic_images_of_a_long_run_are_shown_for_evenly_spaced_rounds(tmp_path):
     import torch
 
+    from fedaudit.reports.collect import SYNTHETIC_ROUNDS, _synthetic
     from fedaudit.runs import RunDirectory
-    from reports.collect import SYNTHETIC_ROUNDS, _synthetic
 
     run = RunDirectory(tmp_path)
     for number in range(1, 9):
         for client in range(2):
-            run.save_transmitted(number, client, {"images": torch.full((2, 1, 4, 4), float(number)),
-                                                  "labels": torch.tensor([0, 1])})
+            run.save_transmitted(
+                number, client, {"images": torch.full((2, 1, 4, 4), float(number)), "labels": torch.tensor([0, 1])}
+            )
     sets = _synthetic(run)
     assert SYNTHETIC_ROUNDS == 6 and sorted({s.round for s in sets}) == [1, 2, 4, 5, 7, 8]
-    assert [(s.round, s.client) for s in sets[:2]] == [(1, 0), (1, 1)] and all(s.images[0, 0, 0, 0] == s.round for s in sets)
+    assert [(s.round, s.client) for s in sets[:2]] == [(1, 0), (1, 1)] and all(
+        s.images[0, 0, 0, 0] == s.round for s in sets
+    )
 
 
 def test_a_run_given_twice_is_reported_once(audited, tmp_path, cli):
@@ -307,11 +379,19 @@ def test_a_run_given_twice_is_reported_once(audited, tmp_path, cli):
 
 
 def test_a_policy_delta_fails_a_run_whose_delta_is_unknown():
-    from reports.collect import PrivacySummary, RunSummary
-    from reports.policy import Policy, check_run
+    from fedaudit.reports.collect import PrivacySummary, RunSummary
+    from fedaudit.reports.policy import Policy, check_run
 
-    run = RunSummary("r", Path("r"), {"algorithm": "DP-FedAvg", "privacy budget": "sigma 1"}, pd.DataFrame(),
-                     PrivacySummary(dp=True, delta=None, epsilon_per_round=(1.0,)), (), (), ())
+    run = RunSummary(
+        "r",
+        Path("r"),
+        {"algorithm": "DP-FedAvg", "privacy budget": "sigma 1"},
+        pd.DataFrame(),
+        PrivacySummary(dp=True, delta=None, epsilon_per_round=(1.0,)),
+        (),
+        (),
+        (),
+    )
     (check,) = check_run(Policy(max_epsilon=8.0, delta=1e-5), run)
     assert not check.passed and "not recorded" in check.detail
     (check,) = check_run(Policy(max_epsilon=8.0), run)
@@ -319,7 +399,7 @@ def test_a_policy_delta_fails_a_run_whose_delta_is_unknown():
 
 
 def test_verdicts_on_intervals_and_the_records_that_would_resolve_them():
-    from reports.policy import FAIL, INCONCLUSIVE, PASS, judge, records_needed
+    from fedaudit.reports.policy import FAIL, INCONCLUSIVE, PASS, judge, records_needed
 
     assert judge((0.50, 0.60), 0.60, at_most=True) == PASS
     assert judge((0.61, 0.70), 0.60, at_most=True) == FAIL
@@ -333,40 +413,77 @@ def test_verdicts_on_intervals_and_the_records_that_would_resolve_them():
 
 
 def test_accuracy_is_judged_on_its_interval_over_the_test_split():
-    from reports.collect import PrivacySummary, RunSummary
-    from reports.policy import Policy, check_run
+    from fedaudit.reports.collect import PrivacySummary, RunSummary
+    from fedaudit.reports.policy import Policy, check_run
 
     def run(accuracy: float, test_records: int) -> RunSummary:
         utility = pd.DataFrame({"round": [1], "test_accuracy": [accuracy]})
-        return RunSummary("r", Path("r"), {"algorithm": "FedAvg", "privacy budget": "no DP"}, utility,
-                          PrivacySummary(dp=False), (), (), (), test_records=test_records)
+        return RunSummary(
+            "r",
+            Path("r"),
+            {"algorithm": "FedAvg", "privacy budget": "no DP"},
+            utility,
+            PrivacySummary(dp=False),
+            (),
+            (),
+            (),
+            test_records=test_records,
+        )
 
     # 0.72 on 360 records: 95% interval about [0.67, 0.77]
     assert [check_run(Policy(min_accuracy=limit), run(0.72, 360))[0].verdict for limit in (0.6, 0.7, 0.8)] == [
-        "PASS", "INCONCLUSIVE", "FAIL"]
+        "PASS",
+        "INCONCLUSIVE",
+        "FAIL",
+    ]
     (check,) = check_run(Policy(min_accuracy=0.7), run(0.72, 360))
     assert "on 360 test records" in check.detail and "test records would resolve it" in check.detail
     assert check_run(Policy(min_accuracy=0.7), run(0.72, 100000))[0].verdict == "PASS"
 
 
 def _attack(name: str, auc: float, ci: tuple[float, float], bound_test: dict | None = None):
-    from reports.collect import AttackSummary
+    from fedaudit.reports.collect import AttackSummary
 
-    return AttackSummary(name, name, "threshold", 3, auc, ci, None, None, None, None, 0.0, 2.0, 1000, 1000, 0,
-                         auc_se=(ci[1] - ci[0]) / 3.92, epsilon_lower_bound_test=bound_test)
+    return AttackSummary(
+        name,
+        name,
+        "threshold",
+        3,
+        auc,
+        ci,
+        None,
+        None,
+        None,
+        None,
+        0.0,
+        2.0,
+        1000,
+        1000,
+        0,
+        auc_se=(ci[1] - ci[0]) / 3.92,
+        epsilon_lower_bound_test=bound_test,
+    )
 
 
 def _run_with(*attacks):
-    from reports.collect import PrivacySummary, RunSummary
+    from fedaudit.reports.collect import PrivacySummary, RunSummary
 
-    return RunSummary("r", Path("r"), {"algorithm": "DP-FedAvg", "privacy budget": "sigma 1", "rounds done": 3},
-                      pd.DataFrame(), PrivacySummary(dp=True, delta=1e-5, epsilon_per_round=(2.0,)), attacks, (), ())
+    return RunSummary(
+        "r",
+        Path("r"),
+        {"algorithm": "DP-FedAvg", "privacy budget": "sigma 1", "rounds done": 3},
+        pd.DataFrame(),
+        PrivacySummary(dp=True, delta=1e-5, epsilon_per_round=(2.0,)),
+        attacks,
+        (),
+        (),
+    )
 
 
 def test_auc_fails_only_on_an_interval_simultaneous_over_the_attacks():
     """One of eight attacks just above the limit by its own 95% interval is what chance gives; FAIL needs the
     interval that holds for all eight at once."""
-    from reports.policy import Policy, check_run
+    from fedaudit.reports.policy import Policy, check_run
 
     others = [_attack(f"a{i}", 0.50, (0.48, 0.52)) for i in range(7)]
     edge = _attack("edge", 0.545, (0.525, 0.565))  # marginal lower end above 0.52; simultaneous (8) below it
@@ -381,10 +498,17 @@ def test_auc_fails_only_on_an_interval_simultaneous_over_the_attacks():
 
 def test_run_bound_over_several_attacks_is_bonferroni_corrected():
     """The run's headline bound is the largest of its attacks' bounds, each recomputed at 1 - 0.05/K from its counts."""
-    from attacks.metrics import threshold_bounds
+    from fedaudit.attacks.metrics import threshold_bounds
 
-    test = {"threshold": 0.3, "inequality": "tpr", "true_positives": 300, "false_positives": 20, "bound_members": 1000,
-            "bound_nonmembers": 1000, "delta": 1e-5}
+    test = {
+        "threshold": 0.3,
+        "inequality": "tpr",
+        "true_positives": 300,
+        "false_positives": 20,
+        "bound_members": 1000,
+        "bound_nonmembers": 1000,
+        "delta": 1e-5,
+    }
     alone, _ = _run_with(_attack("a", 0.6, (0.57, 0.63), test)).epsilon_lower_bound()
     four, k = _run_with(*[_attack(f"a{i}", 0.6, (0.57, 0.63), test) for i in range(4)]).epsilon_lower_bound()
     expected = threshold_bounds(np.array([300]), np.array([20]), 1000, 1000, delta=1e-5, confidence=1 - 0.05 / 4)["tpr"]
@@ -396,11 +520,18 @@ def test_run_bound_over_several_attacks_is_bonferroni_corrected():
 def test_the_broken_dp_warning_needs_a_corrected_bound_above_the_accountant():
     """A planted leak far beyond the accountant's epsilon is reported; a bound that clears it only at its own 95%,
     not at the confidence corrected for the run's attacks, is not."""
-    from reports.render import _exceeds
+    from fedaudit.reports.render import _exceeds
 
     def attack(name: str, true_positives: int, accountant: float):
-        test = {"threshold": 0.3, "inequality": "tpr", "true_positives": true_positives, "false_positives": 1,
-                "bound_members": 1000, "bound_nonmembers": 1000, "delta": 1e-5}
+        test = {
+            "threshold": 0.3,
+            "inequality": "tpr",
+            "true_positives": true_positives,
+            "false_positives": 1,
+            "bound_members": 1000,
+            "bound_nonmembers": 1000,
+            "delta": 1e-5,
+        }
         return replace(_attack(name, 0.6, (0.57, 0.63), test), accountant_epsilon=accountant)
 
     leak = attack("leak", 900, 0.5)

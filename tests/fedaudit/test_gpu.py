@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
+from helpers import FAST_ARGS, invoke
 
-from conftest import FAST_ARGS, invoke
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
 
@@ -32,13 +32,24 @@ def test_dp_gradient_noise_on_the_gpu_has_the_right_scale():
     model = build_model(ModelSpec("mlp", (1, 8, 8), 10, width=16, depth=1)).cuda()
     x, y = torch.zeros(0, 1, 8, 8, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
-    noise = torch.cat([g.flatten() for g in dp_gradient(
-        model, x, y, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=4.0, generator=generator).grads.values()])
+    noise = torch.cat(
+        [
+            g.flatten()
+            for g in dp_gradient(
+                model, x, y, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=4.0, generator=generator
+            ).grads.values()
+        ]
+    )
     assert noise.device.type == "cuda" and abs(float(noise.std()) - 2.0 * 0.5 / 4.0) < 0.02
 
 
-@pytest.mark.parametrize("algorithm", [("--algorithm", "fedavg"), ("--algorithm", "fedlap", "--ipc", "2", "--trajectories",
-                                                                      "1", "--max-loops", "2", "--real-batches", "2")])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        ("--algorithm", "fedavg"),
+        ("--algorithm", "fedlap", "--ipc", "2", "--trajectories", "1", "--max-loops", "2", "--real-batches", "2"),
+    ],
+)
 def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
     args = (*ON_GPU, *algorithm, "--dp", "--rounds", "2")
     full, part = tmp_path / "full", tmp_path / "part"
@@ -58,9 +69,32 @@ def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
 
 
 def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path):
-    args = ("--dataset", "digits", "--model", "convnet", "--width", "16", "--algorithm", "fedlap", "--dp", "--ipc", "2",
-            "--trajectories", "1", "--max-loops", "2", "--real-batches", "2", "--rounds", "2", "--batch-size", "32",
-            "--device", "cuda", "--no-progress")
+    args = (
+        "--dataset",
+        "digits",
+        "--model",
+        "convnet",
+        "--width",
+        "16",
+        "--algorithm",
+        "fedlap",
+        "--dp",
+        "--ipc",
+        "2",
+        "--trajectories",
+        "1",
+        "--max-loops",
+        "2",
+        "--real-batches",
+        "2",
+        "--rounds",
+        "2",
+        "--batch-size",
+        "32",
+        "--device",
+        "cuda",
+        "--no-progress",
+    )
     for name in ("a", "b"):
         assert invoke("train", *args, "--out", tmp_path / name).exit_code == 0
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()

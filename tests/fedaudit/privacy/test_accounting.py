@@ -43,7 +43,9 @@ def _run_events(sigma: float, q: float, t: int, m: int, p: float) -> list[SGMEve
     return compose(round_events(noise_multiplier=sigma, sample_rate=q, queries_per_round=t, client_fraction=p) * m)
 
 
-def _dp_accounting(sigma: float, q: float, t: int, m: int, p: float, orders: np.ndarray) -> dp_accounting.rdp.RdpAccountant:
+def _dp_accounting(
+    sigma: float, q: float, t: int, m: int, p: float, orders: np.ndarray
+) -> dp_accounting.rdp.RdpAccountant:
     """The same run written as dp-accounting events: M first queries at p*q, M*(T-1) later ones at q."""
     accountant = dp_accounting.rdp.RdpAccountant(orders=list(orders))
 
@@ -94,7 +96,9 @@ def test_stepped_history_matches_opacus_rdp_accountant() -> None:
 def test_single_rate_matches_opacus_prv_accountant(sigma: float, q: float, steps: int) -> None:
     opacus = PRVAccountant()
     opacus.history = [(sigma, q, steps)]
-    ours = compute_epsilon([SGMEvent(noise_multiplier=sigma, sample_rate=q, steps=steps)], delta=DELTA, accountant="prv")
+    ours = compute_epsilon(
+        [SGMEvent(noise_multiplier=sigma, sample_rate=q, steps=steps)], delta=DELTA, accountant="prv"
+    )
     assert ours == pytest.approx(opacus.get_epsilon(delta=DELTA), rel=1e-9)
 
 
@@ -102,7 +106,9 @@ def test_two_rate_prv_matches_opacus_heterogeneous_history() -> None:
     events = _run_events(1.0, 0.02, 50, 10, 0.1)
     opacus = PRVAccountant()
     opacus.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
-    assert compute_epsilon(events, delta=DELTA, accountant="prv") == pytest.approx(opacus.get_epsilon(delta=DELTA), rel=1e-9)
+    assert compute_epsilon(events, delta=DELTA, accountant="prv") == pytest.approx(
+        opacus.get_epsilon(delta=DELTA), rel=1e-9
+    )
 
 
 @pytest.mark.parametrize(("sigma", "q", "t", "m", "p"), TWO_RATE)
@@ -173,13 +179,18 @@ def test_compose_merges_equal_mechanisms_in_first_seen_order() -> None:
 
 def test_no_steps_is_zero_and_no_noise_is_infinite() -> None:
     assert compute_epsilon([], delta=DELTA) == 0.0
-    no_noise = [SGMEvent(noise_multiplier=1.0, sample_rate=0.1, steps=5), SGMEvent(noise_multiplier=0.0, sample_rate=0.1, steps=1)]
+    no_noise = [
+        SGMEvent(noise_multiplier=1.0, sample_rate=0.1, steps=5),
+        SGMEvent(noise_multiplier=0.0, sample_rate=0.1, steps=1),
+    ]
     for accountant in ACCOUNTANTS:
         assert compute_epsilon(no_noise, delta=DELTA, accountant=accountant) == math.inf
 
 
 def test_epsilon_per_round_is_strictly_increasing_and_ends_at_the_composition() -> None:
-    curve = epsilon_per_round(noise_multiplier=1.0, sample_rate=0.0256, queries_per_round=200, rounds=15, client_fraction=0.5)
+    curve = epsilon_per_round(
+        noise_multiplier=1.0, sample_rate=0.0256, queries_per_round=200, rounds=15, client_fraction=0.5
+    )
     assert len(curve) == 15
     assert all(b > a for a, b in zip(curve, curve[1:]))
     assert curve[-1] == compute_epsilon(_run_events(1.0, 0.0256, 200, 15, 0.5), delta=DELTA)
@@ -201,8 +212,12 @@ def test_more_noise_and_partial_participation_give_less_epsilon() -> None:
 
 @pytest.mark.parametrize(
     ("sigma", "q", "t", "m", "p", "accountant"),
-    [(1.0, 0.0256, 200, 15, 0.5, "rdp"), (0.7, 0.01, 100, 30, 0.2, "rdp"), (3.0, 0.1, 10, 50, 1.0, "rdp"),
-     (1.0, 0.05, 20, 5, 0.5, "prv")],
+    [
+        (1.0, 0.0256, 200, 15, 0.5, "rdp"),
+        (0.7, 0.01, 100, 30, 0.2, "rdp"),
+        (3.0, 0.1, 10, 50, 1.0, "rdp"),
+        (1.0, 0.05, 20, 5, 0.5, "prv"),
+    ],
 )
 def test_calibration_round_trip(sigma: float, q: float, t: int, m: int, p: float, accountant: str) -> None:
     def eps(s: float) -> float:
@@ -304,7 +319,9 @@ def test_ledger_reports_the_worst_client() -> None:
     ledger = _new_ledger()
     for _ in range(5):
         ledger.record_round(_fed_round(sizes))
-    small = epsilon_per_round(noise_multiplier=1.0, sample_rate=32 / 640, queries_per_round=20, rounds=5, client_fraction=0.5)
+    small = epsilon_per_round(
+        noise_multiplier=1.0, sample_rate=32 / 640, queries_per_round=20, rounds=5, client_fraction=0.5
+    )
     assert ledger.worst_client == 1
     assert ledger.epsilon_per_round == pytest.approx(small, rel=1e-12)
     assert ledger.epsilon == ledger.epsilon_per_round[-1]
@@ -322,13 +339,19 @@ def test_ledger_clients_missing_from_a_round_add_nothing() -> None:
     assert ledger.record_round(_fed_round({1: 2000})) == first
     assert ledger.record_round({}) == first
     assert ledger.record_round(_fed_round({0: 640})) > first
-    assert ledger.to_dict()["per_client"]["0"]["entries"] == [e.to_dict() for e in _run_events(1.0, 32 / 640, 20, 2, 0.5)]
+    assert ledger.to_dict()["per_client"]["0"]["entries"] == [
+        e.to_dict() for e in _run_events(1.0, 32 / 640, 20, 2, 0.5)
+    ]
 
 
 @pytest.mark.parametrize("accountant", ACCOUNTANTS)
 def test_ledger_resumes_exactly_from_its_dict(accountant: str) -> None:
-    rounds = [_fed_round({0: 640, 1: 2000}, t=5), _fed_round({1: 2000}, t=5), _fed_round({0: 640, 2: 300}, t=5),
-              _fed_round({0: 640, 1: 2000, 2: 300}, t=5)]
+    rounds = [
+        _fed_round({0: 640, 1: 2000}, t=5),
+        _fed_round({1: 2000}, t=5),
+        _fed_round({0: 640, 2: 300}, t=5),
+        _fed_round({0: 640, 1: 2000, 2: 300}, t=5),
+    ]
     uninterrupted = _new_ledger(accountant)
     for events in rounds:
         uninterrupted.record_round(events)
@@ -347,7 +370,9 @@ def test_ledger_resumes_exactly_from_its_dict(accountant: str) -> None:
 def test_ledger_rejects_bad_input_and_stays_unchanged() -> None:
     for kwargs in ({"accountant": "moments"}, {"delta": 1.0}, {"noise_multiplier": -1.0}, {"max_grad_norm": 0.0}):
         with pytest.raises(AccountingError):
-            PrivacyLedger(**{"accountant": "rdp", "delta": DELTA, "noise_multiplier": 1.0, "max_grad_norm": 1.0, **kwargs})
+            PrivacyLedger(
+                **{"accountant": "rdp", "delta": DELTA, "noise_multiplier": 1.0, "max_grad_norm": 1.0, **kwargs}
+            )
     ledger = _new_ledger()
     ledger.record_round(_fed_round({0: 640}))
     before = ledger.to_dict()

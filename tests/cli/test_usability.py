@@ -11,34 +11,53 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import FAST_ARGS, tree_digest
 
-from conftest import FAST_ARGS, tree_digest
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["attack", "--help"], ["report", "--help"],
-                                  ["compare", "--help"], ["train", "--algorithm", "fedfoo"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["train", "--help"],
+        ["attack", "--help"],
+        ["report", "--help"],
+        ["compare", "--help"],
+        ["train", "--algorithm", "fedfoo"],
+    ],
+)
 def test_help_and_usage_errors_do_not_load_torch(args):
     """torch takes seconds to import: the CLI must answer --help and usage errors before loading it."""
-    probe = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
-             f"result = CliRunner().invoke(main, {args!r})\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\nprint(result.exit_code)\n")
+    probe = (
+        "import sys\nfrom click.testing import CliRunner\nfrom fedaudit.cli import main\n"
+        f"result = CliRunner().invoke(main, {args!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\nprint(result.exit_code)\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ("2" if "fedfoo" in args else "0")
 
 
-@pytest.mark.parametrize("args, sentence", [
-    (["train", "--algorithm", "fedfoo", "--out", "x"],
-     "Error: Invalid value for '--algorithm': 'fedfoo' is not one of 'fedavg', 'fedprox', 'fedsgd', 'fedlap'."),
-    (["epsilon", "--steps", "0", "--sample-rate", "0.1", "--rounds", "3", "--noise-multiplier", "1"],
-     "Error: Invalid value for '--steps': 0 is not in the range x>=1."),
-    (["epsilon", "--steps", "10", "--sample-rate", "1.5", "--rounds", "3", "--noise-multiplier", "1"],
-     "Error: Invalid value for '--sample-rate': 1.5 is not in the range 0<x<=1."),
-    (["attack", "--frobnicate", "run"], "Error: No such option '--frobnicate'."),
-    (["report", "run"], "Error: Missing option '--out'."),
-])
+@pytest.mark.parametrize(
+    "args, sentence",
+    [
+        (
+            ["train", "--algorithm", "fedfoo", "--out", "x"],
+            "Error: Invalid value for '--algorithm': 'fedfoo' is not one of 'fedavg', 'fedprox', 'fedsgd', 'fedlap'.",
+        ),
+        (
+            ["epsilon", "--steps", "0", "--sample-rate", "0.1", "--rounds", "3", "--noise-multiplier", "1"],
+            "Error: Invalid value for '--steps': 0 is not in the range x>=1.",
+        ),
+        (
+            ["epsilon", "--steps", "10", "--sample-rate", "1.5", "--rounds", "3", "--noise-multiplier", "1"],
+            "Error: Invalid value for '--sample-rate': 1.5 is not in the range 0<x<=1.",
+        ),
+        (["attack", "--frobnicate", "run"], "Error: No such option '--frobnicate'."),
+        (["report", "run"], "Error: Missing option '--out'."),
+    ],
+)
 def test_usage_errors_are_one_sentence_with_the_option_the_user_typed(cli, tmp_path, args, sentence):
     result = cli(*args)
     assert result.exit_code == 2

@@ -10,19 +10,25 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from helpers import assert_user_error, interrupt_in_round, invoke, tree_digest
 
-from conftest import invoke, tree_digest
 from fedaudit.config import RunConfig
-from reports.study import Budget, Study, StudyError, load_study, plan
-from test_cli import assert_user_error, interrupt_in_round
+from fedaudit.reports.study import Budget, Study, StudyError, load_study, plan
 
 # Small, fast settings: the MLP of the other CLI tests and a FedLAP with T = 1 * 2 * 2 = 4 queries per round.
 BASE = {
     "data": {"dataset": "digits"},
     "model": {"arch": "mlp", "width": 16, "depth": 1},
     "federated": {"rounds": 2, "batch_size": 32},
-    "fedlap": {"ipc": 2, "trajectories": 1, "max_loops": 2, "real_batches": 2, "image_steps": 2, "model_epochs": 1,
-               "server_epochs": 5},
+    "fedlap": {
+        "ipc": 2,
+        "trajectories": 1,
+        "max_loops": 2,
+        "real_batches": 2,
+        "image_steps": 2,
+        "model_epochs": 1,
+        "server_epochs": 5,
+    },
     "device": "cpu",
 }
 STUDY = {
@@ -34,8 +40,12 @@ STUDY = {
     "attack": {"signals": ["loss"], "methods": ["threshold"], "max_records": 200, "bootstrap": 50},
     "report": {"formats": ["html", "md"]},
 }
-NAMES = [f"{algorithm}-{budget}-seed{seed}" for seed in (0, 1) for budget in ("eps20", "nodp")
-         for algorithm in ("fedavg", "fedlap")]
+NAMES = [
+    f"{algorithm}-{budget}-seed{seed}"
+    for seed in (0, 1)
+    for budget in ("eps20", "nodp")
+    for algorithm in ("fedavg", "fedlap")
+]
 
 
 def read_json(path: Path):
@@ -67,7 +77,11 @@ def study(tmp_path_factory) -> tuple[Path, Path, str]:
 def test_budgets_parse_and_name_runs():
     assert Budget.parse("epsilon:8") == Budget("epsilon", 8.0) == Budget.parse("eps:8")
     assert Budget.parse(" sigma:0.5 ") == Budget("sigma", 0.5) and Budget.parse("none") == Budget("none")
-    assert [b.slug for b in (Budget("epsilon", 2.5), Budget("sigma", 1.0), Budget("none"))] == ["eps2.5", "sigma1", "nodp"]
+    assert [b.slug for b in (Budget("epsilon", 2.5), Budget("sigma", 1.0), Budget("none"))] == [
+        "eps2.5",
+        "sigma1",
+        "nodp",
+    ]
     for bad in ("epsilon", "epsilon:-1", "sigma:nan", "rho:1", "epsilon:inf"):
         with pytest.raises(StudyError):
             Budget.parse(bad)
@@ -86,16 +100,19 @@ def test_plan_crosses_algorithms_budgets_and_seeds_at_equal_data_access(tmp_path
         assert config.federated.local_steps == (4 if run.algorithm == "fedavg" else None)
 
 
-@pytest.mark.parametrize("changes, mentions", [
-    ({"algorithms": ["fedavg"]}, "must include fedlap"),
-    ({"algorithms": ["fedlap", "fedsgd"]}, "fedsgd"),
-    ({"algorithms": ["fedfoo"]}, "fedfoo"),
-    ({"budgets": ["epsilon:0"]}, "epsilon:0"),
-    ({"seeds": [-1]}, "seeds"),
-    ({"base": {**BASE, "privacy": {"dp": True}}}, "budgets set them"),
-    ({"report": {"formats": ["docx"]}}, "docx"),
-    ({"attack": {"signals": ["loss"], "methods": ["magic"]}}, "magic"),
-])
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        ({"algorithms": ["fedavg"]}, "must include fedlap"),
+        ({"algorithms": ["fedlap", "fedsgd"]}, "fedsgd"),
+        ({"algorithms": ["fedfoo"]}, "fedfoo"),
+        ({"budgets": ["epsilon:0"]}, "epsilon:0"),
+        ({"seeds": [-1]}, "seeds"),
+        ({"base": {**BASE, "privacy": {"dp": True}}}, "budgets set them"),
+        ({"report": {"formats": ["docx"]}}, "docx"),
+        ({"attack": {"signals": ["loss"], "methods": ["magic"]}}, "magic"),
+    ],
+)
 def test_a_study_that_cannot_work_is_refused_before_anything_runs(tmp_path, changes, mentions):
     study = write_study(tmp_path, **changes)
     out = tmp_path / "out"
@@ -117,12 +134,20 @@ def test_study_file_errors_are_one_sentence(tmp_path):
 
 
 def test_command_line_options_override_the_study_file(tmp_path):
-    from reports.study import study_from_options
+    from fedaudit.reports.study import study_from_options
 
-    study = study_from_options(str(write_study(tmp_path)), algorithms=("fedlap",), budgets=("sigma:2",), seeds=(5,),
-                               equal_data_access=False, config_file=None, base_overrides={"federated.rounds": 3},
-                               attack_overrides={"signals": (), "methods": ("population",), "target": None},
-                               formats=(), policy=None)
+    study = study_from_options(
+        str(write_study(tmp_path)),
+        algorithms=("fedlap",),
+        budgets=("sigma:2",),
+        seeds=(5,),
+        equal_data_access=False,
+        config_file=None,
+        base_overrides={"federated.rounds": 3},
+        attack_overrides={"signals": (), "methods": ("population",), "target": None},
+        formats=(),
+        policy=None,
+    )
     assert (study.algorithms, study.budgets, study.seeds) == (("fedlap",), (Budget("sigma", 2.0),), (5,))
     assert not study.equal_data_access and study.base.federated.rounds == 3 and study.base.model.arch == "mlp"
     assert study.attack.signals == ("loss",) and study.attack.methods == ("population",)
@@ -167,17 +192,25 @@ def test_report_gives_mean_and_spread_over_seeds(study):
         algorithm, budget = row.group.split(", ")
         slug = "eps20" if budget == "epsilon 20" else "nodp"
         key = "fedlap" if "FedLAP" in algorithm else "fedavg"
-        accuracy = [pd.read_csv(out / "runs" / f"{key}-{slug}-seed{s}" / "metrics.csv")["test_accuracy"].iloc[-1]
-                    for s in (0, 1)]
-        aucs = [read_json(out / "runs" / f"{key}-{slug}-seed{s}" / "attacks" / "loss-threshold" / "metrics.json")["auc"]
-                for s in (0, 1)]
+        accuracy = [
+            pd.read_csv(out / "runs" / f"{key}-{slug}-seed{s}" / "metrics.csv")["test_accuracy"].iloc[-1]
+            for s in (0, 1)
+        ]
+        aucs = [
+            read_json(out / "runs" / f"{key}-{slug}-seed{s}" / "attacks" / "loss-threshold" / "metrics.json")["auc"]
+            for s in (0, 1)
+        ]
         assert row.final_accuracy_mean == pytest.approx(np.mean(accuracy))
         assert row.final_accuracy_std == pytest.approx(np.std(accuracy, ddof=1))
         assert row.attack_auc_mean == pytest.approx(np.mean(aucs)) and row.attack_auc_n == 2
     summary = read_json(out / "summary.json")
     assert [g["group"] for g in summary["groups"]] == list(groups["group"])
-    assert [r["group"] for r in summary["runs"]][:4] == ["DP-FedAvg, epsilon 20", "FedLAP-DP, epsilon 20",
-                                                         "FedAvg, no DP", "FedLAP, no DP"]
+    assert [r["group"] for r in summary["runs"]][:4] == [
+        "DP-FedAvg, epsilon 20",
+        "FedLAP-DP, epsilon 20",
+        "FedAvg, no DP",
+        "FedLAP, no DP",
+    ]
     html = (out / "report.html").read_text()
     assert "<h3>Over seeds</h3>" in html and "Privacy-utility trade-off" in html
     assert "| FedLAP-DP | epsilon 20 | 2 | 0 1 |" in (out / "report.md").read_text()
@@ -230,10 +263,13 @@ def test_a_run_that_differs_from_the_plan_is_an_error_unless_overwritten(study, 
     assert read_json(out / "runs" / "fedavg-nodp-seed0" / "config.json")["federated"]["momentum"] == 0.0
 
 
-@pytest.mark.parametrize("args, mentions", [
-    (("--out", "{tmp}/report.html"), "names a report file"),
-    (("--out", "{tmp}/o", "--target", "round:3"), "round:3"),
-])
+@pytest.mark.parametrize(
+    "args, mentions",
+    [
+        (("--out", "{tmp}/report.html"), "names a report file"),
+        (("--out", "{tmp}/o", "--target", "round:3"), "round:3"),
+    ],
+)
 def test_outputs_and_targets_that_cannot_work_are_refused_first(study, tmp_path, args, mentions):
     study_file, _, _ = study
     result = compare("--study", study_file, *(a.format(tmp=tmp_path) for a in args))
@@ -241,10 +277,16 @@ def test_outputs_and_targets_that_cannot_work_are_refused_first(study, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("attack, mentions", [
-    ({"max_records": "abc"}, "--max-records"), ({"bootstrap": 50.5}, "--bootstrap"), ({"target": 5}, "--target"),
-    ({"seed": -1}, "--seed"), ({"per_layer": "yes"}, "--per-layer"),
-])
+@pytest.mark.parametrize(
+    "attack, mentions",
+    [
+        ({"max_records": "abc"}, "--max-records"),
+        ({"bootstrap": 50.5}, "--bootstrap"),
+        ({"target": 5}, "--target"),
+        ({"seed": -1}, "--seed"),
+        ({"per_layer": "yes"}, "--per-layer"),
+    ],
+)
 def test_malformed_attack_settings_are_one_sentence(tmp_path, attack, mentions):
     study = write_study(tmp_path, attack={**STUDY["attack"], **attack})
     assert_user_error(compare("--study", study, "--out", tmp_path / "out"), mentions=mentions)
@@ -253,8 +295,12 @@ def test_malformed_attack_settings_are_one_sentence(tmp_path, attack, mentions):
 
 def test_the_same_run_given_twice_is_planned_once(tmp_path):
     study = load_study(write_study(tmp_path, budgets=["sigma:1", "sigma:1.0", "none", "no-dp"], seeds=[0, 0]))
-    assert [run.name for run in plan(study)] == ["fedavg-sigma1-seed0", "fedlap-sigma1-seed0", "fedavg-nodp-seed0",
-                                                 "fedlap-nodp-seed0"]
+    assert [run.name for run in plan(study)] == [
+        "fedavg-sigma1-seed0",
+        "fedlap-sigma1-seed0",
+        "fedavg-nodp-seed0",
+        "fedlap-nodp-seed0",
+    ]
 
 
 def test_results_the_study_no_longer_asks_for_are_removed(study, tmp_path):
@@ -288,16 +334,18 @@ def test_policy_gates_the_study(study, tmp_path):
 
 
 def test_the_readme_s_study_and_policy_examples_are_valid(tmp_path):
-    from reports.policy import load_policy
+    from fedaudit.reports.policy import load_policy
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     blocks = [block.split("\n", 1)[1] for block in readme.split("```yaml")[1:]]
     blocks = [block[: block.index("```")] for block in blocks]
     policy_text, study_text = blocks
     (tmp_path / "policy.yaml").write_text(policy_text)
     policy = load_policy(tmp_path / "policy.yaml")
-    assert policy.limits() == {"max_epsilon": 8, "max_attack_auc": 0.6, "max_tpr_at_0_1pct_fpr": 0.01,
-                               "min_accuracy": 0.7} and policy.delta == 1e-5
+    assert (
+        policy.limits() == {"max_epsilon": 8, "max_attack_auc": 0.6, "max_tpr_at_0_1pct_fpr": 0.01, "min_accuracy": 0.7}
+        and policy.delta == 1e-5
+    )
     (tmp_path / "study.yaml").write_text(study_text)
     study = load_study(tmp_path / "study.yaml")
     assert study.policy == str(tmp_path / "policy.yaml") and study.formats == ("html", "pdf")

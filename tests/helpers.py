@@ -1,0 +1,98 @@
+"""The shared test harness: fast run options, an in-process ``fedaudit`` runner, and assertions used across packages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file
+
+# Options that keep a run small and quick; tests add --rounds, --dp, ... to these.
+FAST_ARGS: tuple[str, ...] = (
+    "--dataset",
+    "digits",
+    "--model",
+    "mlp",
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--batch-size",
+    "32",
+    "--local-epochs",
+    "1",
+    "--device",
+    "cpu",
+    "--no-progress",
+)
+
+
+def invoke(*args: str) -> Result:
+    """Run ``fedaudit ARGS`` in-process; exceptions other than SystemExit propagate (no hidden tracebacks)."""
+    from fedaudit.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``path`` by relative name: equal digests mean a byte-identical tree."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def assert_user_error(result, *, mentions: str | None = None) -> str:
+    """Exit code 2 and exactly one line on stderr, starting with 'Error:', without a traceback."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.output
+    if mentions is not None:
+        assert mentions.lower() in lines[0].lower(), lines[0]
+    return lines[0]
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    ta, tb = load_file(str(a)), load_file(str(b))
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+
+
+def epsilon_cli(cli, *args) -> float:
+    result = cli("epsilon", *args)
+    assert result.exit_code == 0, result.output
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("epsilon="), last
+    return float(last.split("=", 1)[1])
+
+
+def without_wall(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.drop(columns=["wall_seconds"])
+
+
+def interrupt_in_round(monkeypatch, round_number: int) -> None:
+    """Make fedaudit.training.evaluate raise KeyboardInterrupt in round ``round_number`` (1-based)."""
+    import fedaudit.training as training
+
+    real = training.evaluate
+    calls = {"n": 0}
+
+    def evaluate(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == round_number:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "evaluate", evaluate)
