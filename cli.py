@@ -14,7 +14,9 @@ from typing import Any
 
 import click
 
-USER_ERROR_EXIT = 2
+from fedaudit.config import DEVICES, ENGINES, FEDLAP_INITS, LR_SCHEDULES, RADIUS_STRATEGIES, WEIGHTINGS
+from fedaudit.errors import USER_ERROR_EXIT, UserError
+from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
 
 # train option name -> "section.field" of RunConfig
 TRAIN_OPTION_FIELDS: dict[str, str] = {
@@ -66,31 +68,6 @@ TRAIN_OPTION_FIELDS: dict[str, str] = {
 }
 
 
-@functools.cache
-def _user_error_classes() -> tuple[type[ValueError], ...]:
-    """The packages' user-facing error classes, imported only once a command has failed (they pull in torch)."""
-    from fedaudit.attacks import AttackError
-    from fedaudit.config import ConfigError
-    from fedaudit.data import DataError, PartitionError
-    from fedaudit.models import ModelError
-    from fedaudit.privacy.accounting import AccountingError
-    from fedaudit.reports import ReportError
-    from fedaudit.runs import RunError
-    from fedaudit.training import TrainingError
-
-    return (
-        ConfigError,
-        DataError,
-        PartitionError,
-        ModelError,
-        AccountingError,
-        RunError,
-        TrainingError,
-        AttackError,
-        ReportError,
-    )
-
-
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn the packages' user-facing errors into one sentence on stderr and exit code 2."""
 
@@ -98,11 +75,9 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except ValueError as exc:
-            if not isinstance(exc, _user_error_classes()):
-                raise
+        except UserError as exc:
             click.echo(f"Error: {exc}", err=True)
-            sys.exit(USER_ERROR_EXIT)
+            sys.exit(exc.exit_code)
 
     return wrapper
 
@@ -137,6 +112,26 @@ class OneSentenceGroup(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def per_algorithm(setting: str, dataset: str = "digits") -> str:
+    """The registry's default ``setting`` (client_lr or max_grad_norm) of each algorithm in words, with the dataset's
+    overrides: "0.1 fedavg/fedsgd, 0.2 fedprox, 1 fedlap; 1 on digits (fedavg/fedprox/fedsgd)"."""
+    by_value: dict[float, list[str]] = {}
+    for entry in ALGORITHMS.values():
+        by_value.setdefault(getattr(entry, setting), []).append(entry.name)
+    text = ", ".join(f"{value:g} {'/'.join(names)}" for value, names in by_value.items())
+    on_dataset: dict[float, list[str]] = {}
+    for entry in ALGORITHMS.values():
+        value = getattr(entry, f"default_{setting}")(dataset)
+        if value != getattr(entry, setting):
+            on_dataset.setdefault(value, []).append(entry.name)
+    overrides = ", ".join(f"{value:g} on {dataset} ({'/'.join(names)})" for value, names in on_dataset.items())
+    return f"{text}; {overrides}" if overrides else text
+
+
+ALGORITHM_HELP = "Federated algorithm: " + "; ".join(f"{e.name} ({e.label}: {e.summary})" for e in ALGORITHMS.values())
+ACCOUNTANT_HELP = "Privacy accountant: " + "; ".join(f"{e.name} ({e.summary})" for e in ACCOUNTANTS.values())
+
+
 @click.group(cls=OneSentenceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="fedaudit")
 def main() -> None:
@@ -152,8 +147,8 @@ def main() -> None:
 )
 @click.option(
     "--algorithm",
-    type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]),
-    help="Federated algorithm. [default: fedavg]",
+    type=click.Choice(list(ALGORITHMS)),
+    help=f"{ALGORITHM_HELP}. [default: {DEFAULT_ALGORITHM}]",
 )
 @click.option(
     "--dp/--no-dp",
@@ -168,13 +163,15 @@ def main() -> None:
 @click.option(
     "--max-grad-norm",
     type=float,
-    help="C: per-sample gradient clipping norm. [default: 0.1 fedavg/fedsgd, 0.2 fedprox, 1.0 fedlap; 1.0 on digits]",
+    help=f"C: per-sample gradient clipping norm. [default: {per_algorithm('max_grad_norm')}]",
 )
 @click.option(
     "--target-epsilon", type=float, help="Calibrate sigma so that epsilon after the last round is at most this."
 )
 @click.option("--delta", type=float, help="delta of (epsilon, delta)-DP. [default: 1e-5]")
-@click.option("--accountant", type=click.Choice(["rdp", "prv"]), help="Privacy accountant. [default: rdp]")
+@click.option(
+    "--accountant", type=click.Choice(list(ACCOUNTANTS)), help=f"{ACCOUNTANT_HELP}. [default: {DEFAULT_ACCOUNTANT}]"
+)
 @click.option("--dataset", help="digits, mnist, fashion-mnist or cifar10. [default: digits]")
 @click.option(
     "--data-dir",
@@ -193,17 +190,21 @@ def main() -> None:
 )
 @click.option("--model", type=click.Choice(["convnet", "mlp"]), help="Architecture. [default: convnet]")
 @click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128]")
-@click.option("--depth", type=int, help="Blocks (ConvNet) or hidden layers (MLP). [default: 3]")
+@click.option(
+    "--depth",
+    type=int,
+    help="Blocks (ConvNet) or hidden layers (MLP). [default: fitted to the input size: 3 for 32x32 images]",
+)
 @click.option("--rounds", type=int, help="Communication rounds M. [default: 10]")
 @click.option("--client-fraction", type=float, help="Fraction p of clients selected per round. [default: 1.0]")
 @click.option(
     "--weighting",
-    type=click.Choice(["num_examples", "uniform"]),
+    type=click.Choice(WEIGHTINGS),
     help="Aggregation weights N_k/N or 1/K. [default: num_examples]",
 )
 @click.option("--server-lr", type=float, help="Server learning rate eta_s. [default: 1.0]")
 @click.option("--local-epochs", type=int, help="Local epochs E. [default: 5]")
-@click.option("--lr", type=float, help="Client learning rate eta_c. [default: 0.1; 0.002 fedlap; 0.5 on digits]")
+@click.option("--lr", type=float, help=f"Client learning rate eta_c. [default: {per_algorithm('client_lr')}]")
 @click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
 @click.option(
     "--batch-size",
@@ -213,7 +214,7 @@ def main() -> None:
 @click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
 @click.option(
     "--lr-schedule",
-    type=click.Choice(["constant", "cosine"]),
+    type=click.Choice(LR_SCHEDULES),
     help="Client learning rate over rounds. [default: cosine]",
 )
 @click.option(
@@ -238,7 +239,7 @@ def main() -> None:
 )
 @click.option(
     "--init",
-    type=click.Choice(["noise", "previous", "real"]),
+    type=click.Choice(FEDLAP_INITS),
     help="FedLAP synthetic set initialisation (real: non-DP only). [default: noise / real]",
 )
 @click.option(
@@ -250,7 +251,7 @@ def main() -> None:
 @click.option("--server-epochs", type=int, help="FedLAP server epochs at most. [default: 100]")
 @click.option(
     "--radius-strategy",
-    type=click.Choice(["min", "median", "max", "fixed"]),
+    type=click.Choice(RADIUS_STRATEGIES),
     help="FedLAP server radius r_g from the clients' r_k. [default: min]",
 )
 @click.option(
@@ -264,10 +265,10 @@ def main() -> None:
     help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.",
 )
 @click.option("--seed", type=int, help="Seed of every random choice in the run. [default: 0]")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train. [default: auto]")
+@click.option("--device", type=click.Choice(DEVICES), help="Where to train. [default: auto]")
 @click.option(
     "--engine",
-    type=click.Choice(["local", "flower"]),
+    type=click.Choice(ENGINES),
     help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the same seed gives the same run on both. [default: local]",
 )
 @click.option("--out", type=click.Path(), help="Run directory to create.")
@@ -293,6 +294,7 @@ def train(
 ) -> None:
     """Train a federated model and write a run directory (config, membership, metrics, ledger, weights)."""
     from fedaudit import training
+    from fedaudit.setup import TrainingError, data_access
     from fedaudit.config import RunConfig, load_config_file
 
     progress = show_progress(progress)
@@ -305,7 +307,7 @@ def train(
             + (["overwrite"] if overwrite else [])
         )
         if extra:
-            raise training.TrainingError(
+            raise TrainingError(
                 f"--resume continues a run with its stored configuration; only --rounds and --device may be given "
                 f"with it, not --{extra[0].replace('_', '-')}."
             )
@@ -314,7 +316,7 @@ def train(
         )
     else:
         if out is None and not equal_data_access:
-            raise training.TrainingError("--out is required: the directory the run is written to.")
+            raise TrainingError("--out is required: the directory the run is written to.")
         config = load_config_file(config_file) if config_file else RunConfig()
         if config.privacy.calibrated:
             # A config.json of a --target-epsilon run: its sigma was calibrated for that run's rounds, rates and
@@ -324,7 +326,7 @@ def train(
             config = replace(config, privacy=replace(config.privacy, calibrated=False, **forget))
         config = config.with_overrides({TRAIN_OPTION_FIELDS[name]: options[name] for name in options})
         if equal_data_access:
-            for line in training.equal_data_access(config):
+            for line in data_access(config).lines():
                 click.echo(line)
             return
         result = training.train(config, out, overwrite=overwrite, progress=progress)
@@ -350,7 +352,13 @@ def train(
     help="Client selection probability p.",
 )
 @click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-5, show_default=True)
-@click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True)
+@click.option(
+    "--accountant",
+    type=click.Choice(list(ACCOUNTANTS)),
+    default=DEFAULT_ACCOUNTANT,
+    show_default=True,
+    help=ACCOUNTANT_HELP + ".",
+)
 @user_errors
 def epsilon(
     noise_multiplier: float | None,
@@ -450,7 +458,7 @@ def epsilon(
 )
 @click.option(
     "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
+    type=click.Choice(DEVICES),
     default="auto",
     show_default=True,
     help="Where to compute the signals.",
@@ -562,7 +570,7 @@ COMPARE_BASE_OPTIONS = (
     "--algorithm",
     "algorithms",
     multiple=True,
-    type=click.Choice(["fedavg", "fedprox", "fedsgd", "fedlap"]),
+    type=click.Choice(list(ALGORITHMS)),
     help="Repeat for several. [default: fedavg, fedprox, fedlap]",
 )
 @click.option(
@@ -641,7 +649,7 @@ def compare(
 
     Running it again does only what is missing: finished runs and attacks are kept, interrupted runs resume.
     """
-    from fedaudit.reports.study import run_study, study_from_options
+    from fedaudit.study import run_study, study_from_options
 
     study = study_from_options(
         study_file,

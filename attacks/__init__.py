@@ -2,8 +2,10 @@
 
 import enum
 
+from fedaudit.errors import UserError
 
-class AttackError(ValueError):
+
+class AttackError(UserError):
     """An attack that cannot be run as asked (one clear sentence for the user)."""
 
 

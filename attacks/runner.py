@@ -29,7 +29,7 @@ from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
-from fedaudit.training import resolve_device
+from fedaudit.setup import resolve_device
 
 RESULT_FORMAT = "fedaudit-attack"
 RESULT_FORMAT_VERSION = 2
@@ -142,22 +142,18 @@ class AttackResult:
 def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     """Read and check a run directory, load its data and draw the evaluation set; writes nothing."""
     run = RunDirectory(path)
-    manifest = run.read_manifest()
-    config = RunConfig.from_dict(run.read_config())
-    done = manifest.get("rounds_done")
-    if not isinstance(done, int) or done < 1:
+    done = run.read_manifest().rounds_done
+    config = run.read_run_config()
+    if done < 1:
         raise RunError(f"{run.path} has no completed round yet, so there is no model to attack.")
     partition = Partition.from_arrays(run.read_membership())
     dataset = load_dataset(config.data.dataset, config.data.data_dir, download=False)
-    recorded = manifest.get("dataset")
-    if not isinstance(recorded, dict) or dataset.fingerprint != recorded.get("fingerprint"):
-        raise RunError(
-            f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch)."
-        )
+    run.check_dataset(dataset)
     largest = max(int(idx.max(initial=-1)) for idx in (*partition.clients, partition.holdout))
     if largest >= len(dataset.train_y):
         raise RunError(
-            f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records of {config.data.dataset}."
+            f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records "
+            f"of {config.data.dataset}."
         )
     targets = attack_targets(run, parse_target(options.target), done)
     for target in targets:
@@ -347,8 +343,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
     """The result directories ``options`` would write for ``run`` as it stands, each with the round it attacks
     (empty when the run cannot be attacked)."""
     try:
-        done = run.read_manifest().get("rounds_done")
-        targets = attack_targets(run, parse_target(options.target), done if isinstance(done, int) else 0)
+        targets = attack_targets(run, parse_target(options.target), run.read_manifest().rounds_done)
     except (RunError, AttackError):
         return {}
     return {
@@ -367,8 +362,8 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
     """
     run = RunDirectory(path)
     try:
-        config = RunConfig.from_dict(run.read_config())
-    except (RunError, ValueError):
+        config = run.read_run_config()
+    except RunError:
         return False
     names = expected_results(run, options)
     seed = config.seed if options.seed is None else options.seed

@@ -19,31 +19,21 @@ from typing import Any
 
 import yaml
 
-ALGORITHMS = ("fedavg", "fedprox", "fedsgd", "fedlap")
+from fedaudit.errors import UserError
+from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
+
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("local", "flower")
 WEIGHTINGS = ("num_examples", "uniform")
 LR_SCHEDULES = ("constant", "cosine")
-ACCOUNTANTS = ("rdp", "prv")
 
 # Expected batch size B: the authors' 256 for the 60,000-record image datasets; the 1,797 records of digits
 # leave about 250 per client of the default 5-client split, so B = 256 would make q = B / N_k exceed 1 there.
 DEFAULT_BATCH_SIZE = {"digits": 32}
 PAPER_BATCH_SIZE = 256
 
-# Clipping norms of the authors' DP configurations, per algorithm (ALGORITHMS.md sections 3 and 4).
-DEFAULT_MAX_GRAD_NORM = {"fedavg": 0.1, "fedsgd": 0.1, "fedprox": 0.2, "fedlap": 1.0}
 
-# Gradient-sharing clients (FedAvg, FedProx, FedSGD) on datasets where the authors' Fashion-MNIST step and DP-SGD
-# clipping norm barely move the model under DP. On digits (8x8 images, ~290 records per client) lr 0.1 with C = 0.1
-# left a width-16 ConvNet at 10% test accuracy after 3 rounds (53% with these), and the default DP run at 69% (83%),
-# at the same epsilon. The step is the same with and without DP (a study's no-DP reference then differs from its DP
-# runs in the privacy settings alone; without DP, digits reached 88% with lr 0.1 and 87% with 0.5 at width 32).
-DATASET_CLIENT_LR: dict[str, float] = {"digits": 0.5}
-DATASET_DP_SGD_MAX_GRAD_NORM: dict[str, float] = {"digits": 1.0}
-
-
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """An invalid configuration value (one clear sentence for the user)."""
 
 
@@ -75,7 +65,7 @@ class FederatedConfig:
     ``None`` means "the algorithm's default", filled in by :meth:`RunConfig.resolved`.
     """
 
-    algorithm: str = "fedavg"
+    algorithm: str = DEFAULT_ALGORITHM
     rounds: int = 10
     client_fraction: float = 1.0
     weighting: str = "num_examples"
@@ -98,13 +88,13 @@ class PrivacyConfig:
     max_grad_norm: float | None = None
     target_epsilon: float | None = None
     delta: float = 1e-5
-    accountant: str = "rdp"
+    accountant: str = DEFAULT_ACCOUNTANT
     calibrated: bool = False
 
 
 @dataclass(frozen=True)
 class FedLAPConfig:
-    """FedLAP / FedLAP-DP local approximation and global optimisation (ALGORITHMS.md section 4).
+    """FedLAP / FedLAP-DP local approximation and global optimisation (docs/algorithms.md).
 
     ``None`` means the authors' default for the DP or non-DP setting, filled in by :meth:`RunConfig.resolved`.
     """
@@ -207,13 +197,12 @@ class RunConfig:
         fed = self.federated
         priv = self.privacy
         algorithm = fed.algorithm
-        if algorithm not in ALGORITHMS:
+        entry = ALGORITHMS.get(algorithm)
+        if entry is None:
             raise ConfigError(f"Unknown algorithm '{algorithm}'; choose one of: {', '.join(ALGORITHMS)}.")
         fed = replace(
             fed,
-            client_lr=fed.client_lr
-            if fed.client_lr is not None
-            else (0.002 if algorithm == "fedlap" else DATASET_CLIENT_LR.get(self.data.dataset, 0.1)),
+            client_lr=fed.client_lr if fed.client_lr is not None else entry.default_client_lr(self.data.dataset),
             lr_schedule=fed.lr_schedule if fed.lr_schedule is not None else "cosine",
             batch_size=fed.batch_size
             if fed.batch_size is not None
@@ -228,11 +217,7 @@ class RunConfig:
                 priv,
                 max_grad_norm=priv.max_grad_norm
                 if priv.max_grad_norm is not None
-                else (
-                    DEFAULT_MAX_GRAD_NORM[algorithm]
-                    if algorithm == "fedlap"
-                    else DATASET_DP_SGD_MAX_GRAD_NORM.get(self.data.dataset, DEFAULT_MAX_GRAD_NORM[algorithm])
-                ),
+                else entry.default_max_grad_norm(self.data.dataset),
                 noise_multiplier=(
                     priv.noise_multiplier
                     if priv.noise_multiplier is not None or priv.target_epsilon is not None

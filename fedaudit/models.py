@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedaudit.errors import UserError
+
 ARCHITECTURES = ("convnet", "mlp")
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model configuration that cannot be built (one clear sentence)."""
 
 

@@ -1,9 +1,9 @@
 """The run directory: the contract between train, attack and report.
 
-Layout (DESIGN.md)::
+Layout (every file and key: docs/run-directory.md)::
 
-    config.json  manifest.json  membership.npz  metrics.csv  privacy.json
-    model.safetensors  checkpoints/round-NNNN.safetensors (+ .json)  transmitted/  attacks/
+    config.json  manifest.json  membership.npz  metrics.csv  privacy.json  model.safetensors
+    checkpoints/round-NNNN.safetensors (+ .json, + -clients.safetensors)  transmitted/  attacks/
 
 Weights are safetensors and metadata JSON, so nothing is ever unpickled.
 Every file is written to a temporary name in the same directory and renamed,
@@ -13,6 +13,7 @@ and is the commit point that ``--resume`` trusts.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -21,9 +22,10 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -33,15 +35,189 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 import fedaudit
+from fedaudit.config import ConfigError, RunConfig
+from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model
+
+if TYPE_CHECKING:
+    from fedaudit.data import Dataset
 
 RUN_FORMAT = "fedaudit-run"
 FORMAT_VERSION = 1
 METRIC_COLUMNS = ("round", "test_accuracy", "test_loss", "epsilon", "wall_seconds", "bytes_up")
 
 
-class RunError(ValueError):
+class RunError(UserError):
     """A run directory that is missing, incomplete, or from an incompatible version (one clear sentence)."""
+
+
+def _field(data: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """``data[key]`` checked to be of ``kind`` (a bool is not an int here); a :class:`RunError` naming ``where``."""
+    value = data.get(key) if isinstance(data, Mapping) else None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise RunError(f'{where} has no valid "{key}" entry.')
+    return value
+
+
+def _ints(data: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
+    values = _field(data, key, list, where)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise RunError(f'{where} has no valid "{key}" entry (a list of integers).')
+    return tuple(values)
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """The data a run was trained on: a resume or an attack must find the same bytes (fingerprint)."""
+
+    name: str
+    source: str
+    fingerprint: str
+    train_size: int
+    test_size: int
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> DatasetRecord:
+        return cls(
+            name=_field(data, "name", str, where),
+            source=_field(data, "source", str, where),
+            fingerprint=_field(data, "fingerprint", str, where),
+            train_size=_field(data, "train_size", int, where),
+            test_size=_field(data, "test_size", int, where),
+        )
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """The global model's architecture, enough to rebuild it and fill it from safetensors (nothing unpickled)."""
+
+    arch: str
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    width: int
+    depth: int
+    num_parameters: int
+
+    @property
+    def spec(self) -> ModelSpec:
+        return ModelSpec(self.arch, self.input_shape, self.num_classes, self.width, self.depth)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "input_shape": list(self.input_shape)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ModelRecord:
+        shape = _ints(data, "input_shape", where)
+        if len(shape) != 3:
+            raise RunError(f'{where} has no valid "input_shape" entry (three integers).')
+        return cls(
+            arch=_field(data, "arch", str, where),
+            input_shape=(shape[0], shape[1], shape[2]),
+            num_classes=_field(data, "num_classes", int, where),
+            width=_field(data, "width", int, where),
+            depth=_field(data, "depth", int, where),
+            num_parameters=_field(data, "num_parameters", int, where),
+        )
+
+
+@dataclass(frozen=True)
+class ClientsRecord:
+    """The clients as the accountant saw them: sizes, held-out pool, effective participation, worst-case queries."""
+
+    num_examples: tuple[int, ...]
+    holdout: int
+    client_fraction_effective: float
+    dp_queries_per_round: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_examples": list(self.num_examples),
+            "holdout": self.holdout,
+            "client_fraction_effective": self.client_fraction_effective,
+            "dp_queries_per_round": list(self.dp_queries_per_round),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ClientsRecord:
+        return cls(
+            num_examples=_ints(data, "num_examples", where),
+            holdout=_field(data, "holdout", int, where),
+            client_fraction_effective=float(_field(data, "client_fraction_effective", (int, float), where)),
+            dp_queries_per_round=_ints(data, "dp_queries_per_round", where),
+        )
+
+
+MANIFEST_STATUSES = ("running", "complete", "interrupted", "failed")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: what the run is and how far it got. Written last in every round: the commit point of a round.
+
+    Every reader (resume, attack, report, study) gets this type from :meth:`RunDirectory.read_manifest`, checked.
+    """
+
+    status: str
+    rounds_done: int
+    rounds: int
+    created: str
+    algorithm: str
+    dp: bool
+    engine: str
+    device: str
+    versions: Mapping[str, str]
+    dataset: DatasetRecord
+    model: ModelRecord
+    clients: ClientsRecord
+    updated: str | None = None
+
+    def advanced(self, *, rounds_done: int | None = None, status: str | None = None) -> Manifest:
+        """The same manifest after progress: more rounds done, or a new status."""
+        return dataclasses.replace(
+            self,
+            rounds_done=self.rounds_done if rounds_done is None else rounds_done,
+            status=self.status if status is None else status,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "rounds_done": self.rounds_done,
+            "rounds": self.rounds,
+            "created": self.created,
+            "algorithm": self.algorithm,
+            "dp": self.dp,
+            "engine": self.engine,
+            "device": self.device,
+            "versions": dict(self.versions),
+            "dataset": dataclasses.asdict(self.dataset),
+            "model": self.model.to_dict(),
+            "clients": self.clients.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str) -> Manifest:
+        """Build and check; ``where`` names the file in the one-sentence :class:`RunError` of a bad entry."""
+        status = _field(data, "status", str, where)
+        if status not in MANIFEST_STATUSES:
+            raise RunError(f"{where} has an unknown status {status!r}.")
+        versions = _field(data, "versions", dict, where)
+        return cls(
+            status=status,
+            rounds_done=_field(data, "rounds_done", int, where),
+            rounds=_field(data, "rounds", int, where),
+            created=_field(data, "created", str, where),
+            algorithm=_field(data, "algorithm", str, where),
+            dp=_field(data, "dp", bool, where),
+            engine=_field(data, "engine", str, where),
+            device=_field(data, "device", str, where),
+            versions={str(k): str(v) for k, v in versions.items()},
+            dataset=DatasetRecord.from_dict(_field(data, "dataset", dict, where), f"{where} (dataset)"),
+            model=ModelRecord.from_dict(_field(data, "model", dict, where), f"{where} (model)"),
+            clients=ClientsRecord.from_dict(_field(data, "clients", dict, where), f"{where} (clients)"),
+            updated=data.get("updated") if isinstance(data.get("updated"), str) else None,
+        )
 
 
 TEMPORARY_SUFFIX = ".tmp"
@@ -209,7 +385,8 @@ class RunDirectory:
         if self.path.exists() and any(self.path.iterdir()):
             if not overwrite:
                 raise RunError(
-                    f"--out {self.path} already exists; pass --resume {self.path} to continue it or --overwrite to replace it."
+                    f"--out {self.path} already exists; pass --resume {self.path} to continue it or --overwrite to "
+                    "replace it."
                 )
             if not self.is_run():
                 raise RunError(
@@ -236,8 +413,8 @@ class RunDirectory:
     def read_config(self) -> dict[str, Any]:
         return self.read_json(self.config_path)
 
-    def read_manifest(self) -> dict[str, Any]:
-        """The manifest, checked to be a fedaudit run of a format this version reads."""
+    def read_manifest(self) -> Manifest:
+        """The manifest, checked to be a fedaudit run of a format this version reads, with every entry valid."""
         if not self.path.is_dir():
             raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
         manifest = self.read_json(self.manifest_path)
@@ -247,15 +424,31 @@ class RunDirectory:
             )
         if manifest.get("format_version") != FORMAT_VERSION:
             raise RunError(
-                f"{self.path} was written in run format {manifest.get('format_version')} but this fedaudit reads format {FORMAT_VERSION}."
+                f"{self.path} was written in run format {manifest.get('format_version')} but this fedaudit reads "
+                f"format {FORMAT_VERSION}."
             )
-        return manifest
+        return Manifest.from_dict(manifest, str(self.manifest_path))
 
-    def write_manifest(self, manifest: dict[str, Any]) -> None:
+    def write_manifest(self, manifest: Manifest) -> None:
         atomic_write_json(
             self.manifest_path,
-            {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **manifest, "updated": now_iso()},
+            {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **manifest.to_dict(), "updated": now_iso()},
         )
+
+    def read_run_config(self) -> RunConfig:
+        """config.json as a :class:`RunConfig`; a malformed one is a :class:`RunError`."""
+        try:
+            return RunConfig.from_dict(self.read_config())
+        except (ConfigError, TypeError) as exc:
+            raise RunError(f"{self.config_path} is not a valid fedaudit configuration: {exc}") from exc
+
+    def check_dataset(self, dataset: Dataset) -> None:
+        """The data found now must be the data the run was trained on (same fingerprint), or a :class:`RunError`."""
+        if dataset.fingerprint != self.read_manifest().dataset.fingerprint:
+            raise RunError(
+                f"The {dataset.name} data found now differs from the data {self.path} was trained on "
+                "(fingerprint mismatch)."
+            )
 
     def write_membership(self, arrays: Mapping[str, np.ndarray]) -> None:
         buffer = io.BytesIO()
@@ -339,22 +532,7 @@ class RunDirectory:
 
     def model_spec(self) -> ModelSpec:
         """The architecture recorded in manifest.json's "model" entry, to rebuild the model without unpickling."""
-        entry = self.read_manifest().get("model")
-        try:
-            shape = tuple(int(v) for v in entry["input_shape"])
-            if len(shape) != 3:
-                raise ValueError("input_shape must have three entries")
-            return ModelSpec(
-                arch=str(entry["arch"]),
-                input_shape=shape,
-                num_classes=int(entry["num_classes"]),
-                width=int(entry["width"]),
-                depth=int(entry["depth"]),
-            )
-        except (TypeError, KeyError, ValueError) as exc:
-            raise RunError(
-                f'{self.manifest_path} has no valid "model" entry (arch, input_shape, num_classes, width, depth).'
-            ) from exc
+        return self.read_manifest().model.spec
 
     def load_model(self, round_number: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
         """The global model after ``round_number`` (a checkpoint), or the final model.safetensors when None.
@@ -367,7 +545,7 @@ class RunDirectory:
         spec = self.model_spec()
         if round_number is None:
             path = self.model_path
-            done = self.read_manifest().get("rounds_done")
+            done = self.read_manifest().rounds_done
             stored = tensors_metadata(path).get("round")
             if stored != str(done):
                 raise RunError(

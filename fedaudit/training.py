@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,36 +22,26 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import Algorithm, ClientData, RoundContext, TensorDict, clone_params, load_params
-from fedaudit.config import RunConfig, mark_calibrated
-from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
-from fedaudit.engine import make_engine
-from fedaudit.models import ModelSpec, build_model, default_depth, num_parameters
-from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, calibrate_noise_multiplier, round_events
-from fedaudit.runs import RunDirectory, RunError, now_iso, remove_stale_temporaries, versions
-from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng, repeatable
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, TensorDict, clone_params, load_params
+from fedaudit.config import RunConfig
+from fedaudit.engine import Engine, make_engine
+from fedaudit.models import build_model, num_parameters
+from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, round_events
+from fedaudit.runs import (
+    ClientsRecord,
+    DatasetRecord,
+    Manifest,
+    ModelRecord,
+    RunDirectory,
+    RunError,
+    now_iso,
+    remove_stale_temporaries,
+    versions,
+)
+from fedaudit.seeding import Stream, derive_seed, make_generator, repeatable
+from fedaudit.setup import Setup, TrainingError, prepare, select_clients
 
 Echo = Callable[[str], None]
-
-
-class TrainingError(ValueError):
-    """A run that cannot be set up as configured (one clear sentence)."""
-
-
-@dataclass
-class Setup:
-    """Everything a run needs, validated before any file is written."""
-
-    config: RunConfig
-    dataset: Dataset
-    partition: Partition
-    spec: ModelSpec
-    device: torch.device
-    algorithm: Algorithm
-    client_fraction: float  # effective selection probability ceil(p K) / K
-    queries: dict[int, int]  # worst-case DP queries per round, per client
-    sample_rates: dict[int, float]  # B / N_k per client (DP only)
 
 
 @dataclass(frozen=True)
@@ -64,90 +54,24 @@ class TrainResult:
     epsilon: float
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; asking for CUDA without one is a user error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("--device cuda was requested but no CUDA device is available; use --device cpu or auto.")
-    return torch.device(name)
-
-
-def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
-    """Resolve and check a configuration, load the data and build the partition; writes nothing."""
-    config = config.resolved()
-    if config.engine == "flower":
-        from fedaudit.engine.flower import flower_available
-
-        missing = flower_available()
-        if missing:
-            raise TrainingError(missing)
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
-    partition = partition_dataset(
-        dataset.train_y.numpy(),
-        num_clients=config.data.num_clients,
-        scheme=config.data.partition,
-        seed=config.seed,
-        holdout_fraction=config.data.holdout_fraction,
-    )
-    if config.model.depth is None:
-        config = replace(
-            config, model=replace(config.model, depth=default_depth(config.model.arch, dataset.input_shape))
-        )
-    spec = ModelSpec(
-        arch=config.model.arch,
-        input_shape=dataset.input_shape,
-        num_classes=dataset.num_classes,
-        width=config.model.width,
-        depth=config.model.depth,
-    )
-    build_model(spec)  # fail early on a model that cannot be built for this input
-    algorithm = get_algorithm(config)
-    sizes = {k: int(len(idx)) for k, idx in enumerate(partition.clients)}
-    selected = clients_per_round(config.federated.client_fraction, config.data.num_clients)
-    client_fraction = selected / config.data.num_clients
-    queries = {k: algorithm.queries_per_round(config, n) for k, n in sizes.items()}
-    sample_rates: dict[int, float] = {}
-    if config.privacy.dp:
-        batch = config.federated.batch_size
-        smallest = min(sizes.values())
-        if batch > smallest:
-            raise TrainingError(
-                f"--batch-size {batch} exceeds the smallest client's {smallest} records, so the DP sampling rate "
-                f"B / N_k would exceed 1; use a batch size of at most {smallest}."
-            )
-        sample_rates = {k: batch / n for k, n in sizes.items()}
-        if config.privacy.noise_multiplier is None:
-            sigma = max(
-                calibrate_noise_multiplier(
-                    target_epsilon=config.privacy.target_epsilon,
-                    sample_rate=q,
-                    queries_per_round=queries[k],
-                    rounds=config.federated.rounds,
-                    client_fraction=client_fraction,
-                    delta=config.privacy.delta,
-                    accountant=config.privacy.accountant,
-                )
-                for k, q in sample_rates.items()
-            )
-            config = mark_calibrated(config, sigma)
-    return Setup(
-        config=config,
-        dataset=dataset,
-        partition=partition,
-        spec=spec,
-        device=resolve_device(device or config.device),
-        algorithm=algorithm,
-        client_fraction=client_fraction,
-        queries=queries,
-        sample_rates=sample_rates,
-    )
-
-
 def train(
     config: RunConfig, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
 ) -> TrainResult:
-    """Train a new run into ``out`` (validated fully before the directory is touched)."""
+    """Train a new run into ``out``; the configuration is checked completely before the directory is touched.
+
+    Args:
+        config: the run's configuration (defaults are resolved and written to config.json).
+        out: the run directory to create.
+        overwrite: replace an existing run at ``out`` (never a directory that is not a run).
+        progress: show progress bars.
+        echo: receives one line per round (accuracy, loss, epsilon, time, bytes sent).
+
+    Returns:
+        Where the run went, its rounds, final test accuracy and epsilon (infinite without DP).
+
+    Raises:
+        UserError: a configuration, data or run-directory problem, in one sentence; nothing is written.
+    """
     return train_setup(prepare(config), out, overwrite=overwrite, progress=progress, echo=echo)
 
 
@@ -159,13 +83,10 @@ def train_setup(
     run.prepare_new(overwrite)
     run.write_config(setup.config.to_dict())
     run.write_membership(setup.partition.to_arrays())
-    torch.manual_seed(derive_seed(setup.config.seed, Stream.INIT))
-    model = build_model(setup.spec)
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    ledger = _new_ledger(setup.config) if setup.config.privacy.dp else None
-    manifest = _manifest(setup, status="running", rounds_done=0, created=now_iso())
+    state = _TrainingState(params=_initial_params(setup), ledger=_new_ledger(setup.config))
+    manifest = _manifest(setup, rounds_done=0, created=now_iso())
     run.write_manifest(manifest)
-    return _run_rounds(setup, run, manifest, params, ledger, [], {}, start=0, progress=progress, echo=echo)
+    return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
 
 
 def resume(
@@ -176,14 +97,29 @@ def resume(
     progress: bool = True,
     echo: Echo = tqdm.write,
 ) -> TrainResult:
-    """Continue an interrupted run from its last completed round (optionally extending ``rounds``).
+    """Continue an interrupted run from its last committed round, or extend a complete one to ``rounds``.
 
-    ``device`` overrides where the rest of the run trains (the results do not depend on it).
+    The resumed run is byte-identical to an uninterrupted one: the partition is rebuilt from the seed and compared
+    with membership.npz, the data must have the recorded fingerprint, and every random stream is derived from
+    (seed, stream, round, client).
+
+    Args:
+        run_dir: the run directory.
+        rounds: a new total number of rounds (not fewer than done; not more for a ``--target-epsilon`` run).
+        device: where the rest of the run trains (the results do not depend on it).
+        progress: show progress bars.
+        echo: receives one line per round.
+
+    Returns:
+        As :func:`train`.
+
+    Raises:
+        UserError: the directory is not a resumable run, or ``rounds`` cannot be honoured.
     """
     run = RunDirectory(run_dir)
     manifest = run.read_manifest()
-    config = RunConfig.from_dict(run.read_config())
-    done = int(manifest.get("rounds_done", 0))
+    config = run.read_run_config()
+    done = manifest.rounds_done
     if rounds is not None:
         if rounds < done:
             raise TrainingError(f"--rounds {rounds} is fewer than the {done} rounds {run.path} has already completed.")
@@ -194,10 +130,7 @@ def resume(
             )
         config = replace(config, federated=replace(config.federated, rounds=rounds))
     setup = prepare(config, device=device)
-    if setup.dataset.fingerprint != manifest["dataset"]["fingerprint"]:
-        raise RunError(
-            f"The {config.data.dataset} data found now differs from the data {run.path} was trained on (fingerprint mismatch)."
-        )
+    run.check_dataset(setup.dataset)
     stored = run.read_membership()
     if any(not np.array_equal(stored[key], value) for key, value in setup.partition.to_arrays().items()):
         raise RunError(
@@ -205,46 +138,17 @@ def resume(
         )
     remove_stale_temporaries(run.path)  # half-written files of the interrupted process
     run.write_config(setup.config.to_dict())
-    states: dict[int, TensorDict] = {}
+    state = _TrainingState(params=_initial_params(setup), ledger=_resumed_ledger(run, setup.config, done))
     if done > 0:
-        stored_params, _state = run.load_checkpoint(done, setup.device)
+        stored_params, _checkpoint = run.load_checkpoint(done, setup.device)
         # safetensors returns names sorted; keep the model's order, which fixes the order of floating-point sums
-        params = {name: stored_params[name] for name, _ in build_model(setup.spec).named_parameters()}
-        states = run.load_client_states(done, setup.device)
-    else:
-        torch.manual_seed(derive_seed(setup.config.seed, Stream.INIT))
-        params = {name: p.detach().clone() for name, p in build_model(setup.spec).named_parameters()}
-    ledger = None
-    if setup.config.privacy.dp:
-        stored_ledger = run.read_privacy()
-        ledger = _ledger_upto(stored_ledger, done) if stored_ledger else _new_ledger(setup.config)
-        if ledger.rounds != done:
-            raise RunError(
-                f"{run.privacy_path} records {ledger.rounds} rounds but the manifest says {done}; the run is inconsistent."
-            )
-    rows = run.read_metrics().to_dict("records")[:done]
-    manifest = {
-        **manifest,
-        **_manifest(setup, status="running", rounds_done=done, created=manifest.get("created", now_iso())),
-    }
+        state.params = {name: stored_params[name] for name in state.params}
+        state.states = run.load_client_states(done, setup.device)
+    state.rows = run.read_metrics().to_dict("records")[:done]
+    manifest = _manifest(setup, rounds_done=done, created=manifest.created)
     if done == setup.config.federated.rounds:
         echo(f"{run.path} has already completed all {done} rounds; nothing to do.")
-    return _run_rounds(setup, run, manifest, params, ledger, rows, states, start=done, progress=progress, echo=echo)
-
-
-def equal_data_access(config: RunConfig) -> list[str]:
-    """The DP-FedAvg settings that make as many DP queries per round as ``config`` (the paper's fair comparison)."""
-    setup = prepare(config)
-    queries = max(setup.queries.values())
-    smallest = min(len(idx) for idx in setup.partition.clients)
-    per_epoch = max(1, smallest // setup.config.federated.batch_size)
-    epochs = max(1, round(queries / per_epoch))
-    return [
-        f"{setup.config.federated.algorithm} makes {queries} DP queries per client per round "
-        f"(batch {setup.config.federated.batch_size}, smallest client {smallest} records, {per_epoch} batches per epoch).",
-        f"DP-FedAvg at equal data access: --algorithm fedavg --local-steps {queries} "
-        f"(nearest whole epochs: --local-epochs {epochs} = {epochs * per_epoch} queries).",
-    ]
+    return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
 
 
 def evaluate(
@@ -263,43 +167,36 @@ def evaluate(
     return correct / len(y), total_loss / len(y)
 
 
-def clients_per_round(client_fraction: float, num_clients: int) -> int:
-    """ceil(p K), ignoring floating-point error in p K (0.28 * 25 is 7.000000000000001, not above 7)."""
-    return max(1, math.ceil(round(client_fraction * num_clients, 9)))
+@dataclass
+class _TrainingState:
+    """What the round loop carries from round to round (and what a resume restores)."""
+
+    params: TensorDict
+    ledger: PrivacyLedger | None
+    rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.csv so far
+    states: dict[int, TensorDict] = field(default_factory=dict)  # what clients keep between rounds
 
 
-def select_clients(seed: int, round_index: int, num_clients: int, client_fraction: float) -> list[int]:
-    """The clients taking part in a round: ceil(p K) of K, uniformly without replacement."""
-    count = clients_per_round(client_fraction, num_clients)
-    if count >= num_clients:
-        return list(range(num_clients))
-    chosen = numpy_rng(seed, Stream.SELECT, round_index).choice(num_clients, size=count, replace=False)
-    return sorted(int(k) for k in chosen)
+@dataclass(frozen=True)
+class _RoundOutcome:
+    """One computed round, before it is committed to the run directory."""
+
+    round: int  # 1-based
+    params: TensorDict
+    messages: list[ClientMessage]
+    server_metrics: dict[str, float]
+    row: dict[str, Any]
 
 
-def _ledger_upto(stored: dict[str, Any], done: int) -> PrivacyLedger:
-    """The stored ledger as of the last committed round.
-
-    manifest.json is written last in a round, so an interruption just before
-    it leaves privacy.json one round ahead of the manifest; that round is
-    re-run on resume and must not be charged twice.
-    """
-    ledger = PrivacyLedger.from_dict(stored)
-    if ledger.rounds <= done:
-        return ledger
-    lists = [[SGMEvent.from_dict(e) for e in events] for events in stored["history"]["event_lists"]]
-    replay = PrivacyLedger(
-        accountant=stored["accountant"],
-        delta=stored["delta"],
-        noise_multiplier=stored["noise_multiplier"],
-        max_grad_norm=stored["max_grad_norm"],
-    )
-    for row in stored["history"]["rounds"][:done]:
-        replay.record_round({int(k): lists[i] for k, i in row.items()})
-    return replay
+def _initial_params(setup: Setup) -> TensorDict:
+    """The global model at round 0, drawn from the run's seed (in the model's parameter order)."""
+    torch.manual_seed(derive_seed(setup.config.seed, Stream.INIT))
+    return {name: p.detach().clone() for name, p in build_model(setup.spec).named_parameters()}
 
 
-def _new_ledger(config: RunConfig) -> PrivacyLedger:
+def _new_ledger(config: RunConfig) -> PrivacyLedger | None:
+    if not config.privacy.dp:
+        return None
     return PrivacyLedger(
         accountant=config.privacy.accountant,
         delta=config.privacy.delta,
@@ -308,44 +205,56 @@ def _new_ledger(config: RunConfig) -> PrivacyLedger:
     )
 
 
-def _manifest(setup: Setup, *, status: str, rounds_done: int, created: str) -> dict[str, Any]:
-    config = setup.config
-    model = build_model(setup.spec)
-    return {
-        "status": status,
-        "rounds_done": rounds_done,
-        "rounds": config.federated.rounds,
-        "created": created,
-        "algorithm": config.federated.algorithm,
-        "dp": config.privacy.dp,
-        "engine": config.engine,
-        "device": str(setup.device),
-        "versions": versions(),
-        "dataset": {
-            "name": setup.dataset.name,
-            "source": setup.dataset.source,
-            "fingerprint": setup.dataset.fingerprint,
-            "train_size": int(len(setup.dataset.train_y)),
-            "test_size": int(len(setup.dataset.test_y)),
-        },
-        "model": {
-            "arch": setup.spec.arch,
-            "input_shape": list(setup.spec.input_shape),
-            "num_classes": setup.spec.num_classes,
-            "width": setup.spec.width,
-            "depth": setup.spec.depth,
-            "num_parameters": num_parameters(model),
-        },
-        "clients": {
-            "num_examples": [int(len(idx)) for idx in setup.partition.clients],
-            "holdout": int(len(setup.partition.holdout)),
-            "client_fraction_effective": setup.client_fraction,
-            "dp_queries_per_round": [setup.queries[k] for k in range(len(setup.partition.clients))],
-        },
-    }
+def _resumed_ledger(run: RunDirectory, config: RunConfig, done: int) -> PrivacyLedger | None:
+    """The stored ledger as of the last committed round (privacy.json may be a round ahead of the manifest)."""
+    if not config.privacy.dp:
+        return None
+    stored = run.read_privacy()
+    ledger = PrivacyLedger.from_dict(stored).truncated(done) if stored else _new_ledger(config)
+    if ledger.rounds != done:
+        raise RunError(
+            f"{run.privacy_path} records {ledger.rounds} rounds but the manifest says {done}; the run is inconsistent."
+        )
+    return ledger
 
 
-def _round_privacy_events(setup: Setup, messages: list, selected: list[int]) -> dict[int, list[SGMEvent]]:
+def _manifest(setup: Setup, *, rounds_done: int, created: str) -> Manifest:
+    config, dataset = setup.config, setup.dataset
+    return Manifest(
+        status="running",
+        rounds_done=rounds_done,
+        rounds=config.federated.rounds,
+        created=created,
+        algorithm=config.federated.algorithm,
+        dp=config.privacy.dp,
+        engine=config.engine,
+        device=str(setup.device),
+        versions=versions(),
+        dataset=DatasetRecord(
+            name=dataset.name,
+            source=dataset.source,
+            fingerprint=dataset.fingerprint,
+            train_size=int(len(dataset.train_y)),
+            test_size=int(len(dataset.test_y)),
+        ),
+        model=ModelRecord(
+            arch=setup.spec.arch,
+            input_shape=tuple(setup.spec.input_shape),
+            num_classes=setup.spec.num_classes,
+            width=setup.spec.width,
+            depth=setup.spec.depth,
+            num_parameters=num_parameters(build_model(setup.spec)),
+        ),
+        clients=ClientsRecord(
+            num_examples=tuple(int(len(idx)) for idx in setup.partition.clients),
+            holdout=int(len(setup.partition.holdout)),
+            client_fraction_effective=setup.client_fraction,
+            dp_queries_per_round=tuple(setup.queries[k] for k in range(len(setup.partition.clients))),
+        ),
+    )
+
+
+def _round_privacy_events(setup: Setup, messages: list[ClientMessage]) -> dict[int, list[SGMEvent]]:
     """Per client, this round's SGM events: the worst case of the plan and of what clients reported.
 
     Every client is charged every round (q1 = p q covers the chance of being
@@ -365,124 +274,133 @@ def _round_privacy_events(setup: Setup, messages: list, selected: list[int]) -> 
     return events
 
 
-def _run_rounds(
-    setup: Setup,
-    run: RunDirectory,
-    manifest: dict[str, Any],
-    params: TensorDict,
-    ledger: PrivacyLedger | None,
-    rows: list[dict[str, Any]],
-    states: dict[int, TensorDict],
-    *,
-    start: int,
-    progress: bool,
-    echo: Echo,
-) -> TrainResult:
-    config, device = setup.config, setup.device
-    repeatable(device)
-    rounds = config.federated.rounds
-    dataset = setup.dataset
-    clients = [
-        ClientData(
-            k,
-            dataset.train_x[torch.from_numpy(idx.copy())].to(device),
-            dataset.train_y[torch.from_numpy(idx.copy())].to(device),
+class _RoundLoop:
+    """The rounds of one training session: the clients' data and the test split on the device, a scratch model."""
+
+    def __init__(self, setup: Setup, run: RunDirectory, engine: Engine) -> None:
+        self.setup, self.run, self.engine = setup, run, engine
+        device, dataset = setup.device, setup.dataset
+        self.clients = [
+            ClientData(
+                k,
+                dataset.train_x[torch.from_numpy(idx.copy())].to(device),
+                dataset.train_y[torch.from_numpy(idx.copy())].to(device),
+            )
+            for k, idx in enumerate(setup.partition.clients)
+        ]
+        self.test = dataset.test_x.to(device), dataset.test_y.to(device)
+        self.model = build_model(setup.spec).to(device)
+
+    def compute(self, m: int, state: _TrainingState) -> _RoundOutcome:
+        """Round ``m`` (0-based): select clients, run them on the engine, update the server, account, evaluate."""
+        setup, config, device = self.setup, self.setup.config, self.setup.device
+        began = time.perf_counter()
+        rounds = config.federated.rounds
+        ctx = RoundContext(round=m, rounds=rounds, config=config, device=device)
+        selected = select_clients(config.seed, m, len(self.clients), config.federated.client_fraction)
+
+        def client_generator(k: int) -> torch.Generator:
+            return make_generator(config.seed, Stream.CLIENT, m, k, device=device)
+
+        messages = self.engine.run_clients(
+            setup.algorithm,
+            self.model,
+            state.params,
+            [self.clients[k] for k in selected],
+            ctx,
+            client_generator,
+            state.states,
         )
-        for k, idx in enumerate(setup.partition.clients)
-    ]
-    test_x, test_y = dataset.test_x.to(device), dataset.test_y.to(device)
-    model = build_model(setup.spec).to(device)
-    params = {name: p.to(device) for name, p in params.items()}
-    accuracy = float(rows[-1]["test_accuracy"]) if rows else float("nan")
-    with make_engine(config, num_clients=len(clients), progress=progress, echo=echo) as engine:
+        state.states.update({msg.client_id: msg.state for msg in messages if msg.state})
+        server = make_generator(config.seed, Stream.SERVER, m, device=device)
+        result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
+        params = clone_params(result.params)
+        wall = time.perf_counter() - began
+        epsilon = math.inf
+        if state.ledger is not None:
+            epsilon = state.ledger.record_round(_round_privacy_events(setup, messages))
+        accuracy, loss = evaluate(self.model, params, *self.test)
+        numbers = {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))}
+        row = {
+            "round": m + 1,
+            "test_accuracy": accuracy,
+            "test_loss": loss,
+            "epsilon": epsilon,
+            "wall_seconds": wall,
+            "bytes_up": sum(msg.nbytes for msg in messages),
+            "clients": len(messages),
+            **numbers,
+        }
+        return _RoundOutcome(round=m + 1, params=params, messages=messages, server_metrics=numbers, row=row)
+
+    def commit(self, outcome: _RoundOutcome, state: _TrainingState, manifest: Manifest) -> Manifest:
+        """Write the round: checkpoint, client states, transmitted payloads, model, metrics, ledger, and the manifest
+        last (the commit point a resume trusts)."""
+        run, config, number = self.run, self.setup.config, outcome.round
+        state.params = outcome.params
+        state.rows.append(outcome.row)
+        clients = [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in outcome.messages]
+        run.save_checkpoint(
+            number,
+            outcome.params,
+            {**_checkpoint_state(config.seed, number), "clients": clients, "server": outcome.server_metrics},
+        )
+        if state.states:
+            run.save_client_states(number, state.states)
+        if config.save_transmitted:
+            for msg in outcome.messages:
+                run.save_transmitted(number, msg.client_id, msg.payload)
+        run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
+        run.write_metrics(state.rows)
+        if state.ledger is not None:
+            run.write_privacy(state.ledger.to_dict())
+        done = number == config.federated.rounds
+        manifest = manifest.advanced(rounds_done=number, status="complete" if done else "running")
+        run.write_manifest(manifest)
+        return manifest
+
+
+def _run_rounds(
+    setup: Setup, run: RunDirectory, manifest: Manifest, state: _TrainingState, *, progress: bool, echo: Echo
+) -> TrainResult:
+    """Compute and commit every round left; an interruption or failure is recorded in the manifest and re-raised."""
+    repeatable(setup.device)
+    rounds, start = setup.config.federated.rounds, manifest.rounds_done
+    state.params = {name: p.to(setup.device) for name, p in state.params.items()}
+    accuracy = float(state.rows[-1]["test_accuracy"]) if state.rows else math.nan
+    with make_engine(setup.config, num_clients=len(setup.partition.clients), progress=progress, echo=echo) as engine:
+        loop = _RoundLoop(setup, run, engine)
         try:
             for m in tqdm(
                 range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress
             ):
-                began = time.perf_counter()
-                ctx = RoundContext(round=m, rounds=rounds, config=config, device=device)
-                selected = select_clients(config.seed, m, len(clients), config.federated.client_fraction)
-                messages = engine.run_clients(
-                    setup.algorithm,
-                    model,
-                    params,
-                    [clients[k] for k in selected],
-                    ctx,
-                    lambda k: make_generator(config.seed, Stream.CLIENT, m, k, device=device),
-                    states,
-                )
-                states.update({msg.client_id: msg.state for msg in messages if msg.state})
-                result = setup.algorithm.server_update(
-                    model, params, messages, ctx, make_generator(config.seed, Stream.SERVER, m, device=device)
-                )
-                params = clone_params(result.params)
-                wall = time.perf_counter() - began
-                epsilon = float("inf")
-                if ledger is not None:
-                    epsilon = ledger.record_round(_round_privacy_events(setup, messages, selected))
-                accuracy, loss = evaluate(model, params, test_x, test_y)
-                rows.append(
-                    {
-                        "round": m + 1,
-                        "test_accuracy": accuracy,
-                        "test_loss": loss,
-                        "epsilon": epsilon,
-                        "wall_seconds": wall,
-                        "bytes_up": sum(msg.nbytes for msg in messages),
-                        "clients": len(messages),
-                        **{key: value for key, value in result.metrics.items() if isinstance(value, (int, float))},
-                    }
-                )
-                run.save_checkpoint(
-                    m + 1,
-                    params,
-                    {
-                        **_checkpoint_state(config.seed, m + 1),
-                        "clients": [
-                            {"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in messages
-                        ],
-                        "server": {
-                            key: value for key, value in result.metrics.items() if isinstance(value, (int, float))
-                        },
-                    },
-                )
-                if states:
-                    run.save_client_states(m + 1, states)
-                if config.save_transmitted:
-                    for msg in messages:
-                        run.save_transmitted(m + 1, msg.client_id, msg.payload)
-                run.save_model(params, {"round": str(m + 1), "algorithm": config.federated.algorithm})
-                run.write_metrics(rows)
-                if ledger is not None:
-                    run.write_privacy(ledger.to_dict())
-                manifest.update(rounds_done=m + 1, status="complete" if m + 1 == rounds else "running")
-                run.write_manifest(manifest)
-                eps_text = f"epsilon {epsilon:.3f}" if ledger is not None else "no DP"
-                echo(
-                    f"round {m + 1}/{rounds}: test accuracy {accuracy:.4f}, loss {loss:.4f}, {eps_text}, "
-                    f"{wall:.1f}s, {rows[-1]['bytes_up'] / 1e6:.2f} MB up"
-                )
+                outcome = loop.compute(m, state)
+                manifest = loop.commit(outcome, state, manifest)
+                accuracy = outcome.row["test_accuracy"]
+                echo(_round_line(outcome.row, rounds, dp=state.ledger is not None))
         except KeyboardInterrupt:
-            manifest.update(status="interrupted")
-            run.write_manifest(manifest)
+            run.write_manifest(manifest.advanced(status="interrupted"))
             raise
         except BaseException:
-            manifest.update(status="failed")
-            run.write_manifest(manifest)
+            run.write_manifest(manifest.advanced(status="failed"))
             raise
     if start == rounds:
-        manifest.update(status="complete")
-        run.write_manifest(manifest)
-    return TrainResult(
-        run_dir=run.path,
-        rounds_done=rounds,
-        test_accuracy=accuracy,
-        epsilon=ledger.epsilon if ledger is not None else float("inf"),
+        run.write_manifest(manifest.advanced(status="complete"))
+    epsilon = state.ledger.epsilon if state.ledger is not None else math.inf
+    return TrainResult(run_dir=run.path, rounds_done=rounds, test_accuracy=accuracy, epsilon=epsilon)
+
+
+def _round_line(row: dict[str, Any], rounds: int, *, dp: bool) -> str:
+    eps_text = f"epsilon {row['epsilon']:.3f}" if dp else "no DP"
+    return (
+        f"round {row['round']}/{rounds}: test accuracy {row['test_accuracy']:.4f}, loss {row['test_loss']:.4f}, "
+        f"{eps_text}, {row['wall_seconds']:.1f}s, {row['bytes_up'] / 1e6:.2f} MB up"
     )
 
 
 def _checkpoint_state(seed: int, round_number: int) -> dict[str, Any]:
-    """What a resume needs besides the weights: the RNG streams are derived from (seed, stream, round, client)."""
+    """What is saved beside a checkpoint's weights: the round, the seed every random stream is derived from (seed,
+    stream, round, client), and the torch CPU generator state and Python version, for the record."""
     return {
         "round": round_number,
         "seed": seed,

@@ -15,7 +15,11 @@ from safetensors.numpy import load_file
 from scipy.stats import norm
 
 from fedaudit.attacks.metrics import rate_interval, threshold_bounds
-from fedaudit.runs import RunDirectory, RunError
+from fedaudit.config import PrivacyConfig, RunConfig
+from fedaudit.errors import UserError
+from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
+from fedaudit.registry import algorithm_label
+from fedaudit.runs import Manifest, RunDirectory, RunError
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
 BOUND_TEST_KEYS = {
@@ -30,7 +34,7 @@ BOUND_TEST_KEYS = {
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """Bad input to ``fedaudit report`` (one clear sentence)."""
 
 
@@ -308,20 +312,21 @@ def collect_run(path: Path) -> RunSummary:
     run = RunDirectory(path)
     try:
         manifest = run.read_manifest()
-        config = run.read_config()
+        config = run.read_run_config()
         metrics = run.read_metrics()
-        ledger = run.read_privacy()
-    except RunError as exc:
-        raise ReportError(str(exc)) from exc
+        stored_ledger = run.read_privacy()
+        ledger = None if stored_ledger is None else PrivacyLedger.from_dict(stored_ledger)
+    except (RunError, AccountingError) as exc:
+        raise ReportError(f"{path}: {exc}" if isinstance(exc, AccountingError) else str(exc)) from exc
     notes: list[Note] = []
     try:
-        setup = _setup(config, manifest)
-        privacy = _privacy(config, manifest, ledger, path, notes)
         attacks = _attacks(path, notes)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        raise ReportError(f"{path} holds malformed run or attack files ({type(exc).__name__}: {exc}).") from exc
-    synthetic = _synthetic(run) if config.get("federated", {}).get("algorithm") == "fedlap" else ()
-    if config.get("federated", {}).get("algorithm") == "fedlap" and not synthetic:
+        raise ReportError(f"{path} holds malformed attack files ({type(exc).__name__}: {exc}).") from exc
+    privacy = _privacy(config, manifest, ledger, path, notes)
+    fedlap = config.federated.algorithm == "fedlap"
+    synthetic = _synthetic(run) if fedlap else ()
+    if fedlap and not synthetic:
         notes.append(
             Note(
                 "No synthetic sets were stored, so none are shown.",
@@ -333,73 +338,60 @@ def collect_run(path: Path) -> RunSummary:
             Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`")
         )
     utility = metrics[[c for c in ("round", "test_accuracy", "test_loss", "epsilon") if c in metrics.columns]]
-    test_records = manifest.get("dataset", {}).get("test_size")
     return RunSummary(
         path.resolve().name,
         path,
-        setup,
+        _setup(config, manifest),
         utility,
         privacy,
         attacks,
         synthetic,
         tuple(notes),
-        seedless_config(config),
-        test_records if isinstance(test_records, int) else None,
+        seedless_config(config.to_dict()),
+        manifest.dataset.test_size,
     )
 
 
-def _setup(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
-    data, federated, model = config.get("data", {}), config.get("federated", {}), config.get("model", {})
-    dataset = manifest.get("dataset", {})
-    algorithm = str(federated.get("algorithm", manifest.get("algorithm", "?")))
-    dp = bool(config.get("privacy", {}).get("dp", manifest.get("dp", False)))
+def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
+    data, federated, model = config.data, config.federated, config.model
+    dataset = manifest.dataset
     return {
-        "algorithm": algorithm_label(algorithm, dp),
-        "privacy budget": budget_label(config.get("privacy", {})),
-        "dataset": data.get("dataset", dataset.get("name")),
-        "partition": data.get("partition"),
-        "clients": data.get("num_clients"),
-        "client fraction": federated.get("client_fraction"),
-        "rounds": federated.get("rounds", manifest.get("rounds")),
-        "rounds done": manifest.get("rounds_done", 0),
-        "status": manifest.get("status"),
-        "model": f"{model.get('arch')} (width {model.get('width')}, depth {model.get('depth')}, "
-        f"{manifest.get('model', {}).get('num_parameters', '?')} parameters)",
-        "batch size": federated.get("batch_size"),
-        "local epochs": federated.get("local_epochs"),
-        "seed": config.get("seed"),
-        "engine": manifest.get("engine"),
-        "versions": ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items()),
-        "dataset fingerprint": dataset.get("fingerprint"),
-        "dataset source": dataset.get("source"),
-        "train / test / held-out records": f"{dataset.get('train_size')} / {dataset.get('test_size')} / "
-        f"{manifest.get('clients', {}).get('holdout')}",
+        "algorithm": algorithm_label(federated.algorithm, config.privacy.dp),
+        "privacy budget": budget_label(config.privacy),
+        "dataset": data.dataset,
+        "partition": data.partition,
+        "clients": data.num_clients,
+        "client fraction": federated.client_fraction,
+        "rounds": federated.rounds,
+        "rounds done": manifest.rounds_done,
+        "status": manifest.status,
+        "model": f"{model.arch} (width {model.width}, depth {model.depth}, {manifest.model.num_parameters} parameters)",
+        "batch size": federated.batch_size,
+        "local epochs": federated.local_epochs,
+        "seed": config.seed,
+        "engine": manifest.engine,
+        "versions": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),
+        "dataset fingerprint": dataset.fingerprint,
+        "dataset source": dataset.source,
+        "train / test / held-out records": f"{dataset.train_size} / {dataset.test_size} / {manifest.clients.holdout}",
     }
 
 
-def algorithm_label(algorithm: str, dp: bool) -> str:
-    """The name the literature uses: DP-FedAvg, DP-FedProx, DP-FedSGD, FedLAP-DP (FedAvg, ..., FedLAP without DP)."""
-    name = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedsgd": "FedSGD", "fedlap": "FedLAP"}.get(algorithm, algorithm)
-    if not dp:
-        return name
-    return f"{name}-DP" if algorithm == "fedlap" else f"DP-{name}"
-
-
-def budget_label(privacy: dict[str, Any]) -> str:
+def budget_label(privacy: PrivacyConfig) -> str:
     """How a run's privacy level was chosen: "epsilon E" (sigma calibrated to it), "sigma S", or "no DP"."""
-    if not privacy.get("dp", False):
+    if not privacy.dp:
         return "no DP"
-    if privacy.get("target_epsilon") is not None:
-        return f"epsilon {privacy['target_epsilon']:g}"
-    sigma = privacy.get("noise_multiplier")
+    if privacy.target_epsilon is not None:
+        return f"epsilon {privacy.target_epsilon:g}"
+    sigma = privacy.noise_multiplier
     return f"sigma {sigma:g}" if isinstance(sigma, (int, float)) else "DP"
 
 
 def _privacy(
-    config: dict[str, Any], manifest: dict[str, Any], ledger: dict[str, Any] | None, path: Path, notes: list[Note]
+    config: RunConfig, manifest: Manifest, ledger: PrivacyLedger | None, path: Path, notes: list[Note]
 ) -> PrivacySummary:
-    settings = config.get("privacy", {})
-    if not settings.get("dp", False):
+    settings = config.privacy
+    if not settings.dp:
         notes.append(
             Note(
                 "No DP guarantee: epsilon is infinite (the run was trained without differential privacy).",
@@ -414,31 +406,30 @@ def _privacy(
                 f"resume the run to rewrite its ledger: `fedaudit train --resume {path}`",
             )
         )
-        return PrivacySummary(dp=True, accountant=settings.get("accountant"), delta=settings.get("delta"))
-    clients = manifest.get("clients", {})
-    sizes = list(clients.get("num_examples", []))
-    queries = list(clients.get("dp_queries_per_round", []))
-    worst = ledger.get("worst_client")
-    if not isinstance(worst, int) or not 0 <= worst < len(sizes):
+        return PrivacySummary(dp=True, accountant=settings.accountant, delta=settings.delta)
+    clients = manifest.clients
+    sizes, queries = clients.num_examples, clients.dp_queries_per_round
+    worst = ledger.worst_client
+    if worst is None or not 0 <= worst < len(sizes):
         worst = int(np.argmin(sizes)) if sizes else None
-    batch = config.get("federated", {}).get("batch_size")
-    fraction = clients.get("client_fraction_effective", config.get("federated", {}).get("client_fraction"))
+    batch = config.federated.batch_size
+    fraction = clients.client_fraction_effective
     q2 = batch / sizes[worst] if worst is not None and batch else None
     return PrivacySummary(
         dp=True,
-        accountant=ledger.get("accountant", settings.get("accountant")),
-        delta=ledger.get("delta", settings.get("delta")),
-        noise_multiplier=ledger.get("noise_multiplier", settings.get("noise_multiplier")),
-        max_grad_norm=ledger.get("max_grad_norm", settings.get("max_grad_norm")),
-        q1=None if q2 is None or fraction is None else fraction * q2,
+        accountant=ledger.accountant,
+        delta=ledger.delta,
+        noise_multiplier=ledger.noise_multiplier,
+        max_grad_norm=ledger.max_grad_norm,
+        q1=None if q2 is None else fraction * q2,
         q2=q2,
         queries_per_round=queries[worst] if worst is not None and worst < len(queries) else None,
         client_fraction=fraction,
         batch_size=batch,
         worst_client=worst,
         worst_client_examples=sizes[worst] if worst is not None else None,
-        rounds=ledger.get("rounds", manifest.get("rounds_done")),
-        epsilon_per_round=tuple(float(e) for e in ledger.get("epsilon_per_round", [])),
+        rounds=ledger.rounds,
+        epsilon_per_round=tuple(float(e) for e in ledger.epsilon_per_round),
     )
 
 

@@ -1,23 +1,15 @@
-"""Federated algorithms, one family per module, looked up by the configured name."""
+"""Federated algorithms, one family per module; :mod:`fedaudit.registry` names them and builds them."""
 
 from __future__ import annotations
 
 from fedaudit.algorithms.base import Algorithm
-from fedaudit.config import RunConfig
+from fedaudit.config import ConfigError, RunConfig
+from fedaudit.registry import ALGORITHMS
 
 
 def get_algorithm(config: RunConfig) -> Algorithm:
-    """The algorithm object for ``config.federated.algorithm``."""
-    from fedaudit.algorithms.fedavg import FedAvg
-    from fedaudit.algorithms.fedlap import FedLAP
-
-    name = config.federated.algorithm
-    if name == "fedavg":
-        return FedAvg(name)
-    if name == "fedprox":
-        return FedAvg(name, mu=config.federated.mu)
-    if name == "fedsgd":
-        return FedAvg(name, single_step=True)
-    if name == "fedlap":
-        return FedLAP()
-    raise ValueError(f"Algorithm '{name}' is not available in this version of fedaudit.")
+    """The algorithm object for ``config.federated.algorithm``, built from its registry entry."""
+    entry = ALGORITHMS.get(config.federated.algorithm)
+    if entry is None:
+        raise ConfigError(f"Unknown algorithm '{config.federated.algorithm}'; choose one of: {', '.join(ALGORITHMS)}.")
+    return entry.build(config)

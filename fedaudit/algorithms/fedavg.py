@@ -6,7 +6,7 @@ every local step is one query of the shared DP primitive on a Poisson batch
 (DP-FedAvg / DP-FedProx, "local DP-SGD"). FedProx's proximal gradient
 mu (w - w_g) is added *after* the noise: it does not touch data, so it costs
 no privacy, and putting it into the loss would be discarded by the clipping
-(the bug ALGORITHMS.md warns about).
+(a known bug of DP-FedProx implementations; docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from fedaudit.privacy.primitive import dp_gradient, poisson_sample
 
 
 class FedAvg:
-    """FedAvg (``mu == 0``), FedProx (``mu > 0``) or FedSGD (``single_step``), with optional record-level DP."""
+    """FedAvg, with record-level DP-SGD on the clients under ``--dp`` (DP-FedAvg); the base of FedProx and FedSGD."""
 
-    def __init__(self, name: str, *, mu: float = 0.0, single_step: bool = False) -> None:
-        self.name = name
-        self.mu = mu
-        self.single_step = single_step
+    name = "fedavg"
+    mu = 0.0  # weight of FedProx's proximal term
+    single_step = False  # FedSGD: one local step per round
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        """Every algorithm is built from the run's configuration (see :mod:`fedaudit.registry`)."""
 
     def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
         """Local steps per round (each one DP query under DP): one for FedSGD, ``local_steps`` if set, else E * floor(N_k / B)."""
@@ -159,3 +161,19 @@ class FedAvg:
             optimizer.step()
         event = SGMEvent(noise_multiplier=priv.noise_multiplier, sample_rate=sample_rate, steps=steps)
         return [event], {"local_steps": float(steps)}
+
+
+class FedProx(FedAvg):
+    """FedProx: FedAvg whose clients add the proximal gradient mu (w - w_g) after the DP noise."""
+
+    name = "fedprox"
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        self.mu = 0.1 if config is None else config.federated.mu
+
+
+class FedSGD(FedAvg):
+    """FedSGD: one local step (one DP query) per round."""
+
+    name = "fedsgd"
+    single_step = True

@@ -3,7 +3,7 @@
 Client k synthesises S_k (ipc images per class it holds) by matching the
 gradients of its real data, layer by layer, at points along short training
 trajectories that stay inside a trust region around the global model
-(ALGORITHMS.md section 4). Under DP the real-gradient target is one query of
+(docs/algorithms.md). Under DP the real-gradient target is one query of
 the shared DP primitive; nothing else touches real data, so the privacy cost
 is that of R_i * L * R_b Sampled Gaussian Mechanism queries per round. The
 server trains the global model on the union of the synthetic sets until it
@@ -72,6 +72,9 @@ class FedLAP:
     """FedLAP (non-DP) and FedLAP-DP, selected by ``config.privacy.dp``."""
 
     name = "fedlap"
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        """Every algorithm is built from the run's configuration (see :mod:`fedaudit.registry`)."""
 
     def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
         """Worst case T = R_i * L * R_b: as if the trust region never ended a loop early."""

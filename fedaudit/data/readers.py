@@ -19,6 +19,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from fedaudit.errors import UserError
+
 __all__ = [
     "DataError",
     "open_maybe_gzip",
@@ -44,7 +46,7 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _DECOMPRESS_ERRORS = (OSError, EOFError, zlib.error)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data problem the user can fix (missing or corrupt file, unknown name).
 
     ``str(error)`` is one sentence saying which file was expected where and how

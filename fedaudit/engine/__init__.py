@@ -5,16 +5,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fedaudit.engine.base import Engine
 from fedaudit.engine.local import LocalEngine
 
 if TYPE_CHECKING:
     from fedaudit.config import RunConfig
-    from fedaudit.engine.flower import FlowerEngine
+
+__all__ = ["Engine", "LocalEngine", "engine_unavailable", "make_engine"]
+
+
+def engine_unavailable(name: str) -> str | None:
+    """None when the engine ``name`` can run here, else one sentence saying what to install."""
+    if name != "flower":
+        return None
+    try:
+        import flwr.simulation  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError:
+        return "--engine flower needs Flower and Ray: install them with pip install 'fedaudit[flower]'."
+    return None
 
 
 def make_engine(
     config: RunConfig, *, num_clients: int, progress: bool, echo: Callable[[str], None] | None = None
-) -> LocalEngine | FlowerEngine:
+) -> Engine:
     """The engine ``config.engine`` names, as a context manager that releases what it started."""
     if config.engine == "flower":
         from fedaudit.engine.flower import FlowerEngine

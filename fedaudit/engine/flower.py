@@ -41,16 +41,6 @@ STARTUP_SECONDS = 300.0  # how long the simulation may take to bring up every Su
 _STOPPED = object()
 
 
-def flower_available() -> str | None:
-    """None when Flower's simulation runtime can be imported, else one sentence saying how to install it."""
-    try:
-        import flwr.simulation  # noqa: F401
-        import ray  # noqa: F401
-    except ImportError:
-        return "--engine flower needs Flower and Ray: install them with pip install 'fedaudit[flower]'."
-    return None
-
-
 def _to_record(tensors: Mapping[str, torch.Tensor]) -> Any:
     """Tensors as a Flower ArrayRecord (NumPy arrays on the wire, names and order kept)."""
     from flwr.app import Array, ArrayRecord
@@ -69,7 +59,7 @@ def _from_record(record: Any, device: torch.device | str) -> TensorDict:
 def _client_side(config_json: str) -> tuple[RunConfig, Algorithm, nn.Module, Any, Any, torch.device]:
     """What a SuperNode needs to run clients of this run: resolved config, algorithm, scratch model, data, partition."""
     from fedaudit.models import build_model
-    from fedaudit.training import prepare
+    from fedaudit.setup import prepare
 
     setup = prepare(RunConfig.from_dict(json.loads(config_json)))
     torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model

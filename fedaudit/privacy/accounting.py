@@ -4,7 +4,7 @@ A client that takes part in a round answers T DP queries, each a Sampled
 Gaussian Mechanism (SGM) with noise multiplier sigma. A record is touched by
 the first query of a round with probability q1 = p * q (its client is selected
 with probability p, then Poisson-sampled with q = B / N_k) and by every later
-query of that round with q2 = q (ALGORITHMS.md section 5). Over M rounds::
+query of that round with q2 = q (docs/accounting.md). Over M rounds::
 
     RDP(alpha) = M * rdp_SGM(alpha | q1, sigma) + M * (T - 1) * rdp_SGM(alpha | q2, sigma)
 
@@ -37,6 +37,9 @@ from opacus.accountants.analysis.rdp import compute_rdp as _opacus_compute_rdp
 from opacus.accountants.analysis.rdp import get_privacy_spent as _opacus_get_privacy_spent
 from scipy.optimize import brentq
 
+from fedaudit.errors import UserError
+from fedaudit.registry import ACCOUNTANTS
+
 __all__ = [
     "ACCOUNTANTS",
     "RDP_ORDERS",
@@ -51,7 +54,6 @@ __all__ = [
     "PrivacyLedger",
 ]
 
-ACCOUNTANTS = ("rdp", "prv")
 
 RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
 """Opacus' RDP orders: 1.1..10.9 in steps of 0.1, then 12..63."""
@@ -69,7 +71,7 @@ _SIGMA_MIN = 1e-3
 _SIGMA_MAX = 1e6
 
 
-class AccountingError(ValueError):
+class AccountingError(UserError):
     """Bad accounting input a user can cause (out-of-range sigma, q, steps, delta, unreachable target)."""
 
 
@@ -230,13 +232,23 @@ class _PRVAccountantWithDomain(PRVAccountant):
 
 @lru_cache(maxsize=1024)
 def _epsilon_cached(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
-    """Epsilon of a composed history; cached so that identical clients cost one computation."""
+    """Epsilon of a composed history by the registry's ``accountant``; cached so that identical clients cost one
+    computation."""
     if not history:
         return 0.0
     if any(s == 0.0 for s, _, _ in history):
         return math.inf
-    if accountant == "rdp":
-        return _rdp_to_epsilon(_rdp_of(history), delta)
+    return ACCOUNTANTS[accountant].epsilon(history, delta)
+
+
+def rdp_epsilon(history: tuple[tuple[float, float, int], ...], delta: float) -> float:
+    """Epsilon of ``(noise_multiplier, sample_rate, steps)`` compositions by RDP (Opacus' orders and conversion)."""
+    return _rdp_to_epsilon(_rdp_of(history), delta)
+
+
+def prv_epsilon(history: tuple[tuple[float, float, int], ...], delta: float) -> float:
+    """Epsilon of ``(noise_multiplier, sample_rate, steps)`` compositions by Opacus' PRV accountant, on a grid sized
+    for this history (a history whose grid would be too large is an :class:`AccountingError`)."""
     domain = _prv_domain(history, delta)
     if domain.size > _PRV_MAX_GRID:
         raise AccountingError(
@@ -613,6 +625,26 @@ class PrivacyLedger:
         ledger._client_epsilon = client_eps
         ledger._epsilon_per_round = eps_rounds
         return ledger
+
+    def truncated(self, rounds: int) -> PrivacyLedger:
+        """The ledger as it stood after its first ``rounds`` rounds, replayed from its history.
+
+        A run's manifest.json is written last in a round, so an interruption just before it
+        leaves privacy.json one round ahead of the manifest; resume re-runs that round and
+        must not charge it twice. The replay recomputes the epsilons, so they are those the
+        accountant gives now for exactly those rounds.
+        """
+        if rounds >= self.rounds:
+            return self
+        replay = PrivacyLedger(
+            accountant=self.accountant,
+            delta=self.delta,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+        )
+        for round_ in self._history[: max(rounds, 0)]:
+            replay.record_round(round_)
+        return replay
 
     def __repr__(self) -> str:
         return (

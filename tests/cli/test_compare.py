@@ -13,7 +13,7 @@ import yaml
 from helpers import assert_user_error, interrupt_in_round, invoke, tree_digest
 
 from fedaudit.config import RunConfig
-from fedaudit.reports.study import Budget, Study, StudyError, load_study, plan
+from fedaudit.study import Budget, Study, StudyError, load_study, plan
 
 # Small, fast settings: the MLP of the other CLI tests and a FedLAP with T = 1 * 2 * 2 = 4 queries per round.
 BASE = {
@@ -134,7 +134,7 @@ def test_study_file_errors_are_one_sentence(tmp_path):
 
 
 def test_command_line_options_override_the_study_file(tmp_path):
-    from fedaudit.reports.study import study_from_options
+    from fedaudit.study import study_from_options
 
     study = study_from_options(
         str(write_study(tmp_path)),

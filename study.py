@@ -1,5 +1,9 @@
 """``fedaudit compare``: a whole study (algorithms x privacy budgets x seeds) trained, attacked and reported at once.
 
+This module sits beside the command line, above the three packages: it is the one place that calls training
+(:mod:`fedaudit.training`), the attacks (:mod:`fedaudit.attacks`) and the reports (:mod:`fedaudit.reports`) in
+turn, so that none of them reaches into another.
+
 A study directory holds ``study.json`` (the study as last run), ``runs/<name>/``
 (one run directory per algorithm, budget and seed, each with its ``attacks/``)
 and the comparison report. Running a study again does only what is missing:
@@ -21,14 +25,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
-from fedaudit.config import ALGORITHMS, ConfigError, RunConfig, load_config_file
-from fedaudit.reports.collect import ReportError, collect_runs
+from fedaudit.config import ConfigError, RunConfig, load_config_file
+from fedaudit.errors import UserError
+from fedaudit.registry import ALGORITHMS
+from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.policy import load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
 from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
-from fedaudit.training import Setup, prepare, resume, train_setup
+from fedaudit.setup import Setup, data_access, prepare
+from fedaudit.training import resume, train_setup
 
 STUDY_FORMAT = "fedaudit-study"
 STUDY_FILE = "study.json"
@@ -51,7 +57,7 @@ STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "at
 Echo = Callable[[str], None]
 
 
-class StudyError(ReportError):
+class StudyError(UserError):
     """A study that cannot be run as given (one clear sentence)."""
 
 
@@ -272,9 +278,8 @@ def _equal_data_access(run: PlannedRun) -> PlannedRun:
     """FedAvg/FedProx run as many local steps (DP queries) per round as FedLAP's worst case under the same budget."""
     if run.algorithm not in ("fedavg", "fedprox"):
         return run
-    lap = replace(run.config, federated=replace(run.config.federated, algorithm="fedlap", local_steps=None))
     try:
-        queries = FedLAP().queries_per_round(lap.resolved(), 0)
+        queries = data_access(run.config, algorithm="fedlap").queries
     except ConfigError as exc:
         raise StudyError(f"FedLAP's query count for equal data access cannot be computed: {exc}") from exc
     return replace(run, config=replace(run.config, federated=replace(run.config.federated, local_steps=queries)))
@@ -370,8 +375,8 @@ def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
     if not run.is_run():
         return "retrain" if directory.exists() else "train"  # a run that crashed before its manifest: nothing to keep
     try:
-        stored = run.read_config()
-        done = run.read_manifest().get("rounds_done", 0)
+        stored = run.read_run_config().to_dict()
+        done = run.read_manifest().rounds_done
     except RunError:
         stored, done = None, 0
     if _comparable(stored) != _comparable(setup.config.to_dict()):
@@ -389,7 +394,7 @@ def _train(directory: Path, setup: Setup, action: str, echo: Echo) -> str:
     if action == "keep":
         return f"complete ({setup.config.federated.rounds} rounds), kept"
     if action == "resume":
-        done = RunDirectory(directory).read_manifest().get("rounds_done", 0)
+        done = RunDirectory(directory).read_manifest().rounds_done
         result = resume(directory, device=setup.config.device, progress=False, echo=echo)
         return f"resumed from round {done}: {_outcome(result.test_accuracy, result.epsilon)}"
     if action == "retrain":

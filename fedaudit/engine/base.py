@@ -1,0 +1,52 @@
+"""What every engine does: run the selected clients of one round and hand back their messages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+
+
+class Engine(Protocol):
+    """Runs clients for the training core's round loop; a context manager that releases what it started.
+
+    An engine decides only *where* clients run (in this process, on Flower's runtime, ...), never what they
+    compute: each client's update is ``algorithm.client_update`` with the generator ``make_generator(client_id)``,
+    so the same seed gives the same run on every engine.
+    """
+
+    name: str
+
+    def __enter__(self) -> Engine: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def run_clients(
+        self,
+        algorithm: Algorithm,
+        model: nn.Module,
+        global_params: TensorDict,
+        clients: Sequence[ClientData],
+        ctx: RoundContext,
+        make_generator: Callable[[int], torch.Generator],
+        states: Mapping[int, TensorDict],
+    ) -> list[ClientMessage]:
+        """One :class:`ClientMessage` per client in ``clients``, in that order.
+
+        Args:
+            algorithm: the run's algorithm; its ``client_update`` is what runs.
+            model: a scratch module the engine may reuse for in-process clients.
+            global_params: the global model's parameters at the start of the round.
+            clients: the selected clients' data (an engine that runs clients elsewhere may rebuild it there).
+            ctx: the round's context (round index, rounds, configuration, device).
+            make_generator: the client's random generator for this round, by client id.
+            states: what each client kept from its last round (e.g. FedLAP's synthetic set).
+
+        Raises:
+            RuntimeError: a client failed; the round is not committed and the run stays resumable.
+        """
+        ...

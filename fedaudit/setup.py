@@ -1,0 +1,181 @@
+"""Setting up a run: resolve and check its configuration, load its data and partition, build its algorithm, and
+work out its DP sampling rates, query counts and noise, all before anything is written.
+
+Training, both engines, the study pipeline and (through :func:`resolve_device`) the attacks use this one module, so a
+run is set up the same way wherever it is trained and re-checked the same way when it is resumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from fedaudit.algorithms import get_algorithm
+from fedaudit.algorithms.base import Algorithm
+from fedaudit.config import RunConfig, mark_calibrated
+from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
+from fedaudit.engine import engine_unavailable
+from fedaudit.errors import UserError
+from fedaudit.models import ModelSpec, build_model, default_depth
+from fedaudit.privacy.accounting import calibrate_noise_multiplier
+from fedaudit.seeding import Stream, numpy_rng
+
+
+class TrainingError(UserError):
+    """A run that cannot be set up as configured (one clear sentence)."""
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, validated before any file is written."""
+
+    config: RunConfig
+    dataset: Dataset
+    partition: Partition
+    spec: ModelSpec
+    device: torch.device
+    algorithm: Algorithm
+    client_fraction: float  # effective selection probability ceil(p K) / K
+    queries: dict[int, int]  # worst-case DP queries per round, per client
+    sample_rates: dict[int, float]  # B / N_k per client (DP only)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without one is a user error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("--device cuda was requested but no CUDA device is available; use --device cpu or auto.")
+    return torch.device(name)
+
+
+def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
+    """Resolve and check a configuration, load the data and build the partition; writes nothing."""
+    config = config.resolved()
+    missing = engine_unavailable(config.engine)
+    if missing:
+        raise TrainingError(missing)
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
+    partition = _partition(config, dataset)
+    if config.model.depth is None:
+        config = replace(
+            config, model=replace(config.model, depth=default_depth(config.model.arch, dataset.input_shape))
+        )
+    spec = ModelSpec(
+        arch=config.model.arch,
+        input_shape=dataset.input_shape,
+        num_classes=dataset.num_classes,
+        width=config.model.width,
+        depth=config.model.depth,
+    )
+    build_model(spec)  # fail early on a model that cannot be built for this input
+    algorithm = get_algorithm(config)
+    sizes = {k: int(len(idx)) for k, idx in enumerate(partition.clients)}
+    selected = clients_per_round(config.federated.client_fraction, config.data.num_clients)
+    client_fraction = selected / config.data.num_clients
+    queries = {k: algorithm.queries_per_round(config, n) for k, n in sizes.items()}
+    sample_rates: dict[int, float] = {}
+    if config.privacy.dp:
+        batch = config.federated.batch_size
+        smallest = min(sizes.values())
+        if batch > smallest:
+            raise TrainingError(
+                f"--batch-size {batch} exceeds the smallest client's {smallest} records, so the DP sampling rate "
+                f"B / N_k would exceed 1; use a batch size of at most {smallest}."
+            )
+        sample_rates = {k: batch / n for k, n in sizes.items()}
+        if config.privacy.noise_multiplier is None:
+            sigma = max(
+                calibrate_noise_multiplier(
+                    target_epsilon=config.privacy.target_epsilon,
+                    sample_rate=q,
+                    queries_per_round=queries[k],
+                    rounds=config.federated.rounds,
+                    client_fraction=client_fraction,
+                    delta=config.privacy.delta,
+                    accountant=config.privacy.accountant,
+                )
+                for k, q in sample_rates.items()
+            )
+            config = mark_calibrated(config, sigma)
+    return Setup(
+        config=config,
+        dataset=dataset,
+        partition=partition,
+        spec=spec,
+        device=resolve_device(device or config.device),
+        algorithm=algorithm,
+        client_fraction=client_fraction,
+        queries=queries,
+        sample_rates=sample_rates,
+    )
+
+
+@dataclass(frozen=True)
+class DataAccess:
+    """How many DP queries (local steps) a client makes per round in the worst case, and the DP-FedAvg settings that
+    match it: the fair comparison of FedLAP-DP with its gradient-sharing baselines (docs/algorithms.md)."""
+
+    algorithm: str
+    queries: int  # worst-case DP queries per client per round
+    batch_size: int
+    smallest_client: int  # records of the smallest client
+    batches_per_epoch: int  # floor(smallest / B), at least 1
+
+    @property
+    def local_epochs(self) -> int:
+        """The nearest whole number of local epochs to :attr:`queries` steps."""
+        return max(1, round(self.queries / self.batches_per_epoch))
+
+    def lines(self) -> list[str]:
+        """What ``fedaudit train --equal-data-access`` prints."""
+        epochs = self.local_epochs
+        return [
+            f"{self.algorithm} makes {self.queries} DP queries per client per round (batch {self.batch_size}, "
+            f"smallest client {self.smallest_client} records, {self.batches_per_epoch} batches per epoch).",
+            f"DP-FedAvg at equal data access: --algorithm fedavg --local-steps {self.queries} "
+            f"(nearest whole epochs: --local-epochs {epochs} = {epochs * self.batches_per_epoch} queries).",
+        ]
+
+
+def data_access(config: RunConfig, *, algorithm: str | None = None) -> DataAccess:
+    """The worst-case DP queries per client per round of ``config``, run as ``algorithm`` when given (its other
+    settings kept; ``local_steps`` is dropped so that the algorithm's own count applies)."""
+    if algorithm is not None and algorithm != config.federated.algorithm:
+        config = replace(config, federated=replace(config.federated, algorithm=algorithm, local_steps=None))
+    config = config.resolved()
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
+    partition = _partition(config, dataset)
+    sizes = [len(idx) for idx in partition.clients]
+    built = get_algorithm(config)
+    queries = max(built.queries_per_round(config, n) for n in sizes)
+    batch = config.federated.batch_size
+    smallest = min(sizes)
+    return DataAccess(config.federated.algorithm, queries, batch, smallest, max(1, smallest // batch))
+
+
+def _partition(config: RunConfig, dataset: Dataset) -> Partition:
+    """The run's clients and held-out pool, drawn from its seed."""
+    return partition_dataset(
+        dataset.train_y.numpy(),
+        num_clients=config.data.num_clients,
+        scheme=config.data.partition,
+        seed=config.seed,
+        holdout_fraction=config.data.holdout_fraction,
+    )
+
+
+def clients_per_round(client_fraction: float, num_clients: int) -> int:
+    """ceil(p K), ignoring floating-point error in p K (0.28 * 25 is 7.000000000000001, not above 7)."""
+    return max(1, math.ceil(round(client_fraction * num_clients, 9)))
+
+
+def select_clients(seed: int, round_index: int, num_clients: int, client_fraction: float) -> list[int]:
+    """The clients taking part in a round: ceil(p K) of K, uniformly without replacement."""
+    count = clients_per_round(client_fraction, num_clients)
+    if count >= num_clients:
+        return list(range(num_clients))
+    chosen = numpy_rng(seed, Stream.SELECT, round_index).choice(num_clients, size=count, replace=False)
+    return sorted(int(k) for k in chosen)
