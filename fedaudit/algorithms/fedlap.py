@@ -68,6 +68,70 @@ class SyntheticSet:
     labels: torch.Tensor
 
 
+@dataclass
+class _MatchingStats:
+    """Counters of one client's matching, reported in its message's metrics."""
+
+    queries: int = 0  # real-gradient targets computed (one DP query each under DP)
+    loops: int = 0  # loops started inside the trust region, over all trajectories
+    image_steps: int = 0
+    first_loss: float | None = None  # matching loss of the first and of the last image step
+    last_loss: float | None = None
+    max_distance: float = 0.0  # largest ||w - w_g|| seen
+    last_step_start: float = 0.0  # largest distance before the step that left the trust region
+
+    def image_step(self, loss: float) -> None:
+        self.image_steps += 1
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+
+    def moved(self, fit: _Fit) -> None:
+        self.max_distance = max(self.max_distance, fit.distance)
+        self.last_step_start = max(self.last_step_start, fit.before_last)
+
+    def metrics(self, radius: float) -> dict[str, float]:
+        return {
+            "matching_loss_first": float(self.first_loss or 0.0),
+            "matching_loss_last": float(self.last_loss or 0.0),
+            "radius": float(radius),
+            "loops": float(self.loops),
+            "real_queries": float(self.queries),
+            "image_steps": float(self.image_steps),
+            "max_distance": self.max_distance,
+            "max_last_step_start": self.last_step_start,
+        }
+
+
+@dataclass(frozen=True)
+class _Matching:
+    """What one client's matching works on: its data and round, and the synthetic images with their optimiser."""
+
+    model: nn.Module
+    global_params: TensorDict
+    data: ClientData
+    ctx: RoundContext
+    generator: torch.Generator
+    images: torch.Tensor  # the synthetic images, a leaf that requires grad
+    labels: torch.Tensor
+    image_opt: torch.optim.Optimizer
+    lr: float  # the client's learning rate this round
+
+    @property
+    def lap(self) -> FedLAPConfig:
+        return self.ctx.config.fedlap
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """Where SGD on a synthetic set ended: parameters, distance from the origin, steps, and distance before the last
+    step (inside the ball unless no step was taken)."""
+
+    params: TensorDict
+    distance: float
+    steps: int
+    before_last: float
+
+
 class FedLAP:
     """FedLAP (non-DP) and FedLAP-DP, selected by ``config.privacy.dp``."""
 
@@ -94,61 +158,29 @@ class FedLAP:
         lap = ctx.config.fedlap
         synthetic = self._initial_set(data, ctx, generator, state)
         images = synthetic.images.clone().requires_grad_(True)
-        image_opt = torch.optim.SGD([images], lr=lap.image_lr, momentum=0.5)
-        lr = ctx.cosine_lr(ctx.config.federated.client_lr)
-        names = list(global_params)
-        queries, loops, image_steps, first_loss, last_loss = 0, 0, 0, None, None
-        max_distance, last_step_start = 0.0, 0.0
-        for _ in range(lap.trajectories):
-            params = clone_params(global_params)
-            for loop in range(lap.max_loops):
-                distance = flat_distance(params, global_params)
-                max_distance = max(max_distance, distance)
-                if distance >= lap.radius:
-                    break
-                loops += 1
-                for _ in range(lap.real_batches):
-                    seed = _draw_seed(generator)  # one augmentation seed shared by the real and synthetic batches
-                    target = self._real_gradient(model, params, data, ctx, generator, seed)
-                    queries += 1
-                    for _ in range(lap.image_steps):
-                        loss = self._image_step(
-                            model, params, names, target, images, synthetic.labels, image_opt, lap, seed
-                        )
-                        image_steps += 1
-                        first_loss = loss if first_loss is None else first_loss
-                        last_loss = loss
-                if loop == lap.max_loops - 1:
-                    break
-                params, moved, _, before = self._train(
-                    model,
-                    params,
-                    global_params,
-                    images.detach(),
-                    synthetic.labels,
-                    torch.ones(len(synthetic.labels), device=images.device),
-                    lr,
-                    lap.model_epochs,
-                    lap.radius,
-                    lap.server_batch_size,
-                    generator,
-                    lap.augment,
-                )
-                max_distance = max(max_distance, moved)
-                last_step_start = max(last_step_start, before)
-        final = SyntheticSet(images.detach(), synthetic.labels)
-        radius = (
-            lap.radius
-            if ctx.config.privacy.dp
-            else self._measured_radius(model, global_params, final, data, ctx, lr, generator)
+        work = _Matching(
+            model=model,
+            global_params=global_params,
+            data=data,
+            ctx=ctx,
+            generator=generator,
+            images=images,
+            labels=synthetic.labels,
+            image_opt=torch.optim.SGD([images], lr=lap.image_lr, momentum=0.5),
+            lr=ctx.cosine_lr(ctx.config.federated.client_lr),
         )
+        stats = _MatchingStats()
+        for _ in range(lap.trajectories):
+            self._trajectory(work, stats)
+        final = SyntheticSet(images.detach(), synthetic.labels)
+        dp = ctx.config.privacy.dp
+        radius = lap.radius if dp else self._measured_radius(model, global_params, final, data, ctx, work.lr, generator)
         events = []
-        if ctx.config.privacy.dp:
+        if dp:
+            sample_rate = ctx.config.federated.batch_size / data.num_examples
             events = [
                 SGMEvent(
-                    noise_multiplier=ctx.config.privacy.noise_multiplier,
-                    sample_rate=ctx.config.federated.batch_size / data.num_examples,
-                    steps=queries,
+                    noise_multiplier=ctx.config.privacy.noise_multiplier, sample_rate=sample_rate, steps=stats.queries
                 )
             ]
         return ClientMessage(
@@ -159,19 +191,51 @@ class FedLAP:
                 "labels": final.labels,
                 "radius": torch.tensor([radius], dtype=torch.float32),
             },
-            metrics={
-                "matching_loss_first": float(first_loss or 0.0),
-                "matching_loss_last": float(last_loss or 0.0),
-                "radius": float(radius),
-                "loops": float(loops),
-                "real_queries": float(queries),
-                "image_steps": float(image_steps),
-                "max_distance": max_distance,
-                "max_last_step_start": last_step_start,
-            },
+            metrics=stats.metrics(radius),
             privacy_events=events,
             state={"images": final.images},
         )
+
+    def _trajectory(self, work: _Matching, stats: _MatchingStats) -> None:
+        """One trajectory R_i from the global model: up to L loops of matching, each followed (but the last) by
+        R_l epochs on the synthetic set, until the parameters leave the trust region of radius r."""
+        lap = work.lap
+        params = clone_params(work.global_params)
+        for loop in range(lap.max_loops):
+            distance = flat_distance(params, work.global_params)
+            stats.max_distance = max(stats.max_distance, distance)
+            if distance >= lap.radius:
+                return
+            stats.loops += 1
+            self._match(work, params, stats)
+            if loop == lap.max_loops - 1:
+                return
+            fit = self._train(
+                work.model,
+                params,
+                origin=work.global_params,
+                images=work.images.detach(),
+                labels=work.labels,
+                sample_weights=torch.ones(len(work.labels), device=work.images.device),
+                lr=work.lr,
+                epochs=lap.model_epochs,
+                radius=lap.radius,
+                batch_size=lap.server_batch_size,
+                generator=work.generator,
+                use_augment=lap.augment,
+            )
+            params = fit.params
+            stats.moved(fit)
+
+    def _match(self, work: _Matching, params: TensorDict, stats: _MatchingStats) -> None:
+        """One loop at ``params``: R_b real-gradient targets (one DP query each), J image steps towards each."""
+        lap = work.lap
+        for _ in range(lap.real_batches):
+            seed = _draw_seed(work.generator)  # one augmentation seed shared by the real and synthetic batches
+            target = self._real_gradient(work.model, params, work.data, work.ctx, work.generator, seed)
+            stats.queries += 1
+            for _ in range(lap.image_steps):
+                stats.image_step(self._image_step(work, params, target, seed))
 
     def server_update(
         self,
@@ -198,29 +262,29 @@ class FedLAP:
             ]
         )
         lr = ctx.cosine_lr(ctx.config.federated.client_lr)
-        params, distance, steps, before_last = self._train(
+        fit = self._train(
             model,
             global_params,
-            global_params,
-            images,
-            labels,
-            sample_weights,
-            lr,
-            lap.server_epochs,
-            r_g,
-            lap.server_batch_size,
-            generator,
-            lap.augment,
+            origin=global_params,
+            images=images,
+            labels=labels,
+            sample_weights=sample_weights,
+            lr=lr,
+            epochs=lap.server_epochs,
+            radius=r_g,
+            batch_size=lap.server_batch_size,
+            generator=generator,
+            use_augment=lap.augment,
         )
         model_size = sum(p.numel() for p in global_params.values())
         transmitted = [m.payload["images"].numel() for m in messages]
         return ServerResult(
-            params=params,
+            params=fit.params,
             metrics={
                 "server_radius": r_g if r_g != float("inf") else float("nan"),
-                "server_iterations": steps,
-                "server_distance": distance,
-                "server_distance_before_last_step": before_last,
+                "server_iterations": fit.steps,
+                "server_distance": fit.distance,
+                "server_distance_before_last_step": fit.before_last,
                 "client_radius_min": min(radii),
                 "client_radius_max": max(radii),
                 "matching_loss_first": statistics.fmean(m.metrics["matching_loss_first"] for m in messages),
@@ -285,33 +349,24 @@ class FedLAP:
         loss = F.cross_entropy(functional_call(model, leaves, (x,)), y)
         return [g.detach() for g in torch.autograd.grad(loss, list(leaves.values()))]
 
-    def _image_step(
-        self,
-        model: nn.Module,
-        params: TensorDict,
-        names: list[str],
-        target: list[torch.Tensor],
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        image_opt: torch.optim.Optimizer,
-        lap: FedLAPConfig,
-        seed: int,
-    ) -> float:
-        """One second-order update of the synthetic images towards the real gradient."""
-        leaves = {name: params[name].detach().requires_grad_(True) for name in names}
-        x = augment(images, seed=seed) if lap.augment else images
-        loss = F.cross_entropy(functional_call(model, leaves, (x,)), labels)
-        syn = torch.autograd.grad(loss, [leaves[name] for name in names], create_graph=True)
+    def _image_step(self, work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> float:
+        """One second-order update of the synthetic images towards the real gradient ``target`` at ``params``."""
+        lap = work.lap
+        leaves = {name: params[name].detach().requires_grad_(True) for name in work.global_params}
+        x = augment(work.images, seed=seed) if lap.augment else work.images
+        loss = F.cross_entropy(functional_call(work.model, leaves, (x,)), work.labels)
+        syn = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
         distance = matching_loss(target, syn, lap.mse_weight)
-        image_opt.zero_grad(set_to_none=False)
-        (images.grad,) = torch.autograd.grad(distance, [images])
-        image_opt.step()
+        work.image_opt.zero_grad(set_to_none=False)
+        (work.images.grad,) = torch.autograd.grad(distance, [work.images])
+        work.image_opt.step()
         return float(distance.detach())
 
     def _train(
         self,
         model: nn.Module,
         start: TensorDict,
+        *,
         origin: TensorDict,
         images: torch.Tensor,
         labels: torch.Tensor,
@@ -322,11 +377,10 @@ class FedLAP:
         batch_size: int,
         generator: torch.Generator,
         use_augment: bool,
-    ) -> tuple[TensorDict, float, int, float]:
+    ) -> _Fit:
         """SGD on (images, labels) from ``start``; stops after the step that leaves the ball of ``radius`` around ``origin``.
 
-        Returns the parameters, their distance from ``origin``, the number of steps and the distance before the
-        last step (inside the ball unless no step was taken): the radius is exceeded by at most one step.
+        The radius is exceeded by at most one step (see :class:`_Fit`).
         """
         params = {name: p.detach().clone().requires_grad_(True) for name, p in start.items()}
         optimizer = torch.optim.SGD(list(params.values()), lr=lr)
@@ -349,7 +403,7 @@ class FedLAP:
                 before, distance = distance, flat_distance(params, origin)
                 if distance >= radius:
                     break
-        return {name: p.detach() for name, p in params.items()}, distance, steps, before
+        return _Fit({name: p.detach() for name, p in params.items()}, distance, steps, before)
 
     def _measured_radius(
         self,

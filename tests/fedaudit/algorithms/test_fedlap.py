@@ -13,7 +13,7 @@ from torch.func import functional_call
 import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import ClientData, RoundContext, flat_distance
-from fedaudit.algorithms.fedlap import FedLAP, layer_distance, matching_loss
+from fedaudit.algorithms.fedlap import FedLAP, _Matching, layer_distance, matching_loss
 from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model
 
@@ -154,10 +154,8 @@ def test_image_updates_reduce_the_matching_loss_on_a_fixed_real_gradient() -> No
     labels = torch.tensor([0] * 5 + [1] * 5)
     optimizer = torch.optim.SGD([images], lr=1.0, momentum=0.5)
     algorithm = FedLAP()
-    losses = [
-        algorithm._image_step(model, params, list(params), target, images, labels, optimizer, config.fedlap, 0)
-        for _ in range(150)
-    ]
+    work = _Matching(model, params, data, _ctx(config), torch.Generator(), images, labels, optimizer, lr=0.1)
+    losses = [algorithm._image_step(work, params, target, 0) for _ in range(150)]
     assert min(losses[-10:]) < 0.7 * losses[0]
     assert not torch.equal(images.detach(), torch.randn(10, 1, 8, 8, generator=torch.Generator().manual_seed(3)))
 
