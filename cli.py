@@ -135,7 +135,12 @@ ACCOUNTANT_HELP = "Privacy accountant: " + "; ".join(f"{e.name} ({e.summary})" f
 @click.group(cls=OneSentenceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="fedaudit")
 def main() -> None:
-    """fedaudit: train federated models with record-level DP and audit how much they leak."""
+    """fedaudit: train federated models with record-level DP and audit how much they leak.
+
+    The flow is train, then attack, then report (or compare for a whole study). The algorithms, the accountant,
+    the audit and the run directory are described in docs/ (algorithms.md, accounting.md, audit.md,
+    run-directory.md).
+    """
 
 
 @main.command()
@@ -292,7 +297,10 @@ def train(
     equal_data_access: bool,
     **options: Any,
 ) -> None:
-    """Train a federated model and write a run directory (config, membership, metrics, ledger, weights)."""
+    """Train a federated model and write a run directory (config, membership, metrics, ledger, weights).
+
+    What each algorithm computes: docs/algorithms.md; every file of the run directory: docs/run-directory.md.
+    """
     from fedaudit import training
     from fedaudit.setup import TrainingError, data_access
     from fedaudit.config import RunConfig, load_config_file
@@ -470,7 +478,10 @@ def epsilon(
 )
 @user_errors
 def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
-    """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/."""
+    """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/.
+
+    Signals, methods, intervals and the epsilon lower bound: docs/audit.md.
+    """
     from fedaudit.attacks.methods import DEFAULT_METHODS
     from fedaudit.attacks.runner import AttackOptions, results_table, run_attacks
     from fedaudit.attacks.signals import DEFAULT_SIGNALS
@@ -508,7 +519,10 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
 )
 @user_errors
 def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
-    """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict (HTML, Markdown, PDF)."""
+    """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict.
+
+    HTML, Markdown or PDF; how to read each number and how policies are judged: docs/audit.md.
+    """
     from fedaudit.reports import build_report
 
     _finish_report(build_report(run_dirs, out=out, formats=formats, policy_file=policy_file))
@@ -647,7 +661,8 @@ def compare(
 ) -> None:
     """Run a whole study (algorithms x budgets x seeds): train, attack and report each, then one comparison report.
 
-    Running it again does only what is missing: finished runs and attacks are kept, interrupted runs resume.
+    Running it again does only what is missing: finished runs and attacks are kept, interrupted runs resume. The
+    study directory's layout: docs/run-directory.md; equal data access: docs/algorithms.md.
     """
     from fedaudit.study import run_study, study_from_options
 

@@ -16,7 +16,6 @@ from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
-from fedaudit.engine import engine_unavailable
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import calibrate_noise_multiplier
@@ -40,6 +39,19 @@ class Setup:
     client_fraction: float  # effective selection probability ceil(p K) / K
     queries: dict[int, int]  # worst-case DP queries per round, per client
     sample_rates: dict[int, float]  # B / N_k per client (DP only)
+
+
+def engine_unavailable(name: str) -> str | None:
+    """None when the engine ``name`` can run here, else one sentence saying what to install (an import probe: the
+    engines themselves depend on this module, not the other way round)."""
+    if name != "flower":
+        return None
+    try:
+        import flwr.simulation  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError:
+        return "--engine flower needs Flower and Ray: install them with pip install 'fedaudit[flower]'."
+    return None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -11,19 +11,7 @@ from fedaudit.engine.local import LocalEngine
 if TYPE_CHECKING:
     from fedaudit.config import RunConfig
 
-__all__ = ["Engine", "LocalEngine", "engine_unavailable", "make_engine"]
-
-
-def engine_unavailable(name: str) -> str | None:
-    """None when the engine ``name`` can run here, else one sentence saying what to install."""
-    if name != "flower":
-        return None
-    try:
-        import flwr.simulation  # noqa: F401
-        import ray  # noqa: F401
-    except ImportError:
-        return "--engine flower needs Flower and Ray: install them with pip install 'fedaudit[flower]'."
-    return None
+__all__ = ["Engine", "LocalEngine", "make_engine"]
 
 
 def make_engine(

@@ -1,0 +1,96 @@
+"""The registry of algorithms and accountants: one place that names them, and everything else follows it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+from click import Choice
+
+from fedaudit import registry
+from fedaudit.algorithms import get_algorithm
+from fedaudit.algorithms.fedavg import FedAvg
+from fedaudit.cli import compare, epsilon, train
+from fedaudit.config import ConfigError, RunConfig
+from fedaudit.privacy.accounting import compute_epsilon, round_events
+from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, AlgorithmEntry
+
+
+class FedAvgTwice(FedAvg):
+    """A stand-in for a new algorithm family: FedAvg under another name (what a new module would define)."""
+
+    name = "fedavg-twice"
+
+
+def choices(command, option: str) -> list[str]:
+    (param,) = [p for p in command.params if p.name == option]
+    assert isinstance(param.type, Choice)
+    return list(param.type.choices)
+
+
+def test_the_command_line_offers_exactly_the_registry() -> None:
+    assert choices(train, "algorithm") == list(ALGORITHMS)
+    assert choices(compare, "algorithms") == list(ALGORITHMS)
+    assert choices(train, "accountant") == list(ACCOUNTANTS)
+    assert choices(epsilon, "accountant") == list(ACCOUNTANTS)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_algorithm_builds_and_takes_its_defaults_from_its_entry(name: str) -> None:
+    entry = ALGORITHMS[name]
+    for dataset in ("digits", "fashion-mnist"):
+        config = RunConfig().with_overrides({"federated.algorithm": name, "data.dataset": dataset, "privacy.dp": True})
+        resolved = config.resolved()
+        assert resolved.federated.client_lr == entry.default_client_lr(dataset)
+        assert resolved.privacy.max_grad_norm == entry.default_max_grad_norm(dataset)
+        assert get_algorithm(resolved).name == name
+    assert registry.algorithm_label(name, dp=True) == entry.dp_label
+    assert registry.algorithm_label(name, dp=False) == entry.label
+
+
+def test_fedprox_reads_mu_from_the_configuration() -> None:
+    config = RunConfig().with_overrides({"federated.algorithm": "fedprox", "federated.mu": 0.25}).resolved()
+    assert get_algorithm(config).mu == 0.25
+    assert get_algorithm(replace(config, federated=replace(config.federated, algorithm="fedavg"))).mu == 0.0
+
+
+def test_an_algorithm_is_added_by_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = AlgorithmEntry(
+        name="fedavg-twice",
+        label="FedAvgTwice",
+        dp_label="DP-FedAvgTwice",
+        summary="FedAvg under another name",
+        implementation=f"{__name__}:FedAvgTwice",
+        client_lr=0.3,
+        max_grad_norm=0.7,
+    )
+    monkeypatch.setattr(registry, "ALGORITHMS", MappingProxyType({**ALGORITHMS, entry.name: entry}))
+    import fedaudit.algorithms as algorithms
+    import fedaudit.config as config_module
+
+    monkeypatch.setattr(config_module, "ALGORITHMS", registry.ALGORITHMS)
+    monkeypatch.setattr(algorithms, "ALGORITHMS", registry.ALGORITHMS)
+    config = RunConfig().with_overrides({"federated.algorithm": "fedavg-twice", "privacy.dp": True}).resolved()
+    assert (config.federated.client_lr, config.privacy.max_grad_norm) == (0.3, 0.7)
+    assert isinstance(get_algorithm(config), FedAvgTwice)
+    assert registry.algorithm_label("fedavg-twice", dp=True) == "DP-FedAvgTwice"
+
+
+def test_an_unknown_algorithm_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigError, match="Unknown algorithm 'fedsomething'"):
+        RunConfig().with_overrides({"federated.algorithm": "fedsomething"}).resolved()
+
+
+@pytest.mark.parametrize("name", list(ACCOUNTANTS))
+def test_every_accountant_entry_is_what_compute_epsilon_uses(name: str) -> None:
+    events = round_events(noise_multiplier=1.1, sample_rate=0.05, queries_per_round=20, client_fraction=0.5) * 3
+    eps = compute_epsilon(events, delta=1e-5, accountant=name)
+    history = tuple((e.noise_multiplier, e.sample_rate, e.steps) for e in events)
+    merged: dict[tuple[float, float], int] = {}
+    for sigma, q, steps in history:
+        merged[(sigma, q)] = merged.get((sigma, q), 0) + steps
+    composed = tuple((sigma, q, steps) for (sigma, q), steps in merged.items())
+    assert math.isfinite(eps) and eps > 0
+    assert ACCOUNTANTS[name].epsilon(composed, 1e-5) == pytest.approx(eps, rel=1e-9)
