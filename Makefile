@@ -25,7 +25,10 @@ demo: venv
 	$(BIN)/fedaudit report $(RUN)/fedavg $(RUN)/dp-fedavg --out $(RUN)/report --format html --format md
 	@echo "Report: $(RUN)/report/report.html"
 
+# Format and lint first (ruff, configured in pyproject.toml), then the suite on two workers.
 test: venv
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q
 
 clean:

@@ -148,7 +148,8 @@ def main() -> None:
     "--config",
     "config_file",
     type=click.Path(dir_okay=False),
-    help="YAML or JSON file with the configuration (sections data, model, federated, privacy); options given here override it.",
+    help="YAML or JSON file with the configuration (sections data, model, federated, privacy); options given "
+    "here override it.",
 )
 @click.option(
     "--algorithm",
@@ -274,7 +275,8 @@ def main() -> None:
 @click.option(
     "--engine",
     type=click.Choice(ENGINES),
-    help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the same seed gives the same run on both. [default: local]",
+    help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); "
+    "the same seed gives the same run on both. [default: local]",
 )
 @click.option("--out", type=click.Path(), help="Run directory to create.")
 @click.option(
@@ -302,8 +304,8 @@ def train(
     What each algorithm computes: docs/algorithms.md; every file of the run directory: docs/run-directory.md.
     """
     from fedaudit import training
-    from fedaudit.setup import TrainingError, data_access
     from fedaudit.config import RunConfig, load_config_file
+    from fedaudit.setup import TrainingError, data_access
 
     progress = show_progress(progress)
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
@@ -502,7 +504,8 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     "--out",
     required=True,
     type=click.Path(),
-    help="Report file (.html, .md or .pdf) or a folder that receives report.<format>; summary.csv and summary.json go beside it.",
+    help="Report file (.html, .md or .pdf) or a folder that receives report.<format>; summary.csv and "
+    "summary.json go beside it.",
 )
 @click.option(
     "--format",
@@ -515,7 +518,8 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     "--policy",
     "policy_file",
     type=click.Path(),
-    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code 1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
+    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code "
+    "1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
 )
 @user_errors
 def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
@@ -572,7 +576,8 @@ COMPARE_BASE_OPTIONS = (
     "--study",
     "study_file",
     type=click.Path(dir_okay=False),
-    help="YAML study file (algorithms, budgets, seeds, equal_data_access, base, attack, report); options given here override it.",
+    help="YAML study file (algorithms, budgets, seeds, equal_data_access, base, attack, report); options given "
+    "here override it.",
 )
 @click.option(
     "--out",
@@ -592,7 +597,8 @@ COMPARE_BASE_OPTIONS = (
     "budgets",
     multiple=True,
     metavar="SPEC",
-    help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E), sigma:S, or none (no DP); repeat for several. [default: sigma:1]",
+    help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E), sigma:S, or none (no "
+    "DP); repeat for several. [default: sigma:1]",
 )
 @click.option(
     "--seed",
@@ -604,7 +610,8 @@ COMPARE_BASE_OPTIONS = (
 @click.option(
     "--equal-data-access/--no-equal-data-access",
     default=None,
-    help="FedAvg/FedProx make as many DP queries per round as FedLAP's worst case (the paper's fair comparison). [default: off]",
+    help="FedAvg/FedProx make as many DP queries per round as FedLAP's worst case (the paper's fair "
+    "comparison). [default: off]",
 )
 @click.option(
     "--config",
@@ -633,7 +640,8 @@ COMPARE_BASE_OPTIONS = (
 @click.option(
     "--policy",
     type=click.Path(dir_okay=False),
-    help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when one is INCONCLUSIVE.",
+    help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when "
+    "one is INCONCLUSIVE.",
 )
 @click.option(
     "--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan."

@@ -288,12 +288,26 @@ def _equal_data_access(run: PlannedRun) -> PlannedRun:
 def run_study(
     study: Study, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
 ) -> ReportOutcome:
-    """Train, attack and report every run of ``study`` under ``out``, skipping what is already done.
+    """Train, attack and report every run of ``study`` under ``out``, skipping what is already done (``fedaudit
+    compare``).
 
     Everything that can be checked (the study, every run's configuration and data,
     the attack options, the report formats and policy, runs already in ``out``) is
     checked before anything is written. With ``overwrite``, runs whose stored
     configuration differs from the plan are retrained instead of being an error.
+
+    Args:
+        study: algorithms x budgets x seeds, the base configuration, attack and report settings.
+        out: the study directory (study.json, runs/<name>/, the comparison report).
+        overwrite: retrain runs whose stored configuration differs from the plan.
+        progress: show a progress bar over the study.
+        echo: receives each run's lines, prefixed by the run's name.
+
+    Returns:
+        The comparison report's outcome (files written, policy verdict).
+
+    Raises:
+        UserError: a study, configuration, attack or report problem, before anything is written.
     """
     folder = Path(out)
     planned = plan(study)
@@ -404,7 +418,8 @@ def _train(directory: Path, setup: Setup, action: str, echo: Echo) -> str:
 
 
 def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
-    """Remove attack results of this study's run that the study no longer asks for, so its report shows only the study."""
+    """Remove attack results of this study's run that the study no longer asks for, so its report shows only the
+    study."""
     run = RunDirectory(directory)
     expected = set(expected_results(run, options))
     folder = run.attacks_dir
@@ -415,7 +430,8 @@ def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
 
 
 def _comparable(config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A configuration without the fields that do not change results (where it trains, which engine runs the clients)."""
+    """A configuration without the fields that do not change results (where it trains, which engine runs the
+    clients)."""
     return None if config is None else {key: value for key, value in config.items() if key not in ("device", "engine")}
 
 

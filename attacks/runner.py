@@ -27,6 +27,7 @@ from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
 from fedaudit.attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
+from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.setup import resolve_device
@@ -203,11 +204,14 @@ def _accountant_epsilon(run: RunDirectory, config: RunConfig, last_round: int) -
     """The accountant's epsilon after each round from privacy.json, or None for a run without DP."""
     if not config.privacy.dp:
         return None
-    ledger = run.read_privacy()
-    if ledger is None:
+    stored = run.read_privacy()
+    if stored is None:
         raise RunError(f"{run.path} is a DP run but privacy.json is missing, so its epsilon cannot be compared.")
-    per_round = ledger.get("epsilon_per_round")
-    if not isinstance(per_round, list) or len(per_round) < last_round:
+    try:
+        per_round = PrivacyLedger.from_dict(stored).epsilon_per_round
+    except AccountingError as exc:
+        raise RunError(f"{run.privacy_path} is not a valid privacy ledger: {exc}") from exc
+    if len(per_round) < last_round:
         raise RunError(f"{run.privacy_path} does not record epsilon for round {last_round}; the run is incomplete.")
     return tuple(float(e) for e in per_round)
 
@@ -398,7 +402,19 @@ def write_result(run: RunDirectory, result: AttackResult) -> Path:
 
 
 def run_attacks(paths: Sequence[str | Path], options: AttackOptions, *, echo: Echo = print) -> list[AttackResult]:
-    """Check every run, then attack each and write its results; returns all results in order."""
+    """Check every run, then attack each and write its results (``fedaudit attack``).
+
+    Args:
+        paths: run directories written by ``fedaudit train``.
+        options: what to attack and how (checked first).
+        echo: receives one line per run.
+
+    Returns:
+        Every result, run by run, in the order of ``paths``.
+
+    Raises:
+        UserError: a bad option or a run that cannot be attacked; raised before anything is computed or written.
+    """
     options.validate()
     resolve_device(options.device)
     prepared = [prepare_run(path, options) for path in paths]

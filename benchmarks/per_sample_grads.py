@@ -46,10 +46,12 @@ def main() -> None:
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")
     print(
-        f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, input 1x28x28"
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, "
+        "input 1x28x28"
     )
     print(
-        f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} {'ratio grads':>12} {'ratio DP step':>14}"
+        f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} "
+        f"{'ratio grads':>12} {'ratio DP step':>14}"
     )
     for width in args.widths:
         model, gsm = convnet_and_opacus_twin(width, device)

@@ -17,7 +17,20 @@ def build_report(
     formats: Sequence[str] = (),
     policy_file: str | Path | None = None,
 ) -> ReportOutcome:
-    """Write the report of ``run_dirs`` to ``out``; bad input raises :class:`ReportError` before anything is written."""
+    """Write the report of ``run_dirs`` to ``out`` (``fedaudit report``).
+
+    Args:
+        run_dirs: run directories; their attack results are read from each ``attacks/``.
+        out: a report file (.html, .md, .pdf) or a folder that receives ``report.<format>``.
+        formats: html, md and/or pdf; by default the suffix of ``out``, else html.
+        policy_file: YAML limits to judge every run against (docs/audit.md).
+
+    Returns:
+        What was written, and the policy's checks and overall verdict (PASS, FAIL or INCONCLUSIVE).
+
+    Raises:
+        ReportError: bad input, raised before anything is written.
+    """
     chosen = tuple(f.lower() for f in formats)
     output_paths(out, chosen)
     policy = load_policy(policy_file) if policy_file is not None else None

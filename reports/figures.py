@@ -187,7 +187,10 @@ def spread_caption(groups: pd.DataFrame) -> str:
     """What the error bars of :func:`privacy_utility` show, for these groups."""
     several, single = bool((groups["runs"] > 1).any()), bool((groups["runs"] == 1).any())
     seeds = "standard deviation over seeds"
-    one = "one seed: 95% intervals (test accuracy over the test split; the strongest attack's AUC simultaneous over its attacks)"
+    one = (
+        "one seed: 95% intervals (test accuracy over the test split; the strongest attack's AUC simultaneous "
+        "over its attacks)"
+    )
     if several and single:
         return f"error bars: {seeds} for settings with several seeds; for settings with {one}"
     return f"error bars: {seeds}" if several else f"error bars, {one}"

@@ -23,7 +23,9 @@ from fedaudit.reports.collect import ReportError, RunSummary
 LIMITS: dict[str, str] = {
     "max_epsilon": "accountant's epsilon after the last round <= {limit:g} at delta {delta}",
     "max_attack_auc": "AUC of every attack on the final model <= {limit:g} (judged on its 95% interval)",
-    "max_tpr_at_0_1pct_fpr": "TPR at 0.1% FPR of every attack on the final model <= {limit:g} (judged on its 95% interval)",
+    "max_tpr_at_0_1pct_fpr": (
+        "TPR at 0.1% FPR of every attack on the final model <= {limit:g} (judged on its 95% interval)"
+    ),
     "min_accuracy": "final test accuracy >= {limit:g} (judged on its 95% interval)",
 }
 OPTIONS = ("delta",)

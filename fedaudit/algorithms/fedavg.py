@@ -41,7 +41,8 @@ class FedAvg:
         """Every algorithm is built from the run's configuration (see :mod:`fedaudit.registry`)."""
 
     def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
-        """Local steps per round (each one DP query under DP): one for FedSGD, ``local_steps`` if set, else E * floor(N_k / B)."""
+        """Local steps per round (each one DP query under DP): one for FedSGD, ``local_steps`` if set, else E *
+        floor(N_k / B)."""
         if self.single_step:
             return 1
         if config.federated.local_steps is not None:

@@ -378,7 +378,8 @@ class FedLAP:
         generator: torch.Generator,
         use_augment: bool,
     ) -> _Fit:
-        """SGD on (images, labels) from ``start``; stops after the step that leaves the ball of ``radius`` around ``origin``.
+        """SGD on (images, labels) from ``start``; stops after the step that leaves the ball of ``radius`` around
+        ``origin``.
 
         The radius is exceeded by at most one step (see :class:`_Fit`).
         """
@@ -415,7 +416,8 @@ class FedLAP:
         lr: float,
         generator: torch.Generator,
     ) -> float:
-        """Non-DP r_k: distance from w_g where training on S_k reaches the smallest loss on the real data, capped at r."""
+        """Non-DP r_k: distance from w_g where training on S_k reaches the smallest loss on the real data, capped at
+        r."""
         lap = ctx.config.fedlap
         params = {name: p.detach().clone().requires_grad_(True) for name, p in global_params.items()}
         optimizer = torch.optim.SGD(list(params.values()), lr=lr)

@@ -49,7 +49,8 @@ class LocalEngine:
         make_generator: Callable[[int], torch.Generator],
         states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
-        """One client update per selected client; ``model`` is reused as scratch space, ``states`` is what clients kept."""
+        """One client update per selected client; ``model`` is reused as scratch space, ``states`` is what clients
+        kept."""
         messages = []
         bar = tqdm(
             clients,

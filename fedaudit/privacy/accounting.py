@@ -278,6 +278,17 @@ def compute_rdp(events: Sequence[SGMEvent]) -> np.ndarray:
 def compute_epsilon(events: Sequence[SGMEvent], *, delta: float, accountant: str = "rdp") -> float:
     """Epsilon at ``delta`` of the composition of ``events``: 0.0 for no steps, ``inf`` if any sigma is 0.
 
+    Args:
+        events: Sampled Gaussian Mechanism steps, in any order (they are composed first).
+        delta: the delta of (epsilon, delta)-DP, in (0, 1).
+        accountant: a name of :data:`fedaudit.registry.ACCOUNTANTS` (``rdp`` or ``prv``).
+
+    Returns:
+        The smallest epsilon the accountant certifies.
+
+    Raises:
+        AccountingError: an invalid event, delta or accountant, or a PRV grid too large to compute.
+
     Example:
         >>> eps = compute_epsilon([SGMEvent(noise_multiplier=1.0, sample_rate=0.02, steps=1000)], delta=1e-5)
     """
@@ -312,6 +323,21 @@ def epsilon_per_round(
     accountant: str = "rdp",
 ) -> list[float]:
     """Epsilon after rounds 1..M of one client (worst case: it is charged every round).
+
+    Args:
+        noise_multiplier: sigma of every query.
+        sample_rate: q = B / N_k, the Poisson rate within a round.
+        queries_per_round: T, the DP queries (local steps) per round.
+        rounds: M.
+        client_fraction: p, the probability that the client takes part in a round (first query at q1 = p q).
+        delta: the delta of (epsilon, delta)-DP.
+        accountant: ``rdp`` or ``prv``.
+
+    Returns:
+        M epsilons, one after each round (see docs/accounting.md).
+
+    Raises:
+        AccountingError: an argument out of range.
 
     Example:
         >>> curve = epsilon_per_round(noise_multiplier=1.0, sample_rate=0.0256, queries_per_round=200, rounds=15)
@@ -352,6 +378,14 @@ def calibrate_noise_multiplier(
     errs on the noisy side, never above the budget). For PRV the search starts
     from the RDP answer, and a sigma whose PRV grid would be too large counts
     as over budget.
+
+    Args:
+        target_epsilon: the budget after the last round.
+        sample_rate, queries_per_round, rounds, client_fraction, delta, accountant: as for
+            :func:`epsilon_per_round`.
+
+    Returns:
+        sigma.
 
     Raises:
         AccountingError: if the target is not positive or is unreachable; with RDP

@@ -113,7 +113,24 @@ def dp_gradient(
     ``x``/``y`` must be the Poisson sample (see :func:`poisson_sample`); the
     division is by the *expected* batch size so that the batch size itself is
     not revealed. With ``noise_multiplier == 0`` this is the clipped mean
-    (no privacy, useful for tests and ablations).
+    (no privacy, useful for tests and ablations). Every DP query of fedaudit (DP-FedAvg/FedProx steps, FedLAP-DP's
+    real-gradient targets) goes through this one function (docs/algorithms.md).
+
+    Args:
+        model: the module whose gradient is taken (its parameters, or ``params`` in their place).
+        x, y: the Poisson-sampled batch (possibly empty).
+        noise_multiplier: sigma; the noise std is sigma * C.
+        max_grad_norm: C, the per-example clipping norm.
+        expected_batch_size: B, the divisor of the noisy sum.
+        generator: the only source of the noise (one Gaussian draw per parameter tensor).
+        params: parameters to differentiate at instead of the module's own.
+        loss_fn: per-batch loss, as ``F.cross_entropy``.
+
+    Returns:
+        The noisy mean gradient by parameter name, with the per-example norms before clipping.
+
+    Raises:
+        ValueError: a non-positive clipping norm or a negative noise multiplier.
     """
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}.")

@@ -37,7 +37,8 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 
 
 def digits_like(seed: int = 0) -> tuple[Partition, np.ndarray, np.ndarray]:
-    """1000 train records of 10 classes (client 0: classes 0-1, client 1: classes 2-3, holdout: every class), 300 test."""
+    """1000 train records of 10 classes (client 0: classes 0-1, client 1: classes 2-3, holdout: every class), 300
+    test."""
     rng = np.random.default_rng(seed)
     train_y = np.repeat(np.arange(10), 100)
     test_y = rng.integers(0, 10, 300)

@@ -1,4 +1,5 @@
-"""``fedaudit report``: sections and numbers read back from real runs, self-contained HTML, PDF, policy gate, bad input."""
+"""``fedaudit report``: sections and numbers read back from real runs, self-contained HTML, PDF, policy gate, bad
+input."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Flower engine: clients on Flower's simulation runtime (Ray) give the same run as the local engine, byte for byte."""
+"""The Flower engine: clients on Flower's simulation runtime (Ray) give the same run as the local engine, byte for
+byte."""
 
 from __future__ import annotations
 
