@@ -1,0 +1,196 @@
+"""The in-process engine: one client_update per selected client, in order, and a time estimate said once."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import fedaudit.engine.local as local
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
+from fedaudit.config import RunConfig
+from fedaudit.engine.base import Engine
+from fedaudit.engine.local import ESTIMATE_FROM_SECONDS, LocalEngine, duration
+from fedaudit.seeding import Stream, make_generator
+
+
+class RecordingAlgorithm:
+    """A fake Algorithm: records every client_update call and answers with a message naming the client."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def client_update(self, model, global_params, data, ctx, generator, state=None) -> ClientMessage:
+        self.calls.append(
+            {"model": model, "params": global_params, "data": data, "ctx": ctx, "generator": generator, "state": state}
+        )
+        return ClientMessage(data.client_id, data.num_examples, {"delta": data.x.sum(0)})
+
+
+class Clock:
+    """A fake time.perf_counter: the given readings, then the last one forever."""
+
+    def __init__(self, *readings: float) -> None:
+        self.readings = list(readings)
+
+    def __call__(self) -> float:
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def clients(*ids: int) -> list[ClientData]:
+    return [ClientData(k, torch.full((k + 1, 1, 2, 2), float(k)), torch.zeros(k + 1, dtype=torch.long)) for k in ids]
+
+
+def context(round_index: int = 0, rounds: int = 5) -> RoundContext:
+    return RoundContext(round_index, rounds, RunConfig(), torch.device("cpu"))
+
+
+def run(engine, algorithm, data, ctx=None, states=None, made=None):
+    """engine.run_clients with generators derived per client (recorded in ``made`` by client id)."""
+    made = {} if made is None else made
+
+    def generator(client_id: int) -> torch.Generator:
+        made[client_id] = make_generator(0, Stream.CLIENT, 0, client_id)
+        return made[client_id]
+
+    model, params = nn.Linear(2, 2), {"w": torch.ones(2)}
+    return engine.run_clients(algorithm, model, params, data, ctx or context(), generator, states or {}), model, params
+
+
+def test_run_clients_calls_each_client_once_in_order_with_its_generator_and_state():
+    algorithm, made = RecordingAlgorithm(), {}
+    states = {3: {"kept": torch.tensor([3.0])}, 0: {"kept": torch.tensor([0.0])}, 9: {"kept": torch.tensor([9.0])}}
+    ctx = context(2, 4)
+    messages, model, params = run(LocalEngine(progress=False), algorithm, clients(3, 0, 5), ctx, states, made)
+
+    assert [m.client_id for m in messages] == [3, 0, 5]
+    assert [m.num_examples for m in messages] == [4, 1, 6]
+    assert torch.equal(messages[0].payload["delta"], torch.full((1, 2, 2), 12.0))
+    assert [call["data"].client_id for call in algorithm.calls] == [3, 0, 5]
+    assert all(call["generator"] is made[call["data"].client_id] for call in algorithm.calls)
+    assert sorted(made) == [0, 3, 5]  # one generator per selected client, none for others
+    assert algorithm.calls[0]["state"] is states[3]
+    assert algorithm.calls[1]["state"] is states[0]
+    assert algorithm.calls[2]["state"] is None  # client 5 kept nothing
+    assert all(call["model"] is model and call["params"] is params and call["ctx"] is ctx for call in algorithm.calls)
+
+
+def test_run_clients_of_no_clients_returns_no_messages():
+    algorithm = RecordingAlgorithm()
+    assert run(LocalEngine(progress=False), algorithm, [])[0] == []
+    assert algorithm.calls == []
+
+
+def test_a_failing_client_propagates():
+    class Failing(RecordingAlgorithm):
+        def client_update(self, *args, **kwargs):
+            raise RuntimeError("client 1 failed")
+
+    with pytest.raises(RuntimeError, match="client 1 failed"):
+        run(LocalEngine(progress=False), Failing(), clients(1, 2))
+
+
+def test_no_progress_bar_without_progress(capsys):
+    run(LocalEngine(progress=False), RecordingAlgorithm(), clients(0, 1))
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------- the time estimate
+
+
+def test_a_long_round_is_estimated_once_from_the_first_client(monkeypatch):
+    said: list[str] = []
+    engine = LocalEngine(progress=False, echo=said.append)
+    monkeypatch.setattr(local.time, "perf_counter", Clock(100.0, 130.0))  # the first client takes 30 s
+    run(engine, RecordingAlgorithm(), clients(0, 1, 2), context(0, 5))
+    assert said == [
+        "round 1/5: the first client took 30 s, so a round's clients take about 2 min and the 5 round(s) to go "
+        "about 8 min"
+    ]
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 1000.0))  # later rounds: never again
+    run(engine, RecordingAlgorithm(), clients(0, 1, 2), context(1, 5))
+    assert len(said) == 1
+
+
+def test_the_estimate_counts_only_the_rounds_left(monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 3000.0))
+    run(LocalEngine(progress=False, echo=said.append), RecordingAlgorithm(), clients(0, 1), context(7, 10))
+    assert said == [
+        "round 8/10: the first client took 50 min, so a round's clients take about 1.7 h and the 3 round(s) to go "
+        "about 5.0 h"
+    ]
+
+
+@pytest.mark.parametrize(
+    "first_client, expected",
+    [(ESTIMATE_FROM_SECONDS / 3, 1), (ESTIMATE_FROM_SECONDS / 3 - 0.01, 0)],
+    ids=["at the threshold", "just under"],
+)
+def test_the_estimate_is_said_only_from_the_threshold(monkeypatch, first_client, expected):
+    said: list[str] = []
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, first_client))
+    run(LocalEngine(progress=False, echo=said.append), RecordingAlgorithm(), clients(0, 1, 2))
+    assert len(said) == expected
+
+
+def test_a_short_first_round_means_no_estimate_later(monkeypatch):
+    """The estimate is taken from the first client of the process only."""
+    said: list[str] = []
+    engine = LocalEngine(progress=False, echo=said.append)
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 1.0))
+    run(engine, RecordingAlgorithm(), clients(0, 1, 2))
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 1000.0))
+    run(engine, RecordingAlgorithm(), clients(0, 1, 2), context(1, 5))
+    assert said == []
+
+
+def test_without_echo_a_long_round_says_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 1000.0))
+    messages = run(LocalEngine(progress=False), RecordingAlgorithm(), clients(0, 1))[0]
+    assert len(messages) == 2
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(
+    "seconds, words",
+    [
+        (0.4, "0 s"),
+        (40, "40 s"),
+        (89.4, "89 s"),
+        (90, "2 min"),
+        (720, "12 min"),
+        (5399, "90 min"),
+        (5400, "1.5 h"),
+        (9000, "2.5 h"),
+        (36 * 3600, "36.0 h"),
+    ],
+)
+def test_duration_in_words(seconds, words):
+    assert duration(seconds) == words
+
+
+# ---------------------------------------------------------------------------- the Engine protocol
+
+
+def test_local_engine_has_the_engine_protocols_methods():
+    """Every method the Engine protocol declares, with the same parameters (LocalEngine does not subclass it)."""
+    declared = {name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_")}
+    assert declared == {"run_clients"}  # a new protocol method must be added to this check and to LocalEngine
+    for name in (*declared, "__enter__", "__exit__"):
+        ours, theirs = inspect.signature(getattr(LocalEngine, name)), inspect.signature(getattr(Engine, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+    assert "name" in Engine.__annotations__
+    assert LocalEngine.name == "local"
+
+
+def test_local_engine_is_a_context_manager_that_lets_errors_through():
+    engine = LocalEngine(progress=False)
+    with engine as entered:
+        assert entered is engine
+    with pytest.raises(KeyError), LocalEngine(progress=False):
+        raise KeyError("not swallowed")

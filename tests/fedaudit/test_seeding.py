@@ -1,0 +1,125 @@
+"""fedaudit.seeding: every draw comes from a generator derived from (seed, stream, round, client), never the clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng, repeatable
+
+
+def test_streams_are_distinct_and_stable():
+    """The stream numbers are part of every derived seed: renumbering them would change every run."""
+    assert {s.name: int(s) for s in Stream} == {"INIT": 0, "SELECT": 1, "CLIENT": 2, "SERVER": 3, "ATTACK": 4}
+
+
+def test_derive_seed_is_deterministic_and_63_bit():
+    first = [
+        derive_seed(seed, stream, r, k) for seed in (0, 7) for stream in Stream for r in range(3) for k in range(3)
+    ]
+    again = [
+        derive_seed(seed, stream, r, k) for seed in (0, 7) for stream in Stream for r in range(3) for k in range(3)
+    ]
+    assert first == again
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in first)
+    # a known value: the derivation must not change between versions, or old runs would not resume exactly
+    assert derive_seed(0, Stream.INIT) == 6375474604893067239
+
+
+def test_derive_seed_differs_across_seeds_streams_rounds_and_clients():
+    tuples = [(seed, stream, r, k) for seed in (0, 1, 12345) for stream in Stream for r in range(6) for k in range(6)]
+    seeds = {derive_seed(*t) for t in tuples}
+    assert len(seeds) == len(tuples)
+
+
+def test_derive_seed_depends_on_the_order_of_its_keys():
+    """(round 1, client 2) and (round 2, client 1) are different clients' streams."""
+    assert derive_seed(0, Stream.CLIENT, 1, 2) != derive_seed(0, Stream.CLIENT, 2, 1)
+    assert derive_seed(0, Stream.CLIENT, 1) != derive_seed(0, Stream.CLIENT, 1, 1)
+
+
+def test_derive_seed_takes_integer_like_keys():
+    """Enum members (Stream, attacks' Draw) and numpy integers are keys like plain ints."""
+    assert derive_seed(np.int64(3), Stream.SERVER, np.int32(2)) == derive_seed(3, 3, 2)
+
+
+@pytest.mark.xfail(
+    reason="derive_seed is not injective: numpy's SeedSequence pads entropy shorter than its pool with zeros and "
+    "splits integers of 2**32 and more into several words, so (s, stream) equals (s, stream, 0) and (2**32, INIT) "
+    "equals (0, SELECT, 0); no call site in one run collides today, but two runs' streams can",
+    strict=True,
+)
+def test_derive_seed_is_injective():
+    assert derive_seed(0, Stream.ATTACK) != derive_seed(0, Stream.ATTACK, 0)
+    assert derive_seed(2**32, Stream.INIT) != derive_seed(0, Stream.SELECT, 0)
+
+
+def test_negative_seeds_are_refused():
+    with pytest.raises(ValueError):
+        derive_seed(-1, Stream.INIT)
+
+
+def test_generators_from_equal_arguments_draw_equally():
+    a = make_generator(3, Stream.CLIENT, 2, 1)
+    b = make_generator(3, Stream.CLIENT, 2, 1)
+    assert torch.equal(torch.rand(100, generator=a), torch.rand(100, generator=b))
+    assert torch.equal(torch.randn(10, generator=a), torch.randn(10, generator=b))  # and stay in step
+    assert a.initial_seed() == derive_seed(3, Stream.CLIENT, 2, 1)
+    assert a.device == torch.device("cpu")
+
+
+def test_generators_from_different_arguments_draw_differently():
+    arguments = [(3, Stream.CLIENT, 2, 1), (4, Stream.CLIENT, 2, 1), (3, Stream.SERVER, 2, 1)]
+    arguments += [(3, Stream.CLIENT, 1, 2), (3, Stream.CLIENT, 2, 0)]
+    draws = [torch.rand(50, generator=make_generator(*args)) for args in arguments]
+    for x, y in itertools.combinations(draws, 2):
+        assert not torch.equal(x, y)
+
+
+def test_generators_ignore_torchs_global_rng():
+    """A derived generator does not read or advance the global generator."""
+    torch.manual_seed(1)
+    a = torch.rand(20, generator=make_generator(0, Stream.CLIENT, 0, 0))
+    after_first = torch.rand(1)
+    torch.manual_seed(2)
+    b = torch.rand(20, generator=make_generator(0, Stream.CLIENT, 0, 0))
+    assert torch.equal(a, b)
+    torch.manual_seed(1)
+    assert torch.equal(torch.rand(1), after_first)
+
+
+def test_numpy_rng_equal_and_different_arguments():
+    assert np.array_equal(numpy_rng(5, Stream.SELECT, 0).random(100), numpy_rng(5, Stream.SELECT, 0).random(100))
+    assert np.array_equal(
+        numpy_rng(5, Stream.SELECT, 0).choice(10, 4, replace=False),
+        numpy_rng(5, Stream.SELECT, 0).choice(10, 4, replace=False),
+    )
+    reference = numpy_rng(5, Stream.SELECT, 0).random(100)
+    for args in [(6, Stream.SELECT, 0), (5, Stream.ATTACK, 0), (5, Stream.SELECT, 1)]:
+        assert not np.array_equal(numpy_rng(*args).random(100), reference)
+    assert isinstance(numpy_rng(5, Stream.SELECT, 0), np.random.Generator)
+
+
+def test_numpy_rng_is_seeded_with_the_derived_seed():
+    expected = np.random.default_rng(derive_seed(9, Stream.ATTACK, 2)).integers(0, 2**31, 20)
+    assert np.array_equal(numpy_rng(9, Stream.ATTACK, 2).integers(0, 2**31, 20), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_generators_draw_like_each_other():
+    a = make_generator(3, Stream.CLIENT, 0, 0, device="cuda")
+    b = make_generator(3, Stream.CLIENT, 0, 0, device="cuda")
+    assert a.device.type == "cuda"
+    assert torch.equal(torch.rand(100, generator=a, device="cuda"), torch.rand(100, generator=b, device="cuda"))
+
+
+def test_repeatable_switches_cudnn_to_deterministic_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    repeatable(torch.device("cpu"))
+    assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
+    repeatable(torch.device("cuda"))  # constructing the device needs no GPU
+    assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (True, False)

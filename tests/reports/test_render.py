@@ -1,0 +1,179 @@
+"""fedaudit.reports.render: where a report goes (output_paths) and what write_report writes for real runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from helpers import read_json, tree_digest
+
+from fedaudit.reports.collect import ReportError, RunSummary, collect_runs
+from fedaudit.reports.render import FORMATS, output_paths, write_report
+from fedaudit.reports.summary import fmt
+
+SUMMARIES = ("summary.csv", "groups.csv", "summary.json")
+
+
+@pytest.fixture(scope="module")
+def summaries(plain_run: Path, dp_run: Path) -> list[RunSummary]:
+    """The plain FedAvg run and the DP-FedAvg run, collected once (both directories are called "run")."""
+    return collect_runs([plain_run, dp_run])
+
+
+# ---------------------------------------------------------------------------- output_paths
+
+
+def test_formats_are_html_md_and_pdf():
+    assert FORMATS == ("html", "md", "pdf")
+
+
+@pytest.mark.parametrize(
+    "name, formats, expected",
+    [
+        ("audit.html", (), {"html": "audit.html"}),
+        ("audit.md", (), {"md": "audit.md"}),
+        ("audit.pdf", (), {"pdf": "audit.pdf"}),
+        ("Audit.HTML", (), {"html": "Audit.html"}),  # the suffix is read case-insensitively
+        ("audit.html", ("html", "md"), {"html": "audit.html", "md": "audit.md"}),  # other formats beside it
+        ("audit.md", ("pdf", "html", "pdf"), {"pdf": "audit.pdf", "html": "audit.html"}),  # each format once
+    ],
+)
+def test_a_report_file_names_the_report_and_its_folder_gets_the_summaries(tmp_path, name, formats, expected):
+    targets, folder = output_paths(tmp_path / name, formats)
+    assert targets == {fmt_: tmp_path / file for fmt_, file in expected.items()}
+    assert list(targets) == list(expected)
+    assert folder == tmp_path
+
+
+@pytest.mark.parametrize(
+    "name, formats, expected",
+    [
+        ("out", (), {"html": "report.html"}),  # html by default
+        ("out", ("md", "pdf"), {"md": "report.md", "pdf": "report.pdf"}),
+        ("results.v2", (), {"html": "report.html"}),  # a dot that is no report suffix: still a folder
+        ("report.txt", ("md",), {"md": "report.md"}),
+    ],
+)
+def test_a_path_without_a_report_suffix_is_a_folder(tmp_path, name, formats, expected):
+    targets, folder = output_paths(tmp_path / name, formats)
+    assert folder == tmp_path / name
+    assert targets == {fmt_: tmp_path / name / file for fmt_, file in expected.items()}
+    assert not (tmp_path / name).exists()  # output_paths only plans; it creates nothing
+
+
+def test_existing_folder_is_used(tmp_path):
+    (tmp_path / "out").mkdir()
+    assert output_paths(tmp_path / "out", ()) == ({"html": tmp_path / "out" / "report.html"}, tmp_path / "out")
+
+
+def test_format_overrides_the_suffix_of_out(tmp_path):
+    """--out audit.html --format md: --format decides what is written ([default: the suffix of --out]); the suffix
+    only names the stem and folder, so no audit.html is written."""
+    targets, folder = output_paths(tmp_path / "audit.html", ("md",))
+    assert targets == {"md": tmp_path / "audit.md"}
+    assert folder == tmp_path
+
+
+@pytest.mark.parametrize("formats", [("docx",), ("html", "xlsx"), ("",)])
+def test_an_unknown_format_is_refused(tmp_path, formats):
+    with pytest.raises(ReportError) as caught:
+        output_paths(tmp_path / "audit.html", formats)
+    message = str(caught.value)
+    unknown = next(f for f in formats if f not in FORMATS)
+    assert f"Unknown --format {unknown!r}" in message and "html, md, pdf" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("out", ["taken", "taken/audit.html"])
+def test_a_folder_that_is_a_file_is_refused(tmp_path, out):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(ReportError, match="exists and is not a directory") as caught:
+        output_paths(tmp_path / out, ())
+    assert str(tmp_path / "taken") in str(caught.value)
+
+
+# ---------------------------------------------------------------------------- write_report
+
+
+@pytest.fixture(scope="module")
+def written(summaries, tmp_path_factory) -> tuple[Path, object]:
+    """HTML and Markdown report of both runs, written once."""
+    out = tmp_path_factory.mktemp("render") / "audit.html"
+    return out, write_report(summaries, out, ("html", "md"), None)
+
+
+def test_write_report_writes_html_md_and_the_summaries_beside_them(written):
+    out, outcome = written
+    folder = out.parent
+    expected = [folder / "audit.html", folder / "audit.md", *(folder / name for name in SUMMARIES)]
+    assert list(outcome.written) == expected
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in expected)
+    assert outcome.verdict is None and outcome.checks == {}
+
+
+def test_the_report_names_both_runs_algorithms_and_epsilon(written, dp_run):
+    out, _ = written
+    epsilon = read_json(dp_run / "privacy.json")["epsilon_per_round"][-1]
+    assert epsilon == pd.read_csv(dp_run / "metrics.csv")["epsilon"].iloc[-1]
+    for text in (out.read_text(encoding="utf-8"), out.with_suffix(".md").read_text(encoding="utf-8")):
+        assert "DP-FedAvg" in text
+        assert re.search(r"(?<!DP-)FedAvg", text)  # the plain run's algorithm on its own
+        assert fmt(epsilon) in text  # the DP run's epsilon, as the tables show it
+        assert "epsilon is infinite" in text  # the plain run has no guarantee
+        assert "run (1)" in text and "run (2)" in text  # two directories of one name are told apart
+
+
+def test_summary_csv_holds_each_runs_numbers_exactly(written, summaries, dp_run):
+    out, _ = written
+    rows = pd.read_csv(out.parent / "summary.csv")
+    assert rows["run"].tolist() == ["run (1)", "run (2)"]
+    assert rows["algorithm"].tolist() == ["FedAvg", "DP-FedAvg"]
+    assert rows["dp"].tolist() == [False, True]
+    assert math.isinf(rows["epsilon"][0])
+    assert rows["epsilon"][1] == read_json(dp_run / "privacy.json")["epsilon_per_round"][-1]  # read back exactly
+    assert rows["final_accuracy"].tolist() == [s.final_accuracy for s in summaries]
+    assert rows["rounds"].tolist() == [3, 3]
+
+
+def test_summary_json_is_strict_json_with_infinite_epsilon_flagged(written, plain_run, dp_run):
+    out, _ = written
+    text = (out.parent / "summary.json").read_text(encoding="utf-8")
+    summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in summary.json"))
+    assert (summary["format"], summary["format_version"], summary["verdict"]) == ("fedaudit-report", 1, None)
+    plain, dp = summary["runs"]
+    assert (plain["name"], plain["path"], plain["setup"]["algorithm"]) == ("run (1)", str(plain_run), "FedAvg")
+    assert (dp["name"], dp["path"], dp["setup"]["algorithm"]) == ("run (2)", str(dp_run), "DP-FedAvg")
+    assert plain["privacy"]["epsilon"] is None and plain["privacy"]["epsilon_infinite"] is True
+    assert dp["privacy"]["epsilon"] == read_json(dp_run / "privacy.json")["epsilon_per_round"][-1]
+    assert dp["privacy"]["epsilon_infinite"] is False
+    assert dp["privacy"]["epsilon_per_round"] == read_json(dp_run / "privacy.json")["epsilon_per_round"]
+
+
+def test_markdown_alone_writes_no_html(summaries, tmp_path):
+    outcome = write_report(summaries, tmp_path / "out", ("md",), None)
+    assert [p.name for p in outcome.written] == ["report.md", *SUMMARIES]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(["report.md", *SUMMARIES])
+    assert "DP-FedAvg" in (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "out, formats",
+    [
+        ("taken", ("html",)),
+        ("taken/audit.md", ()),
+        ("fresh/audit.html", ("docx",)),
+        ("fresh", ("md", "odt")),
+    ],
+    ids=["folder is a file", "parent is a file", "unknown format", "one unknown format of two"],
+)
+def test_nothing_is_written_when_the_output_path_is_invalid(summaries, tmp_path, out, formats):
+    (tmp_path / "taken").write_text("a file")
+    before = tree_digest(tmp_path)
+    with pytest.raises(ReportError):
+        write_report(summaries, tmp_path / out, formats, None)
+    assert tree_digest(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
