@@ -25,7 +25,7 @@ from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, 
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
 from fedaudit.attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
-from fedaudit.config import RunConfig
+from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
@@ -77,6 +77,8 @@ class AttackOptions:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise AttackError(f"{option} must be an integer of at least {least}, got {value!r}.")
+        if self.seed is not None and self.seed > MAX_SEED:
+            raise AttackError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.")
         if not isinstance(self.per_layer, bool):
             raise AttackError(f"--per-layer must be true or false, got {self.per_layer!r}.")
 

@@ -22,6 +22,8 @@ import yaml
 from fedaudit.errors import UserError
 from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
 
+# Seeds are 32-bit: every random stream is derived from (seed, stream, keys) word by word (fedaudit.seeding).
+MAX_SEED = 2**32 - 1
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("local", "flower")
 WEIGHTINGS = ("num_examples", "uniform")
@@ -232,7 +234,10 @@ class RunConfig:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
         _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
         _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'.")
-        _check(_is_int(self.seed) and self.seed >= 0, f"--seed must be a non-negative integer, got {self.seed!r}.")
+        _check(
+            _is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
+            f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.",
+        )
         d, m, f, p = self.data, self.model, self.federated, self.privacy
         for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")

@@ -424,7 +424,7 @@ class RunDirectory:
             )
         if manifest.get("format_version") != FORMAT_VERSION:
             raise RunError(
-                f"{self.path} was written in run format {manifest.get('format_version')} but this fedaudit reads "
+                f"{self.path} was written in run format {manifest.get('format_version')!r} but this fedaudit reads "
                 f"format {FORMAT_VERSION}."
             )
         return Manifest.from_dict(manifest, str(self.manifest_path))
@@ -436,9 +436,11 @@ class RunDirectory:
         )
 
     def read_run_config(self) -> RunConfig:
-        """config.json as a :class:`RunConfig`; a malformed one is a :class:`RunError`."""
+        """config.json as a checked :class:`RunConfig`; a malformed one or a bad value is a :class:`RunError`."""
         try:
-            return RunConfig.from_dict(self.read_config())
+            config = RunConfig.from_dict(self.read_config())
+            config.validate()
+            return config
         except (ConfigError, TypeError) as exc:
             raise RunError(f"{self.config_path} is not a valid fedaudit configuration: {exc}") from exc
 

@@ -14,6 +14,8 @@ import enum
 import numpy as np
 import torch
 
+from fedaudit.config import MAX_SEED
+
 
 class Stream(enum.IntEnum):
     """Independent purposes of randomness in a run."""
@@ -25,8 +27,23 @@ class Stream(enum.IntEnum):
     ATTACK = 4
 
 
+# How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
+# every value below 2**32 make derive_seed injective: numpy's SeedSequence pads short entropy with zeros and splits
+# larger integers into 32-bit words, so (s, stream) would equal (s, stream, 0), and (2**32, INIT) (0, SELECT, 0).
+STREAM_KEYS = {Stream.INIT: 0, Stream.SELECT: 1, Stream.CLIENT: 2, Stream.SERVER: 1, Stream.ATTACK: 1}
+
+
 def derive_seed(seed: int, stream: Stream, *keys: int) -> int:
-    """A 63-bit seed determined by the run seed, the stream and integer keys (round, client, ...)."""
+    """A 63-bit seed determined by the run seed, the stream and its integer keys (round, client, ...).
+
+    Distinct arguments give distinct seeds: ``seed`` and every key lie in [0, 2**32) and each stream takes its
+    fixed number of keys (:data:`STREAM_KEYS`); anything else is a ``ValueError``.
+    """
+    stream = Stream(stream)
+    if len(keys) != STREAM_KEYS[stream]:
+        raise ValueError(f"Stream {stream.name} takes {STREAM_KEYS[stream]} key(s), got {len(keys)}.")
+    if any(not 0 <= int(value) <= MAX_SEED for value in (seed, *keys)):
+        raise ValueError(f"Seeds and keys must be integers in [0, {MAX_SEED}], got {(seed, *keys)}.")
     state = np.random.SeedSequence([int(seed), int(stream), *map(int, keys)]).generate_state(2, np.uint32)
     return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
 

@@ -303,6 +303,7 @@ def test_dp_run_without_its_ledger_is_a_user_error(dp_run, tmp_path, cli):
         (("--nonmembers", "train"), "--nonmembers"),
         (("--max-records", "1"), "--max-records"),
         (("--seed", "-1"), "--seed"),
+        (("--seed", str(2**32)), "--seed"),
         (("--bootstrap", "0"), "--bootstrap"),
     ],
 )

@@ -224,6 +224,7 @@ BAD_TRAIN = {
     "too-deep": (["--model", "convnet", "--depth", "4"], "depth"),
     "lr": (["--lr", "nan"], "--lr"),
     "seed": (["--seed", "-1"], "--seed"),
+    "seed-beyond-32-bits": (["--seed", str(2**32)], "--seed"),
     "missing-config": (["--config", "NOWHERE/config.yaml"], "config"),
     "malformed-yaml": (["--config", "FILE:bad.yaml:federated: [rounds: 3"], "yaml"),
     "malformed-json": (["--config", 'FILE:bad.json:{"federated": '], "json"),

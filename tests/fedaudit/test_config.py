@@ -209,6 +209,7 @@ INVALID = {
     "depth": (RunConfig(model=ModelConfig(depth=-1)), "--depth"),
     "device": (RunConfig(device="tpu"), "--device"),
     "seed-negative": (RunConfig(seed=-1), "--seed"),
+    "seed-beyond-32-bits": (RunConfig(seed=2**32), "--seed"),
     "seed-bool": (RunConfig(seed=True), "--seed"),
     "accountant": (RunConfig(privacy=PrivacyConfig(accountant="moments")), "--accountant"),
     "delta": (RunConfig(privacy=PrivacyConfig(delta=0.0)), "--delta"),
