@@ -12,22 +12,10 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file
 
 # Options that keep a run small and quick; tests add --rounds, --dp, ... to these.
-FAST_ARGS: tuple[str, ...] = (
-    "--dataset",
-    "digits",
-    "--model",
-    "mlp",
-    "--width",
-    "16",
-    "--depth",
-    "1",
-    "--batch-size",
-    "32",
-    "--local-epochs",
-    "1",
-    "--device",
-    "cpu",
-    "--no-progress",
+FAST_ARGS: tuple[str, ...] = tuple(
+    (
+        "--dataset digits --model mlp --width 16 --depth 1 --batch-size 32 --local-epochs 1 --device cpu --no-progress"
+    ).split()
 )
 
 
@@ -96,3 +84,12 @@ def interrupt_in_round(monkeypatch, round_number: int) -> None:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(training, "evaluate", evaluate)
+
+
+BATCH = 32  # FAST_ARGS' --batch-size
+
+
+def client_plan(run: Path) -> dict[int, tuple[float, int]]:
+    """(q, T) of each client, from the manifest: q = B / N_k, T = E * floor(N_k / B) with E = 1."""
+    sizes = read_json(run / "manifest.json")["clients"]["num_examples"]
+    return {k: (BATCH / n, max(1, n // BATCH)) for k, n in enumerate(sizes)}

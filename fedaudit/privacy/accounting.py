@@ -487,7 +487,7 @@ def _solve_sigma(epsilon_at: Callable[[float], float], *, target: float, start: 
 class PrivacyLedger:
     """Per-client histories of SGM events, round by round; epsilon is the max over clients.
 
-    The run reports the worst-case client (e.g. the one with the smallest N_k,
+    The run reports the worst-case client (the largest epsilon: often the smallest N_k,
     hence the largest q), so it never reports less than it spent. The per-round,
     per-client history is kept so that :meth:`to_dict`/:meth:`from_dict` round
     trips exactly and a resumed run continues the same accounting.

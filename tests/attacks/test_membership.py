@@ -2,36 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
-from scipy.optimize import brentq
-from scipy.stats import norm
 
 from fedaudit.attacks import AttackError
 from fedaudit.attacks.membership import build_evaluation_set
 from fedaudit.data import Partition
-
-DELTA = 1e-5
-
-
-def labels(n_members: int, n_nonmembers: int) -> np.ndarray:
-    return np.concatenate([np.ones(n_members, dtype=int), np.zeros(n_nonmembers, dtype=int)])
-
-
-def randomised_response(eps: float, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Members answer 1 with probability e^eps / (1 + e^eps), non-members with 1 / (1 + e^eps): exactly eps-DP."""
-    rng = np.random.default_rng(seed)
-    p = math.exp(eps) / (1.0 + math.exp(eps))
-    scores = np.concatenate([rng.random(n) < p, rng.random(n) < 1.0 - p]).astype(float)
-    return labels(n, n), scores
-
-
-def gaussian_epsilon(mu: float, delta: float) -> float:
-    """The (eps, delta) curve of N(0, 1) vs N(mu, 1): delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)."""
-    return brentq(lambda e: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2) - delta, 0.0, 60.0)
-
 
 # ---------------------------------------------------------------------------- evaluation sets
 

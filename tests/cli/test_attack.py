@@ -20,21 +20,11 @@ from fedaudit.runs import RunDirectory
 
 # A deliberately overfit run: 2 clients with about 21 records each (97% of digits held out), a wide MLP,
 # 3 rounds of 100 local epochs. Digits generalises well, so leakage needs this few records per client.
-OVERFIT = (
-    "--num-clients",
-    "2",
-    "--partition",
-    "iid",
-    "--holdout-fraction",
-    "0.97",
-    "--width",
-    "256",
-    "--batch-size",
-    "8",
-    "--rounds",
-    "3",
-    "--local-epochs",
-    "100",
+OVERFIT = tuple(
+    (
+        "--num-clients 2 --partition iid --holdout-fraction 0.97 --width 256 --batch-size 8 --rounds 3 "
+        "--local-epochs 100"
+    ).split()
 )
 # DP-FedAvg with a small epsilon: sigma 5 on the fast configuration.
 SMALL_EPSILON = ("--dp", "--noise-multiplier", "5", "--rounds", "3")

@@ -7,25 +7,11 @@ import pytest
 from helpers import FAST_ARGS, assert_same_tensors, assert_user_error, interrupt_in_round, read_json, without_wall
 from safetensors.torch import load_file
 
-LAP_ARGS = (
-    "--algorithm",
-    "fedlap",
-    "--ipc",
-    "2",
-    "--trajectories",
-    "2",
-    "--max-loops",
-    "2",
-    "--real-batches",
-    "2",
-    "--image-steps",
-    "2",
-    "--model-epochs",
-    "1",
-    "--server-epochs",
-    "5",
-    "--rounds",
-    "2",
+LAP_ARGS = tuple(
+    (
+        "--algorithm fedlap --ipc 2 --trajectories 2 --max-loops 2 --real-batches 2 --image-steps 2 "
+        "--model-epochs 1 --server-epochs 5 --rounds 2"
+    ).split()
 )
 
 

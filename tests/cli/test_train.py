@@ -13,6 +13,7 @@ from helpers import (
     FAST_ARGS,
     assert_same_tensors,
     assert_user_error,
+    client_plan,
     interrupt_in_round,
     read_json,
     tree_digest,
@@ -20,15 +21,6 @@ from helpers import (
 )
 
 from fedaudit.privacy.accounting import calibrate_noise_multiplier
-
-BATCH = 32  # FAST_ARGS' --batch-size
-
-
-def client_plan(run: Path) -> dict[int, tuple[float, int]]:
-    """(q, T) of each client, from the manifest: q = B / N_k, T = E * floor(N_k / B) with E = 1."""
-    sizes = read_json(run / "manifest.json")["clients"]["num_examples"]
-    return {k: (BATCH / n, max(1, n // BATCH)) for k, n in enumerate(sizes)}
-
 
 # ---------------------------------------------------------------------------- resume
 

@@ -69,31 +69,11 @@ def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
 
 
 def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path):
-    args = (
-        "--dataset",
-        "digits",
-        "--model",
-        "convnet",
-        "--width",
-        "16",
-        "--algorithm",
-        "fedlap",
-        "--dp",
-        "--ipc",
-        "2",
-        "--trajectories",
-        "1",
-        "--max-loops",
-        "2",
-        "--real-batches",
-        "2",
-        "--rounds",
-        "2",
-        "--batch-size",
-        "32",
-        "--device",
-        "cuda",
-        "--no-progress",
+    args = tuple(
+        (
+            "--dataset digits --model convnet --width 16 --algorithm fedlap --dp --ipc 2 --trajectories 1 "
+            "--max-loops 2 --real-batches 2 --rounds 2 --batch-size 32 --device cuda --no-progress"
+        ).split()
     )
     for name in ("a", "b"):
         assert invoke("train", *args, "--out", tmp_path / name).exit_code == 0

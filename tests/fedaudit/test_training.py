@@ -12,6 +12,7 @@ import torch
 from helpers import (
     FAST_ARGS,
     assert_same_tensors,
+    client_plan,
     epsilon_cli,
     read_json,
 )
@@ -23,15 +24,6 @@ from fedaudit.data import load_dataset
 from fedaudit.privacy.accounting import epsilon_per_round
 from fedaudit.runs import METRIC_COLUMNS
 from fedaudit.training import select_clients
-
-BATCH = 32  # FAST_ARGS' --batch-size
-
-
-def client_plan(run: Path) -> dict[int, tuple[float, int]]:
-    """(q, T) of each client, from the manifest: q = B / N_k, T = E * floor(N_k / B) with E = 1."""
-    sizes = read_json(run / "manifest.json")["clients"]["num_examples"]
-    return {k: (BATCH / n, max(1, n // BATCH)) for k, n in enumerate(sizes)}
-
 
 # ---------------------------------------------------------------------------- the run directory
 

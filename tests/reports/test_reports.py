@@ -19,53 +19,21 @@ from helpers import invoke
 from PIL import Image
 
 IN_CI = os.environ.get("CI") == "true"
-LAP_ARGS = (
-    "--algorithm",
-    "fedlap",
-    "--dp",
-    "--ipc",
-    "1",
-    "--trajectories",
-    "1",
-    "--max-loops",
-    "1",
-    "--real-batches",
-    "1",
-    "--image-steps",
-    "1",
-    "--model-epochs",
-    "1",
-    "--server-epochs",
-    "2",
-    "--rounds",
-    "2",
-    "--save-transmitted",
+LAP_ARGS = tuple(
+    (
+        "--algorithm fedlap --dp --ipc 1 --trajectories 1 --max-loops 1 --real-batches 1 --image-steps 1 "
+        "--model-epochs 1 --server-epochs 2 --rounds 2 --save-transmitted"
+    ).split()
 )
-ATTACK_ARGS = (
-    "--target",
-    "all",
-    "--signal",
-    "loss",
-    "--method",
-    "threshold",
-    "--max-records",
-    "200",
-    "--bootstrap",
-    "50",
-    "--device",
-    "cpu",
-    "--no-progress",
+ATTACK_ARGS = tuple(
+    "--target all --signal loss --method threshold --max-records 200 --bootstrap 50 --device cpu --no-progress".split()
 )
 SECTIONS = ("Setup", "Threat model", "Utility", "Privacy accounting", "Membership inference attacks")
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
+CHROMIUM_FLAGS = tuple(
+    (
+        "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking "
+        "--disable-component-update --disable-sync"
+    ).split()
 )
 
 

@@ -16,24 +16,8 @@ pytest.importorskip("flwr.simulation", reason="the flower extra is not installed
 # and what crossed the wire saved: every path of the message seam is exercised.
 ARGS = (
     *FAST_ARGS,
-    "--dp",
-    "--algorithm",
-    "fedlap",
-    "--ipc",
-    "2",
-    "--trajectories",
-    "1",
-    "--max-loops",
-    "2",
-    "--real-batches",
-    "2",
-    "--image-steps",
-    "2",
-    "--init",
-    "previous",
-    "--client-fraction",
-    "0.6",
-    "--save-transmitted",
+    *"--dp --algorithm fedlap --ipc 2 --trajectories 1 --max-loops 2 --real-batches 2 --image-steps 2".split(),
+    *"--init previous --client-fraction 0.6 --save-transmitted".split(),
 )
 VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the engine, or hold wall-clock times
 READ_JSON = json.loads
