@@ -382,13 +382,14 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
     }
     for name, round_number in names.items():
         try:
-            metrics = run.read_json(run.attacks_dir / name / "metrics.json")
+            record = run.read_attack(name)
         except RunError:
             return False
         if (
-            metrics.get("format_version") != RESULT_FORMAT_VERSION
-            or metrics.get("round") != round_number
-            or any(metrics.get(k) != v for k, v in expected.items())
+            record is None
+            or record.format_version != RESULT_FORMAT_VERSION
+            or record.round != round_number
+            or any(record.settings.get(k) != v for k, v in expected.items())
         ):
             return False
     return bool(names)

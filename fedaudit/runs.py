@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -220,6 +221,144 @@ class Manifest:
         )
 
 
+def _number(value: Any) -> float | None:
+    """A JSON number as a float; None for null, NaN, or anything that is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return None if math.isnan(value) else float(value)
+
+
+def _interval(value: Any) -> tuple[float, float] | None:
+    """A JSON interval [low, high]; None when absent or not two numbers."""
+    if isinstance(value, list) and len(value) == 2:
+        low, high = _number(value[0]), _number(value[1])
+        if low is not None and high is not None:
+            return low, high
+    return None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class RateRecord:
+    """One entry of an attack's "tpr_at_fpr": the TPR at a target FPR with its interval and sample sizes.
+
+    Results of attack format 1 stored a bare number; ``detailed`` is False for those.
+    """
+
+    tpr: float | None
+    detailed: bool = True
+    ci95: tuple[float, float] | None = None
+    estimable: bool = True
+    num_members: int | None = None
+    num_nonmembers: int | None = None
+    nonmembers_needed: int | None = None
+    fpr: float | None = None
+    fpr_ci95: tuple[float, float] | None = None
+
+    @classmethod
+    def from_json(cls, value: Any) -> RateRecord | None:
+        if isinstance(value, dict):
+            needed = value.get("nonmembers_needed")
+            if needed is not None and _count(needed) is None:
+                raise RunError(f"nonmembers_needed must be an integer, got {needed!r}.")
+            return cls(
+                tpr=_number(value.get("tpr")),
+                ci95=_interval(value.get("ci95")),
+                estimable=bool(value.get("estimable", True)),
+                num_members=_count(value.get("num_members")),
+                num_nonmembers=_count(value.get("num_nonmembers")),
+                nonmembers_needed=needed,
+                fpr=_number(value.get("fpr")),
+                fpr_ci95=_interval(value.get("fpr_ci95")),
+            )
+        number = _number(value)
+        return None if number is None else cls(tpr=number, detailed=False)
+
+
+BOUND_TEST_KEYS = (
+    "threshold",
+    "inequality",
+    "true_positives",
+    "false_positives",
+    "bound_members",
+    "bound_nonmembers",
+    "delta",
+)
+
+
+def _bound_test(value: Any) -> dict[str, Any] | None:
+    """The recorded test of an epsilon lower bound, or None when absent or incomplete (format 1 had none)."""
+    if not isinstance(value, dict) or not set(BOUND_TEST_KEYS) <= set(value):
+        return None
+    if value["threshold"] is not None and value["inequality"] not in ("tpr", "tnr"):
+        return None
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class AttackRecord:
+    """attacks/<name>/metrics.json, written by ``fedaudit attack`` (formats 1 and 2), read by reports and studies.
+
+    Absent or malformed numbers read as None, so an older result still shows what it has; ``name`` is the result
+    directory's name, ``<signal>-<method>[-round-N]``.
+    """
+
+    name: str
+    signal: str
+    method: str
+    format_version: int | None
+    round: int | None
+    seed: int | None
+    settings: Mapping[str, Any]  # nonmembers, max_records, bootstrap_resamples, per_layer: what a study compares
+    auc: float | None
+    auc_ci95: tuple[float, float] | None
+    auc_se: float | None
+    tpr_at_fpr: Mapping[str, RateRecord | None]  # "0.01", "0.001"
+    balanced_accuracy: float | None
+    advantage: float | None
+    advantage_held_out: float | None
+    advantage_held_out_ci95: tuple[float, float] | None
+    epsilon_lower_bound: float | None
+    epsilon_lower_bound_test: Mapping[str, Any] | None
+    accountant_epsilon: float | None
+    num_members: int | None
+    num_nonmembers: int | None
+
+    SETTINGS = ("seed", "nonmembers", "max_records", "bootstrap_resamples", "per_layer")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], name: str) -> AttackRecord:
+        signal, _, method = name.partition("-round-")[0].rpartition("-")
+        rates = data.get("tpr_at_fpr") if isinstance(data.get("tpr_at_fpr"), dict) else {}
+        held_out = data.get("advantage_held_out") if isinstance(data.get("advantage_held_out"), dict) else {}
+        round_number = data.get("round")
+        return cls(
+            name=name,
+            signal=str(data.get("signal", signal or name)),
+            method=str(data.get("method", method)),
+            format_version=_count(data.get("format_version")),
+            round=int(round_number) if _number(round_number) is not None else None,
+            seed=_count(data.get("seed")),
+            settings={key: data.get(key) for key in cls.SETTINGS},
+            auc=_number(data.get("auc")),
+            auc_ci95=_interval(data.get("auc_ci95")),
+            auc_se=_number(data.get("auc_se")),
+            tpr_at_fpr={key: RateRecord.from_json(rates.get(key)) for key in ("0.01", "0.001")},
+            balanced_accuracy=_number(data.get("balanced_accuracy")),
+            advantage=_number(data.get("advantage")),
+            advantage_held_out=_number(held_out.get("advantage")),
+            advantage_held_out_ci95=_interval(held_out.get("ci95")),
+            epsilon_lower_bound=_number(data.get("epsilon_lower_bound")),
+            epsilon_lower_bound_test=_bound_test(data.get("epsilon_lower_bound_test")),
+            accountant_epsilon=_number(data.get("accountant_epsilon")),
+            num_members=_count(data.get("num_members")),
+            num_nonmembers=_count(data.get("num_nonmembers")),
+        )
+
+
 TEMPORARY_SUFFIX = ".tmp"
 
 
@@ -366,6 +505,20 @@ class RunDirectory:
     transmitted_dir = property(lambda self: self.path / "transmitted")
     attacks_dir = property(lambda self: self.path / "attacks")  # written by fedaudit attack, read by reports
 
+    def attack_names(self) -> list[str]:
+        """The attack result directories under attacks/ that hold a metrics.json (written last), sorted."""
+        folder = self.attacks_dir
+        return sorted(p.parent.name for p in folder.glob("*/metrics.json")) if folder.is_dir() else []
+
+    def read_attack(self, name: str) -> AttackRecord | None:
+        """attacks/``name``/metrics.json as an :class:`AttackRecord`; None when it is not a JSON object.
+
+        Raises:
+            RunError: the file is missing, unreadable or not JSON, or a field is malformed.
+        """
+        data = self.read_json(self.attacks_dir / name / "metrics.json")
+        return AttackRecord.from_dict(data, name) if isinstance(data, dict) else None
+
     def checkpoint_path(self, round_number: int) -> Path:
         """Weights of the global model after round ``round_number`` (1-based)."""
         return self.checkpoints_dir / f"round-{round_number:04d}.safetensors"
@@ -409,6 +562,8 @@ class RunDirectory:
             raise RunError(f"{self.path} is not a complete fedaudit run: {path.name} is missing.") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RunError(f"{path} is corrupt (not valid JSON).") from exc
+        except OSError as exc:
+            raise RunError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
 
     def read_config(self) -> dict[str, Any]:
         return self.read_json(self.config_path)

@@ -19,18 +19,9 @@ from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.registry import algorithm_label
-from fedaudit.runs import Manifest, RunDirectory, RunError
+from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunError
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
-BOUND_TEST_KEYS = {
-    "threshold",
-    "inequality",
-    "true_positives",
-    "false_positives",
-    "bound_members",
-    "bound_nonmembers",
-    "delta",
-}
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
 
 
@@ -89,27 +80,29 @@ class LowFprRate:
     fpr_ci: tuple[float, float] | None = None
 
     @classmethod
-    def read(cls, entry: Any, target: float, num_members: Any, num_nonmembers: Any) -> LowFprRate | None:
-        """From metrics.json: the current form (a mapping) or a bare number of older results (no interval)."""
+    def read(
+        cls, entry: RateRecord | None, target: float, num_members: int | None, num_nonmembers: int | None
+    ) -> LowFprRate | None:
+        """From an attack record's rate: the current form, or a bare number of format-1 results (no interval)."""
         needed = math.ceil(1.0 / target - 1e-9)
-        if isinstance(entry, dict):
-            ci = entry.get("ci95")
+        if entry is None:
+            return None
+        if entry.detailed:
             return cls(
                 target,
-                _number(entry.get("tpr")),
-                _pair(ci),
-                bool(entry.get("estimable", True)),
-                entry.get("num_members", num_members),
-                entry.get("num_nonmembers", num_nonmembers),
-                int(entry.get("nonmembers_needed", needed)),
-                _number(entry.get("fpr")),
-                _pair(entry.get("fpr_ci95")),
+                entry.tpr,
+                entry.ci95,
+                entry.estimable,
+                num_members if entry.num_members is None else entry.num_members,
+                num_nonmembers if entry.num_nonmembers is None else entry.num_nonmembers,
+                needed if entry.nonmembers_needed is None else entry.nonmembers_needed,
+                entry.fpr,
+                entry.fpr_ci95,
             )
-        value = _number(entry)
-        if value is None:
+        if entry.tpr is None:
             return None
-        estimable = not isinstance(num_nonmembers, int) or num_nonmembers >= needed
-        return cls(target, value if estimable else None, None, estimable, num_members, num_nonmembers, needed)
+        estimable = num_nonmembers is None or num_nonmembers >= needed
+        return cls(target, entry.tpr if estimable else None, None, estimable, num_members, num_nonmembers, needed)
 
     def __str__(self) -> str:
         if not self.estimable:
@@ -434,21 +427,18 @@ def _privacy(
 
 
 def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
-    folder = RunDirectory(path).attacks_dir
-    directories = sorted(p.parent for p in folder.glob("*/metrics.json")) if folder.is_dir() else []
+    run = RunDirectory(path)
     results = []
-    for directory in directories:
+    for name in run.attack_names():
         try:
-            metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            record = run.read_attack(name)
+        except RunError:
             notes.append(
-                Note(
-                    f"The attack result {directory.name} is unreadable and is left out.", ATTACK_HINT.format(path=path)
-                )
+                Note(f"The attack result {name} is unreadable and is left out.", ATTACK_HINT.format(path=path))
             )
             continue
-        if isinstance(metrics, dict):
-            results.append(_attack(directory, metrics, notes))
+        if record is not None:
+            results.append(_attack(run, record, notes))
     if not results:
         notes.append(
             Note(
@@ -459,38 +449,19 @@ def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
     return tuple(sorted(results, key=lambda a: (a.signal, a.method, a.round or 0)))
 
 
-def _number(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(number) else number
-
-
-def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> AttackSummary:
-    tpr = metrics.get("tpr_at_fpr") if isinstance(metrics.get("tpr_at_fpr"), dict) else {}
-    interval = _pair(metrics.get("auc_ci95", metrics.get("auc_ci")))
-    members = metrics.get("num_members", metrics.get("n_members"))
-    nonmembers = metrics.get("num_nonmembers", metrics.get("n_nonmembers"))
-    bound_test = metrics.get("epsilon_lower_bound_test")
-    if (
-        not isinstance(bound_test, dict)
-        or not BOUND_TEST_KEYS <= set(bound_test)
-        or (bound_test["threshold"] is not None and bound_test["inequality"] not in ("tpr", "tnr"))
-    ):
-        bound_test = None
-    held_out = metrics.get("advantage_held_out") if isinstance(metrics.get("advantage_held_out"), dict) else {}
-    if metrics.get("epsilon_lower_bound") is not None and not isinstance(bound_test, dict):
+def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> AttackSummary:
+    test = record.epsilon_lower_bound_test
+    if record.epsilon_lower_bound is not None and test is None:
         notes.append(
             Note(
-                f"The epsilon lower bound of {directory.name} comes from an older fedaudit that took the best "
+                f"The epsilon lower bound of {record.name} comes from an older fedaudit that took the best "
                 "of every threshold of the same records, which is not a valid bound; it is left out.",
-                f"re-run `fedaudit attack {directory.parent.parent}`",
+                f"re-run `fedaudit attack {run.path}`",
             )
         )
     roc = None
     try:
-        roc = pd.read_csv(directory / "roc.csv")
+        roc = pd.read_csv(run.attacks_dir / record.name / "roc.csv")
         if not {"fpr", "tpr"} <= set(roc.columns):
             roc = None
     except (OSError, ValueError, pd.errors.ParserError):
@@ -498,46 +469,33 @@ def _attack(directory: Path, metrics: dict[str, Any], notes: list[Note]) -> Atta
     if roc is None:
         notes.append(
             Note(
-                f"The ROC curve of {directory.name} (roc.csv) is missing or unreadable.",
-                f"re-run `fedaudit attack {directory.parent.parent}`",
+                f"The ROC curve of {record.name} (roc.csv) is missing or unreadable.",
+                f"re-run `fedaudit attack {run.path}`",
             )
         )
-    signal, _, method = directory.name.partition("-round-")[0].rpartition("-")
-    round_number = metrics.get("round")
-    seed = metrics.get("seed")
+    members, nonmembers = record.num_members, record.num_nonmembers
     return AttackSummary(
-        name=directory.name,
-        signal=str(metrics.get("signal", signal or directory.name)),
-        method=str(metrics.get("method", method)),
-        round=int(round_number) if isinstance(round_number, (int, float)) else None,
-        auc=_number(metrics.get("auc")),
-        auc_ci=interval,
-        tpr_at_1pct_fpr=LowFprRate.read(tpr.get("0.01", metrics.get("tpr_at_fpr_1pct")), 0.01, members, nonmembers),
-        tpr_at_0_1pct_fpr=LowFprRate.read(
-            tpr.get("0.001", metrics.get("tpr_at_fpr_0_1pct")), 0.001, members, nonmembers
-        ),
-        balanced_accuracy=_number(metrics.get("balanced_accuracy")),
-        advantage=_number(metrics.get("advantage")),
-        epsilon_lower_bound=_number(metrics.get("epsilon_lower_bound")) if isinstance(bound_test, dict) else None,
-        accountant_epsilon=_number(metrics.get("accountant_epsilon")),
+        name=record.name,
+        signal=record.signal,
+        method=record.method,
+        round=record.round,
+        auc=record.auc,
+        auc_ci=record.auc_ci95,
+        tpr_at_1pct_fpr=LowFprRate.read(record.tpr_at_fpr["0.01"], 0.01, members, nonmembers),
+        tpr_at_0_1pct_fpr=LowFprRate.read(record.tpr_at_fpr["0.001"], 0.001, members, nonmembers),
+        balanced_accuracy=record.balanced_accuracy,
+        advantage=record.advantage,
+        epsilon_lower_bound=record.epsilon_lower_bound if test is not None else None,
+        accountant_epsilon=record.accountant_epsilon,
         num_members=members,
         num_nonmembers=nonmembers,
-        seed=int(seed) if isinstance(seed, int) else None,
-        auc_se=_number(metrics.get("auc_se")),
-        advantage_held_out=_number(held_out.get("advantage")),
-        advantage_held_out_ci=_pair(held_out.get("ci95")),
-        epsilon_lower_bound_test=bound_test,
+        seed=record.seed,
+        auc_se=record.auc_se,
+        advantage_held_out=record.advantage_held_out,
+        advantage_held_out_ci=record.advantage_held_out_ci95,
+        epsilon_lower_bound_test=None if test is None else dict(test),
         roc=roc,
     )
-
-
-def _pair(value: Any) -> tuple[float, float] | None:
-    """An interval [low, high] from JSON, or None."""
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        low, high = _number(value[0]), _number(value[1])
-        if low is not None and high is not None:
-            return low, high
-    return None
 
 
 def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:

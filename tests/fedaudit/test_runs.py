@@ -25,12 +25,14 @@ from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.models import ModelSpec
 from fedaudit.runs import (
+    BOUND_TEST_KEYS,
     FORMAT_VERSION,
     RUN_FORMAT,
     ClientsRecord,
     DatasetRecord,
     Manifest,
     ModelRecord,
+    RateRecord,
     RunDirectory,
     RunError,
     atomic_write_bytes,
@@ -450,3 +452,57 @@ def test_load_model_of_a_corrupt_file(plain_run, tmp_path):
         run.load_model(round_number=1)
     with pytest.raises(RunError, match="does not exist"):
         run.load_model(round_number=99)
+
+
+def test_attack_record_reads_the_current_format_and_format_1(tmp_path):
+    run = RunDirectory(tmp_path)
+    current = {
+        "format_version": 2,
+        "signal": "grad-norm",
+        "method": "threshold",
+        "round": 3,
+        "seed": 0,
+        "nonmembers": "both",
+        "max_records": 2000,
+        "bootstrap_resamples": 1000,
+        "per_layer": False,
+        "auc": 0.6,
+        "auc_ci95": [0.55, 0.65],
+        "tpr_at_fpr": {"0.01": {"tpr": 0.05, "ci95": [0.01, 0.1], "estimable": True, "nonmembers_needed": 100}},
+        "advantage_held_out": {"advantage": 0.1, "ci95": [0.02, 0.18]},
+        "epsilon_lower_bound": 0.3,
+        "epsilon_lower_bound_test": {key: 1 for key in BOUND_TEST_KEYS} | {"threshold": 0.5, "inequality": "tpr"},
+    }
+    (tmp_path / "attacks" / "grad-norm-threshold-round-3").mkdir(parents=True)
+    (tmp_path / "attacks" / "grad-norm-threshold-round-3" / "metrics.json").write_text(json.dumps(current))
+    (tmp_path / "attacks" / "loss-classifier").mkdir()
+    (tmp_path / "attacks" / "loss-classifier" / "metrics.json").write_text(
+        json.dumps({"auc": 0.5, "tpr_at_fpr": {"0.01": 0.02}, "epsilon_lower_bound": 1.0})
+    )
+    assert run.attack_names() == ["grad-norm-threshold-round-3", "loss-classifier"]
+    record = run.read_attack("grad-norm-threshold-round-3")
+    assert (record.signal, record.method, record.round, record.format_version) == ("grad-norm", "threshold", 3, 2)
+    assert record.settings == {
+        "seed": 0,
+        "nonmembers": "both",
+        "max_records": 2000,
+        "bootstrap_resamples": 1000,
+        "per_layer": False,
+    }
+    assert record.tpr_at_fpr["0.01"].ci95 == (0.01, 0.1) and record.tpr_at_fpr["0.001"] is None
+    assert record.advantage_held_out_ci95 == (0.02, 0.18) and record.epsilon_lower_bound_test["inequality"] == "tpr"
+    old = run.read_attack("loss-classifier")
+    assert (old.signal, old.method, old.round) == ("loss", "classifier", None)  # from the directory's name
+    assert old.tpr_at_fpr["0.01"] == RateRecord(tpr=0.02, detailed=False)
+    assert old.epsilon_lower_bound == 1.0 and old.epsilon_lower_bound_test is None  # format 1: no test recorded
+
+
+def test_a_malformed_attack_record_is_a_run_error(tmp_path):
+    folder = tmp_path / "attacks" / "loss-threshold"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"tpr_at_fpr": {"0.01": {"tpr": 0.1, "nonmembers_needed": "x"}}}))
+    with pytest.raises(RunError, match="nonmembers_needed"):
+        RunDirectory(tmp_path).read_attack("loss-threshold")
+    (folder / "metrics.json").write_text("{not json")
+    with pytest.raises(RunError, match="not valid JSON"):
+        RunDirectory(tmp_path).read_attack("loss-threshold")

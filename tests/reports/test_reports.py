@@ -274,25 +274,40 @@ def test_fedlap_run_shows_its_synthetic_images(trained, tmp_path, cli):
     assert read_json(tmp_path / "summary.json")["runs"][0]["setup"]["algorithm"] == "FedLAP-DP"
 
 
-def test_attack_results_with_other_key_names_or_missing_keys_are_tolerated(audited, tmp_path, cli):
+def test_attack_results_of_format_1_or_with_missing_keys_are_tolerated(audited, tmp_path, cli):
+    """Format 1 stored bare TPR numbers and a bound without its test; absent numbers read as "not available", and
+    keys that no fedaudit ever wrote are not guessed at."""
     run = tmp_path / "run"
     shutil.copytree(audited, run, ignore=shutil.ignore_patterns("attacks"))
-    custom = run / "attacks" / "loss-custom"
-    custom.mkdir(parents=True)
-    (custom / "metrics.json").write_text(
-        json.dumps({"signal": "loss", "method": "custom", "auc": 0.61, "auc_ci": [0.55, 0.67], "tpr_at_fpr_1pct": 0.02})
+    old = run / "attacks" / "loss-custom"
+    old.mkdir(parents=True)
+    (old / "metrics.json").write_text(
+        json.dumps(
+            {
+                "format_version": 1,
+                "signal": "loss",
+                "method": "custom",
+                "auc": 0.61,
+                "auc_ci95": [0.55, 0.67],
+                "tpr_at_fpr": {"0.01": 0.02},
+                "epsilon_lower_bound": 0.4,
+                "auc_ci": [0.1, 0.2],
+            }
+        )
     )
-    (custom / "roc.csv").write_text("fpr,tpr,threshold\n0,0,inf\n0.5,0.7,0.1\n1,1,-inf\n")
+    (old / "roc.csv").write_text("fpr,tpr,threshold\n0,0,inf\n0.5,0.7,0.1\n1,1,-inf\n")
     result = cli("report", run, "--out", tmp_path / "out.md")
     assert result.exit_code == 0, result.output
     attack = read_json(tmp_path / "summary.json")["runs"][0]["attacks"][0]
     assert attack["auc_ci"] == [0.55, 0.67] and attack["tpr_at_1pct_fpr"]["tpr"] == 0.02
     assert attack["tpr_at_1pct_fpr"]["ci"] is None and attack["tpr_at_0_1pct_fpr"] is None
+    assert attack["epsilon_lower_bound"] is None  # not a valid bound: left out with a note
     markdown = (tmp_path / "out.md").read_text()
     assert (
         "| loss/custom | not available | not available / not available | 0.61 | [0.550, 0.670] | 0.02 | not available |"
         in markdown
     )
+    assert "older fedaudit" in markdown
 
 
 @pytest.mark.parametrize(
