@@ -14,58 +14,17 @@ from typing import Any
 
 import click
 
-from fedaudit.config import DEVICES, ENGINES, FEDLAP_INITS, LR_SCHEDULES, RADIUS_STRATEGIES, WEIGHTINGS
+from fedaudit.config import (
+    DEVICES,
+    ENGINES,
+    FEDLAP_INITS,
+    LR_SCHEDULES,
+    RADIUS_STRATEGIES,
+    WEIGHTINGS,
+    option_field,
+)
 from fedaudit.errors import USER_ERROR_EXIT, UserError
 from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
-
-# train option name -> "section.field" of RunConfig
-TRAIN_OPTION_FIELDS: dict[str, str] = {
-    "algorithm": "federated.algorithm",
-    "rounds": "federated.rounds",
-    "client_fraction": "federated.client_fraction",
-    "weighting": "federated.weighting",
-    "server_lr": "federated.server_lr",
-    "local_epochs": "federated.local_epochs",
-    "lr": "federated.client_lr",
-    "momentum": "federated.momentum",
-    "batch_size": "federated.batch_size",
-    "mu": "federated.mu",
-    "lr_schedule": "federated.lr_schedule",
-    "local_steps": "federated.local_steps",
-    "ipc": "fedlap.ipc",
-    "trajectories": "fedlap.trajectories",
-    "max_loops": "fedlap.max_loops",
-    "real_batches": "fedlap.real_batches",
-    "image_steps": "fedlap.image_steps",
-    "model_epochs": "fedlap.model_epochs",
-    "radius": "fedlap.radius",
-    "image_lr": "fedlap.image_lr",
-    "mse_weight": "fedlap.mse_weight",
-    "init": "fedlap.init",
-    "augment": "fedlap.augment",
-    "server_batch_size": "fedlap.server_batch_size",
-    "server_epochs": "fedlap.server_epochs",
-    "radius_strategy": "fedlap.radius_strategy",
-    "save_transmitted": "save_transmitted",
-    "dataset": "data.dataset",
-    "data_dir": "data.data_dir",
-    "download": "data.download",
-    "partition": "data.partition",
-    "num_clients": "data.num_clients",
-    "holdout_fraction": "data.holdout_fraction",
-    "model": "model.arch",
-    "width": "model.width",
-    "depth": "model.depth",
-    "dp": "privacy.dp",
-    "noise_multiplier": "privacy.noise_multiplier",
-    "max_grad_norm": "privacy.max_grad_norm",
-    "target_epsilon": "privacy.target_epsilon",
-    "delta": "privacy.delta",
-    "accountant": "privacy.accountant",
-    "seed": "seed",
-    "device": "device",
-    "engine": "engine",
-}
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -334,7 +293,7 @@ def train(
             # (the same configuration gives the same sigma), so no override can push epsilon past the target.
             forget = {"target_epsilon": None} if "noise_multiplier" in given else {"noise_multiplier": None}
             config = replace(config, privacy=replace(config.privacy, calibrated=False, **forget))
-        config = config.with_overrides({TRAIN_OPTION_FIELDS[name]: options[name] for name in options})
+        config = config.with_overrides({option_field(name): options[name] for name in options})
         if equal_data_access:
             for line in data_access(config).lines():
                 click.echo(line)
@@ -681,7 +640,7 @@ def compare(
         seeds=seeds,
         equal_data_access=equal_data_access,
         config_file=config_file,
-        base_overrides={TRAIN_OPTION_FIELDS[name]: value for name, value in base.items()},
+        base_overrides={option_field(name): value for name, value in base.items()},
         attack_overrides={"signals": signals, "methods": methods, "target": target},
         formats=formats,
         policy=policy,

@@ -426,3 +426,26 @@ _SECTION_TYPES: dict[str, type] = {
     "privacy": PrivacyConfig,
     "fedlap": FedLAPConfig,
 }
+
+
+# Command-line options whose names differ from their configuration field; every other option of ``fedaudit train``
+# is named after its field (``--local-epochs`` sets federated.local_epochs), so a new field needs only its option.
+OPTION_RENAMES = {"lr": "federated.client_lr", "model": "model.arch"}
+
+
+def option_field(option: str) -> str:
+    """The ``section.field`` (or top-level field) that the ``fedaudit train`` option ``option`` sets.
+
+    Raises:
+        KeyError: no field, or more than one, has that name.
+    """
+    if option in OPTION_RENAMES:
+        return OPTION_RENAMES[option]
+    top = {f.name for f in fields(RunConfig) if f.name not in _SECTION_TYPES}
+    found = [option] if option in top else []
+    found += [
+        f"{section}.{option}" for section, kind in _SECTION_TYPES.items() if option in {f.name for f in fields(kind)}
+    ]
+    if len(found) != 1:
+        raise KeyError(f"The option {option!r} names {len(found)} configuration fields.")
+    return found[0]

@@ -94,3 +94,19 @@ def test_every_accountant_entry_is_what_compute_epsilon_uses(name: str) -> None:
     composed = tuple((sigma, q, steps) for (sigma, q), steps in merged.items())
     assert math.isfinite(eps) and eps > 0
     assert ACCOUNTANTS[name].epsilon(composed, 1e-5) == pytest.approx(eps, rel=1e-9)
+
+
+def test_every_train_option_sets_one_configuration_field_and_every_field_has_an_option() -> None:
+    """Adding a configuration field means adding its option (named after it), and nothing else on the CLI side."""
+    from dataclasses import fields
+
+    from fedaudit.config import _SECTION_TYPES, option_field
+
+    not_config = {"config_file", "out", "resume_dir", "overwrite", "progress", "equal_data_access"}
+    options = [p.name for p in train.params if p.name not in not_config]
+    mapped = [option_field(name) for name in options]
+    assert len(set(mapped)) == len(mapped)
+    every_field = {f.name for f in fields(RunConfig) if f.name not in _SECTION_TYPES}
+    every_field |= {f"{section}.{f.name}" for section, kind in _SECTION_TYPES.items() for f in fields(kind)}
+    assert every_field - set(mapped) == {"privacy.calibrated"}  # set by calibration, never by hand
+    assert set(mapped) <= every_field
