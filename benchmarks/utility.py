@@ -21,7 +21,8 @@ import pandas as pd
 import torch
 
 from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
-from fedaudit.training import prepare, train
+from fedaudit.setup import prepare
+from fedaudit.training import train
 
 PAPER_TABLE_2 = pd.DataFrame(
     {
