@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from fedaudit.config import (
+    CANARY_KINDS,
     DEVICES,
     ENGINES,
     FEDLAP_INITS,
@@ -218,6 +219,19 @@ def main() -> None:
     "--radius-strategy",
     type=click.Choice(RADIUS_STRATEGIES),
     help="FedLAP server radius r_g from the clients' r_k. [default: min]",
+)
+@click.option(
+    "--canaries",
+    type=int,
+    help="Plant this many gradient canaries for a canary audit (`fedaudit attack --method canary`): each included "
+    "with probability 1/2 in one client's data, sampled, clipped and noised like its records. Needs --dp; keeps "
+    "what clients send. [default: 0]",
+)
+@click.option(
+    "--canary-kind",
+    type=click.Choice(CANARY_KINDS),
+    help="gradient: a random direction whose per-example gradient is C times itself (the server's white-box view). "
+    "[default: gradient]",
 )
 @click.option(
     "--save-transmitted/--no-save-transmitted",

@@ -81,6 +81,23 @@ class FederatedConfig:
     lr_schedule: str | None = None
 
 
+CANARY_KINDS = ("gradient",)
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """Canaries planted at training time for a canary audit (docs/audit.md).
+
+    Each of ``canaries`` canaries is included with probability 1/2 in the data of one client; a gradient canary is a
+    fixed random direction whose per-example gradient is C times that unit direction, sampled, clipped and noised
+    like every record of its client. Needs --dp (the clipping norm C); turns --save-transmitted on, since the audit
+    reads what every client sent.
+    """
+
+    canaries: int = 0
+    canary_kind: str = "gradient"
+
+
 @dataclass(frozen=True)
 class PrivacyConfig:
     """Record-level DP: the mechanism's parameters and how it is accounted."""
@@ -154,6 +171,7 @@ class RunConfig:
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     save_transmitted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,6 +245,8 @@ class RunConfig:
                 ),
             )
         config = replace(self, federated=fed, privacy=priv, fedlap=lap)
+        if self.audit.canaries:
+            config = replace(config, save_transmitted=True)
         config.validate()
         return config
 
@@ -310,6 +330,22 @@ class RunConfig:
                 "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
             )
         _validate_fedlap(self.fedlap, dp=p.dp)
+        a = self.audit
+        _check(
+            _is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
+        )
+        _check(
+            a.canary_kind in CANARY_KINDS,
+            f"--canary-kind must be one of {', '.join(CANARY_KINDS)}, got {a.canary_kind!r}.",
+        )
+        _check(
+            not a.canaries or p.dp,
+            "--canaries needs --dp: a gradient canary is C times a unit direction, C the clipping norm.",
+        )
+        _check(
+            not a.canaries or f.algorithm != "fedlap",
+            "--canaries is available for the gradient-sharing algorithms (fedavg, fedprox, fedsgd) so far.",
+        )
 
 
 def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
@@ -425,6 +461,7 @@ _SECTION_TYPES: dict[str, type] = {
     "federated": FederatedConfig,
     "privacy": PrivacyConfig,
     "fedlap": FedLAPConfig,
+    "audit": AuditConfig,
 }
 
 

@@ -498,6 +498,7 @@ class RunDirectory:
     config_path = property(lambda self: self.path / "config.json")
     manifest_path = property(lambda self: self.path / "manifest.json")
     membership_path = property(lambda self: self.path / "membership.npz")
+    canaries_path = property(lambda self: self.path / "canaries.npz")  # secret inclusion bits of a canary audit
     metrics_path = property(lambda self: self.path / "metrics.csv")
     privacy_path = property(lambda self: self.path / "privacy.json")
     model_path = property(lambda self: self.path / "model.safetensors")
@@ -621,6 +622,21 @@ class RunDirectory:
                 return {key: data[key] for key in data.files}
         except (ValueError, OSError) as exc:
             raise RunError(f"{self.membership_path} is corrupt.") from exc
+
+    def write_canaries(self, arrays: Mapping[str, np.ndarray]) -> None:
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **arrays)
+        atomic_write_bytes(self.canaries_path, buffer.getvalue())
+
+    def read_canaries(self) -> dict[str, np.ndarray] | None:
+        """The canaries' arrays (no pickled objects), or None for a run trained without canaries."""
+        if not self.canaries_path.is_file():
+            return None
+        try:
+            with np.load(self.canaries_path, allow_pickle=False) as data:
+                return {key: data[key] for key in data.files}
+        except (ValueError, OSError) as exc:
+            raise RunError(f"{self.canaries_path} is corrupt.") from exc
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         frame = pd.DataFrame(rows)

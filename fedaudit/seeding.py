@@ -25,12 +25,22 @@ class Stream(enum.IntEnum):
     CLIENT = 2
     SERVER = 3
     ATTACK = 4
+    CANARY_DRAW = 5  # which canaries are included, and in which client's data
+    CANARY = 6  # the direction of one gradient canary
 
 
 # How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
 # every value below 2**32 make derive_seed injective: numpy's SeedSequence pads short entropy with zeros and splits
 # larger integers into 32-bit words, so (s, stream) would equal (s, stream, 0), and (2**32, INIT) (0, SELECT, 0).
-STREAM_KEYS = {Stream.INIT: 0, Stream.SELECT: 1, Stream.CLIENT: 2, Stream.SERVER: 1, Stream.ATTACK: 1}
+STREAM_KEYS = {
+    Stream.INIT: 0,
+    Stream.SELECT: 1,
+    Stream.CLIENT: 2,
+    Stream.SERVER: 1,
+    Stream.ATTACK: 1,
+    Stream.CANARY_DRAW: 0,
+    Stream.CANARY: 1,
+}
 
 
 def derive_seed(seed: int, stream: Stream, *keys: int) -> int:

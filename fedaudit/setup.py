@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import Algorithm
+from fedaudit.algorithms.base import Algorithm, ClientData
+from fedaudit.canaries import Canaries, canary_directions
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.errors import UserError
@@ -39,6 +40,7 @@ class Setup:
     client_fraction: float  # effective selection probability ceil(p K) / K
     queries: dict[int, int]  # worst-case DP queries per round, per client
     sample_rates: dict[int, float]  # B / N_k per client (DP only)
+    canaries: Canaries | None = None  # planted for a canary audit (--canaries)
 
 
 def engine_unavailable(name: str) -> str | None:
@@ -122,7 +124,29 @@ def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
         client_fraction=client_fraction,
         queries=queries,
         sample_rates=sample_rates,
+        canaries=Canaries.draw(
+            count=config.audit.canaries,
+            kind=config.audit.canary_kind,
+            seed=config.seed,
+            num_clients=config.data.num_clients,
+        )
+        if config.audit.canaries
+        else None,
     )
+
+
+def client_data(setup: Setup, client: int) -> ClientData:
+    """Client ``client``'s records on the run's device, with the gradient canaries it holds (C u_i), if any."""
+    index = torch.from_numpy(setup.partition.clients[client].copy())
+    dataset, device = setup.dataset, setup.device
+    canary_grads = None
+    if setup.canaries is not None:
+        held = setup.canaries.held_by(client)
+        if len(held):
+            shapes = {name: p.shape for name, p in build_model(setup.spec).named_parameters()}
+            directions = canary_directions(setup.config.seed, held, shapes, device)
+            canary_grads = {name: setup.config.privacy.max_grad_norm * u for name, u in directions.items()}
+    return ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device), canary_grads)
 
 
 @dataclass(frozen=True)

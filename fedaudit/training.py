@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, TensorDict, clone_params, load_params
+from fedaudit.algorithms.base import ClientMessage, RoundContext, TensorDict, clone_params, load_params
 from fedaudit.config import RunConfig
 from fedaudit.engine import Engine, make_engine
 from fedaudit.models import build_model, num_parameters
@@ -39,7 +39,7 @@ from fedaudit.runs import (
     versions,
 )
 from fedaudit.seeding import Stream, derive_seed, make_generator, repeatable
-from fedaudit.setup import Setup, TrainingError, prepare, select_clients
+from fedaudit.setup import Setup, TrainingError, client_data, prepare, select_clients
 
 Echo = Callable[[str], None]
 
@@ -83,6 +83,8 @@ def train_setup(
     run.prepare_new(overwrite)
     run.write_config(setup.config.to_dict())
     run.write_membership(setup.partition.to_arrays())
+    if setup.canaries is not None:
+        run.write_canaries(setup.canaries.to_arrays())
     state = _TrainingState(params=_initial_params(setup), ledger=_new_ledger(setup.config))
     manifest = _manifest(setup, rounds_done=0, created=now_iso())
     run.write_manifest(manifest)
@@ -280,14 +282,7 @@ class _RoundLoop:
     def __init__(self, setup: Setup, run: RunDirectory, engine: Engine) -> None:
         self.setup, self.run, self.engine = setup, run, engine
         device, dataset = setup.device, setup.dataset
-        self.clients = [
-            ClientData(
-                k,
-                dataset.train_x[torch.from_numpy(idx.copy())].to(device),
-                dataset.train_y[torch.from_numpy(idx.copy())].to(device),
-            )
-            for k, idx in enumerate(setup.partition.clients)
-        ]
+        self.clients = [client_data(setup, k) for k in range(len(setup.partition.clients))]
         self.test = dataset.test_x.to(device), dataset.test_y.to(device)
         self.model = build_model(setup.spec).to(device)
 

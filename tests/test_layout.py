@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +77,11 @@ def test_application_modules_are_links_to_the_top_level_files() -> None:
 
 def test_nothing_outside_the_fedaudit_namespace_is_importable(tmp_path: Path) -> None:
     probe = "import importlib.util as u; print([m for m in ('cli', 'study', 'attacks', 'reports') if u.find_spec(m)])"
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    # what the installation adds, not what a test run put on PYTHONPATH (Ray adds the working directory to it)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env
+    )
     assert done.stdout.strip() == "[]", done.stderr
 
 

@@ -29,10 +29,16 @@ class ClientData:
     client_id: int
     x: torch.Tensor
     y: torch.Tensor
+    # per-example gradients of the gradient canaries this client holds (C u_i), name -> [canaries, *shape]
+    canary_grads: TensorDict | None = None
 
     @property
     def num_examples(self) -> int:
         return int(self.y.shape[0])
+
+    @property
+    def num_canaries(self) -> int:
+        return 0 if not self.canary_grads else int(next(iter(self.canary_grads.values())).shape[0])
 
 
 @dataclass(frozen=True)

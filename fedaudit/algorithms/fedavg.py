@@ -147,6 +147,10 @@ class FedAvg:
         steps = self.queries_per_round(ctx.config, n)
         for _ in range(steps):
             idx = poisson_sample(n, sample_rate, generator=generator)
+            extra = None
+            if data.num_canaries:  # canaries are records: sampled at the same rate q, in the same query
+                sampled = poisson_sample(data.num_canaries, sample_rate, generator=generator)
+                extra = {name: g[sampled] for name, g in data.canary_grads.items()}
             result = dp_gradient(
                 model,
                 data.x[idx],
@@ -155,6 +159,7 @@ class FedAvg:
                 max_grad_norm=priv.max_grad_norm,
                 expected_batch_size=batch_size,
                 generator=generator,
+                extra=extra,
             )
             for name, p in model.named_parameters():
                 p.grad = result.grads[name]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, Round
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.seeding import Stream, make_generator, repeatable
+
+if TYPE_CHECKING:
+    from fedaudit.setup import Setup
 
 STARTUP_SECONDS = 300.0  # how long the simulation may take to bring up every SuperNode
 _STOPPED = object()
@@ -56,28 +59,23 @@ def _from_record(record: Any, device: torch.device | str) -> TensorDict:
 
 
 @lru_cache(maxsize=4)
-def _client_side(config_json: str) -> tuple[RunConfig, Algorithm, nn.Module, Any, Any, torch.device]:
-    """What a SuperNode needs to run clients of this run: resolved config, algorithm, scratch model, data, partition."""
+def _client_side(config_json: str) -> tuple[Setup, nn.Module]:
+    """What a SuperNode needs to run clients of this run: its setup (config, algorithm, data, partition, canaries)
+    and a scratch model."""
     from fedaudit.models import build_model
     from fedaudit.setup import prepare
 
     setup = prepare(RunConfig.from_dict(json.loads(config_json)))
     torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
-    return (
-        setup.config,
-        setup.algorithm,
-        build_model(setup.spec).to(setup.device),
-        setup.dataset,
-        setup.partition,
-        setup.device,
-    )
+    return setup, build_model(setup.spec).to(setup.device)
 
 
 @lru_cache(maxsize=16)
 def _client_data(config_json: str, client: int) -> ClientData:
-    _, _, _, dataset, partition, device = _client_side(config_json)
-    index = torch.from_numpy(partition.clients[client].copy())
-    return ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device))
+    from fedaudit.setup import client_data
+
+    setup, _ = _client_side(config_json)
+    return client_data(setup, client)
 
 
 def _query(message: Any, context: Any) -> Any:
@@ -98,7 +96,8 @@ def _train(message: Any, context: Any) -> Any:
         raise RuntimeError(
             f"SuperNode of client {context.node_config['partition-id']} was sent client {client}'s work."
         )
-    config, algorithm, model, _, _, device = _client_side(config_json)
+    setup, model = _client_side(config_json)
+    config, algorithm, device = setup.config, setup.algorithm, setup.device
     repeatable(device)
     data = _client_data(config_json, client)
     names = [name for name, _ in model.named_parameters()]

@@ -107,6 +107,7 @@ def dp_gradient(
     generator: torch.Generator,
     params: Mapping[str, torch.Tensor] | None = None,
     loss_fn: LossFn = F.cross_entropy,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> DPGradient:
     """The DP gradient of a Poisson-sampled batch: per-sample grads, clip to C, sum, add N(0, sigma^2 C^2), divide by B.
 
@@ -125,6 +126,8 @@ def dp_gradient(
         generator: the only source of the noise (one Gaussian draw per parameter tensor).
         params: parameters to differentiate at instead of the module's own.
         loss_fn: per-batch loss, as ``F.cross_entropy``.
+        extra: per-example gradients of further sampled records that have no input (gradient canaries), by
+            parameter name with a leading batch dimension; clipped, summed and noised with the batch.
 
     Returns:
         The noisy mean gradient by parameter name, with the per-example norms before clipping.
@@ -137,6 +140,8 @@ def dp_gradient(
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}.")
     grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
+    if extra is not None:
+        grads = {name: torch.cat([g, extra[name].to(g.dtype)]) for name, g in grads.items()}
     summed, norms = clip_and_sum(grads, max_grad_norm)
     noisy = add_noise(
         summed,

@@ -13,7 +13,15 @@ from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng, rep
 
 def test_streams_are_distinct_and_stable():
     """The stream numbers are part of every derived seed: renumbering them would change every run."""
-    assert {s.name: int(s) for s in Stream} == {"INIT": 0, "SELECT": 1, "CLIENT": 2, "SERVER": 3, "ATTACK": 4}
+    assert {s.name: int(s) for s in Stream} == {
+        "INIT": 0,
+        "SELECT": 1,
+        "CLIENT": 2,
+        "SERVER": 3,
+        "ATTACK": 4,
+        "CANARY_DRAW": 5,
+        "CANARY": 6,
+    }
 
 
 def test_derive_seed_is_deterministic_and_63_bit():
