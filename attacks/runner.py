@@ -21,6 +21,7 @@ from sklearn.metrics import roc_auc_score
 
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
+from fedaudit.attacks.canary import METHOD, NAME, SIGNAL, canary_audit, read_canaries
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
@@ -56,7 +57,7 @@ class AttackOptions:
 
     def validate(self) -> None:
         """Raise :class:`AttackError` with one sentence for the first invalid option."""
-        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, METHODS)):
+        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, (*METHODS, METHOD))):
             if not given:
                 raise AttackError(f"Give at least one --{kind}; choose from {', '.join(known)}.")
             for name in given:
@@ -161,7 +162,14 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     targets = attack_targets(run, parse_target(options.target), done)
     for target in targets:
         run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
-    accountant = _accountant_epsilon(run, config, max(t.round for t in targets))
+    accountant = _accountant_epsilon(run, config, max(done, *(t.round for t in targets)))
+    if METHOD in options.methods:
+        if not config.privacy.dp:
+            raise AttackError(
+                f"{run.path} was trained without DP, so --method canary has no accountant's epsilon to "
+                "audit; train with --dp --canaries N."
+            )
+        read_canaries(run)
     seed = config.seed if options.seed is None else options.seed
     try:
         evaluation = build_evaluation_set(
@@ -219,12 +227,14 @@ def _accountant_epsilon(run: RunDirectory, config: RunConfig, last_round: int) -
 
 
 def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResult]:
-    """Every requested (signal, method) against every target of one run."""
+    """Every requested (signal, method) against every target of one run, and the canary audit if asked for."""
     device = resolve_device(options.device)
     repeatable(device)
-    x, y = prepared.records()
     results = []
-    for target in prepared.targets:
+    methods = [m for m in options.methods if m != METHOD]
+    if methods:
+        x, y = prepared.records()
+    for target in prepared.targets if methods else ():
         model = prepared.run.load_model(None if target.final else target.round, device)
         signals = compute_signals(
             model,
@@ -238,9 +248,37 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             desc=f"{prepared.run.path.name} {target.label}",
         )
         for signal in options.signals:
-            for method in options.methods:
+            for method in methods:
                 results.append(_attack(prepared, target, signals, signal, method, options))
+    if METHOD in options.methods:
+        results.append(_canary(prepared))
     return results
+
+
+def _canary(prepared: PreparedRun) -> AttackResult:
+    """The canary audit over every round of the run (the server's view), judged against the final epsilon."""
+    run, done = prepared.run, prepared.run.read_manifest().rounds_done
+    accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[done - 1]
+    metrics, scores, curve = canary_audit(
+        run,
+        spec=run.model_spec(),
+        rounds=done,
+        delta=prepared.config.privacy.delta,
+        seed=prepared.seed,
+        accountant_epsilon=accountant,
+    )
+    header = {
+        "format": RESULT_FORMAT,
+        "format_version": RESULT_FORMAT_VERSION,
+        "run": str(run.path),
+        "signal": SIGNAL,
+        "method": METHOD,
+        "target": "all rounds",
+        "round": done,
+        "seed": prepared.seed,
+    }
+    footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
+    return AttackResult(name=NAME, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
 
 
 def _attack(
@@ -352,12 +390,16 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         targets = attack_targets(run, parse_target(options.target), run.read_manifest().rounds_done)
     except (RunError, AttackError):
         return {}
-    return {
+    expected = {
         f"{signal}-{method}{target.suffix}": target.round
         for target in targets
         for signal in options.signals
         for method in options.methods
+        if method != METHOD
     }
+    if METHOD in options.methods:
+        expected[NAME] = run.read_manifest().rounds_done
+    return expected
 
 
 def results_current(path: str | Path, options: AttackOptions) -> bool:
@@ -389,7 +431,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
             record is None
             or record.format_version != RESULT_FORMAT_VERSION
             or record.round != round_number
-            or any(record.settings.get(k) != v for k, v in expected.items())
+            or any(record.settings.get(k) != v for k, v in (expected if name != NAME else {"seed": seed}).items())
         ):
             return False
     return bool(names)
@@ -445,10 +487,10 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
                 "members": m["num_members"],
                 "non-members": m["num_nonmembers"],
                 "AUC": m["auc"],
-                "AUC 95% CI": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]",
-                "TPR@1%FPR": _rate(m["tpr_at_fpr"]["0.01"]),
-                "TPR@0.1%FPR": _rate(m["tpr_at_fpr"]["0.001"]),
-                "advantage": m["advantage"],
+                "AUC 95% CI": f"[{m['auc_ci95'][0]:.3f}, {m['auc_ci95'][1]:.3f}]" if "auc_ci95" in m else "-",
+                "TPR@1%FPR": _rate(m["tpr_at_fpr"]["0.01"]) if "tpr_at_fpr" in m else "-",
+                "TPR@0.1%FPR": _rate(m["tpr_at_fpr"]["0.001"]) if "tpr_at_fpr" in m else "-",
+                "advantage": m.get("advantage", np.nan),
                 "eps_lb": m["epsilon_lower_bound"],
                 "eps": np.nan if m["accountant_epsilon"] is None else m["accountant_epsilon"],
             }

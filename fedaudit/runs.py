@@ -326,6 +326,7 @@ class AttackRecord:
     accountant_epsilon: float | None
     num_members: int | None
     num_nonmembers: int | None
+    canary_audit: Mapping[str, Any] | None = None  # a canary audit's estimators (its bound needs no threshold test)
 
     SETTINGS = ("seed", "nonmembers", "max_records", "bootstrap_resamples", "per_layer")
 
@@ -356,6 +357,7 @@ class AttackRecord:
             accountant_epsilon=_number(data.get("accountant_epsilon")),
             num_members=_count(data.get("num_members")),
             num_nonmembers=_count(data.get("num_nonmembers")),
+            canary_audit=data["canary_audit"] if isinstance(data.get("canary_audit"), dict) else None,
         )
 
 

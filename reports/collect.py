@@ -139,6 +139,7 @@ class AttackSummary:
     advantage_held_out_ci: tuple[float, float] | None = None
     epsilon_lower_bound_test: dict[str, Any] | None = None
     roc: pd.DataFrame | None = field(default=None, compare=False, repr=False)
+    canary_audit: dict[str, Any] | None = None  # a canary audit's estimators: an audit of canaries, not of records
 
     @property
     def label(self) -> str:
@@ -228,8 +229,15 @@ class RunSummary:
 
     @property
     def final_attacks(self) -> tuple[AttackSummary, ...]:
-        """Attacks on the final model (round absent or equal to the last round)."""
-        return tuple(a for a in self.attacks if a.round is None or a.round == self.rounds_done)
+        """Membership attacks on the final model (round absent or equal to the last round); canary audits apart."""
+        return tuple(
+            a for a in self.attacks if (a.round is None or a.round == self.rounds_done) and a.canary_audit is None
+        )
+
+    @property
+    def canary_audits(self) -> tuple[AttackSummary, ...]:
+        """The run's canary audits (their bounds are judged against the accountant's epsilon directly)."""
+        return tuple(a for a in self.attacks if a.canary_audit is not None)
 
     @property
     def strongest_attack(self) -> AttackSummary | None:
@@ -451,7 +459,8 @@ def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
 
 def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> AttackSummary:
     test = record.epsilon_lower_bound_test
-    if record.epsilon_lower_bound is not None and test is None:
+    canary = record.canary_audit is not None
+    if record.epsilon_lower_bound is not None and test is None and not canary:
         notes.append(
             Note(
                 f"The epsilon lower bound of {record.name} comes from an older fedaudit that took the best "
@@ -485,7 +494,7 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         tpr_at_0_1pct_fpr=LowFprRate.read(record.tpr_at_fpr["0.001"], 0.001, members, nonmembers),
         balanced_accuracy=record.balanced_accuracy,
         advantage=record.advantage,
-        epsilon_lower_bound=record.epsilon_lower_bound if test is not None else None,
+        epsilon_lower_bound=record.epsilon_lower_bound if test is not None or canary else None,
         accountant_epsilon=record.accountant_epsilon,
         num_members=members,
         num_nonmembers=nonmembers,
@@ -495,6 +504,7 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         advantage_held_out_ci=record.advantage_held_out_ci95,
         epsilon_lower_bound_test=None if test is None else dict(test),
         roc=roc,
+        canary_audit=None if record.canary_audit is None else dict(record.canary_audit),
     )
 
 

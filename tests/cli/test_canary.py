@@ -1,0 +1,100 @@
+"""Canary audits end to end: train with gradient canaries, audit them, and catch a broken DP implementation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from helpers import FAST_ARGS, assert_user_error, invoke
+
+import fedaudit.privacy.primitive as primitive
+
+# DP-FedAvg on digits with enough local steps that the canaries' signal can add up: 10 rounds of 3 local epochs, a
+# width-64 MLP, 1000 canaries (about 100 per client included).
+CANARY_RUN = (*FAST_ARGS, *"--dp --width 64 --rounds 10 --local-epochs 3 --canaries 1000".split())
+
+
+def train_and_audit(out: Path, *extra: str) -> dict:
+    result = invoke("train", *CANARY_RUN, *extra, "--out", out)
+    assert result.exit_code == 0, result.output
+    result = invoke("attack", out, "--method", "canary", "--no-progress")
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def correct(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("canary") / "run"
+    return out, train_and_audit(out, "--noise-multiplier", "3")
+
+
+def test_a_correct_run_is_not_flagged_and_its_audit_is_recorded(correct):
+    run, metrics = correct
+    canaries = np.load(run / "canaries.npz")
+    assert len(canaries["included"]) == 1000 and 400 < canaries["included"].sum() < 600
+    assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
+    assert metrics["epsilon_lower_bound_exceeds_accountant"] is False
+    audit = metrics["canary_audit"]
+    assert set(audit["estimators"]) == {"one-run", "gdp"} and audit["per_estimator_confidence"] == 0.975
+    assert metrics["epsilon_lower_bound"] == max(e["epsilon"] for e in audit["estimators"].values())
+    scores = pd.read_csv(run / "attacks" / "update-projection-canary" / "scores.csv")
+    assert len(scores) == 1000 and (scores["member"].to_numpy() == canaries["included"]).all()
+    assert metrics["auc"] > 0.55  # the canaries are visible through the noise, short of a bound beyond the budget
+
+
+def test_canaries_do_not_change_what_the_accountant_says(correct, tmp_path):
+    run, metrics = correct
+    plain = tmp_path / "plain"
+    args = [a for a in CANARY_RUN if a not in ("--canaries", "1000")]
+    assert invoke("train", *args, "--noise-multiplier", "3", "--out", plain).exit_code == 0
+    assert (
+        json.loads((plain / "privacy.json").read_text())["epsilon_per_round"]
+        == json.loads((run / "privacy.json").read_text())["epsilon_per_round"]
+    )
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param({"noise_multiplier": 0.0}, id="noise-replaced-by-zeros"),
+        pytest.param("sigma-not-sigma-C", id="noise-scaled-by-sigma-instead-of-sigma-C"),
+    ],
+)
+def test_a_broken_noise_draw_is_caught(tmp_path, monkeypatch, fault):
+    """The fault is planted in the real code path (the one DP primitive), only while training."""
+    real = primitive.add_noise
+
+    def broken(summed, **kwargs):
+        if fault == "sigma-not-sigma-C":
+            kwargs["noise_multiplier"] = kwargs["noise_multiplier"] / kwargs["max_grad_norm"]
+        else:
+            kwargs.update(fault)
+        return real(summed, **kwargs)
+
+    monkeypatch.setattr(primitive, "add_noise", broken)
+    out = tmp_path / "run"
+    extra = ("--noise-multiplier", "3") + (("--max-grad-norm", "10") if fault == "sigma-not-sigma-C" else ())
+    result = invoke("train", *CANARY_RUN, *extra, "--out", out)
+    assert result.exit_code == 0, result.output
+    monkeypatch.setattr(primitive, "add_noise", real)
+    assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
+    metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
+    assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
+    assert metrics["epsilon_lower_bound_exceeds_accountant"] is True
+
+
+def test_canary_options_and_runs_without_canaries_are_one_sentence(tmp_path, plain_run, dp_run):
+    assert_user_error(
+        invoke("train", *FAST_ARGS, "--dp", "--canaries", "-1", "--out", tmp_path / "a"), mentions="--canaries"
+    )
+    assert_user_error(invoke("train", *FAST_ARGS, "--canaries", "10", "--out", tmp_path / "b"), mentions="--dp")
+    assert_user_error(
+        invoke("train", *FAST_ARGS, "--dp", "--algorithm", "fedlap", "--canaries", "10", "--out", tmp_path / "c"),
+        mentions="--canaries",
+    )
+    assert not any(tmp_path.iterdir())
+    assert_user_error(invoke("attack", dp_run, "--method", "canary", "--no-progress"), mentions="without canaries")
+    assert_user_error(invoke("attack", plain_run, "--method", "canary", "--no-progress"), mentions="without DP")
