@@ -98,3 +98,52 @@ def test_canary_options_and_runs_without_canaries_are_one_sentence(tmp_path, pla
     assert not any(tmp_path.iterdir())
     assert_user_error(invoke("attack", dp_run, "--method", "canary", "--no-progress"), mentions="without canaries")
     assert_user_error(invoke("attack", plain_run, "--method", "canary", "--no-progress"), mentions="without DP")
+
+
+# Accounting faults leave the training untouched and lower the accountant's epsilon; catching them takes a stronger
+# audit: 20 rounds and 5000 canaries at sigma 1.5 (about 11 s each).
+ACCOUNTING_RUN = (*FAST_ARGS, *"--dp --width 64 --rounds 20 --local-epochs 3 --canaries 5000".split())
+
+
+@pytest.mark.parametrize("fault", ["ledger-charges-only-the-last-round", "sampling-rate-of-the-whole-dataset"])
+def test_an_accountant_that_undercounts_is_caught(tmp_path, monkeypatch, fault):
+    import fedaudit.training as training
+
+    if fault == "ledger-charges-only-the-last-round":
+        real_events = training._round_privacy_events
+
+        def only_last(setup, messages):
+            events = real_events(setup, messages)
+            last = len(only_last.calls) + 1 == setup.config.federated.rounds
+            only_last.calls.append(1)
+            return events if last else {k: [] for k in events}
+
+        only_last.calls = []
+        monkeypatch.setattr(training, "_round_privacy_events", only_last)
+    else:
+        real_round = training.round_events
+
+        def whole_dataset(**kwargs):  # q = B / N over all 5 clients' records instead of B / N_k
+            return real_round(**{**kwargs, "sample_rate": kwargs["sample_rate"] / 5})
+
+        monkeypatch.setattr(training, "round_events", whole_dataset)
+    out = tmp_path / "run"
+    result = invoke("train", *ACCOUNTING_RUN, "--noise-multiplier", "1.5", "--out", out)
+    assert result.exit_code == 0, result.output
+    monkeypatch.undo()
+    assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
+    metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
+    assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
+
+
+def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path):
+    """The null side, on the small configuration: 20 seeds of a correct run, none with a bound above the budget."""
+    flagged = []
+    for seed in range(20):
+        out = tmp_path / f"seed{seed}"
+        args = (*FAST_ARGS, *"--dp --rounds 3 --canaries 300 --noise-multiplier 1".split(), "--seed", str(seed))
+        assert invoke("train", *args, "--out", out).exit_code == 0
+        assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
+        metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
+        flagged += [seed] if metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"] else []
+    assert flagged == []
