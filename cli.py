@@ -491,7 +491,8 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     "--policy",
     "policy_file",
     type=click.Path(),
-    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy); exit code "
+    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy, max_audit_ratio); "
+    "exit code "
     "1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
 )
 @user_errors

@@ -27,6 +27,8 @@ LIMITS: dict[str, str] = {
         "TPR at 0.1% FPR of every attack on the final model <= {limit:g} (judged on its 95% interval)"
     ),
     "min_accuracy": "final test accuracy >= {limit:g} (judged on its 95% interval)",
+    "max_audit_ratio": "canary audit's epsilon lower bound <= {limit:g} x the accountant's epsilon (the bound holds "
+    "at 95%; above 1, the DP implementation or its accounting is broken)",
 }
 OPTIONS = ("delta",)
 
@@ -44,6 +46,7 @@ class Policy:
     max_attack_auc: float | None = None
     max_tpr_at_0_1pct_fpr: float | None = None
     min_accuracy: float | None = None
+    max_audit_ratio: float | None = None
     source: str = ""
 
     def limits(self) -> dict[str, float]:
@@ -258,4 +261,23 @@ def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | No
     return accuracy, verdict, detail
 
 
-_CHECKS = {"max_epsilon": _epsilon, "max_attack_auc": _auc, "max_tpr_at_0_1pct_fpr": _tpr, "min_accuracy": _accuracy}
+def _audit(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
+    """The canary audit's bound is itself a 95% statement: above ``limit`` times the accountant's epsilon is a FAIL."""
+    audits = [a for a in run.canary_audits if a.epsilon_lower_bound is not None and a.accountant_epsilon]
+    if not audits:
+        return None, FAIL, "not available: no canary audit (train with --dp --canaries N, attack with --method canary)"
+    results = []
+    for a in audits:
+        ratio = a.epsilon_lower_bound / a.accountant_epsilon
+        detail = f"{a.label}: bound {a.epsilon_lower_bound:.4g} vs the accountant's {a.accountant_epsilon:.4g}"
+        results.append((PASS if ratio <= limit else FAIL, ratio, f"{detail} (ratio {ratio:.3g})"))
+    return _worst(results)
+
+
+_CHECKS = {
+    "max_epsilon": _epsilon,
+    "max_attack_auc": _auc,
+    "max_tpr_at_0_1pct_fpr": _tpr,
+    "min_accuracy": _accuracy,
+    "max_audit_ratio": _audit,
+}

@@ -45,6 +45,19 @@ def test_a_correct_run_is_not_flagged_and_its_audit_is_recorded(correct):
     assert metrics["auc"] > 0.55  # the canaries are visible through the noise, short of a bound beyond the budget
 
 
+def policy_verdict(run: Path, folder: Path) -> tuple[int, str]:
+    """Exit code and verdict of `fedaudit report` with the policy max_audit_ratio: 1."""
+    (folder / "policy.yaml").write_text("max_audit_ratio: 1\n")
+    result = invoke("report", run, "--out", folder / "report.md", "--policy", folder / "policy.yaml")
+    return result.exit_code, json.loads((folder / "summary.json").read_text())["verdict"]
+
+
+def test_the_policy_passes_a_correct_run_and_needs_an_audit(correct, tmp_path, dp_run):
+    run, _ = correct
+    assert policy_verdict(run, tmp_path) == (0, "PASS")
+    assert policy_verdict(dp_run, tmp_path)[0] == 1  # no canary audit: the limit cannot be shown to hold
+
+
 def test_canaries_do_not_change_what_the_accountant_says(correct, tmp_path):
     run, metrics = correct
     plain = tmp_path / "plain"
@@ -84,6 +97,7 @@ def test_a_broken_noise_draw_is_caught(tmp_path, monkeypatch, fault):
     metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
     assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
     assert metrics["epsilon_lower_bound_exceeds_accountant"] is True
+    assert policy_verdict(out, tmp_path) == (1, "FAIL")
 
 
 def test_canary_options_and_runs_without_canaries_are_one_sentence(tmp_path, plain_run, dp_run):
