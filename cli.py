@@ -524,6 +524,8 @@ def _finish_report(outcome: Any) -> None:
 
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
 COMPARE_BASE_OPTIONS = (
+    "canaries",
+    "canary_kind",
     "dataset",
     "data_dir",
     "partition",
