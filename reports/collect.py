@@ -146,6 +146,12 @@ class AttackSummary:
         return f"{self.signal}/{self.method}"
 
     @property
+    def exceeds_accountant(self) -> bool:
+        """Whether this attack's own 95% bound is above the accountant's epsilon (a canary audit's verdict)."""
+        bound, accountant = self.epsilon_lower_bound, self.accountant_epsilon
+        return bound is not None and accountant is not None and bound > accountant
+
+    @property
     def standard_error(self) -> float | None:
         """The AUC's bootstrap standard error; for older results, the width of its 95% interval / (2 x 1.96)."""
         if self.auc_se is not None:

@@ -108,6 +108,7 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "utility": run.utility.assign(**{c: run.utility[c].map(fmt) for c in run.utility.columns if c != "round"}),
         "attacks": attack_table(run.attacks) if run.attacks else None,
         "strongest": strongest,
+        "canaries": run.canary_audits,
         "strongest_ci": interval(strongest.auc_ci) if strongest else None,
         "strongest_simultaneous_ci": interval(strongest.simultaneous_ci(compared)) if strongest else None,
         "strongest_simultaneous": strongest.simultaneous_ci(compared) if strongest else None,

@@ -55,6 +55,7 @@ def policy_verdict(run: Path, folder: Path) -> tuple[int, str]:
 def test_the_policy_passes_a_correct_run_and_needs_an_audit(correct, tmp_path, dp_run):
     run, _ = correct
     assert policy_verdict(run, tmp_path) == (0, "PASS")
+    assert "Consistent with the accountant." in (tmp_path / "report.md").read_text()
     assert policy_verdict(dp_run, tmp_path)[0] == 1  # no canary audit: the limit cannot be shown to hold
 
 
@@ -98,6 +99,7 @@ def test_a_broken_noise_draw_is_caught(tmp_path, monkeypatch, fault):
     assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
     assert metrics["epsilon_lower_bound_exceeds_accountant"] is True
     assert policy_verdict(out, tmp_path) == (1, "FAIL")
+    assert "The audit proves more leakage than the accountant allows" in (tmp_path / "report.md").read_text()
 
 
 def test_canary_options_and_runs_without_canaries_are_one_sentence(tmp_path, plain_run, dp_run):
