@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import FAST_ARGS, assert_user_error, invoke
+from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, invoke
 
 import fedaudit.privacy.primitive as primitive
 
@@ -163,3 +163,15 @@ def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path):
         metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
         flagged += [seed] if metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"] else []
     assert flagged == []
+
+
+def test_a_canary_run_resumes_byte_identical(tmp_path, monkeypatch):
+    args = (*FAST_ARGS, *"--dp --rounds 3 --canaries 200".split())
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert invoke("train", *args, "--out", whole).exit_code == 0
+    interrupt_in_round(monkeypatch, 2)
+    assert invoke("train", *args, "--out", resumed).exit_code == 1
+    monkeypatch.undo()
+    assert invoke("train", "--resume", resumed, "--no-progress").exit_code == 0
+    for name in ("model.safetensors", "canaries.npz", "privacy.json", "transmitted/round-0003/client-000.safetensors"):
+        assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
