@@ -430,6 +430,22 @@ def csv_bytes(frame: pd.DataFrame) -> bytes:
     return frame.to_csv(index=False, float_format=lambda value: repr(float(value))).encode("utf-8")
 
 
+def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Atomically write named arrays as a compressed .npz."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz, with pickled objects refused; a corrupt file is a :class:`RunError`."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (ValueError, OSError) as exc:
+        raise RunError(f"{path} is corrupt.") from exc
+
+
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
     """Atomically write tensors as safetensors (contiguous CPU copies), byte-identical for equal inputs."""
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -611,34 +627,20 @@ class RunDirectory:
             )
 
     def write_membership(self, arrays: Mapping[str, np.ndarray]) -> None:
-        buffer = io.BytesIO()
-        np.savez_compressed(buffer, **arrays)
-        atomic_write_bytes(self.membership_path, buffer.getvalue())
+        write_arrays(self.membership_path, arrays)
 
     def read_membership(self) -> dict[str, np.ndarray]:
         """The member/non-member index arrays (no pickled objects allowed)."""
         if not self.membership_path.is_file():
             raise RunError(f"{self.path} is not a complete fedaudit run: membership.npz is missing.")
-        try:
-            with np.load(self.membership_path, allow_pickle=False) as data:
-                return {key: data[key] for key in data.files}
-        except (ValueError, OSError) as exc:
-            raise RunError(f"{self.membership_path} is corrupt.") from exc
+        return read_arrays(self.membership_path)
 
     def write_canaries(self, arrays: Mapping[str, np.ndarray]) -> None:
-        buffer = io.BytesIO()
-        np.savez_compressed(buffer, **arrays)
-        atomic_write_bytes(self.canaries_path, buffer.getvalue())
+        write_arrays(self.canaries_path, arrays)
 
     def read_canaries(self) -> dict[str, np.ndarray] | None:
         """The canaries' arrays (no pickled objects), or None for a run trained without canaries."""
-        if not self.canaries_path.is_file():
-            return None
-        try:
-            with np.load(self.canaries_path, allow_pickle=False) as data:
-                return {key: data[key] for key in data.files}
-        except (ValueError, OSError) as exc:
-            raise RunError(f"{self.canaries_path} is corrupt.") from exc
+        return read_arrays(self.canaries_path) if self.canaries_path.is_file() else None
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         frame = pd.DataFrame(rows)
