@@ -223,14 +223,16 @@ def main() -> None:
 @click.option(
     "--canaries",
     type=int,
-    help="Plant this many gradient canaries for a canary audit (`fedaudit attack --method canary`): each included "
-    "with probability 1/2 in one client's data, sampled, clipped and noised like its records. Needs --dp; keeps "
-    "what clients send. [default: 0]",
+    help="Plant this many canaries for a canary audit (`fedaudit attack --method canary`): each included "
+    "with probability 1/2 in one client's data, sampled, clipped and noised like its records. Needs --dp. "
+    "[default: 0]",
 )
 @click.option(
     "--canary-kind",
     type=click.Choice(CANARY_KINDS),
-    help="gradient: a random direction whose per-example gradient is C times itself (the server's white-box view). "
+    help="gradient: a random direction whose per-example gradient is 10 C times itself (clipped to C), audited on "
+    "what every client sent (the server's white-box view). input: a held-out record with another class's label, "
+    "audited on what clients sent and by its loss on the final model (black-box). Both keep what clients send. "
     "[default: gradient]",
 )
 @click.option(

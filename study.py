@@ -97,10 +97,10 @@ class Budget:
         return f"{'eps' if self.kind == 'epsilon' else 'sigma'}{self.value:g}"
 
     def apply(self, config: RunConfig) -> RunConfig:
-        """``config`` with this budget's privacy settings (without DP the clipping norm and the canaries, which are C
-        times a direction, are dropped; FedLAP runs carry no canaries yet)."""
+        """``config`` with this budget's privacy settings (without DP the clipping norm and the canaries, which audit
+        a DP accountant, are dropped)."""
         privacy = config.privacy
-        if self.kind == "none" or config.federated.algorithm == "fedlap":
+        if self.kind == "none":
             config = replace(config, audit=replace(config.audit, canaries=0))
         if self.kind == "none":
             privacy = replace(privacy, dp=False, noise_multiplier=None, target_epsilon=None, max_grad_norm=None)

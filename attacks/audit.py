@@ -261,3 +261,34 @@ def _partition(scores: np.ndarray, rng: np.random.Generator, fraction: float) ->
     order = rng.permutation(len(scores))
     cut = int(len(scores) * fraction)
     return np.asarray(scores)[order[:cut]], np.asarray(scores)[order[cut:]]
+
+
+def bound_by_guesses(
+    in_scores: np.ndarray,
+    out_scores: np.ndarray,
+    *,
+    delta: float,
+    confidence: float = CONFIDENCE,
+    points: int = 24,
+) -> list[dict[str, float]]:
+    """The one-run bound of guessing "in" for the k highest-scoring canaries, for k on a log grid up to m.
+
+    Each point is the bound one would report had k been fixed before looking (the curve of Steinke et al.'s figures);
+    taking the best point of the curve would not be valid, which is why the reported bound chooses its threshold on
+    one half of the canaries and judges it on the other.
+    """
+    scores = np.concatenate([np.asarray(in_scores, float), np.asarray(out_scores, float)])
+    member = np.concatenate([np.ones(len(in_scores), bool), np.zeros(len(out_scores), bool)])
+    m = len(scores)
+    if m == 0:
+        return []
+    correct = np.cumsum(member[np.argsort(-scores, kind="stable")])
+    grid = np.unique(np.geomspace(1, m, num=min(points, m)).round().astype(int))
+    return [
+        {
+            "guesses": int(k),
+            "correct": int(correct[k - 1]),
+            "epsilon": one_run_epsilon(m, int(k), int(correct[k - 1]), delta=delta, confidence=confidence),
+        }
+        for k in grid
+    ]

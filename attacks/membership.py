@@ -62,8 +62,11 @@ def build_evaluation_set(
     nonmembers: str = "both",
     max_records: int = DEFAULT_MAX_RECORDS,
     seed: int,
+    exclude: np.ndarray | None = None,
 ) -> EvaluationSet:
     """Draw min(#members, #non-members, ``max_records``) records on each side, reproducibly from ``seed``.
+
+    ``exclude`` are held-out records that must not serve as non-members (a run's input canaries).
 
     Raises:
         AttackError: an unknown ``nonmembers`` source, a non-positive ``max_records``,
@@ -79,7 +82,8 @@ def build_evaluation_set(
 
     pools = []
     if nonmembers in ("holdout", "both"):
-        pools.append(("train", partition.holdout, train_labels[partition.holdout]))
+        holdout = partition.holdout if exclude is None else np.setdiff1d(partition.holdout, exclude)
+        pools.append(("train", holdout, train_labels[holdout]))
     if nonmembers in ("test", "both"):
         pools.append(("test", np.arange(test_labels.size), test_labels))
     pool_source = np.concatenate([np.full(idx.size, src) for src, idx, _ in pools])

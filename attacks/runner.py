@@ -21,7 +21,7 @@ from sklearn.metrics import roc_auc_score
 
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.canary import METHOD, NAME, SIGNAL, canary_audit, read_canaries
+from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, canary_views, read_canaries
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
@@ -170,6 +170,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
                 "audit; train with --dp --canaries N."
             )
         read_canaries(run)
+    planted = _planted_records(run, len(dataset.train_y))
     seed = config.seed if options.seed is None else options.seed
     try:
         evaluation = build_evaluation_set(
@@ -178,6 +179,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
             dataset.test_y.numpy(),
             nonmembers=options.nonmembers,
             max_records=options.max_records,
+            exclude=planted,
             seed=seed,
         )
     except AttackError as exc:
@@ -191,6 +193,18 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
         seed=seed,
         accountant_epsilon=accountant,
     )
+
+
+def _planted_records(run: RunDirectory, num_records: int) -> np.ndarray | None:
+    """The held-out records a run planted as input canaries (its membership audit must not count them as
+    non-members: half were trained on), or None."""
+    arrays = run.read_canaries()
+    if arrays is None or "record" not in arrays:
+        return None
+    records = arrays["record"].astype(np.int64)
+    if records.size and (records.min() < 0 or records.max() >= num_records):
+        raise RunError(f"{run.canaries_path} refers to records outside the {num_records} training records.")
+    return records
 
 
 def attack_targets(run: RunDirectory, target: str | int, done: int) -> tuple[Target, ...]:
@@ -251,34 +265,40 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             for method in methods:
                 results.append(_attack(prepared, target, signals, signal, method, options))
     if METHOD in options.methods:
-        results.append(_canary(prepared))
+        results += _canary(prepared)
     return results
 
 
-def _canary(prepared: PreparedRun) -> AttackResult:
-    """The canary audit over every round of the run (the server's view), judged against the final epsilon."""
+def _canary(prepared: PreparedRun) -> list[AttackResult]:
+    """The canary audit of every round of the run (what crossed the wire, and for input canaries the final model),
+    judged against the final epsilon."""
     run, done = prepared.run, prepared.run.read_manifest().rounds_done
     accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[done - 1]
-    metrics, scores, curve = canary_audit(
+    audits = canary_audit(
         run,
-        spec=run.model_spec(),
+        algorithm=prepared.config.federated.algorithm,
+        dataset=prepared.dataset,
         rounds=done,
         delta=prepared.config.privacy.delta,
+        run_seed=prepared.config.seed,
         seed=prepared.seed,
         accountant_epsilon=accountant,
     )
-    header = {
-        "format": RESULT_FORMAT,
-        "format_version": RESULT_FORMAT_VERSION,
-        "run": str(run.path),
-        "signal": SIGNAL,
-        "method": METHOD,
-        "target": "all rounds",
-        "round": done,
-        "seed": prepared.seed,
-    }
-    footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
-    return AttackResult(name=NAME, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
+    results = []
+    for view, metrics, scores, curve in audits:
+        header = {
+            "format": RESULT_FORMAT,
+            "format_version": RESULT_FORMAT_VERSION,
+            "run": str(run.path),
+            "signal": view.signal,
+            "method": METHOD,
+            "target": "final" if view.signal == "loss" else "all rounds",
+            "round": done,
+            "seed": prepared.seed,
+        }
+        footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
+        results.append(AttackResult(name=view.name, scores=scores, roc=curve, metrics={**header, **metrics, **footer}))
+    return results
 
 
 def _attack(
@@ -383,6 +403,9 @@ def _per_client(
     return table
 
 
+CANARY_NAMES = tuple(view.name for view in VIEWS)
+
+
 def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int]:
     """The result directories ``options`` would write for ``run`` as it stands, each with the round it attacks
     (empty when the run cannot be attacked)."""
@@ -398,7 +421,11 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         if method != METHOD
     }
     if METHOD in options.methods:
-        expected[NAME] = run.read_manifest().rounds_done
+        try:
+            views = canary_views(read_canaries(run).kind, run.read_run_config().federated.algorithm)
+        except (RunError, AttackError):
+            return {}
+        expected.update({view.name: run.read_manifest().rounds_done for view in views})
     return expected
 
 
@@ -431,7 +458,10 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
             record is None
             or record.format_version != RESULT_FORMAT_VERSION
             or record.round != round_number
-            or any(record.settings.get(k) != v for k, v in (expected if name != NAME else {"seed": seed}).items())
+            or any(
+                record.settings.get(k) != v
+                for k, v in (expected if name not in CANARY_NAMES else {"seed": seed}).items()
+            )
         ):
             return False
     return bool(names)

@@ -1,12 +1,19 @@
-"""Gradient canaries: records planted at training time so that a canary audit can bound epsilon from one run.
+"""Canaries: records planted at training time so that a canary audit can bound epsilon from one run.
 
-Canary i is a fixed random unit direction u_i in parameter space (the model's parameters in their order, flattened),
-drawn from the run's seed. It is included with probability 1/2, independently of the others, and then belongs to
-one client's data: in each of that client's DP queries it is Poisson-sampled with the client's rate q like every
-record, and when sampled its per-example gradient is C u_i, clipped (a no-op: its norm is C) and noised with the
-batch by the one DP primitive. Training reads only which canaries its clients hold; the inclusion bits are written
-to canaries.npz for the audit. Canaries are records: the accountant's epsilon covers them unchanged.
-See docs/audit.md (canary audits).
+Each canary is included with probability 1/2, independently of the others, and then belongs to one client's data:
+in each of that client's DP queries it is Poisson-sampled with the client's rate q = B / N_k (N_k its own records)
+like every record, and clipped and noised with the batch by the one DP primitive. Two kinds:
+
+- gradient (white-box, the server's view): canary i is a fixed random unit direction u_i in parameter space (the
+  model's parameters in their order, flattened), drawn from the run's seed. Its per-example gradient is
+  GRADIENT_CANARY_NORM * C * u_i, ten times the clipping norm, so that clipping is part of what is audited: a
+  correct query clips it to C u_i like any large gradient, and one that skips clipping lets ten times as much
+  through, which the audit sees.
+- input (black-box, the final model): canary i is a held-out record that no client owns, with its label replaced
+  by another class the client holds, so that it is atypical; it is an ordinary record in every query.
+
+Training reads only which canaries its clients hold; the inclusion bits are written to canaries.npz for the audit.
+Canaries are records: the accountant's epsilon covers them unchanged. See docs/audit.md (canary audits).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import torch
 
 from fedaudit.seeding import Stream, make_generator, numpy_rng
 
+GRADIENT_CANARY_NORM = 10.0  # a gradient canary's per-example gradient norm, in units of the clipping norm C
+
 
 @dataclass(frozen=True)
 class Canaries:
@@ -28,14 +37,41 @@ class Canaries:
     seed: int
     included: np.ndarray  # int8, one bit per canary
     client: np.ndarray  # int64, the client whose data holds the canary when it is included
+    record: np.ndarray | None = None  # input canaries: int64 index of the held-out training record
+    label: np.ndarray | None = None  # input canaries: int64 label it is trained with (not its own)
 
     @classmethod
-    def draw(cls, *, count: int, kind: str, seed: int, num_clients: int) -> Canaries:
-        """Inclusion bits (probability 1/2 each) and clients (uniform), from the run's seed."""
+    def draw(
+        cls,
+        *,
+        count: int,
+        kind: str,
+        seed: int,
+        num_clients: int,
+        holdout: np.ndarray | None = None,
+        labels: np.ndarray | None = None,
+        client_classes: list[np.ndarray] | None = None,
+    ) -> Canaries:
+        """Inclusion bits (probability 1/2 each) and clients (uniform), from the run's seed; input canaries also
+        draw distinct records of ``holdout`` and, for each, a label among its client's ``client_classes`` other
+        than the record's own ``labels`` entry (any other class when the client holds only that one)."""
         rng = numpy_rng(seed, Stream.CANARY_DRAW)
         included = (rng.random(count) < 0.5).astype(np.int8)
         client = rng.integers(0, num_clients, count).astype(np.int64)
-        return cls(kind=kind, seed=seed, included=included, client=client)
+        if kind != "input":
+            return cls(kind=kind, seed=seed, included=included, client=client)
+        if holdout is None or labels is None or client_classes is None:
+            raise ValueError("input canaries are drawn from the held-out pool: pass holdout, labels, client_classes.")
+        record = np.sort(rng.choice(holdout, size=count, replace=False)).astype(np.int64)
+        num_classes = int(max(labels.max(), *(c.max(initial=0) for c in client_classes))) + 1
+        label = np.empty(count, dtype=np.int64)
+        for i, (r, k) in enumerate(zip(record, client)):
+            own = int(labels[r])
+            choices = client_classes[k][client_classes[k] != own]
+            if choices.size == 0:
+                choices = np.array([c for c in range(num_classes) if c != own])
+            label[i] = int(rng.choice(choices))
+        return cls(kind=kind, seed=seed, included=included, client=client, record=record, label=label)
 
     @property
     def count(self) -> int:
@@ -46,12 +82,15 @@ class Canaries:
         return np.flatnonzero((self.included == 1) & (self.client == client))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {
+        arrays = {
             "kind": np.array(self.kind),
             "seed": np.array(self.seed, dtype=np.int64),
             "included": self.included,
             "client": self.client,
         }
+        if self.record is not None and self.label is not None:
+            arrays.update(record=self.record, label=self.label)
+        return arrays
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> Canaries:
@@ -60,6 +99,8 @@ class Canaries:
             seed=int(arrays["seed"]),
             included=arrays["included"].astype(np.int8),
             client=arrays["client"].astype(np.int64),
+            record=arrays["record"].astype(np.int64) if "record" in arrays else None,
+            label=arrays["label"].astype(np.int64) if "label" in arrays else None,
         )
 
 

@@ -81,17 +81,18 @@ class FederatedConfig:
     lr_schedule: str | None = None
 
 
-CANARY_KINDS = ("gradient",)
+CANARY_KINDS = ("gradient", "input")
 
 
 @dataclass(frozen=True)
 class AuditConfig:
     """Canaries planted at training time for a canary audit (docs/audit.md).
 
-    Each of ``canaries`` canaries is included with probability 1/2 in the data of one client; a gradient canary is a
-    fixed random direction whose per-example gradient is C times that unit direction, sampled, clipped and noised
-    like every record of its client. Needs --dp (the clipping norm C); turns --save-transmitted on, since the audit
-    reads what every client sent.
+    Each of ``canaries`` canaries is included with probability 1/2 in the data of one client, sampled, clipped and
+    noised like every record of its client. A gradient canary is a fixed random direction whose per-example gradient
+    is 10 C times that unit direction (clipped to C); an input canary is a held-out record with a replaced label.
+    The audit reads what every client sent (so canaries turn --save-transmitted on) and, for input canaries, the
+    final model. Needs --dp.
     """
 
     canaries: int = 0
@@ -340,11 +341,7 @@ class RunConfig:
         )
         _check(
             not a.canaries or p.dp,
-            "--canaries needs --dp: a gradient canary is C times a unit direction, C the clipping norm.",
-        )
-        _check(
-            not a.canaries or f.algorithm != "fedlap",
-            "--canaries is available for the gradient-sharing algorithms (fedavg, fedprox, fedsgd) so far.",
+            "--canaries needs --dp: a canary audit bounds the epsilon of a DP run's accountant.",
         )
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fedaudit.errors import UserError
+from fedaudit.seeding import Stream, derive_seed
 
 ARCHITECTURES = ("convnet", "mlp")
 
@@ -116,3 +117,10 @@ def build_model(spec: ModelSpec) -> nn.Module:
 def num_parameters(model: nn.Module) -> int:
     """Number of trainable scalars in ``model``."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def initial_params(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The global model of round 0 of a run with ``seed`` (its parameters in the model's order): training starts
+    from it, and an audit of round 1 differentiates at it."""
+    torch.manual_seed(derive_seed(seed, Stream.INIT))
+    return {name: p.detach().clone() for name, p in build_model(spec).named_parameters()}

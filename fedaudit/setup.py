@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData
-from fedaudit.canaries import Canaries, canary_directions
+from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.errors import UserError
@@ -124,29 +125,49 @@ def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
         client_fraction=client_fraction,
         queries=queries,
         sample_rates=sample_rates,
-        canaries=Canaries.draw(
-            count=config.audit.canaries,
-            kind=config.audit.canary_kind,
-            seed=config.seed,
-            num_clients=config.data.num_clients,
+        canaries=_canaries(config, dataset, partition) if config.audit.canaries else None,
+    )
+
+
+def _canaries(config: RunConfig, dataset: Dataset, partition: Partition) -> Canaries:
+    """The run's canaries; input canaries are held-out records, so there must be enough of them."""
+    count, kind = config.audit.canaries, config.audit.canary_kind
+    if kind == "input" and count > partition.holdout.size:
+        raise TrainingError(
+            f"--canaries {count} input canaries need as many held-out records, but this run holds out "
+            f"{partition.holdout.size}; use fewer canaries or a larger --holdout-fraction."
         )
-        if config.audit.canaries
-        else None,
+    labels = dataset.train_y.numpy()
+    return Canaries.draw(
+        count=count,
+        kind=kind,
+        seed=config.seed,
+        num_clients=config.data.num_clients,
+        holdout=partition.holdout,
+        labels=labels,
+        client_classes=[np.unique(labels[c]) for c in partition.clients],
     )
 
 
 def client_data(setup: Setup, client: int) -> ClientData:
-    """Client ``client``'s records on the run's device, with the gradient canaries it holds (C u_i), if any."""
+    """Client ``client``'s records on the run's device, with the canaries it holds, if any: gradient canaries as
+    their per-example gradients (10 C u_i, which clipping scales to C u_i), input canaries as records with their
+    replaced labels."""
     index = torch.from_numpy(setup.partition.clients[client].copy())
     dataset, device = setup.dataset, setup.device
-    canary_grads = None
-    if setup.canaries is not None:
-        held = setup.canaries.held_by(client)
-        if len(held):
-            shapes = {name: p.shape for name, p in build_model(setup.spec).named_parameters()}
-            directions = canary_directions(setup.config.seed, held, shapes, device)
-            canary_grads = {name: setup.config.privacy.max_grad_norm * u for name, u in directions.items()}
-    return ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device), canary_grads)
+    data = ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device))
+    canaries = setup.canaries
+    held = np.empty(0, dtype=np.int64) if canaries is None else canaries.held_by(client)
+    if not len(held):
+        return data
+    if canaries.kind == "input":
+        records = torch.from_numpy(canaries.record[held])
+        labels = torch.from_numpy(canaries.label[held]).to(dataset.train_y.dtype)
+        return replace(data, canary_x=dataset.train_x[records].to(device), canary_y=labels.to(device))
+    shapes = {name: p.shape for name, p in build_model(setup.spec).named_parameters()}
+    directions = canary_directions(setup.config.seed, held, shapes, device)
+    norm = GRADIENT_CANARY_NORM * setup.config.privacy.max_grad_norm
+    return replace(data, canary_grads={name: norm * u for name, u in directions.items()})
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from fedaudit.algorithms.base import ClientMessage, RoundContext, TensorDict, clone_params, load_params
 from fedaudit.config import RunConfig
 from fedaudit.engine import Engine, make_engine
-from fedaudit.models import build_model, num_parameters
+from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, round_events
 from fedaudit.runs import (
     ClientsRecord,
@@ -38,7 +38,7 @@ from fedaudit.runs import (
     remove_stale_temporaries,
     versions,
 )
-from fedaudit.seeding import Stream, derive_seed, make_generator, repeatable
+from fedaudit.seeding import Stream, make_generator, repeatable
 from fedaudit.setup import Setup, TrainingError, client_data, prepare, select_clients
 
 Echo = Callable[[str], None]
@@ -192,8 +192,7 @@ class _RoundOutcome:
 
 def _initial_params(setup: Setup) -> TensorDict:
     """The global model at round 0, drawn from the run's seed (in the model's parameter order)."""
-    torch.manual_seed(derive_seed(setup.config.seed, Stream.INIT))
-    return {name: p.detach().clone() for name, p in build_model(setup.spec).named_parameters()}
+    return initial_params(setup.spec, setup.config.seed)
 
 
 def _new_ledger(config: RunConfig) -> PrivacyLedger | None:

@@ -116,6 +116,35 @@ def auc_axis(ax: plt.Axes) -> None:
     ax.set_ylim(max(0.0, low), min(1.0, high))
 
 
+def canary_audit(audits: Sequence[AttackSummary]) -> bytes:
+    """Each canary audit's 95% lower bound beside the accountant's epsilon (bars), and the one-run bound of the k
+    highest-scoring guesses against k (one curve per audit)."""
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]})
+    accountant = next((a.accountant_epsilon for a in audits if a.accountant_epsilon is not None), None)
+    labels = [a.signal for a in audits]
+    bounds = [a.epsilon_lower_bound or 0.0 for a in audits]
+    colors = ["tab:red" if a.exceeds_accountant else "tab:blue" for a in audits]
+    if accountant is not None:
+        labels, bounds, colors = ["accountant", *labels], [accountant, *bounds], ["tab:gray", *colors]
+    bars.barh(range(len(labels)), bounds, color=colors)
+    bars.set_yticks(range(len(labels)), labels)
+    bars.invert_yaxis()
+    bars.set(xlabel="epsilon", title="Audited lower bound (95%) vs accountant")
+    bars.grid(axis="x", alpha=0.3)
+    for audit in audits:
+        points = (audit.canary_audit or {}).get("bound_by_guesses") or []
+        if points:
+            curve.plot([p["guesses"] for p in points], [p["epsilon"] for p in points], marker=".", label=audit.signal)
+    if accountant is not None:
+        curve.axhline(accountant, color="tab:gray", linestyle="--", label="accountant")
+    curve.set_xscale("log")
+    curve.set(xlabel="guesses (k highest scores called in)", ylabel="one-run epsilon bound", title="Bound by guesses")
+    curve.set_ylim(bottom=0)
+    curve.grid(alpha=0.3)
+    curve.legend(fontsize=8)
+    return png(fig)
+
+
 def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
     """One row of synthetic images per client, each image titled with its label."""
     columns = max(len(s.images) for s in sets)

@@ -80,6 +80,7 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
             "accuracy": _b64(figures.accuracy_curve(run)) if has_accuracy else None,
             "epsilon": _b64(figures.epsilon_curve(run)) if run.privacy.epsilon_per_round else None,
             "roc": _b64(figures.roc_curves(curves, f"ROC, round {run.rounds_done}")) if curves else None,
+            "canaries": _b64(figures.canary_audit(run.canary_audits)) if run.canary_audits else None,
             "auc_rounds": _b64(figures.auc_per_round(per_round, "Attack AUC per round"))
             if len(rounds_attacked) > 1
             else None,

@@ -18,19 +18,27 @@ from torch import nn
 
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
+from fedaudit.privacy.primitive import poisson_sample
 
 TensorDict = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class ClientData:
-    """One client's training records (already on the training device)."""
+    """One client's training records (already on the training device), and the canaries it holds for an audit.
+
+    ``num_examples`` counts the client's own records only: its DP sampling rate B / N_k and its aggregation weight
+    do not depend on which canaries it holds.
+    """
 
     client_id: int
     x: torch.Tensor
     y: torch.Tensor
-    # per-example gradients of the gradient canaries this client holds (C u_i), name -> [canaries, *shape]
+    # per-example gradients of the gradient canaries this client holds (10 C u_i), name -> [canaries, *shape]
     canary_grads: TensorDict | None = None
+    # the input canaries this client holds: records (with their replaced labels) trained on like its own
+    canary_x: torch.Tensor | None = None
+    canary_y: torch.Tensor | None = None
 
     @property
     def num_examples(self) -> int:
@@ -38,7 +46,29 @@ class ClientData:
 
     @property
     def num_canaries(self) -> int:
-        return 0 if not self.canary_grads else int(next(iter(self.canary_grads.values())).shape[0])
+        if self.canary_grads:
+            return int(next(iter(self.canary_grads.values())).shape[0])
+        return 0 if self.canary_y is None else int(self.canary_y.shape[0])
+
+    def dp_batch(
+        self, sample_rate: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, TensorDict | None]:
+        """One Poisson batch of a DP query: (inputs, labels, per-example gradients of sampled gradient canaries).
+
+        The client's records are sampled with rate ``sample_rate``, then its canaries with the same rate from the
+        same generator (drawn only when it holds any, so that a run without canaries draws what it always drew);
+        sampled input canaries join the batch as records.
+        """
+        idx = poisson_sample(self.num_examples, sample_rate, generator=generator)
+        x, y, extra = self.x[idx], self.y[idx], None
+        if self.num_canaries:
+            sampled = poisson_sample(self.num_canaries, sample_rate, generator=generator)
+            if self.canary_grads:
+                extra = {name: g[sampled] for name, g in self.canary_grads.items()}
+            else:
+                x = torch.cat([x, self.canary_x[sampled]])
+                y = torch.cat([y, self.canary_y[sampled]])
+        return x, y, extra
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from fedaudit.algorithms.base import (
 )
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.primitive import dp_gradient, poisson_sample
+from fedaudit.privacy.primitive import dp_gradient
 
 
 class FedAvg:
@@ -146,15 +146,11 @@ class FedAvg:
         sample_rate = batch_size / n
         steps = self.queries_per_round(ctx.config, n)
         for _ in range(steps):
-            idx = poisson_sample(n, sample_rate, generator=generator)
-            extra = None
-            if data.num_canaries:  # canaries are records: sampled at the same rate q, in the same query
-                sampled = poisson_sample(data.num_canaries, sample_rate, generator=generator)
-                extra = {name: g[sampled] for name, g in data.canary_grads.items()}
+            x, y, extra = data.dp_batch(sample_rate, generator)  # canaries are records: same q, same query
             result = dp_gradient(
                 model,
-                data.x[idx],
-                data.y[idx],
+                x,
+                y,
                 noise_multiplier=priv.noise_multiplier,
                 max_grad_norm=priv.max_grad_norm,
                 expected_batch_size=batch_size,

@@ -34,7 +34,7 @@ from fedaudit.algorithms.base import (
 from fedaudit.augment import augment
 from fedaudit.config import FedLAPConfig, RunConfig
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.primitive import dp_gradient, poisson_sample
+from fedaudit.privacy.primitive import dp_gradient
 
 
 def layer_distance(real: torch.Tensor, syn: torch.Tensor) -> torch.Tensor:
@@ -326,8 +326,7 @@ class FedLAP:
         batch = ctx.config.federated.batch_size
         n = data.num_examples
         if ctx.config.privacy.dp:
-            idx = poisson_sample(n, min(1.0, batch / n), generator=generator)
-            x, y = data.x[idx], data.y[idx]
+            x, y, extra = data.dp_batch(min(1.0, batch / n), generator)  # canaries are records: same q, same query
             if ctx.config.fedlap.augment:
                 x = augment(x, seed=seed)
             result = dp_gradient(
@@ -339,6 +338,7 @@ class FedLAP:
                 expected_batch_size=batch,
                 generator=generator,
                 params=params,
+                extra=extra,
             )
             return [result.grads[name] for name in params]
         idx = torch.randperm(n, generator=generator, device=generator.device)[:batch]

@@ -11,6 +11,7 @@ import scipy.stats
 from scipy.optimize import brentq
 
 from fedaudit.attacks.audit import (
+    bound_by_guesses,
     epsilon_from_gdp,
     epsilon_one_run,
     gdp_epsilon,
@@ -201,3 +202,24 @@ def test_bad_counts_are_refused():
         one_run_p_value(10, 20, 5, 1.0, DELTA)
     with pytest.raises(ValueError):
         epsilon_one_run(np.zeros(3), np.zeros(0), delta=DELTA)
+
+
+def test_bound_by_guesses_is_the_one_run_bound_of_the_top_k_guesses():
+    """A slow loop: sort by score, count the included among the k highest, and bound each k on its own."""
+    rng = np.random.default_rng(4)
+    inside, outside = rng.normal(1.0, 1.0, 300), rng.normal(0.0, 1.0, 300)
+    points = bound_by_guesses(inside, outside, delta=1e-5, confidence=0.95, points=10)
+    scores = np.concatenate([inside, outside])
+    member = np.r_[np.ones(300), np.zeros(300)]
+    order = sorted(range(600), key=lambda i: -scores[i])
+    assert [p["guesses"] for p in points] == sorted({int(round(k)) for k in np.geomspace(1, 600, 10)})
+    for point in points:
+        k = point["guesses"]
+        correct = int(sum(member[i] for i in order[:k]))
+        assert point["correct"] == correct
+        assert point["epsilon"] == one_run_epsilon(600, k, correct, delta=1e-5, confidence=0.95)
+    separated = bound_by_guesses(np.arange(100.0) + 1000, np.arange(100.0), delta=0.0, points=8)
+    inside_only = [p for p in separated if p["guesses"] <= 100]
+    assert all(p["correct"] == p["guesses"] for p in inside_only)
+    assert [p["epsilon"] for p in inside_only] == sorted(p["epsilon"] for p in inside_only)
+    assert inside_only[-1]["epsilon"] > 3

@@ -75,11 +75,13 @@ def test_canaries_do_not_change_what_the_accountant_says(correct, tmp_path):
     [
         pytest.param({"noise_multiplier": 0.0}, id="noise-replaced-by-zeros"),
         pytest.param("sigma-not-sigma-C", id="noise-scaled-by-sigma-instead-of-sigma-C"),
+        pytest.param("no-clipping", id="clipping-switched-off"),
     ],
 )
-def test_a_broken_noise_draw_is_caught(tmp_path, monkeypatch, fault):
-    """The fault is planted in the real code path (the one DP primitive), only while training."""
-    real = primitive.add_noise
+def test_a_broken_dp_query_is_caught(tmp_path, monkeypatch, fault):
+    """The fault is planted in the real code path (the one DP primitive), only while training. Clipping is seen
+    because a gradient canary's own gradient is 10 C u_i: clipped to C u_i by a correct query, not by a broken one."""
+    real, real_clip = primitive.add_noise, primitive.clip_and_sum
 
     def broken(summed, **kwargs):
         if fault == "sigma-not-sigma-C":
@@ -88,12 +90,15 @@ def test_a_broken_noise_draw_is_caught(tmp_path, monkeypatch, fault):
             kwargs.update(fault)
         return real(summed, **kwargs)
 
-    monkeypatch.setattr(primitive, "add_noise", broken)
+    if fault == "no-clipping":
+        monkeypatch.setattr(primitive, "clip_and_sum", lambda grads, max_grad_norm: real_clip(grads, float("inf")))
+    else:
+        monkeypatch.setattr(primitive, "add_noise", broken)
     out = tmp_path / "run"
     extra = ("--noise-multiplier", "3") + (("--max-grad-norm", "10") if fault == "sigma-not-sigma-C" else ())
     result = invoke("train", *CANARY_RUN, *extra, "--out", out)
     assert result.exit_code == 0, result.output
-    monkeypatch.setattr(primitive, "add_noise", real)
+    monkeypatch.undo()
     assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
     metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
     assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
@@ -108,8 +113,12 @@ def test_canary_options_and_runs_without_canaries_are_one_sentence(tmp_path, pla
     )
     assert_user_error(invoke("train", *FAST_ARGS, "--canaries", "10", "--out", tmp_path / "b"), mentions="--dp")
     assert_user_error(
-        invoke("train", *FAST_ARGS, "--dp", "--algorithm", "fedlap", "--canaries", "10", "--out", tmp_path / "c"),
-        mentions="--canaries",
+        invoke("train", *FAST_ARGS, "--dp", "--canaries", "10", "--canary-kind", "dirac", "--out", tmp_path / "c"),
+        mentions="--canary-kind",
+    )
+    assert_user_error(
+        invoke("train", *FAST_ARGS, "--dp", "--canaries", "500", "--canary-kind", "input", "--out", tmp_path / "d"),
+        mentions="held-out records",
     )
     assert not any(tmp_path.iterdir())
     assert_user_error(invoke("attack", dp_run, "--method", "canary", "--no-progress"), mentions="without canaries")
@@ -175,3 +184,32 @@ def test_a_canary_run_resumes_byte_identical(tmp_path, monkeypatch):
     assert invoke("train", "--resume", resumed, "--no-progress").exit_code == 0
     for name in ("model.safetensors", "canaries.npz", "privacy.json", "transmitted/round-0003/client-000.safetensors"):
         assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_input_canaries_audit_what_crossed_the_wire_and_the_final_model(tmp_path):
+    """Black-box and white-box views of one run; the bounds of both views hold together at 95%."""
+    out = tmp_path / "run"
+    args = (*CANARY_RUN[:-2], "--canaries", "300", "--canary-kind", "input", "--holdout-fraction", "0.3")
+    assert invoke("train", *args, "--noise-multiplier", "3", "--out", out).exit_code == 0
+    result = invoke("attack", out, "--method", "canary", "--no-progress")
+    assert result.exit_code == 0, result.output
+    for folder in ("update-projection-canary", "loss-canary"):
+        metrics = json.loads((out / "attacks" / folder / "metrics.json").read_text())
+        audit = metrics["canary_audit"]
+        assert audit["canary_kind"] == "input" and audit["per_estimator_confidence"] == 1 - 0.05 / 4
+        assert audit["views"] == ["update-projection-canary", "loss-canary"]
+        assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
+    report = invoke("report", out, "--out", tmp_path / "report.md")
+    assert report.exit_code == 0, report.output
+    text = (tmp_path / "report.md").read_text()
+    assert "only the final model is seen" in text and "every client update" in text
+
+
+def test_fedlap_runs_carry_canaries_and_their_synthetic_sets_are_audited(tmp_path):
+    out = tmp_path / "run"
+    args = (*FAST_ARGS, *"--dp --algorithm fedlap --rounds 2 --trajectories 1 --real-batches 2".split())
+    assert invoke("train", *args, "--canaries", "200", "--out", out).exit_code == 0
+    assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
+    metrics = json.loads((out / "attacks" / "synthetic-gradient-canary" / "metrics.json").read_text())
+    assert metrics["canary_audit"]["threat_model"] == "the server sees every synthetic set of every round"
+    assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
