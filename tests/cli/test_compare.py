@@ -354,7 +354,7 @@ def test_the_readme_s_study_and_policy_examples_are_valid(tmp_path):
     assert runs[0].config.federated.local_steps == 200  # FedLAP-DP's 4 * 5 * 10 queries per round
 
 
-def test_canaries_go_to_the_dp_gradient_sharing_runs_of_a_study():
+def test_canaries_go_to_every_dp_run_of_a_study():
     base = RunConfig().with_overrides({"audit.canaries": 100})
     study = Study(algorithms=("fedavg", "fedlap"), budgets=(Budget.parse("none"), Budget.parse("sigma:1")), base=base)
     canaries = {run.name: run.config.audit.canaries for run in plan(study)}
@@ -362,7 +362,7 @@ def test_canaries_go_to_the_dp_gradient_sharing_runs_of_a_study():
         "fedavg-nodp-seed0": 0,
         "fedlap-nodp-seed0": 0,
         "fedavg-sigma1-seed0": 100,
-        "fedlap-sigma1-seed0": 0,
+        "fedlap-sigma1-seed0": 100,
     }
     for run in plan(study):
         run.config.resolved()  # every planned configuration is valid
