@@ -401,7 +401,22 @@ def epsilon(
     "methods",
     multiple=True,
     metavar="NAME",
-    help="threshold, classifier or population; repeat for several. [default: threshold and classifier]",
+    help="threshold, classifier, population, rmia or lira (with reference models), or canary (the run's canaries); "
+    "repeat for several. [default: threshold and classifier]",
+)
+@click.option(
+    "--references",
+    type=int,
+    default=4,
+    show_default=True,
+    help="rmia and lira: reference models, each the run's recipe retrained on population records (cached in "
+    "RUN_DIR/references/).",
+)
+@click.option(
+    "--online",
+    is_flag=True,
+    help="rmia and lira: the audited records join the references' pool, each in half of them (K even; the "
+    "references are then specific to these records).",
 )
 @click.option(
     "--target",

@@ -22,3 +22,6 @@ class Draw(enum.IntEnum):
     BOOTSTRAP = 3
     CLASSIFIER = 4
     CLIENT_BOOTSTRAP = 5
+    CANARY_SPLIT = 6  # the halves of the canaries that choose and judge a threshold
+    REFERENCES = 7  # the reference models' seeds and training records
+    POPULATION = 8  # the population records RMIA compares with

@@ -32,7 +32,7 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.func import functional_call
 
-from fedaudit.attacks import AttackError
+from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.audit import bound_by_guesses, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, roc
 from fedaudit.canaries import Canaries, canary_directions
@@ -208,7 +208,7 @@ def canary_audit(
         raise AttackError(f"{run.canaries_path} has canaries on one side only; the audit needs both.")
     views = canary_views(canaries.kind, algorithm)
     level = 1.0 - (1.0 - CONFIDENCE) / (len(ESTIMATORS) * len(views))
-    split_seed = derive_seed(seed, Stream.ATTACK, 6)
+    split_seed = derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT)
     audits = []
     for view in views:
         if view is FINAL_LOSS:

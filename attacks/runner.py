@@ -23,9 +23,10 @@ import fedaudit
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, canary_views, read_canaries
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
-from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, run_method
+from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
-from fedaudit.attacks.signals import DEFAULT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
+from fedaudit.attacks.references import MAX_REFERENCES, reference_signals, references
+from fedaudit.attacks.signals import DEFAULT_SIGNALS, OUTPUT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
@@ -33,6 +34,8 @@ from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_wri
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.setup import resolve_device
 
+REFERENCE_METHODS: tuple[str, ...] = ("rmia", "lira")
+DEFAULT_REFERENCES = 4
 RESULT_FORMAT = "fedaudit-attack"
 RESULT_FORMAT_VERSION = 2
 
@@ -54,10 +57,13 @@ class AttackOptions:
     batch_size: int = 256
     resamples: int = DEFAULT_RESAMPLES
     progress: bool = False
+    references: int = DEFAULT_REFERENCES  # reference models of rmia and lira
+    online: bool = False  # online references: each audited record in half of them
 
     def validate(self) -> None:
         """Raise :class:`AttackError` with one sentence for the first invalid option."""
-        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, (*METHODS, METHOD))):
+        known_methods = (*METHODS, *REFERENCE_METHODS, METHOD)
+        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, known_methods)):
             if not given:
                 raise AttackError(f"Give at least one --{kind}; choose from {', '.join(known)}.")
             for name in given:
@@ -78,6 +84,26 @@ class AttackOptions:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise AttackError(f"{option} must be an integer of at least {least}, got {value!r}.")
+        if any(m in REFERENCE_METHODS for m in self.methods):
+            if not isinstance(self.references, int) or isinstance(self.references, bool) or self.references < 1:
+                raise AttackError(f"--references must be an integer of at least 1, got {self.references!r}.")
+            if self.references > MAX_REFERENCES:
+                raise AttackError(f"--references must be at most {MAX_REFERENCES}, got {self.references}.")
+            if self.online and self.references % 2:
+                raise AttackError(
+                    f"--online needs an even number of --references (each audited record in half), got "
+                    f"{self.references}."
+                )
+            if parse_target(self.target) != "final":
+                raise AttackError(
+                    "--method rmia and lira attack the final model (--target final), whose recipe the "
+                    "reference models repeat."
+                )
+            if "rmia" in self.methods and not set(self.signals) & set(OUTPUT_SIGNALS):
+                raise AttackError(
+                    "--method rmia needs a signal of the model's output (loss, confidence or "
+                    "logit-confidence), the probability of the true label it compares."
+                )
         if self.seed is not None and self.seed > MAX_SEED:
             raise AttackError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.")
         if not isinstance(self.per_layer, bool):
@@ -246,6 +272,8 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     repeatable(device)
     results = []
     methods = [m for m in options.methods if m != METHOD]
+    plain = [m for m in methods if m not in REFERENCE_METHODS]
+    with_references = [m for m in methods if m in REFERENCE_METHODS]
     if methods:
         x, y = prepared.records()
     for target in prepared.targets if methods else ():
@@ -262,8 +290,10 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             desc=f"{prepared.run.path.name} {target.label}",
         )
         for signal in options.signals:
-            for method in methods:
+            for method in plain:
                 results.append(_attack(prepared, target, signals, signal, method, options))
+        if with_references and target.final:
+            results += _reference_attacks(prepared, target, model, signals, with_references, options, device)
     if METHOD in options.methods:
         results += _canary(prepared)
     return results
@@ -314,6 +344,65 @@ def _attack(
         ev.attack_train,
         seed=derive_seed(seed, Stream.ATTACK, Draw.CLASSIFIER),
     )
+    return _result(prepared, target, signals, signal, method, output, options)
+
+
+def _reference_attacks(
+    prepared: PreparedRun,
+    target: Target,
+    model: torch.nn.Module,
+    signals: Signals,
+    methods: Sequence[str],
+    options: AttackOptions,
+    device: torch.device,
+) -> list[AttackResult]:
+    """RMIA and LiRA against the final model, with reference models trained (or read from the cache) first."""
+    refs = references(
+        prepared.run,
+        prepared.config,
+        prepared.dataset,
+        prepared.evaluation,
+        count=options.references,
+        online=options.online,
+        seed=prepared.seed,
+        device=str(device),
+        progress=options.progress,
+    )
+    x, y = prepared.records()
+    compared = reference_signals(
+        refs,
+        spec=prepared.run.model_spec(),
+        target=model,
+        dataset=prepared.dataset,
+        x=x,
+        y=y,
+        signals=options.signals,
+        seed=prepared.seed,
+        batch_size=options.batch_size,
+        device=device,
+    )
+    results = []
+    for signal in options.signals:
+        for method in methods:
+            if method == "rmia" and signal not in OUTPUT_SIGNALS:
+                continue
+            output = compared.output(method, signal, signals.values[signal])
+            results.append(_result(prepared, target, signals, signal, method, output, options))
+    return results
+
+
+def _result(
+    prepared: PreparedRun,
+    target: Target,
+    signals: Signals,
+    signal: str,
+    method: str,
+    output: MethodOutput,
+    options: AttackOptions,
+) -> AttackResult:
+    """metrics.json, scores.csv and roc.csv of one method's scores on one signal."""
+    ev, seed = prepared.evaluation, prepared.seed
+    values = signals.values[signal]
     audit = output.audit
     member = ev.member[audit]
     metrics, curve = summarize(
@@ -419,6 +508,8 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         for signal in options.signals
         for method in options.methods
         if method != METHOD
+        and (method not in REFERENCE_METHODS or target.final)
+        and (method != "rmia" or signal in OUTPUT_SIGNALS)
     }
     if METHOD in options.methods:
         try:

@@ -66,13 +66,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare(config: RunConfig, *, device: str | None = None) -> Setup:
-    """Resolve and check a configuration, load the data and build the partition; writes nothing."""
+def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | None = None) -> Setup:
+    """Resolve and check a configuration, load the data and build the partition; writes nothing.
+
+    ``dataset`` replaces the configured dataset's records (reference models of an attack train the run's recipe on
+    population records this way).
+    """
     config = config.resolved()
     missing = engine_unavailable(config.engine)
     if missing:
         raise TrainingError(missing)
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
+    if dataset is None:
+        dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
     partition = _partition(config, dataset)
     if config.model.depth is None:
         config = replace(

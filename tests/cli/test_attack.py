@@ -285,7 +285,7 @@ def test_dp_run_without_its_ledger_is_a_user_error(dp_run, tmp_path, cli):
     ("args", "mentions"),
     [
         (("--signal", "entropy"), "--signal"),
-        (("--method", "lira"), "--method"),
+        (("--method", "likelihood"), "--method"),
         (("--target", "round:9"), "saved rounds: 1, 2, 3"),
         (("--target", "round:0"), "--target"),
         (("--target", "garbage"), "--target"),
