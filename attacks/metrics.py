@@ -431,5 +431,68 @@ def summarize(
         "epsilon_lower_bound_method": BOUND_PROCEDURE,
         "epsilon_lower_bound_test": bound.to_dict(),
         "delta": delta,
+        "direction": direction(list(boot.interval(boot.auc))),
     }
     return metrics, curve
+
+
+def direction(auc_interval: list[float]) -> str:
+    """ "inverted" when the whole 95% AUC interval is below 0.5 (members score lower than non-members: the score's
+    orientation is wrong for this model, and flipping it would give 1 - AUC), "as expected" when it is above, else
+    "undetermined". The AUC itself is always reported as measured."""
+    low, high = auc_interval
+    return "inverted" if high < 0.5 else "as expected" if low > 0.5 else "undetermined"
+
+
+TOP_EXPOSED = 10
+
+
+def risk(
+    member: np.ndarray,
+    score: np.ndarray,
+    *,
+    report: np.ndarray,
+    select: np.ndarray,
+    client: np.ndarray,
+    label: np.ndarray,
+    record: np.ndarray,
+    source: np.ndarray,
+    top: int = TOP_EXPOSED,
+) -> dict[str, Any]:
+    """Who is exposed: the ``top`` audited members with the highest scores, and TPR at 1% and 0.1% FPR per client
+    and per class.
+
+    A record's exposure is the fraction of audited non-members that score at least as high: the FPR at which a
+    threshold test would catch it. Per client (per class), the test is the attack's own: its threshold is chosen on
+    the ``select`` non-members of every class, and the TPR is measured on that client's (class's) members outside
+    ``select`` with its Clopper-Pearson interval, as :func:`rates_at_fpr` does for all members.
+    """
+    used = report | select
+    judged_out = score[report & (member == 0)]
+    members = np.flatnonzero(report & (member == 1))
+    order = members[np.argsort(-score[members], kind="stable")[:top]]
+    exposed = [
+        {
+            "record": int(record[i]),
+            "source": str(source[i]),
+            "client": int(client[i]),
+            "label": int(label[i]),
+            "score": float(score[i]),
+            "exposure_fpr": float((judged_out >= score[i]).mean()) if judged_out.size else None,
+        }
+        for i in order
+    ]
+
+    def rates(group: np.ndarray) -> dict[str, Any]:
+        sub = used & (group | (member == 0))
+        return {f"{target:g}": rates_at_fpr(member[sub], score[sub], select[sub], target) for target in LOW_FPRS}
+
+    return {
+        "most_exposed": exposed,
+        "tpr_at_fpr_per_client": {
+            str(k): rates((client == k) & (member == 1)) for k in np.unique(client[member == 1]).tolist()
+        },
+        "tpr_at_fpr_per_class": {
+            str(c): rates((label == c) & (member == 1)) for c in np.unique(label[member == 1]).tolist()
+        },
+    }

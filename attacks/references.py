@@ -4,11 +4,12 @@ A reference model is a federated run through the same training core as the targe
 rounds, DP settings, number of clients and partition scheme, on other records. Its records come from the pool:
 every record of the dataset (both splits) that the attack does not audit.
 
-- Offline (the default): reference k trains on a random half of the pool, drawn from its own seed, so the audited
-  records are never seen by any reference, and the first K references of a larger set are the K references of a
-  smaller one.
-- Online (``--online``): the audited records join the pool and every pool record is in exactly half of the K
-  references (K even), so that each audited record has K/2 references with it and K/2 without.
+- Offline (the default): reference k trains on as many pool records as the target trained on (at most half the
+  pool), drawn from its own seed, so the audited records are never seen by any reference, and the first K references
+  of a larger set are the K references of a smaller one.
+- Online (``--online``): the audited records join the pool (with as many others as make it twice the target's
+  size) and every pool record is in exactly half of the K references (K even), so that each audited record has K/2
+  references with it and K/2 without.
 
 References are cached under ``references/`` in the run directory (``ref-NNN.safetensors``, ``inclusion.npz`` with
 the pool and the inclusion matrix, and ``references.json``, written last, with what they were trained for). A
@@ -74,8 +75,12 @@ class Pool:
         return hashlib.sha256("\n".join(data.tolist()).encode()).hexdigest()
 
 
-def reference_pool(dataset: Dataset, evaluation: EvaluationSet, *, online: bool) -> Pool:
-    """Every record of both splits that is not audited; online, the audited records first."""
+def reference_pool(
+    dataset: Dataset, evaluation: EvaluationSet, *, online: bool, train_size: int | None = None, seed: int = 0
+) -> Pool:
+    """Every record of both splits that is not audited; online, the audited records first, followed by as many
+    others (drawn from ``seed``) as make the pool twice ``train_size``, so that a reference trained on half of it
+    has the target's size."""
     parts = []
     for split, size in (("train", len(dataset.train_y)), ("test", len(dataset.test_y))):
         free = np.ones(size, dtype=bool)
@@ -85,6 +90,10 @@ def reference_pool(dataset: Dataset, evaluation: EvaluationSet, *, online: bool)
     index = np.concatenate([i for _, i in parts]).astype(np.int64)
     if not online:
         return Pool(source, index)
+    if train_size is not None:
+        keep = max(0, min(index.size, 2 * train_size - len(evaluation)))
+        chosen = np.sort(np.random.default_rng(reference_seeds(seed)[-1]).permutation(index.size)[:keep])
+        source, index = source[chosen], index[chosen]
     return Pool(
         np.concatenate([evaluation.source.astype(str), source]),
         np.concatenate([evaluation.index.astype(np.int64), index]),
@@ -97,16 +106,19 @@ def reference_seeds(seed: int) -> np.ndarray:
     return numpy_rng(seed, Stream.ATTACK, Draw.REFERENCES).integers(0, MAX_SEED, size=MAX_REFERENCES)
 
 
-def inclusion_matrix(pool_size: int, count: int, *, online: bool, seed: int) -> np.ndarray:
-    """[count, pool_size] bool: offline, each reference a random half of the pool from its own seed; online, each
-    record in exactly count / 2 references."""
+def inclusion_matrix(
+    pool_size: int, count: int, *, online: bool, seed: int, train_size: int | None = None
+) -> np.ndarray:
+    """[count, pool_size] bool: offline, each reference min(``train_size``, half the pool) records drawn from its
+    own seed; online, each record in exactly count / 2 references."""
     seeds = reference_seeds(seed)
     if online:
         ranks = np.argsort(np.random.default_rng(seeds[0]).random((count, pool_size)), axis=0)
         return ranks < count // 2
+    size = pool_size // 2 if train_size is None else min(train_size, pool_size // 2)
     rows = np.zeros((count, pool_size), dtype=bool)
     for k in range(count):
-        rows[k, np.random.default_rng(seeds[k]).permutation(pool_size)[: pool_size // 2]] = True
+        rows[k, np.random.default_rng(seeds[k]).permutation(pool_size)[:size]] = True
     return rows
 
 
@@ -209,13 +221,14 @@ def references(
         raise AttackError(f"--online needs an even number of --references (each record in half), got {count}.")
     if not 1 <= count <= MAX_REFERENCES:
         raise AttackError(f"--references must be from 1 to {MAX_REFERENCES}, got {count}.")
-    pool = reference_pool(dataset, evaluation, online=online)
+    train_size = sum(int(n) for n in run.read_manifest().clients.num_examples)  # the target's records
+    pool = reference_pool(dataset, evaluation, online=online, train_size=train_size, seed=seed)
     if len(pool) < 2 * config.data.num_clients:
         raise AttackError(
             f"{run.path} leaves {len(pool)} records outside the audited ones, too few for reference models of "
             f"{config.data.num_clients} clients; lower --max-records."
         )
-    included = inclusion_matrix(len(pool), count, online=online, seed=seed)
+    included = inclusion_matrix(len(pool), count, online=online, seed=seed, train_size=train_size)
     folder = run.path / "references"
     key = _cache_key(run, pool, seed, online)
     cached = _read_cache(folder, key, included)

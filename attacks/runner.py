@@ -24,7 +24,7 @@ from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, canary_views, read_canaries
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
-from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, summarize
+from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, risk, summarize
 from fedaudit.attacks.references import MAX_REFERENCES, reference_signals, references
 from fedaudit.attacks.signals import DEFAULT_SIGNALS, OUTPUT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import MAX_SEED, RunConfig
@@ -437,6 +437,16 @@ def _result(
         "epsilon_lower_bound_exceeds_accountant": None
         if accountant is None
         else metrics["epsilon_lower_bound"] > accountant,
+        "risk": risk(
+            ev.member,
+            output.scores,
+            report=audit,
+            select=ev.attack_train,
+            client=ev.client,
+            label=ev.label,
+            record=ev.index,
+            source=ev.source,
+        ),
         "per_client": _per_client(
             ev,
             audit,

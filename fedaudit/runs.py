@@ -327,6 +327,9 @@ class AttackRecord:
     num_members: int | None
     num_nonmembers: int | None
     canary_audit: Mapping[str, Any] | None = None  # a canary audit's estimators (its bound needs no threshold test)
+    direction: str | None = None  # "inverted" when the whole AUC interval is below 0.5
+    risk: Mapping[str, Any] | None = None  # the most exposed records and TPR at low FPR per client and class
+    references: Mapping[str, Any] | None = None  # rmia / lira: the reference models used
 
     SETTINGS = ("seed", "nonmembers", "max_records", "bootstrap_resamples", "per_layer")
 
@@ -358,6 +361,11 @@ class AttackRecord:
             num_members=_count(data.get("num_members")),
             num_nonmembers=_count(data.get("num_nonmembers")),
             canary_audit=data["canary_audit"] if isinstance(data.get("canary_audit"), dict) else None,
+            direction=data["direction"]
+            if data.get("direction") in ("inverted", "as expected", "undetermined")
+            else None,
+            risk=data["risk"] if isinstance(data.get("risk"), dict) else None,
+            references=data["references"] if isinstance(data.get("references"), dict) else None,
         )
 
 

@@ -140,6 +140,23 @@ class AttackSummary:
     epsilon_lower_bound_test: dict[str, Any] | None = None
     roc: pd.DataFrame | None = field(default=None, compare=False, repr=False)
     canary_audit: dict[str, Any] | None = None  # a canary audit's estimators: an audit of canaries, not of records
+    direction: str | None = None  # "inverted": members score lower, with the whole AUC interval below 0.5
+    risk: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    references: dict[str, Any] | None = None  # rmia / lira: how many reference models, offline or online
+
+    @property
+    def inverted(self) -> bool:
+        return self.direction == "inverted"
+
+    def client_rates(self, target: float = 0.01) -> dict[str, LowFprRate]:
+        """TPR at FPR <= ``target`` of each client's members (the attack's own threshold), by client id."""
+        table = (self.risk or {}).get("tpr_at_fpr_per_client") or {}
+        rates = {}
+        for client, entry in table.items():
+            rate = LowFprRate.read(RateRecord.from_json((entry or {}).get(f"{target:g}")), target, None, None)
+            if rate is not None:
+                rates[str(client)] = rate
+        return rates
 
     @property
     def label(self) -> str:
@@ -511,6 +528,9 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         epsilon_lower_bound_test=None if test is None else dict(test),
         roc=roc,
         canary_audit=None if record.canary_audit is None else dict(record.canary_audit),
+        direction=record.direction,
+        risk=None if record.risk is None else dict(record.risk),
+        references=None if record.references is None else dict(record.references),
     )
 
 

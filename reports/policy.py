@@ -26,6 +26,10 @@ LIMITS: dict[str, str] = {
     "max_tpr_at_0_1pct_fpr": (
         "TPR at 0.1% FPR of every attack on the final model <= {limit:g} (judged on its 95% interval)"
     ),
+    "max_tpr_at_1pct_fpr_per_client": (
+        "TPR at 1% FPR of every client's members, for every attack on the final model, <= {limit:g} (judged on its "
+        "95% interval)"
+    ),
     "min_accuracy": "final test accuracy >= {limit:g} (judged on its 95% interval)",
     "max_audit_ratio": "canary audit's epsilon lower bound <= {limit:g} x the accountant's epsilon (the bound holds "
     "at 95%; above 1, the DP implementation or its accounting is broken)",
@@ -45,6 +49,7 @@ class Policy:
     delta: float | None = None
     max_attack_auc: float | None = None
     max_tpr_at_0_1pct_fpr: float | None = None
+    max_tpr_at_1pct_fpr_per_client: float | None = None
     min_accuracy: float | None = None
     max_audit_ratio: float | None = None
     source: str = ""
@@ -242,6 +247,26 @@ def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
     return _worst(results)
 
 
+def _tpr_per_client(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
+    """Each client's TPR at 1% FPR, each attack on the final model: the worst verdict over every (attack, client)."""
+    results = []
+    for a in run.final_attacks:
+        for client, rate in a.client_rates(0.01).items():
+            where = f"{a.label}, client {client}"
+            if not rate.estimable:
+                needed = rate.nonmembers_needed
+                results.append((INCONCLUSIVE, None, f"{where}: not estimable (needs {needed} non-members per half)"))
+            elif rate.tpr is None or rate.ci is None:
+                results.append((FAIL, rate.tpr, f"{where}: no interval recorded; re-run fedaudit attack"))
+            else:
+                results.append(
+                    _judged(rate.tpr, rate.ci, limit, rate.num_members, f"{where}: {rate}, n={rate.num_members}")
+                )
+    if not results:
+        return None, FAIL, "not available: no attack results with per-client TPR (re-run fedaudit attack)"
+    return _worst(results)
+
+
 def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
     accuracy = run.final_accuracy
     if accuracy is None:
@@ -276,6 +301,7 @@ def _audit(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None,
 
 _CHECKS = {
     "max_epsilon": _epsilon,
+    "max_tpr_at_1pct_fpr_per_client": _tpr_per_client,
     "max_attack_auc": _auc,
     "max_tpr_at_0_1pct_fpr": _tpr,
     "min_accuracy": _accuracy,

@@ -16,8 +16,10 @@ from fedaudit.reports.collect import ReportError, RunSummary
 from fedaudit.reports.policy import Check, Policy, check_run, overall
 from fedaudit.reports.summary import (
     attack_table,
+    client_risk_table,
     comparison_table,
     epsilon_table,
+    exposed_table,
     fmt,
     group_rows,
     group_table,
@@ -110,6 +112,9 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "attacks": attack_table(run.attacks) if run.attacks else None,
         "strongest": strongest,
         "canaries": run.canary_audits,
+        "inverted": [a for a in run.attacks if a.inverted],
+        "client_risk": client_risk_table(strongest) if strongest else None,
+        "exposed": exposed_table(strongest) if strongest else None,
         "strongest_ci": interval(strongest.auc_ci) if strongest else None,
         "strongest_simultaneous_ci": interval(strongest.simultaneous_ci(compared)) if strongest else None,
         "strongest_simultaneous": strongest.simultaneous_ci(compared) if strongest else None,

@@ -92,6 +92,43 @@ def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
     )
 
 
+def client_risk_table(attack: AttackSummary) -> pd.DataFrame | None:
+    """TPR at 1% and 0.1% FPR of each client's members under ``attack``'s own threshold, or None without them."""
+    low, lower = attack.client_rates(0.01), attack.client_rates(0.001)
+    if not low:
+        return None
+    return pd.DataFrame(
+        [
+            {
+                "client": client,
+                "members audited": fmt(rate.num_members),
+                "TPR at 1% FPR [95%]": str(rate),
+                "TPR at 0.1% FPR [95%]": str(lower[client]) if client in lower else NOT_AVAILABLE,
+            }
+            for client, rate in sorted(low.items(), key=lambda item: int(item[0]))
+        ]
+    )
+
+
+def exposed_table(attack: AttackSummary) -> pd.DataFrame | None:
+    """The members ``attack`` scores highest: which record, whose, which class, and the FPR that would catch it."""
+    rows = (attack.risk or {}).get("most_exposed") or []
+    if not rows:
+        return None
+    return pd.DataFrame(
+        [
+            {
+                "record": f"{row.get('source', 'train')} {row.get('record')}",
+                "client": fmt(row.get("client")),
+                "class": fmt(row.get("label")),
+                "score": fmt(row.get("score")),
+                "caught at FPR": fmt(row.get("exposure_fpr")),
+            }
+            for row in rows
+        ]
+    )
+
+
 def policy_table(checks: list[Check]) -> pd.DataFrame:
     return pd.DataFrame(
         [

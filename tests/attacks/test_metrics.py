@@ -320,3 +320,52 @@ def test_an_attack_worse_than_chance_gives_no_bound() -> None:
     score = np.concatenate([rng.normal(0, 1, 3000), rng.normal(1.0, 1, 3000)])
     assert bound(member, score) == 0.0
     assert bound(member, -score) > 0.5
+
+
+def test_an_inverted_score_is_reported_as_measured_and_named_inverted():
+    from fedaudit.attacks.metrics import direction, summarize
+
+    rng = np.random.default_rng(7)
+    member = np.r_[np.ones(500, int), np.zeros(500, int)]
+    score = rng.normal(size=1000) + 0.8 * member
+    every = np.ones(1000, bool)
+    half = rng.permutation(1000) < 500
+    right, _ = summarize(member, score, report=every, select=half, delta=1e-5, rng=rng, resamples=200)
+    wrong, _ = summarize(member, -score, report=every, select=half, delta=1e-5, rng=rng, resamples=200)
+    assert right["direction"] == "as expected" and wrong["direction"] == "inverted"
+    assert wrong["auc"] == pytest.approx(1 - right["auc"]) and wrong["auc"] < 0.5
+    assert direction([0.45, 0.55]) == "undetermined"
+
+
+def test_risk_equals_a_slow_loop_over_clients_classes_and_records():
+    from fedaudit.attacks.metrics import rates_at_fpr, risk
+
+    rng = np.random.default_rng(8)
+    n = 3000
+    member = (np.arange(n) < n // 2).astype(int)
+    client = np.where(member == 1, rng.integers(0, 4, n), -1)
+    label = rng.integers(0, 3, n)
+    score = rng.normal(size=n) + member * (client == 2)
+    select = rng.permutation(n) < n // 2
+    report = ~select
+    table = risk(
+        member, score, report=report, select=select, client=client, label=label, record=np.arange(n) + 7,
+        source=np.full(n, "test"),
+    )  # fmt: skip
+    for k in range(4):
+        keep = (client == k) | (member == 0)
+        expected = rates_at_fpr(member[keep], score[keep], select[keep], 0.01)
+        assert table["tpr_at_fpr_per_client"][str(k)]["0.01"] == expected
+    for c in range(3):
+        keep = ((label == c) & (member == 1)) | (member == 0)
+        assert table["tpr_at_fpr_per_class"][str(c)]["0.001"] == rates_at_fpr(
+            member[keep], score[keep], select[keep], 0.001
+        )
+    audited_members = [i for i in range(n) if report[i] and member[i] == 1]
+    top = sorted(audited_members, key=lambda i: -score[i])[:10]
+    assert [row["record"] for row in table["most_exposed"]] == [i + 7 for i in top]
+    outs = [score[i] for i in range(n) if report[i] and member[i] == 0]
+    for row, i in zip(table["most_exposed"], top):
+        assert row["exposure_fpr"] == sum(o >= score[i] for o in outs) / len(outs)
+        assert row["client"] == client[i] and row["label"] == label[i] and row["source"] == "test"
+    assert table["most_exposed"][0]["client"] == 2

@@ -54,7 +54,7 @@ def test_help_and_usage_errors_do_not_load_torch(args):
             ["epsilon", "--steps", "10", "--sample-rate", "1.5", "--rounds", "3", "--noise-multiplier", "1"],
             "Error: Invalid value for '--sample-rate': 1.5 is not in the range 0<x<=1.",
         ),
-        (["attack", "--frobnicate", "run"], "Error: No such option '--frobnicate'."),
+        (["attack", "--xyzzy", "run"], "Error: No such option '--xyzzy'."),
         (["report", "run"], "Error: Missing option '--out'."),
     ],
 )

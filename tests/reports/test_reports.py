@@ -525,3 +525,36 @@ def test_the_broken_dp_warning_needs_a_corrected_bound_above_the_accountant():
     edge = replace(edge, accountant_epsilon=alone - 0.05)  # above the accountant by its own 95% bound only
     assert _exceeds(_run_with(edge)) is not None
     assert _exceeds(_run_with(edge, *[attack(f"a{i}", 0, 10.0) for i in range(9)])) is None
+
+
+def _risky_attack(leaky_client: int | None, seed: int = 0):
+    """An attack on 5 clients' members (2000 each side, half choosing the threshold); ``leaky_client``'s members
+    score far above everyone else's."""
+    from fedaudit.attacks.metrics import risk
+
+    rng = np.random.default_rng(seed)
+    n = 4000
+    member = (np.arange(n) < n // 2).astype(int)
+    client = np.where(member == 1, np.arange(n) % 5, -1)
+    label = rng.integers(0, 10, n)
+    score = rng.normal(size=n)
+    if leaky_client is not None:
+        score[client == leaky_client] += 4.0
+    select = rng.permutation(n) < n // 2
+    table = risk(
+        member, score, report=~select, select=select, client=client, label=label, record=np.arange(n),
+        source=np.full(n, "train"),
+    )  # fmt: skip
+    return replace(_attack("loss", 0.55, (0.53, 0.57)), risk=table)
+
+
+def test_a_leaky_client_fails_the_per_client_limit_and_a_fair_run_passes():
+    from fedaudit.reports.policy import Policy, check_run
+
+    policy = Policy(max_tpr_at_1pct_fpr_per_client=0.2)
+    (fair,) = check_run(policy, _run_with(_risky_attack(None)))
+    assert fair.verdict == "PASS", fair.detail
+    (leaky,) = check_run(policy, _run_with(_risky_attack(3)))
+    assert leaky.verdict == "FAIL" and "client 3" in leaky.detail
+    (missing,) = check_run(policy, _run_with(_attack("loss", 0.5, (0.48, 0.52))))
+    assert missing.verdict == "FAIL" and "not available" in missing.detail

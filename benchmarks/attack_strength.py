@@ -1,0 +1,104 @@
+"""How strong fedaudit's attacks are on a run that leaks: threshold and population attacks against LiRA and RMIA with
+K reference models, and the same attacks on the DP version of the run.
+
+For each dataset this trains a FedAvg run without DP whose clients overfit (few records each, many local epochs),
+and one with DP-SGD at the same settings, then runs ``fedaudit attack`` with the loss threshold and population
+attacks, and with LiRA and RMIA (offline) for each K. References nest: K = 8 reuses the 4 of K = 4, so the time of a
+row is the time of the references it added plus the attack. Printed per attack: AUC with its 95% interval, TPR at 1%
+and 0.1% FPR with their intervals, and the seconds it took; then RMIA's TPR at 1% FPR over the threshold attack's
+(the target: at least 2 with 4 references) and RMIA against LiRA at equal K (the paper's ordering).
+
+    python benchmarks/attack_strength.py [--datasets digits fashion-mnist] [--references 1 2 4 8]
+                                         [--out studies/attack-strength] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Settings that make a non-DP FedAvg run leak (loss threshold AUC >= 0.6): few records per client, many local epochs.
+LEAKY = {
+    "digits": "--model mlp --width 256 --depth 2 --num-clients 5 --partition iid --rounds 10 --local-epochs 20 "
+    "--batch-size 32 --holdout-fraction 0.5",
+    "fashion-mnist": "--model mlp --width 256 --depth 2 --num-clients 5 --partition iid --rounds 5 --local-epochs 20 "
+    "--batch-size 64 --holdout-fraction 0.95",
+}
+
+
+def fedaudit_command() -> list[str]:
+    script = Path(sys.executable).with_name("fedaudit")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "fedaudit.cli"]
+
+
+def call(args: list[str], env: dict[str, str]) -> float:
+    began = time.perf_counter()
+    subprocess.run([*fedaudit_command(), *args], env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - began
+
+
+def rate(entry: dict) -> str:
+    if not entry.get("estimable"):
+        return "n/e"
+    low, high = entry["ci95"]
+    return f"{entry['tpr']:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def row(run: Path, name: str, label: str, seconds: float) -> dict:
+    metrics = json.loads((run / "attacks" / name / "metrics.json").read_text())
+    low, high = metrics["auc_ci95"]
+    rates = metrics["tpr_at_fpr"]
+    print(
+        f"  {label:<22} AUC {metrics['auc']:.3f} [{low:.3f}, {high:.3f}]  TPR@1% {rate(rates['0.01']):<22} "
+        f"TPR@0.1% {rate(rates['0.001']):<22} {seconds:7.1f} s",
+        flush=True,
+    )
+    return metrics
+
+
+def tpr(metrics: dict) -> float:
+    return metrics["tpr_at_fpr"]["0.01"]["tpr"] or 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=["digits", "fashion-mnist"])
+    parser.add_argument("--references", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier of the DP run")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("studies/attack-strength"))
+    args = parser.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    print(f"CPU, {args.threads} thread(s); attacks on the final model, offline references")
+    for dataset in args.datasets:
+        for dp in (False, True):
+            run = args.out / f"{dataset}-{'dp' if dp else 'nodp'}"
+            privacy = ["--dp", "--noise-multiplier", f"{args.sigma:g}"] if dp else []
+            train = ["train", "--dataset", dataset, *LEAKY[dataset].split(), *privacy, "--device", "cpu"]
+            seconds = call([*train, "--no-progress", "--out", str(run), "--overwrite"], env)
+            print(f"{dataset}, {'DP-FedAvg sigma ' + format(args.sigma, 'g') if dp else 'FedAvg without DP'}: "
+                  f"{LEAKY[dataset]} (trained in {seconds:.0f} s)")  # fmt: skip
+            base = ["attack", str(run), "--no-progress", "--device", "cpu"]
+            seconds = call([*base, "--signal", "loss", "--method", "threshold", "--method", "population"], env)
+            threshold = row(run, "loss-threshold", "loss threshold", seconds)
+            row(run, "loss-population", "loss population", seconds)
+            for k in args.references:
+                seconds = call([*base, "--signal", "logit-confidence", "--method", "lira", "--method", "rmia",
+                                "--references", str(k)], env)  # fmt: skip
+                lira = row(run, "logit-confidence-lira", f"LiRA offline, K={k}", seconds)
+                rmia = row(run, "logit-confidence-rmia", f"RMIA offline, K={k}", 0.0)
+                print(
+                    f"  {'':<22} RMIA / threshold TPR@1%: "
+                    f"{tpr(rmia) / tpr(threshold) if tpr(threshold) else float('inf'):.2f}; "
+                    f"RMIA - LiRA AUC: {rmia['auc'] - lira['auc']:+.3f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
