@@ -289,6 +289,7 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             progress=options.progress,
             desc=f"{prepared.run.path.name} {target.label}",
         )
+        _check_finite(prepared, target, signals)
         for signal in options.signals:
             for method in plain:
                 results.append(_attack(prepared, target, signals, signal, method, options))
@@ -297,6 +298,18 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     if METHOD in options.methods:
         results += _canary(prepared)
     return results
+
+
+def _check_finite(prepared: PreparedRun, target: Target, signals: Signals) -> None:
+    """A model whose outputs are NaN or infinite (its training diverged) cannot be attacked: one sentence."""
+    for name, values in signals.values.items():
+        bad = int((~np.isfinite(values)).sum())
+        if bad:
+            raise AttackError(
+                f"The {target.label} model of {prepared.run.path} gives a non-finite {name} on {bad} of "
+                f"{values.size} audited records (its weights are NaN or infinite: training diverged), so it cannot "
+                "be attacked."
+            )
 
 
 def _canary(prepared: PreparedRun) -> list[AttackResult]:

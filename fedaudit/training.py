@@ -309,6 +309,12 @@ class _RoundLoop:
         server = make_generator(config.seed, Stream.SERVER, m, device=device)
         result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
         params = clone_params(result.params)
+        if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+            raise TrainingError(
+                f"Round {m + 1} diverged: the global model's weights are no longer finite (NaN or infinity), so "
+                f"training stops with {m} rounds kept; lower --lr (now {config.federated.client_lr:g}) or the local "
+                "epochs, then start again."
+            )
         wall = time.perf_counter() - began
         epsilon = math.inf
         if state.ledger is not None:

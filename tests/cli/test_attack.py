@@ -337,3 +337,22 @@ def test_several_runs_in_one_table(plain_run, dp_run, tmp_path, cli):
     assert plain_row.rstrip().endswith("-")  # no accountant epsilon without DP
     eps = read_json(dp / "privacy.json")["epsilon_per_round"][-1]
     assert dp_row.rstrip().endswith(f"{eps:.3f}")
+
+
+def test_a_model_with_nan_weights_is_refused_in_one_sentence(plain_run, tmp_path, cli):
+    import shutil
+
+    import torch
+    from helpers import assert_user_error
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(plain_run, run)
+    path = run / "model.safetensors"
+    from fedaudit.runs import tensors_metadata
+
+    metadata = tensors_metadata(path)
+    weights = {name: torch.full_like(t, float("nan")) for name, t in load_file(str(path)).items()}
+    save_file(weights, str(path), metadata=metadata)
+    assert_user_error(cli("attack", run, "--no-progress"), mentions="non-finite")
+    assert not (run / "attacks").exists()

@@ -377,3 +377,15 @@ def test_target_epsilon_calibrates_sigma(tmp_path, trained, cli):
         assert result.exit_code == 0, result.output
         final = read_json(out / "privacy.json")["epsilon_per_round"][-1]
         assert 0.98 * budget <= final <= budget, (extra, final)
+
+
+def test_a_diverging_run_stops_with_one_sentence_and_keeps_its_rounds(tmp_path, cli):
+    from helpers import FAST_ARGS, assert_user_error
+
+    out = tmp_path / "run"
+    line = assert_user_error(
+        cli("train", *FAST_ARGS, "--rounds", "3", "--lr", "1e20", "--out", out), mentions="diverged"
+    )
+    assert "--lr" in line
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["rounds_done"] < 3
