@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from fedaudit.reports.collect import ReportError, RunSummary
+from fedaudit.reports.collect import LowFprRate, ReportError, RunSummary
 
 LIMITS: dict[str, str] = {
     "max_epsilon": "accountant's epsilon after the last round <= {limit:g} at delta {delta}",
@@ -220,28 +220,25 @@ def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
     return _worst(results)
 
 
+def _rate_verdict(rate: LowFprRate, limit: float, where: str) -> tuple[str, float | None, str]:
+    """(verdict, value, detail) of one TPR at low FPR against ``limit``: INCONCLUSIVE when the sample cannot measure
+    it, FAIL without an interval, else judged on its interval."""
+    if not rate.estimable:
+        return (
+            INCONCLUSIVE,
+            None,
+            f"{where}: not estimable from {rate.num_nonmembers} non-members per half ({rate.target:.1%} FPR needs "
+            f"at least {rate.nonmembers_needed} in each half of the evaluation set)",
+        )
+    if rate.tpr is None or rate.ci is None:
+        return FAIL, rate.tpr, f"{where}: no interval recorded; re-run fedaudit attack"
+    return _judged(rate.tpr, rate.ci, limit, rate.num_members, f"{where}: {rate}, n={rate.num_members} members")
+
+
 def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
-    results = []
-    for a in run.final_attacks:
-        rate = a.tpr_at_0_1pct_fpr
-        if rate is None:
-            continue
-        if not rate.estimable:
-            results.append(
-                (
-                    INCONCLUSIVE,
-                    None,
-                    f"{a.label}: not estimable from {rate.num_nonmembers} non-members per "
-                    f"half (0.1% FPR needs at least {rate.nonmembers_needed} in each half "
-                    f"of the evaluation set)",
-                )
-            )
-        elif rate.tpr is None or rate.ci is None:
-            results.append((FAIL, rate.tpr, f"{a.label}: no interval recorded; re-run fedaudit attack"))
-        else:
-            results.append(
-                _judged(rate.tpr, rate.ci, limit, rate.num_members, f"{a.label}: {rate}, n={rate.num_members} members")
-            )
+    results = [
+        _rate_verdict(a.tpr_at_0_1pct_fpr, limit, a.label) for a in run.final_attacks if a.tpr_at_0_1pct_fpr is not None
+    ]
     if not results:
         return None, FAIL, "not available: no attack results with TPR at 0.1% FPR"
     return _worst(results)
@@ -249,19 +246,11 @@ def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
 
 def _tpr_per_client(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
     """Each client's TPR at 1% FPR, each attack on the final model: the worst verdict over every (attack, client)."""
-    results = []
-    for a in run.final_attacks:
-        for client, rate in a.client_rates(0.01).items():
-            where = f"{a.label}, client {client}"
-            if not rate.estimable:
-                needed = rate.nonmembers_needed
-                results.append((INCONCLUSIVE, None, f"{where}: not estimable (needs {needed} non-members per half)"))
-            elif rate.tpr is None or rate.ci is None:
-                results.append((FAIL, rate.tpr, f"{where}: no interval recorded; re-run fedaudit attack"))
-            else:
-                results.append(
-                    _judged(rate.tpr, rate.ci, limit, rate.num_members, f"{where}: {rate}, n={rate.num_members}")
-                )
+    results = [
+        _rate_verdict(rate, limit, f"{a.label}, client {client}")
+        for a in run.final_attacks
+        for client, rate in a.client_rates(0.01).items()
+    ]
     if not results:
         return None, FAIL, "not available: no attack results with per-client TPR (re-run fedaudit attack)"
     return _worst(results)
