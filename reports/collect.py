@@ -160,6 +160,9 @@ class AttackSummary:
 
     @property
     def label(self) -> str:
+        if self.references:
+            mode, count = self.references.get("mode", "offline"), self.references.get("count")
+            return f"{self.signal}/{self.method} ({mode}, K={count})"
         return f"{self.signal}/{self.method}"
 
     @property
