@@ -63,15 +63,19 @@ def row(run: Path, name: str, label: str, seconds: float) -> dict:
     return metrics
 
 
-def tpr(metrics: dict) -> float:
-    return metrics["tpr_at_fpr"]["0.01"]["tpr"] or 0.0
+def ratio(attack: dict, reference: dict) -> str:
+    """TPR at 1% FPR of ``attack`` over ``reference``'s: "n/e" where either is not estimable, "inf" over zero."""
+    a, b = attack["tpr_at_fpr"]["0.01"], reference["tpr_at_fpr"]["0.01"]
+    if not (a.get("estimable") and b.get("estimable")):
+        return "n/e"
+    return "inf" if not b["tpr"] else f"{a['tpr'] / b['tpr']:.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["digits", "fashion-mnist"])
     parser.add_argument("--references", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier of the DP run")
+    parser.add_argument("--epsilon", type=float, default=4.0, help="the DP run's target epsilon (delta 1e-5)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("studies/attack-strength"))
     args = parser.parse_args()
@@ -80,11 +84,12 @@ def main() -> None:
     for dataset in args.datasets:
         for dp in (False, True):
             run = args.out / f"{dataset}-{'dp' if dp else 'nodp'}"
-            privacy = ["--dp", "--noise-multiplier", f"{args.sigma:g}"] if dp else []
+            privacy = ["--dp", "--target-epsilon", f"{args.epsilon:g}"] if dp else []
             train = ["train", "--dataset", dataset, *LEAKY[dataset].split(), *privacy, "--device", "cpu"]
             seconds = call([*train, "--no-progress", "--out", str(run), "--overwrite"], env)
-            print(f"{dataset}, {'DP-FedAvg sigma ' + format(args.sigma, 'g') if dp else 'FedAvg without DP'}: "
-                  f"{LEAKY[dataset]} (trained in {seconds:.0f} s)")  # fmt: skip
+            accuracy = (run / "metrics.csv").read_text().splitlines()[-1].split(",")[1]
+            label = f"DP-FedAvg at epsilon {args.epsilon:g}" if dp else "FedAvg without DP"
+            print(f"{dataset}, {label}: {LEAKY[dataset]} (trained in {seconds:.0f} s, test accuracy {accuracy})")
             base = ["attack", str(run), "--no-progress", "--device", "cpu"]
             seconds = call([*base, "--signal", "loss", "--method", "threshold", "--method", "population"], env)
             threshold = row(run, "loss-threshold", "loss threshold", seconds)
@@ -94,12 +99,8 @@ def main() -> None:
                                 "--references", str(k)], env)  # fmt: skip
                 lira = row(run, "logit-confidence-lira", f"LiRA offline, K={k}", seconds)
                 rmia = row(run, "logit-confidence-rmia", f"RMIA offline, K={k}", 0.0)
-                print(
-                    f"  {'':<22} RMIA / threshold TPR@1%: "
-                    f"{tpr(rmia) / tpr(threshold) if tpr(threshold) else float('inf'):.2f}; "
-                    f"RMIA - LiRA AUC: {rmia['auc'] - lira['auc']:+.3f}",
-                    flush=True,
-                )
+                print(f"  {'':<22} RMIA / threshold TPR@1%: {ratio(rmia, threshold)}; RMIA - LiRA AUC: "
+                      f"{rmia['auc'] - lira['auc']:+.3f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ epsilon 8. Input canaries are held-out records, so their count is capped by the 
 
     python benchmarks/audit_power.py [--datasets digits fashion-mnist] [--algorithms fedavg fedlap]
                                      [--kinds gradient input] [--epsilons 2 4 8] [--canaries 5000]
-                                     [--input-canaries 700] [--holdout-fraction 0.4] [--rounds 10]
+                                     [--input-canaries 500] [--holdout-fraction 0.4] [--rounds 10]
                                      [--local-epochs 3] [--width 32] [--out studies/audit-power]
 """
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["gradient"])
     parser.add_argument("--epsilons", nargs="+", type=float, default=[2.0, 4.0, 8.0])
     parser.add_argument("--canaries", type=int, default=5000)
-    parser.add_argument("--input-canaries", type=int, default=700)
+    parser.add_argument("--input-canaries", type=int, default=500)
     parser.add_argument("--holdout-fraction", type=float, default=0.4, help="for input canaries")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=3, help="FedAvg only")
