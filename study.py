@@ -51,6 +51,8 @@ ATTACK_KEYS: dict[str, str] = {
     "batch_size": "batch_size",
     "bootstrap": "resamples",
     "seed": "seed",
+    "references": "references",
+    "online": "online",
 }
 STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "attack", "report")
 

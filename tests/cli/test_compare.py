@@ -13,6 +13,7 @@ import yaml
 from helpers import assert_user_error, interrupt_in_round, invoke, tree_digest
 
 from fedaudit.config import RunConfig
+from fedaudit.errors import UserError
 from fedaudit.study import Budget, Study, StudyError, load_study, plan
 
 # Small, fast settings: the MLP of the other CLI tests and a FedLAP with T = 1 * 2 * 2 = 4 queries per round.
@@ -366,3 +367,13 @@ def test_canaries_go_to_every_dp_run_of_a_study():
     }
     for run in plan(study):
         run.config.resolved()  # every planned configuration is valid
+
+
+def test_a_study_can_ask_for_reference_model_attacks(tmp_path):
+    attack = {"signals": ["loss"], "methods": ["threshold", "rmia"], "references": 2, "online": True}
+    study = load_study(write_study(tmp_path, attack=attack))
+    assert study.attack.references == 2 and study.attack.online is True and "rmia" in study.attack.methods
+    study.attack.validate()
+    bad = write_study(tmp_path, attack={**attack, "references": 3})
+    with pytest.raises(UserError, match="even"):
+        load_study(bad).attack.validate()  # what compare checks before it trains anything
