@@ -157,3 +157,35 @@ def test_a_is_tuned_on_the_references_and_picks_the_best_auc():
     }
     assert chosen == max(aucs, key=lambda a: (aucs[a], -a))
     assert tune_a(refs_z[:1], z_in[:1]) is None
+
+
+@pytest.mark.parametrize("method", ["rmia", "lira-offline", "lira-online"])
+def test_scores_independent_of_membership_look_like_chance_over_200_seeds(method):
+    """The null side: the target's signals carry no membership, so the AUC is outside its 95% null interval
+    (Mann-Whitney, 0.5 +- 1.96 sqrt((n1 + n2 + 1) / (12 n1 n2))) in about 5% of seeds, never far more."""
+    n, m, k = 200, 300, 4
+    half = 1.96 * np.sqrt((n + n + 1) / (12 * n * n))
+    outside = 0
+    for seed in range(200):
+        rng = np.random.default_rng(1000 + seed)
+        member = np.r_[np.ones(n), np.zeros(n)]
+        difficulty = rng.normal(0, 2, 2 * n)
+        refs = difficulty + rng.normal(size=(k, 2 * n))
+        target = difficulty + rng.normal(size=2 * n)
+        if method == "rmia":
+            z_difficulty = rng.normal(0, 2, m)
+
+            def p(v):
+                return 1 / (1 + np.exp(-v))
+
+            scores = rmia_scores(
+                p(target), p(refs), p(z_difficulty + rng.normal(size=m)), p(z_difficulty + rng.normal(size=(k, m))),
+                a=0.3,
+            )  # fmt: skip
+        elif method == "lira-offline":
+            scores = lira_scores(target, refs)
+        else:
+            refs_in = np.argsort(rng.random((k, 2 * n)), axis=0) < k // 2
+            scores = lira_scores(target, refs, refs_in)
+        outside += abs(roc_auc_score(member, scores) - 0.5) > half
+    assert outside <= 20  # 10% of 200: the expected 10 plus a wide margin for a binomial count
