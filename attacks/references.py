@@ -196,7 +196,8 @@ def train_reference(
         shutil.rmtree(work, ignore_errors=True)
         raise AttackError(
             f"A reference model cannot be trained on {len(rows)} population records with the run's recipe (each "
-            f"trains on half of the records the attack does not audit; --max-records audits fewer): {exc}"
+            f"trains on as many records as the run, at most half of those the attack does not audit; --max-records "
+            f"audits fewer): {exc}"
         ) from exc
     params = load_tensors(work / "model.safetensors")
     shutil.rmtree(work)
