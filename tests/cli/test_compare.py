@@ -343,10 +343,14 @@ def test_the_readme_s_study_and_policy_examples_are_valid(tmp_path):
     policy_text, study_text = blocks
     (tmp_path / "policy.yaml").write_text(policy_text)
     policy = load_policy(tmp_path / "policy.yaml")
-    assert (
-        policy.limits() == {"max_epsilon": 8, "max_attack_auc": 0.6, "max_tpr_at_0_1pct_fpr": 0.01, "min_accuracy": 0.7}
-        and policy.delta == 1e-5
-    )
+    assert policy.limits() == {
+        "max_epsilon": 8,
+        "max_attack_auc": 0.6,
+        "max_tpr_at_0_1pct_fpr": 0.01,
+        "max_tpr_at_1pct_fpr_per_client": 0.05,
+        "min_accuracy": 0.7,
+    }
+    assert policy.delta == 1e-5
     (tmp_path / "study.yaml").write_text(study_text)
     study = load_study(tmp_path / "study.yaml")
     assert study.policy == str(tmp_path / "policy.yaml") and study.formats == ("html", "pdf")
