@@ -9,7 +9,7 @@ metrics.json (written last), each atomically.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -576,9 +576,16 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
                 record.settings.get(k) != v
                 for k, v in (expected if name not in CANARY_NAMES else {"seed": seed}).items()
             )
+            or (name.rpartition("-")[2] in REFERENCE_METHODS and not _same_references(record.references, options))
         ):
             return False
     return bool(names)
+
+
+def _same_references(stored: Mapping[str, Any] | None, options: AttackOptions) -> bool:
+    """Whether a LiRA or RMIA result used the references ``options`` asks for (count and mode)."""
+    mode = "online" if options.online else "offline"
+    return stored is not None and stored.get("count") == options.references and stored.get("mode") == mode
 
 
 def write_result(run: RunDirectory, result: AttackResult) -> Path:

@@ -82,3 +82,14 @@ def test_bad_reference_options_are_one_sentence(run, tmp_path):
     line = assert_user_error(invoke("attack", small, *ATTACK, "--max-records", "700"), mentions="reference model")
     assert "population records" in line
     assert not (small / "attacks").exists() and not list((small / "references").glob(".work-*"))
+
+
+def test_a_result_is_current_only_for_the_references_it_used(run):
+    from fedaudit.attacks.runner import AttackOptions, results_current
+
+    attack(run, "--references", "2")
+    options = AttackOptions(signals=("loss",), methods=("rmia", "lira"), references=2)
+    assert results_current(run, options)
+    assert not results_current(run, AttackOptions(signals=("loss",), methods=("rmia", "lira"), references=3))
+    online = AttackOptions(signals=("loss",), methods=("rmia", "lira"), references=2, online=True)
+    assert not results_current(run, online)
