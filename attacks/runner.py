@@ -294,7 +294,7 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             for method in plain:
                 results.append(_attack(prepared, target, signals, signal, method, options))
         if with_references and target.final:
-            results += _reference_attacks(prepared, target, model, signals, with_references, options, device)
+            results += _reference_attacks(prepared, target, model, (x, y), signals, with_references, options, device)
     if METHOD in options.methods:
         results += _canary(prepared)
     return results
@@ -364,6 +364,7 @@ def _reference_attacks(
     prepared: PreparedRun,
     target: Target,
     model: torch.nn.Module,
+    records: tuple[torch.Tensor, torch.Tensor],
     signals: Signals,
     methods: Sequence[str],
     options: AttackOptions,
@@ -381,7 +382,7 @@ def _reference_attacks(
         device=str(device),
         progress=options.progress,
     )
-    x, y = prepared.records()
+    x, y = records
     compared = reference_signals(
         refs,
         spec=prepared.run.model_spec(),
