@@ -1,19 +1,25 @@
-"""Per-sample gradient throughput: fedaudit's DP primitive vs Opacus' GradSampleModule (hooks).
+"""Per-sample gradient throughput: fedaudit's DP primitive vs Opacus' GradSampleModule (hooks) and Opacus' fastest
+mode, fast gradient clipping (GradSampleModuleFastGradientClipping, with and without ghost clipping).
 
-Both sides compute the per-sample gradients of a batch of 256 28x28 images on the
-paper's ConvNet at widths 32 and 128, measured alternately in the same run; the
-ratio (Opacus time / our time, > 1 means we are faster) is what to compare across
-machines. "ours: grads" is per_sample_gradients alone (what Opacus' hooks
-produce), "ours: DP step" adds clipping, summing and noise (what a DP-SGD step
-needs; Opacus' optimizer does that on top of its grad samples).
+All sides work on a batch of 256 28x28 images on the paper's ConvNet at widths 32 and 128, measured alternately in
+the same run; the ratios (Opacus time / our time, > 1 means we are faster) are what to compare across machines.
+"ours: grads" is per_sample_gradients alone (what Opacus' hooks produce), "ours: DP step" adds clipping, summing
+and noise (what a DP-SGD step needs; Opacus' optimizer does that on top of its grad samples). Opacus' fast gradient
+clipping gives the clipped sum directly (two backward passes), so it is compared with our DP step.
 
-    python benchmarks/per_sample_grads.py [--threads 1] [--repeats 5] [--device cpu]
+Peak memory (CPU, Linux): each DP step runs in a fresh process after one warm-up step; the peak resident set size
+is reset just before the measured step (/proc/self/clear_refs), and its growth over the size before the step is
+printed (``--memory``).
+
+    python benchmarks/per_sample_grads.py [--threads 1] [--repeats 5] [--device cpu] [--memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 
@@ -41,8 +47,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--memory", action="store_true", help="also measure each DP step's peak memory (CPU)")
+    parser.add_argument("--child", choices=["ours", "fgc", "ghost"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.child:
+        warnings.filterwarnings("ignore")
+        _child(args.child, args.widths[0], args.batch)
+        return
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")
     print(
@@ -51,7 +63,7 @@ def main() -> None:
     )
     print(
         f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} "
-        f"{'ratio grads':>12} {'ratio DP step':>14}"
+        f"{'ratio grads':>12} {'ratio DP step':>14} {'fgc (s)':>9} {'ghost (s)':>9} {'fastest / DP step':>16}"
     )
     for width in args.widths:
         model, gsm = convnet_and_opacus_twin(width, device)
@@ -79,19 +91,89 @@ def main() -> None:
                 p.grad_sample = None
             F.cross_entropy(gsm(x), y, reduction="sum").backward()
 
-        for fn in (ours_grads, ours_dp, opacus):  # warm-up
+        fast = {ghost: fast_clipping_step(width, device, x, y, ghost=ghost) for ghost in (False, True)}
+        steps = {"grads": ours_grads, "dp": ours_dp, "opacus": opacus, "fgc": fast[False], "ghost": fast[True]}
+        for fn in steps.values():  # warm-up
             fn()
-        times: dict[str, list[float]] = {"grads": [], "dp": [], "opacus": []}
-        for _ in range(args.repeats):  # alternate so background load hits all three alike
-            times["grads"].append(_time(ours_grads, device))
-            times["dp"].append(_time(ours_dp, device))
-            times["opacus"].append(_time(opacus, device))
+        times: dict[str, list[float]] = {key: [] for key in steps}
+        for _ in range(args.repeats):  # alternate so background load hits all of them alike
+            for key, fn in steps.items():
+                times[key].append(_time(fn, device))
         med = {key: statistics.median(values) for key, values in times.items()}
+        fastest = min(med["fgc"], med["ghost"])
         print(
             f"{width:>5} {med['grads']:>16.3f} {med['dp']:>18.3f} {med['opacus']:>11.3f} "
-            f"{med['opacus'] / med['grads']:>12.2f} {med['opacus'] / med['dp']:>14.2f}"
+            f"{med['opacus'] / med['grads']:>12.2f} {med['opacus'] / med['dp']:>14.2f} {med['fgc']:>9.3f} "
+            f"{med['ghost']:>9.3f} {fastest / med['dp']:>16.2f}"
         )
         gsm._close()
+    if args.memory and device.type == "cpu":
+        print(f"{'width':>5} {'ours: DP step (MB)':>19} {'opacus fgc (MB)':>16} {'opacus ghost (MB)':>18}")
+        for width in args.widths:
+            sizes = [_peak_growth(kind, width, args) for kind in ("ours", "fgc", "ghost")]
+            print(f"{width:>5} {sizes[0]:>19.0f} {sizes[1]:>16.0f} {sizes[2]:>18.0f}")
+
+
+def fast_clipping_step(width: int, device: torch.device, x: torch.Tensor, y: torch.Tensor, *, ghost: bool):
+    """One clipped-sum step of Opacus' fast gradient clipping (noise 0: the noise is the same work on both sides)."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    model, _ = convnet_and_opacus_twin(width, device)
+    module = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, use_ghost_clipping=ghost)
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(module.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=256
+    )
+    criterion = DPLossFastGradientClipping(module, optimizer, torch.nn.CrossEntropyLoss(reduction="mean"))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        criterion(module(x), y).backward()
+
+    return step
+
+
+def _peak_growth(kind: str, width: int, args: argparse.Namespace) -> float:
+    """MB by which one DP step (after a warm-up step) raises the peak resident set size of a fresh process."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", kind, "--widths", str(width), "--batch", str(args.batch),
+         "--threads", str(args.threads)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def _child(kind: str, width: int, batch: int) -> None:
+    """Run one DP step of ``kind`` and print the growth of the maximum RSS over the RSS before it, in MB."""
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    if kind == "ours":
+        model, _ = convnet_and_opacus_twin(width, device)
+        generator = torch.Generator().manual_seed(0)
+
+        def step() -> None:
+            dp_gradient(
+                model, x, y, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch, generator=generator
+            )
+    else:
+        step = fast_clipping_step(width, device, x, y, ghost=kind == "ghost")
+    step()  # warm-up: lazy initialisation is not the step's memory
+    before = _status_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:  # reset the peak (VmHWM) to the current RSS (Linux >= 4.0)
+        refs.write("5")
+    step()
+    print(max(0.0, _status_mb("VmHWM") - before))
+
+
+def _status_mb(key: str) -> float:
+    """A size from /proc/self/status (VmRSS: now, VmHWM: the peak since the last reset), in MB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 if __name__ == "__main__":
