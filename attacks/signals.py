@@ -5,7 +5,7 @@ tracking; the logits are promoted to float64 before the softmax so that the
 tiny losses of well-fitted members stay distinct instead of rounding to 0.
 The white-box signal is the L2 norm of the per-example gradient of the loss
 with respect to all trainable parameters, from the shared DP primitive
-(:func:`fedaudit.privacy.primitive.per_sample_gradients`) without clipping.
+(:func:`fedaudit.privacy.primitive.per_sample_sq_norms`, layer by layer) without clipping.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedaudit.privacy.primitive import per_sample_gradients, per_sample_norms, trainable_params
+from fedaudit.privacy.primitive import per_sample_sq_norms, trainable_params
 
 SIGNALS: tuple[str, ...] = ("loss", "confidence", "logit-confidence", "grad-norm")
 DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
@@ -105,11 +105,11 @@ def compute_signals(
                 for name in wanted_outputs:
                     parts[name].append(outputs[name].cpu())
             if want_grads:
-                grads = per_sample_gradients(model, xb, yb, params=params)
-                parts["grad-norm"].append(per_sample_norms(grads).detach().cpu())
+                squares = per_sample_sq_norms(model, xb, yb, params=params)
+                parts["grad-norm"].append(torch.stack(list(squares.values())).sum(0).sqrt().detach().cpu())
                 for group, names in groups.items():
                     parts[PER_LAYER_PREFIX + group].append(
-                        per_sample_norms({n: grads[n] for n in names}).detach().cpu()
+                        torch.stack([squares[n] for n in names]).sum(0).sqrt().detach().cpu()
                     )
             bar.update(len(yb))
     arrays = {name: _concat(chunks) for name, chunks in parts.items()}

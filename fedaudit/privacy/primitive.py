@@ -2,10 +2,16 @@
 
 Every DP query in fedaudit (DP-FedAvg, DP-FedProx, FedLAP-DP's real-gradient
 target) goes through :func:`dp_gradient`; the white-box membership attack
-uses :func:`per_sample_gradients` and :func:`per_sample_norms` without clipping.
-Per-sample gradients come from ``torch.func`` (vmap of grad of
-functional_call): no hooks on the module, so the same model can be used in
-double-backward code (FedLAP's gradient matching) without interference.
+uses :func:`per_sample_sq_norms` without clipping. Both work layer by layer
+(:mod:`fedaudit.privacy.layers`): one forward and one backward of the batch,
+per-sample norms from each layer's inputs and output gradients, and the
+clipped sum as each layer's weight gradient with the examples reweighted, so
+the per-sample gradients of the whole model never exist at once. The module is
+only hooked for the duration of one forward pass, and the parameters are
+passed functionally, so the same model can be used in double-backward code
+(FedLAP's gradient matching) without interference. :func:`per_sample_gradients`
+(``torch.func``: vmap of grad of functional_call) is the reference and the path
+for models the layer-wise one cannot follow.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
+
+from fedaudit.privacy.layers import Untraceable, layer_sq_norms, layer_weighted_sums, trace_layers
 
 TensorDict = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,6 +78,77 @@ def clip_and_sum(grads: Mapping[str, torch.Tensor], max_grad_norm: float) -> tup
     return summed, norms
 
 
+def per_sample_sq_norms(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
+    loss_fn: LossFn = F.cross_entropy,
+) -> TensorDict:
+    """Squared norm of every example's gradient of each parameter, shape [B] each, without clipping.
+
+    Equal to ``g.flatten(1).pow(2).sum(1)`` of :func:`per_sample_gradients` up to float rounding. ``loss_fn`` is a
+    mean over examples (as ``F.cross_entropy``).
+    """
+    params = dict(trainable_params(model) if params is None else params)
+    if x.shape[0] == 0:
+        return {name: torch.zeros(0, dtype=p.dtype, device=p.device) for name, p in params.items()}
+    try:
+        traces = trace_layers(model, x, y, params, loss_fn)
+    except Untraceable:
+        grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
+        return {name: g.flatten(start_dim=1).pow(2).sum(dim=1) for name, g in grads.items()}
+    squares: TensorDict = {}
+    for layer in traces:
+        squares.update(layer_sq_norms(layer, params))
+    return {name: squares[name] for name in params}
+
+
+def clipped_sum(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    max_grad_norm: float,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
+    loss_fn: LossFn = F.cross_entropy,
+    extra: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[TensorDict, torch.Tensor]:
+    """:func:`clip_and_sum` of the batch's per-sample gradients (and of ``extra``'s), computed layer by layer.
+
+    Returns the sum of the clipped gradients by parameter name (in the order of ``params``) and the per-example
+    norms before clipping (the batch's, then ``extra``'s).
+    """
+    params = dict(trainable_params(model) if params is None else params)
+    if x.shape[0] == 0:
+        summed = {name: torch.zeros_like(p) for name, p in params.items()}
+        norms = torch.zeros(0, dtype=next(iter(params.values())).dtype, device=x.device)
+    else:
+        try:
+            traces = trace_layers(model, x, y, params, loss_fn)
+        except Untraceable:
+            grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
+            traces = None
+            summed, norms = clip_and_sum(grads, max_grad_norm)
+        if traces is not None:
+            squares: TensorDict = {}
+            for layer in traces:
+                squares.update(layer_sq_norms(layer, params))
+            norms = torch.stack([squares[name] for name in params]).sum(0).sqrt()
+            factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            parts: TensorDict = {}
+            for layer in traces:
+                parts.update(layer_weighted_sums(layer, factors))
+            summed = {name: parts[name] for name in params}
+    if extra is not None and len(next(iter(extra.values()))) > 0:
+        extra = {name: extra[name].to(summed[name].dtype) for name in params}
+        extra_summed, extra_norms = clip_and_sum(extra, max_grad_norm)
+        summed = {name: summed[name] + extra_summed[name] for name in params}
+        norms = torch.cat([norms, extra_norms.to(norms.dtype)])
+    return summed, norms
+
+
 def add_noise(
     summed: Mapping[str, torch.Tensor],
     *,
@@ -114,7 +193,8 @@ def dp_gradient(
     ``x``/``y`` must be the Poisson sample (see :func:`poisson_sample`); the
     division is by the *expected* batch size so that the batch size itself is
     not revealed. With ``noise_multiplier == 0`` this is the clipped mean
-    (no privacy, useful for tests and ablations). Every DP query of fedaudit (DP-FedAvg/FedProx steps, FedLAP-DP's
+    (no privacy, useful for tests and ablations). The clipped sum is computed layer by layer
+    (:func:`clipped_sum`). Every DP query of fedaudit (DP-FedAvg/FedProx steps, FedLAP-DP's
     real-gradient targets) goes through this one function (docs/algorithms.md).
 
     Args:
@@ -125,7 +205,7 @@ def dp_gradient(
         expected_batch_size: B, the divisor of the noisy sum.
         generator: the only source of the noise (one Gaussian draw per parameter tensor).
         params: parameters to differentiate at instead of the module's own.
-        loss_fn: per-batch loss, as ``F.cross_entropy``.
+        loss_fn: the batch loss, a mean over examples as ``F.cross_entropy``.
         extra: per-example gradients of further sampled records that have no input (gradient canaries), by
             parameter name with a leading batch dimension; clipped, summed and noised with the batch.
 
@@ -139,10 +219,7 @@ def dp_gradient(
         raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}.")
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}.")
-    grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
-    if extra is not None:
-        grads = {name: torch.cat([g, extra[name].to(g.dtype)]) for name, g in grads.items()}
-    summed, norms = clip_and_sum(grads, max_grad_norm)
+    summed, norms = clipped_sum(model, x, y, max_grad_norm, params=params, loss_fn=loss_fn, extra=extra)
     noisy = add_noise(
         summed,
         noise_multiplier=noise_multiplier,

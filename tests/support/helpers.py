@@ -93,3 +93,21 @@ def client_plan(run: Path) -> dict[int, tuple[float, int]]:
     """(q, T) of each client, from the manifest: q = B / N_k, T = E * floor(N_k / B) with E = 1."""
     sizes = read_json(run / "manifest.json")["clients"]["num_examples"]
     return {k: (BATCH / n, max(1, n // BATCH)) for k, n in enumerate(sizes)}
+
+
+def loop_grads(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, params: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Per-example gradients of the cross-entropy by the obviously correct loop, one backward per example (at
+    ``params`` if given, which are loaded into ``model``): the reference for every per-sample gradient path."""
+    if params is not None:
+        model.load_state_dict(params, strict=False)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    per_example: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                per_example[name].append(p.grad.detach().clone())
+    return {name: torch.stack(gs) for name, gs in per_example.items()}

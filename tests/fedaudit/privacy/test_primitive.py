@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import loop_grads
 from opacus import GradSampleModule
 
 from fedaudit.models import ModelSpec, build_model
@@ -35,22 +36,11 @@ def _model_and_batch(name: str, batch: int = 7, seed: int = 0) -> tuple[torch.nn
     return model, x, y
 
 
-def _loop_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Obviously correct reference: one backward per example."""
-    per_example: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
-    for i in range(len(y)):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        for name, p in model.named_parameters():
-            per_example[name].append(p.grad.detach().clone())
-    return {name: torch.stack(gs) for name, gs in per_example.items()}
-
-
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_per_sample_gradients_match_slow_loop(name: str) -> None:
     model, x, y = _model_and_batch(name)
     ours = per_sample_gradients(model, x, y)
-    reference = _loop_grads(model, x, y)
+    reference = loop_grads(model, x, y)
     assert ours.keys() == reference.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], reference[key], rtol=1e-9, atol=1e-12)

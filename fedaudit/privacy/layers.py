@@ -1,0 +1,261 @@
+"""Per-sample gradient norms and clipped sums layer by layer (fast gradient clipping, ghost norms).
+
+The DP primitive needs, for a batch, each example's gradient norm and the sum of the clipped gradients
+sum_i f_i g_i, f_i = min(1, C / ||g_i||). Neither needs every per-sample gradient of the whole model at once:
+
+1. One forward pass of the batch records each parameterised layer's input a; one backward pass of the summed
+   per-example losses to the layer *outputs* gives each example's output gradient b_i at every layer (the
+   per-example loss only touches its own row, so the batch backward is every example's backward at once).
+2. A layer's per-sample gradient is a function of (a_i, b_i) alone. Linear on [B, d]: b_i a_i^T, whose norm is
+   ||a_i|| ||b_i||. Conv2d: b_i U_i^T with U_i [D, T] the unfolded input and b_i [P, T] (T positions); its squared
+   norm is taken either directly (a convolution weight gradient with the examples of a chunk as groups), or by
+   the ghost-norm identity ||b_i U_i^T||^2 = <U_i^T U_i, b_i^T b_i> when the two T x T Gram matrices cost fewer
+   multiply-adds than the gradient: T (D + P) < P D (Bu et al.'s mixed ghost norm, with the cost in time rather
+   than memory).
+   GroupNorm's per-sample gradients are [B, C] and are kept. Any other layer: its own parameters' per-sample
+   gradients by vmap over the layer alone (the fallback).
+3. The clipped sum of a layer is its ordinary batch weight gradient with b_i scaled by f_i: for Linear a matrix
+   product, for Conv2d the convolution's weight gradient, for kept per-sample gradients a weighted sum. This is
+   the weighted second backward of fast gradient clipping, restricted to the weight gradients it needs.
+
+A model this cannot follow (a parameterised layer called twice, a layer output changed in place, a parameter
+used outside its layer's forward) raises :class:`Untraceable`; the primitive then takes the whole-model vmap path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+TensorDict = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+CHUNK_ELEMENTS = 1 << 24
+"""At most this many floats of one layer's per-sample gradients exist at once (64 MB in float32)."""
+GROUPED_ELEMENTS = 1 << 21
+GROUPED_CHUNK = 64
+"""Per-sample convolution gradients are taken for at most GROUPED_CHUNK examples and GROUPED_ELEMENTS floats at a
+time: on one CPU thread, chunks whose gradients fit in cache ran up to twice as fast as the whole batch."""
+
+
+class Untraceable(Exception):
+    """The model uses its parameters in a way the layer-wise path cannot follow."""
+
+
+@dataclass
+class LayerTrace:
+    """One parameterised layer in one batch: its input and its per-example output gradients."""
+
+    module: nn.Module
+    names: dict[str, str]
+    """The layer's own trainable parameters: local name -> name in the params dict."""
+    inputs: torch.Tensor
+    output_grads: torch.Tensor
+    kept: TensorDict = field(default_factory=dict)
+    """Per-sample gradients [B, *shape] that were materialised anyway (small layers, fallback layers)."""
+
+
+def trace_layers(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: Mapping[str, torch.Tensor], loss_fn: LossFn
+) -> list[LayerTrace]:
+    """Forward and backward of the batch at ``params``: every parameterised layer's input and output gradients.
+
+    ``loss_fn`` is a mean over examples (as ``F.cross_entropy``); it is multiplied by the batch size so that the
+    output gradients are those of each example's own loss.
+    """
+    leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+    buffers = dict(model.named_buffers())
+    owners: dict[str, tuple[nn.Module, dict[str, str]]] = {}
+    for prefix, module in model.named_modules():
+        local = {
+            name: f"{prefix}.{name}" if prefix else name
+            for name, _ in module.named_parameters(recurse=False)
+            if (f"{prefix}.{name}" if prefix else name) in leaves
+        }
+        if local:
+            owners[prefix] = (module, local)
+    records: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def hook_for(prefix: str) -> Callable[[nn.Module, tuple, object], None]:
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if prefix in records:
+                raise Untraceable(f"layer {prefix!r} is called more than once")
+            if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+                raise Untraceable(f"layer {prefix!r} does not map one tensor to one tensor")
+            records[prefix] = (args[0], output, output._version)
+
+        return hook
+
+    handles = [module.register_forward_hook(hook_for(prefix)) for prefix, (module, _) in owners.items()]
+    try:
+        with torch.enable_grad():
+            out = functional_call(model, (leaves, buffers), (x,))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if set(records) != set(owners):
+        raise Untraceable("some parameters are used outside their layer's forward")
+    for prefix, (_, output, version) in records.items():
+        if output._version != version:
+            raise Untraceable(f"the output of layer {prefix!r} is modified in place")
+    prefixes = list(records)
+    with torch.enable_grad():
+        total = loss_fn(out, y) * x.shape[0]
+        grads = torch.autograd.grad(total, [records[p][1] for p in prefixes], allow_unused=True)
+    traces = []
+    for prefix, g in zip(prefixes, grads):
+        inputs, output, _ = records[prefix]
+        g = torch.zeros_like(output) if g is None else g
+        module, names = owners[prefix]
+        traces.append(LayerTrace(module, names, inputs.detach(), g.detach()))
+    return traces
+
+
+def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor]) -> TensorDict:
+    """Squared per-sample gradient norm of each of the layer's parameters, shape [B] each, by params-dict name."""
+    module, a, b = layer.module, layer.inputs, layer.output_grads
+    if isinstance(module, nn.Linear):
+        local = _linear_sq_norms(a, b)
+    elif isinstance(module, nn.Conv2d) and _plain_conv(module):
+        local, layer.kept = _conv2d_sq_norms(module, a, b)
+    elif isinstance(module, nn.GroupNorm):
+        layer.kept = _group_norm_grads(module, a, b)
+        local = {name: g.flatten(1).pow(2).sum(1) for name, g in layer.kept.items()}
+    else:
+        layer.kept = _fallback_grads(layer, params)
+        local = {name: g.flatten(1).pow(2).sum(1) for name, g in layer.kept.items()}
+    return {layer.names[name]: local[name] for name in layer.names}
+
+
+def layer_weighted_sums(layer: LayerTrace, factors: torch.Tensor) -> TensorDict:
+    """sum_i factors_i g_i for each of the layer's parameters (the clipped sum when factors are the clip factors)."""
+    module, a, b = layer.module, layer.inputs, layer.output_grads
+    if layer.kept:
+        local = {name: torch.einsum("b,b...->...", factors.to(g.dtype), g) for name, g in layer.kept.items()}
+    elif isinstance(module, nn.Linear):
+        scaled = b * factors.view(-1, *([1] * (b.dim() - 1)))
+        flat_a, flat_b = a.reshape(-1, a.shape[-1]), scaled.reshape(-1, scaled.shape[-1])
+        local = {"weight": flat_b.T @ flat_a, "bias": flat_b.sum(0)}
+    else:
+        scaled = b * factors.view(-1, 1, 1, 1)
+        weight = torch.nn.grad.conv2d_weight(
+            a, module.weight.shape, scaled, module.stride, module.padding, module.dilation, module.groups
+        )
+        local = {"weight": weight, "bias": scaled.sum((0, 2, 3))}
+    return {layer.names[name]: local[name] for name in layer.names}
+
+
+def _linear_sq_norms(a: torch.Tensor, b: torch.Tensor) -> TensorDict:
+    batch = a.shape[0]
+    a3, b3 = a.reshape(batch, -1, a.shape[-1]), b.reshape(batch, -1, b.shape[-1])
+    return {"weight": _outer_sum_sq_norms(a3, b3), "bias": b3.sum(1).pow(2).sum(1)}
+
+
+def _conv2d_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> tuple[TensorDict, TensorDict]:
+    """Squared per-sample norms of a convolution's weight and bias, and the per-sample gradients where they are
+    small enough to keep (then the clipped sum is a weighted sum of them)."""
+    batch, groups = a.shape[0], module.groups
+    positions = b.shape[2] * b.shape[3]
+    d = module.weight[0].numel()  # inputs per output channel: C_in / groups x kernel
+    p = module.weight.shape[0] // groups
+    bias = b.flatten(2).sum(2)
+    if uses_ghost_norm(positions, d, p):
+        unfolded = F.unfold(
+            a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
+        )
+        a3 = unfolded.view(batch, groups, d, positions).transpose(2, 3).reshape(batch * groups, positions, d)
+        b3 = b.reshape(batch, groups, p, positions).transpose(2, 3).reshape(batch * groups, positions, p)
+        weight = _outer_sum_sq_norms(a3, b3).view(batch, groups).sum(1)
+        return {"weight": weight, "bias": bias.pow(2).sum(1)}, {}
+    keep = batch * module.weight.numel() <= CHUNK_ELEMENTS
+    chunk = max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // module.weight.numel()))
+    squares, kept = [], []
+    for start in range(0, batch, chunk):
+        grads = _per_sample_conv2d_weight(module, a[start : start + chunk], b[start : start + chunk])
+        squares.append(torch.linalg.vector_norm(grads.flatten(1), dim=1).pow(2))
+        if keep:
+            kept.append(grads)
+    norms = {"weight": torch.cat(squares), "bias": bias.pow(2).sum(1)}
+    return norms, ({"weight": torch.cat(kept), "bias": bias} if keep else {})
+
+
+def _per_sample_conv2d_weight(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each example's weight gradient, [n, *weight.shape]: one convolution weight gradient with the examples as
+    groups (the batch folded into the channels), which the CPU and GPU convolution kernels do fast."""
+    n = a.shape[0]
+    weight = module.weight
+    grads = torch.nn.grad.conv2d_weight(
+        a.reshape(1, n * a.shape[1], *a.shape[2:]),
+        (n * weight.shape[0], *weight.shape[1:]),
+        b.reshape(1, n * b.shape[1], *b.shape[2:]),
+        module.stride,
+        module.padding,
+        module.dilation,
+        n * module.groups,
+    )
+    return grads.view(n, *weight.shape)
+
+
+def uses_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
+    """Whether the ghost norm (two T x T Gram matrices per example: T^2 (D + P) multiply-adds) costs less than
+    the per-sample gradient itself (T P D) for a layer with D inputs and P outputs at each of T positions."""
+    return positions * (inputs + outputs) < outputs * inputs
+
+
+def _outer_sum_sq_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """||sum_t b_t a_t^T||_F^2 per example for a [N, T, D] and b [N, T, P]: the squared norm of a linear map's
+    per-sample weight gradient over T positions, by whichever of three exact ways costs least."""
+    n, positions, d = a.shape
+    p = b.shape[-1]
+    if positions == 1:  # an outer product: ||b a^T|| = ||a|| ||b||
+        return a.pow(2).sum((1, 2)) * b.pow(2).sum((1, 2))
+    ghost = uses_ghost_norm(positions, d, p)
+    per_example = positions * positions if ghost else p * d
+    chunk = max(1, CHUNK_ELEMENTS // per_example)
+    parts = []
+    for start in range(0, n, chunk):
+        ac, bc = a[start : start + chunk], b[start : start + chunk]
+        if ghost:
+            parts.append((torch.bmm(ac, ac.transpose(1, 2)) * torch.bmm(bc, bc.transpose(1, 2))).sum((1, 2)))
+        else:
+            parts.append(torch.linalg.vector_norm(torch.bmm(bc.transpose(1, 2), ac), dim=(1, 2)).pow(2))
+    return torch.cat(parts)
+
+
+def _plain_conv(module: nn.Conv2d) -> bool:
+    return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def _group_norm_grads(module: nn.GroupNorm, a: torch.Tensor, b: torch.Tensor) -> TensorDict:
+    """GroupNorm normalises each example alone, so its affine gradients per example are sums over positions."""
+    normalised = F.group_norm(a, module.num_groups, eps=module.eps)
+    grads = {}
+    if module.weight is not None:
+        grads["weight"] = (normalised * b).flatten(2).sum(2)
+    if module.bias is not None:
+        grads["bias"] = b.flatten(2).sum(2)
+    return grads
+
+
+def _fallback_grads(layer: LayerTrace, params: Mapping[str, torch.Tensor]) -> TensorDict:
+    """The layer's own parameters' per-sample gradients: vmap over the layer of the vector-Jacobian product with
+    each example's output gradient. Parameters of sub-layers and buffers stay fixed at their params-dict values."""
+    module = layer.module
+    own = {local: params[full].detach() for local, full in layer.names.items()}
+    prefix = next(iter(layer.names.values()))[: -len(next(iter(layer.names)))]
+    fixed = {
+        name[len(prefix) :]: value.detach()
+        for name, value in params.items()
+        if name.startswith(prefix) and name[len(prefix) :] not in own
+    }
+    fixed.update(dict(module.named_buffers()))
+
+    def contribution(p: TensorDict, ai: torch.Tensor, bi: torch.Tensor) -> torch.Tensor:
+        return (functional_call(module, {**fixed, **p}, (ai.unsqueeze(0),)) * bi.unsqueeze(0)).sum()
+
+    return vmap(grad(contribution), in_dims=(None, 0, 0))(own, layer.inputs, layer.output_grads)

@@ -1,0 +1,260 @@
+"""Layer-wise per-sample norms and clipped sums (fast gradient clipping, ghost norms) against a per-example loop.
+
+Every layer rule is checked in float64 against one backward per example: Linear, Conv2d by the per-sample
+gradient (kept or not) and by the ghost norm, GroupNorm, the vmap fallback for other layers, and the whole-model
+fallback for models the layer-wise path cannot follow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import loop_grads
+from torch import nn
+
+from fedaudit.models import ModelSpec, build_model
+from fedaudit.privacy import layers
+from fedaudit.privacy.primitive import (
+    add_noise,
+    clip_and_sum,
+    clipped_sum,
+    dp_gradient,
+    per_sample_gradients,
+    per_sample_sq_norms,
+    trainable_params,
+)
+
+SPECS = {
+    "convnet": ModelSpec("convnet", (1, 16, 16), 10, width=8, depth=2),
+    "convnet-rgb": ModelSpec("convnet", (3, 8, 8), 4, width=6, depth=3),
+    # The third convolution sees 4x4 positions at width 64: T (D + P) < P D, so the ghost norm is the cheaper rule.
+    "convnet-ghost": ModelSpec("convnet", (1, 16, 16), 10, width=64, depth=3),
+    "mlp": ModelSpec("mlp", (1, 8, 8), 10, width=16, depth=2),
+}
+
+
+class Scale(nn.Module):
+    """A layer with a parameter that no layer rule knows: it goes through the vmap fallback."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.gain)
+
+
+class Block(nn.Module):
+    """A layer that owns a parameter and a sub-layer: the fallback must hold the sub-layer's parameters fixed."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(features, features)
+        self.shift = nn.Parameter(torch.full((features,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x + self.shift) * 2
+
+
+class Mixed(nn.Module):
+    """Strided, dilated, grouped and bias-free convolutions, LayerNorm, a custom layer and a composite layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, kernel_size=3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(4, 6, kernel_size=(3, 2), dilation=(1, 2), groups=2, bias=False)
+        self.norm = nn.LayerNorm(24)
+        self.scale = Scale(24)
+        self.block = Block(24)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv1(x))
+        h = self.conv2(h).flatten(1)
+        return self.head(self.block(self.scale(self.norm(h))))
+
+
+class Tied(nn.Module):
+    """A layer called twice: the layer-wise path cannot follow it, the whole-model fallback must."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.layer(torch.tanh(self.layer(x)))))
+
+
+class InPlace(nn.Module):
+    """A layer output changed in place (ReLU(inplace=True)): the whole-model fallback again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.layer(x)))
+
+
+def _model_and_batch(name: str, batch: int = 7, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    if name in SPECS:
+        spec = SPECS[name]
+        model, shape, classes = build_model(spec), spec.input_shape, spec.num_classes
+    else:
+        model, shape, classes = {
+            "mixed": (Mixed, (2, 8, 8), 5),
+            "tied": (Tied, (6,), 3),
+            "inplace": (InPlace, (6,), 3),
+        }[name]
+        model = model()
+    model = model.double()
+    x = torch.randn(batch, *shape, dtype=torch.float64)
+    y = torch.randint(0, classes, (batch,))
+    return model, x, y
+
+
+def _loop_clipped_sum(grads: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
+    summed = {name: torch.zeros_like(g[0]) for name, g in grads.items()}
+    for i in range(len(next(iter(grads.values())))):
+        norm = sum(float(g[i].pow(2).sum()) for g in grads.values()) ** 0.5
+        factor = min(1.0, clip / (norm + 1e-6))
+        for name, g in grads.items():
+            summed[name] += factor * g[i]
+    return summed
+
+
+ALL = [*sorted(SPECS), "mixed", "tied", "inplace"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_sq_norms_equal_the_per_example_loop(name: str) -> None:
+    model, x, y = _model_and_batch(name)
+    reference = loop_grads(model, x, y)
+    ours = per_sample_sq_norms(model, x, y)
+    assert list(ours) == list(reference)
+    for key, g in reference.items():
+        torch.testing.assert_close(ours[key], g.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("clip", [1e-3, 0.5, 1e3])
+def test_clipped_sum_equals_the_per_example_loop(name: str, clip: float) -> None:
+    model, x, y = _model_and_batch(name, batch=9, seed=1)
+    reference = loop_grads(model, x, y)
+    summed, norms = clipped_sum(model, x, y, clip)
+    expected = _loop_clipped_sum(reference, clip)
+    assert list(summed) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+    flat = torch.cat([g.flatten(1) for g in reference.values()], dim=1)
+    torch.testing.assert_close(norms, flat.norm(dim=1), rtol=1e-9, atol=1e-14)
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("keep", [True, False])
+def test_both_convolution_rules_on_every_layer(monkeypatch: pytest.MonkeyPatch, ghost: bool, keep: bool) -> None:
+    """Force the ghost norm (or the per-sample gradient, kept or recomputed for the sum) on every convolution."""
+    monkeypatch.setattr(layers, "uses_ghost_norm", lambda *_: ghost)
+    if not keep:
+        monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(layers, "GROUPED_ELEMENTS", 1)  # one example per grouped convolution: chunking exercised
+    for name in ("convnet", "convnet-rgb", "mixed"):
+        model, x, y = _model_and_batch(name, batch=5, seed=2)
+        reference = loop_grads(model, x, y)
+        summed, norms = clipped_sum(model, x, y, 0.05)
+        expected = _loop_clipped_sum(reference, 0.05)
+        for key in expected:
+            torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+        flat = torch.cat([g.flatten(1) for g in reference.values()], dim=1)
+        torch.testing.assert_close(norms, flat.norm(dim=1), rtol=1e-9, atol=1e-14)
+
+
+def test_the_ghost_rule_is_chosen_where_it_is_cheaper() -> None:
+    assert layers.uses_ghost_norm(positions=16, inputs=64 * 9, outputs=64)  # 4x4 positions, width 64
+    assert not layers.uses_ghost_norm(positions=196, inputs=128 * 9, outputs=128)  # 14x14 positions, width 128
+    assert layers.uses_ghost_norm(positions=49, inputs=128 * 9, outputs=128)  # 7x7 positions, width 128
+    assert not layers.uses_ghost_norm(positions=784, inputs=9, outputs=32)  # the first layer on 28x28
+
+
+def test_the_fallbacks_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer-wise path uses the vmap fallback for unknown layers and gives up on a layer called twice."""
+    calls: list[str] = []
+    fallback = layers._fallback_grads
+    monkeypatch.setattr(
+        layers, "_fallback_grads", lambda layer, params: calls.append("layer") or fallback(layer, params)
+    )
+    model, x, y = _model_and_batch("mixed")
+    per_sample_sq_norms(model, x, y)
+    assert calls.count("layer") == 3  # LayerNorm, Scale, Block
+    for name in ("tied", "inplace"):
+        model, x, y = _model_and_batch(name)
+        with pytest.raises(layers.Untraceable):
+            layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
+
+
+@pytest.mark.parametrize("name", ["convnet", "mixed"])
+def test_functional_parameters_and_frozen_layers(name: str) -> None:
+    """``params`` replaces the module's own parameters, in fallback layers too; frozen parameters get no gradient."""
+    model, x, y = _model_and_batch(name, seed=3)
+    frozen = next(iter(trainable_params(model)))
+    model.get_parameter(frozen).requires_grad_(False)
+    params = {name: p.detach() + 0.1 * torch.randn_like(p) for name, p in trainable_params(model).items()}
+    summed, _ = clipped_sum(model, x, y, 0.3, params=params)
+    assert frozen not in summed
+    expected = _loop_clipped_sum(loop_grads(model, x, y, params=params), 0.3)
+    assert list(summed) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+
+
+def test_extra_rows_and_empty_batches() -> None:
+    """Gradient canaries (``extra``) are clipped with the batch; an empty batch leaves only them."""
+    model, x, y = _model_and_batch("convnet", seed=4)
+    reference = loop_grads(model, x, y)
+    extra = {name: 3 * torch.randn(4, *g.shape[1:], dtype=g.dtype) for name, g in reference.items()}
+    both = {name: torch.cat([reference[name], extra[name]]) for name in reference}
+    summed, norms = clipped_sum(model, x, y, 0.2, extra=extra)
+    expected = _loop_clipped_sum(both, 0.2)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+    assert norms.shape == (len(y) + 4,)
+    summed, norms = clipped_sum(model, x[:0], y[:0], 0.2, extra=extra)
+    expected = _loop_clipped_sum(extra, 0.2)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+    assert norms.shape == (4,)
+    assert all(v.shape == (0,) for v in per_sample_sq_norms(model, x[:0], y[:0]).values())
+
+
+def test_dp_gradient_keeps_its_noise_stream() -> None:
+    """Same seed, same noise: the layer-wise query equals the per-sample query of before up to float rounding."""
+    spec = ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3)
+    torch.manual_seed(5)
+    model = build_model(spec)
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    ours = dp_gradient(
+        model,
+        x,
+        y,
+        noise_multiplier=0.7,
+        max_grad_norm=0.5,
+        expected_batch_size=30,
+        generator=torch.Generator().manual_seed(11),
+    )
+    summed, norms = clip_and_sum(per_sample_gradients(model, x, y), 0.5)
+    before = add_noise(
+        summed,
+        noise_multiplier=0.7,
+        max_grad_norm=0.5,
+        expected_batch_size=30,
+        generator=torch.Generator().manual_seed(11),
+    )
+    assert list(ours.grads) == list(before)
+    for key in before:
+        torch.testing.assert_close(ours.grads[key], before[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.per_sample_norms, norms, rtol=1e-4, atol=1e-6)
