@@ -253,6 +253,12 @@ def main() -> None:
     help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); "
     "the same seed gives the same run on both. [default: local]",
 )
+@click.option(
+    "--parallel-clients",
+    type=int,
+    help="How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU); the "
+    "results do not depend on it. [default: all of a round's clients on CUDA, 1 on CPU]",
+)
 @click.option("--out", type=click.Path(), help="Run directory to create.")
 @click.option(
     "--resume",
@@ -286,18 +292,22 @@ def train(
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if resume_dir is not None:
         extra = (
-            sorted(given - {"rounds", "device"})
+            sorted(given - {"rounds", "device", "parallel_clients"})
             + (["config"] if config_file else [])
             + (["out"] if out else [])
             + (["overwrite"] if overwrite else [])
         )
         if extra:
             raise TrainingError(
-                f"--resume continues a run with its stored configuration; only --rounds and --device may be given "
-                f"with it, not --{extra[0].replace('_', '-')}."
+                f"--resume continues a run with its stored configuration; only --rounds, --device and "
+                f"--parallel-clients may be given with it, not --{extra[0].replace('_', '-')}."
             )
         result = training.resume(
-            resume_dir, rounds=options.get("rounds"), device=options.get("device"), progress=progress
+            resume_dir,
+            rounds=options.get("rounds"),
+            device=options.get("device"),
+            parallel_clients=options.get("parallel_clients"),
+            progress=progress,
         )
     else:
         if out is None and not equal_data_access:
@@ -561,6 +571,7 @@ COMPARE_BASE_OPTIONS = (
     "accountant",
     "device",
     "engine",
+    "parallel_clients",
 )
 
 

@@ -436,8 +436,9 @@ def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
 
 def _comparable(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """A configuration without the fields that do not change results (where it trains, which engine runs the
-    clients)."""
-    return None if config is None else {key: value for key, value in config.items() if key not in ("device", "engine")}
+    clients, how many at once)."""
+    volatile = ("device", "engine", "parallel_clients")
+    return None if config is None else {key: value for key, value in config.items() if key not in volatile}
 
 
 def _outcome(accuracy: float, epsilon: float) -> str:

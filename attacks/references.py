@@ -140,11 +140,12 @@ class References:
 def _cache_key(run: RunDirectory, pool: Pool, seed: int, online: bool) -> dict:
     """What the references depend on: the run (its data, recipe, rounds and final weights), the pool and the seed."""
     manifest = run.read_manifest()
+    recipe = {key: value for key, value in run.read_config().items() if key != "parallel_clients"}  # scheduling only
     return {
         "format_version": FORMAT_VERSION,
         "dataset_fingerprint": manifest.dataset.fingerprint,
         "rounds": manifest.rounds_done,
-        "config": hashlib.sha256(json.dumps(run.read_config(), sort_keys=True).encode()).hexdigest(),
+        "config": hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest(),
         "model": hashlib.sha256(run.model_path.read_bytes()).hexdigest(),
         "pool": pool.digest(),
         "seed": seed,

@@ -24,7 +24,7 @@ import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedlap import FedLAP
-from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
+from fedaudit.config import DataConfig, FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError, load_dataset, partition_dataset
 from fedaudit.models import ModelSpec, build_model
 
@@ -91,13 +91,17 @@ def main() -> None:
         torch.manual_seed(0)
         model = build_model(spec)
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        data_config = DataConfig(dataset="fashion-mnist")  # its defaults: B = 256, the paper's learning rates
         lap = RunConfig(
+            data=data_config,
             federated=FederatedConfig(algorithm="fedlap", rounds=1),
             privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
             fedlap=FedLAPConfig(trajectories=args.trajectories, augment=args.augment),
         ).resolved()
+        assert lap.federated.batch_size == 256, lap.federated.batch_size
         queries = FedLAP().queries_per_round(lap, data.num_examples)
         avg = RunConfig(
+            data=data_config,
             federated=FederatedConfig(algorithm="fedavg", rounds=1, local_steps=queries),
             privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
         ).resolved()

@@ -1,11 +1,12 @@
-"""Per-sample gradient throughput: fedaudit's DP primitive vs Opacus' GradSampleModule (hooks) and Opacus' fastest
-mode, fast gradient clipping (GradSampleModuleFastGradientClipping, with and without ghost clipping).
+"""DP step throughput: fedaudit's DP primitive vs its previous code path, Opacus' GradSampleModule (hooks) and Opacus'
+fastest mode, fast gradient clipping (GradSampleModuleFastGradientClipping, with and without ghost clipping).
 
 All sides work on a batch of 256 28x28 images on the paper's ConvNet at widths 32 and 128, measured alternately in
-the same run; the ratios (Opacus time / our time, > 1 means we are faster) are what to compare across machines.
-"ours: grads" is per_sample_gradients alone (what Opacus' hooks produce), "ours: DP step" adds clipping, summing
-and noise (what a DP-SGD step needs; Opacus' optimizer does that on top of its grad samples). Opacus' fast gradient
-clipping gives the clipped sum directly (two backward passes), so it is compared with our DP step.
+the same run; the ratios (their time / our time, > 1 means we are faster) are what to compare across machines.
+"ours" is ``dp_gradient`` (layer-wise norms and clipped sum, noise); "previous" is the code path it replaced
+(torch.func per-sample gradients of the whole model, clip_and_sum, the same noise); "GSM" is Opacus' hooks
+producing every grad sample (before its optimizer clips and sums them, so a lower bound on its DP step). Opacus'
+fast gradient clipping gives the clipped sum directly (two backward passes), like our DP step.
 
 Peak memory (CPU, Linux): each DP step runs in a fresh process after one warm-up step; the peak resident set size
 is reset just before the measured step (/proc/self/clear_refs), and its growth over the size before the step is
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from twins import convnet_and_opacus_twin
 
-from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
+from fedaudit.privacy.primitive import add_noise, clip_and_sum, dp_gradient, per_sample_gradients
 
 
 def _time(fn, device: torch.device) -> float:
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--memory", action="store_true", help="also measure each DP step's peak memory (CPU)")
-    parser.add_argument("--child", choices=["ours", "fgc", "ghost"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["ours", "previous", "fgc", "ghost"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
@@ -62,8 +63,8 @@ def main() -> None:
         "input 1x28x28"
     )
     print(
-        f"{'width':>5} {'ours: grads (s)':>16} {'ours: DP step (s)':>18} {'opacus (s)':>11} "
-        f"{'ratio grads':>12} {'ratio DP step':>14} {'fgc (s)':>9} {'ghost (s)':>9} {'fastest / DP step':>16}"
+        f"{'width':>5} {'ours (s)':>9} {'previous (s)':>13} {'GSM (s)':>8} {'fgc (s)':>8} {'ghost (s)':>9} "
+        f"{'previous/ours':>14} {'GSM/ours':>9} {'fastest fgc/ghost / ours':>25}"
     )
     for width in args.widths:
         model, gsm = convnet_and_opacus_twin(width, device)
@@ -71,19 +72,11 @@ def main() -> None:
         y = torch.randint(0, 10, (args.batch,), device=device)
         generator = torch.Generator(device=device).manual_seed(0)
 
-        def ours_grads() -> None:
-            per_sample_gradients(model, x, y)
+        def ours() -> None:
+            dp_step(model, x, y, generator, previous=False)
 
-        def ours_dp() -> None:
-            dp_gradient(
-                model,
-                x,
-                y,
-                noise_multiplier=1.0,
-                max_grad_norm=1.0,
-                expected_batch_size=args.batch,
-                generator=generator,
-            )
+        def previous() -> None:
+            dp_step(model, x, y, generator, previous=True)
 
         def opacus() -> None:
             gsm.zero_grad(set_to_none=True)
@@ -92,7 +85,7 @@ def main() -> None:
             F.cross_entropy(gsm(x), y, reduction="sum").backward()
 
         fast = {ghost: fast_clipping_step(width, device, x, y, ghost=ghost) for ghost in (False, True)}
-        steps = {"grads": ours_grads, "dp": ours_dp, "opacus": opacus, "fgc": fast[False], "ghost": fast[True]}
+        steps = {"ours": ours, "previous": previous, "opacus": opacus, "fgc": fast[False], "ghost": fast[True]}
         for fn in steps.values():  # warm-up
             fn()
         times: dict[str, list[float]] = {key: [] for key in steps}
@@ -102,16 +95,27 @@ def main() -> None:
         med = {key: statistics.median(values) for key, values in times.items()}
         fastest = min(med["fgc"], med["ghost"])
         print(
-            f"{width:>5} {med['grads']:>16.3f} {med['dp']:>18.3f} {med['opacus']:>11.3f} "
-            f"{med['opacus'] / med['grads']:>12.2f} {med['opacus'] / med['dp']:>14.2f} {med['fgc']:>9.3f} "
-            f"{med['ghost']:>9.3f} {fastest / med['dp']:>16.2f}"
+            f"{width:>5} {med['ours']:>9.3f} {med['previous']:>13.3f} {med['opacus']:>8.3f} {med['fgc']:>8.3f} "
+            f"{med['ghost']:>9.3f} {med['previous'] / med['ours']:>14.2f} {med['opacus'] / med['ours']:>9.2f} "
+            f"{fastest / med['ours']:>25.2f}"
         )
         gsm._close()
     if args.memory and device.type == "cpu":
-        print(f"{'width':>5} {'ours: DP step (MB)':>19} {'opacus fgc (MB)':>16} {'opacus ghost (MB)':>18}")
+        print(f"{'width':>5} {'ours (MB)':>10} {'previous (MB)':>14} {'opacus fgc (MB)':>16} {'opacus ghost (MB)':>18}")
         for width in args.widths:
-            sizes = [_peak_growth(kind, width, args) for kind in ("ours", "fgc", "ghost")]
-            print(f"{width:>5} {sizes[0]:>19.0f} {sizes[1]:>16.0f} {sizes[2]:>18.0f}")
+            sizes = [_peak_growth(kind, width, args) for kind in ("ours", "previous", "fgc", "ghost")]
+            print(f"{width:>5} {sizes[0]:>10.0f} {sizes[1]:>14.0f} {sizes[2]:>16.0f} {sizes[3]:>18.0f}")
+
+
+def dp_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, *, previous: bool):
+    """One DP query with sigma = 1, C = 1: fedaudit's primitive, or the code path it replaced."""
+    if not previous:
+        dp_gradient(
+            model, x, y, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=len(y), generator=generator
+        )
+        return
+    summed, _ = clip_and_sum(per_sample_gradients(model, x, y), 1.0)
+    add_noise(summed, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=len(y), generator=generator)
 
 
 def fast_clipping_step(width: int, device: torch.device, x: torch.Tensor, y: torch.Tensor, *, ghost: bool):
@@ -149,14 +153,12 @@ def _child(kind: str, width: int, batch: int) -> None:
     device = torch.device("cpu")
     torch.manual_seed(0)
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-    if kind == "ours":
+    if kind in ("ours", "previous"):
         model, _ = convnet_and_opacus_twin(width, device)
         generator = torch.Generator().manual_seed(0)
 
         def step() -> None:
-            dp_gradient(
-                model, x, y, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch, generator=generator
-            )
+            dp_step(model, x, y, generator, previous=kind == "previous")
     else:
         step = fast_clipping_step(width, device, x, y, ghost=kind == "ghost")
     step()  # warm-up: lazy initialisation is not the step's memory

@@ -167,6 +167,9 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"
     engine: str = "local"  # who runs the clients: in-process, or Flower's simulation runtime (same results)
+    # How many clients the local engine runs at once (threads; CUDA streams on a GPU); None: all of a round's
+    # clients on CUDA, one at a time on CPU. Results do not depend on it.
+    parallel_clients: int | None = None
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
@@ -255,6 +258,15 @@ class RunConfig:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
         _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
         _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'.")
+        _check(
+            self.parallel_clients is None or (_is_int(self.parallel_clients) and self.parallel_clients >= 1),
+            f"--parallel-clients must be a positive integer, got {self.parallel_clients!r}.",
+        )
+        _check(
+            self.engine == "local" or self.parallel_clients in (None, 1),
+            "--parallel-clients is for the local engine; Flower's runtime runs clients in parallel itself "
+            "(its client resources decide how many).",
+        )
         _check(
             _is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
             f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.",

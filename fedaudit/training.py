@@ -96,6 +96,7 @@ def resume(
     *,
     rounds: int | None = None,
     device: str | None = None,
+    parallel_clients: int | None = None,
     progress: bool = True,
     echo: Echo = tqdm.write,
 ) -> TrainResult:
@@ -109,6 +110,8 @@ def resume(
         run_dir: the run directory.
         rounds: a new total number of rounds (not fewer than done; not more for a ``--target-epsilon`` run).
         device: where the rest of the run trains (the results do not depend on it).
+        parallel_clients: how many clients the local engine runs at once from now on (the results do not depend on
+            it either).
         progress: show progress bars.
         echo: receives one line per round.
 
@@ -131,6 +134,9 @@ def resume(
                 f"{config.federated.rounds} rounds; more rounds would spend more than that budget, so start a new run."
             )
         config = replace(config, federated=replace(config.federated, rounds=rounds))
+    if parallel_clients is not None:
+        config = replace(config, parallel_clients=parallel_clients)
+        config.validate()
     setup = prepare(config, device=device)
     run.check_dataset(setup.dataset)
     stored = run.read_membership()

@@ -169,6 +169,9 @@ def load_params(model: nn.Module, params: TensorDict) -> None:
 
 
 def flat_distance(a: TensorDict, b: TensorDict) -> float:
-    """||a - b||_2 over all parameters flattened into one vector (the trust-region distance)."""
-    total = sum(float((a[name].detach() - b[name].detach()).pow(2).sum()) for name in a)
-    return math.sqrt(total)
+    """||a - b||_2 over all parameters flattened into one vector (the trust-region distance).
+
+    One read-back from the device per call (the per-tensor sums are added in float64 there).
+    """
+    squares = torch.stack([(a[name].detach() - b[name].detach()).pow(2).sum() for name in a])
+    return math.sqrt(float(squares.to(torch.float64).sum()))

@@ -128,8 +128,8 @@ class FedAvg:
             loss.backward()
             self._apply_prox(model, global_params)
             optimizer.step()
-            losses.append(float(loss.detach()))
-        return {"train_loss": sum(losses) / len(losses), "local_steps": float(len(batches))}
+            losses.append(loss.detach())
+        return {"train_loss": float(torch.stack(losses).double().mean()), "local_steps": float(len(batches))}
 
     def _train_dp(
         self,

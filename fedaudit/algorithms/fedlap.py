@@ -75,12 +75,12 @@ class _MatchingStats:
     queries: int = 0  # real-gradient targets computed (one DP query each under DP)
     loops: int = 0  # loops started inside the trust region, over all trajectories
     image_steps: int = 0
-    first_loss: float | None = None  # matching loss of the first and of the last image step
-    last_loss: float | None = None
+    first_loss: torch.Tensor | None = None  # matching loss of the first and of the last image step (kept on the
+    last_loss: torch.Tensor | None = None  # device: reading a loss back each step would stall an accelerator)
     max_distance: float = 0.0  # largest ||w - w_g|| seen
     last_step_start: float = 0.0  # largest distance before the step that left the trust region
 
-    def image_step(self, loss: float) -> None:
+    def image_step(self, loss: torch.Tensor) -> None:
         self.image_steps += 1
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
@@ -91,8 +91,8 @@ class _MatchingStats:
 
     def metrics(self, radius: float) -> dict[str, float]:
         return {
-            "matching_loss_first": float(self.first_loss or 0.0),
-            "matching_loss_last": float(self.last_loss or 0.0),
+            "matching_loss_first": 0.0 if self.first_loss is None else float(self.first_loss),
+            "matching_loss_last": 0.0 if self.last_loss is None else float(self.last_loss),
             "radius": float(radius),
             "loops": float(self.loops),
             "real_queries": float(self.queries),
@@ -349,7 +349,7 @@ class FedLAP:
         loss = F.cross_entropy(functional_call(model, leaves, (x,)), y)
         return [g.detach() for g in torch.autograd.grad(loss, list(leaves.values()))]
 
-    def _image_step(self, work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> float:
+    def _image_step(self, work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> torch.Tensor:
         """One second-order update of the synthetic images towards the real gradient ``target`` at ``params``."""
         lap = work.lap
         leaves = {name: params[name].detach().requires_grad_(True) for name in work.global_params}
@@ -360,7 +360,7 @@ class FedLAP:
         work.image_opt.zero_grad(set_to_none=False)
         (work.images.grad,) = torch.autograd.grad(distance, [work.images])
         work.image_opt.step()
-        return float(distance.detach())
+        return distance.detach()
 
     def _train(
         self,

@@ -22,4 +22,4 @@ def make_engine(
         from fedaudit.engine.flower import FlowerEngine
 
         return FlowerEngine(config, num_clients=num_clients)  # replies come back together: no per-client bar
-    return LocalEngine(progress=progress, echo=echo)
+    return LocalEngine(progress=progress, echo=echo, parallel=config.parallel_clients)

@@ -116,13 +116,16 @@ def trace_layers(
     return traces
 
 
-def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor]) -> TensorDict:
-    """Squared per-sample gradient norm of each of the layer's parameters, shape [B] each, by params-dict name."""
+def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor], *, for_sum: bool = True) -> TensorDict:
+    """Squared per-sample gradient norm of each of the layer's parameters, shape [B] each, by params-dict name.
+
+    ``for_sum``: a clipped sum follows, so per-sample gradients that are cheap to hold are kept for it.
+    """
     module, a, b = layer.module, layer.inputs, layer.output_grads
     if isinstance(module, nn.Linear):
         local = _linear_sq_norms(a, b)
     elif isinstance(module, nn.Conv2d) and _plain_conv(module):
-        local, layer.kept = _conv2d_sq_norms(module, a, b)
+        local, layer.kept = _conv2d_sq_norms(module, a, b, keep=for_sum)
     elif isinstance(module, nn.GroupNorm):
         layer.kept = _group_norm_grads(module, a, b)
         local = {name: g.flatten(1).pow(2).sum(1) for name, g in layer.kept.items()}
@@ -156,7 +159,9 @@ def _linear_sq_norms(a: torch.Tensor, b: torch.Tensor) -> TensorDict:
     return {"weight": _outer_sum_sq_norms(a3, b3), "bias": b3.sum(1).pow(2).sum(1)}
 
 
-def _conv2d_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> tuple[TensorDict, TensorDict]:
+def _conv2d_sq_norms(
+    module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool
+) -> tuple[TensorDict, TensorDict]:
     """Squared per-sample norms of a convolution's weight and bias, and the per-sample gradients where they are
     small enough to keep (then the clipped sum is a weighted sum of them)."""
     batch, groups = a.shape[0], module.groups
@@ -172,7 +177,7 @@ def _conv2d_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> tup
         b3 = b.reshape(batch, groups, p, positions).transpose(2, 3).reshape(batch * groups, positions, p)
         weight = _outer_sum_sq_norms(a3, b3).view(batch, groups).sum(1)
         return {"weight": weight, "bias": bias.pow(2).sum(1)}, {}
-    keep = batch * module.weight.numel() <= CHUNK_ELEMENTS
+    keep = keep and batch * module.weight.numel() <= CHUNK_ELEMENTS
     chunk = max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // module.weight.numel()))
     squares, kept = [], []
     for start in range(0, batch, chunk):

@@ -101,7 +101,7 @@ def per_sample_sq_norms(
         return {name: g.flatten(start_dim=1).pow(2).sum(dim=1) for name, g in grads.items()}
     squares: TensorDict = {}
     for layer in traces:
-        squares.update(layer_sq_norms(layer, params))
+        squares.update(layer_sq_norms(layer, params, for_sum=False))
     return {name: squares[name] for name in params}
 
 

@@ -78,3 +78,31 @@ def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path):
     for name in ("a", "b"):
         assert invoke("train", *args, "--out", tmp_path / name).exit_code == 0
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_the_layer_wise_dp_query_on_the_gpu_equals_the_cpu():
+    from fedaudit.privacy.primitive import clipped_sum
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=64, depth=3))
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    cpu, cpu_norms = clipped_sum(model, x, y, 0.5)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        gpu, gpu_norms = clipped_sum(model.cuda(), x.cuda(), y.cuda(), 0.5)
+    torch.testing.assert_close(gpu_norms.cpu(), cpu_norms, rtol=1e-3, atol=1e-5)
+    for name, value in cpu.items():
+        torch.testing.assert_close(gpu[name].cpu(), value, rtol=1e-3, atol=1e-5)
+
+
+def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path):
+    from safetensors.torch import load_file
+
+    args = (*ON_GPU, "--algorithm", "fedlap", "--dp", "--ipc", "2", "--trajectories", "1", "--rounds", "2")
+    for name, parallel in (("together", "5"), ("one", "1"), ("again", "5")):
+        assert invoke("train", *args, "--parallel-clients", parallel, "--out", tmp_path / name).exit_code == 0
+    models = {name: load_file(str(tmp_path / name / "model.safetensors")) for name in ("together", "one", "again")}
+    for key, value in models["one"].items():
+        torch.testing.assert_close(models["together"][key], value, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "together" / "model.safetensors").read_bytes() == (
+        tmp_path / "again" / "model.safetensors"
+    ).read_bytes()

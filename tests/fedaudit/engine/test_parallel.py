@@ -1,0 +1,130 @@
+"""Clients run several at once by the local engine (threads): the same messages, runs and resumes, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, tree_digest
+from torch import nn
+
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
+from fedaudit.config import RunConfig
+from fedaudit.engine.local import LocalEngine
+from fedaudit.seeding import Stream, make_generator
+
+FEDLAP = (
+    *"--dp --algorithm fedlap --ipc 2 --trajectories 1 --max-loops 2 --real-batches 2 --image-steps 2".split(),
+    *"--init previous --client-fraction 0.6 --save-transmitted".split(),
+)
+VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the settings, or hold wall-clock times
+
+
+def comparable(run: Path) -> dict[str, str]:
+    """Digests of every file whose bytes do not depend on how the clients were scheduled or on the clock."""
+    return {
+        name: value
+        for name, value in tree_digest(run).items()
+        if name not in VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))
+    }
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert comparable(a) == comparable(b)
+    metrics = [pd.read_csv(run / "metrics.csv").drop(columns="wall_seconds") for run in (a, b)]
+    pd.testing.assert_frame_equal(*metrics)
+
+
+class ThreadRecorder:
+    """A fake Algorithm that notes which thread and model ran each client, and waits so that clients overlap."""
+
+    name = "recorder"
+
+    def __init__(self, fail: int | None = None) -> None:
+        self.calls: dict[int, tuple[str, nn.Module, torch.Generator]] = {}
+        self.lock = threading.Lock()
+        self.fail = fail
+
+    def client_update(self, model, global_params, data, ctx, generator, state=None) -> ClientMessage:
+        if data.client_id == self.fail:
+            raise RuntimeError(f"client {data.client_id} failed")
+        with self.lock:
+            self.calls[data.client_id] = (threading.current_thread().name, model, generator)
+        delta = model.weight.detach().sum() + torch.rand(1, generator=generator)
+        return ClientMessage(data.client_id, data.num_examples, {"delta": delta})
+
+
+def _run(engine: LocalEngine, algorithm, ids: list[int]):
+    data = [ClientData(k, torch.zeros(k + 1, 1, 2, 2), torch.zeros(k + 1, dtype=torch.long)) for k in ids]
+    ctx = RoundContext(0, 1, RunConfig(), torch.device("cpu"))
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+
+    def generator(client_id: int) -> torch.Generator:
+        return make_generator(0, Stream.CLIENT, 0, client_id)
+
+    return engine.run_clients(algorithm, model, {"w": torch.ones(2)}, data, ctx, generator, {}), model
+
+
+def test_parallel_clients_answer_in_order_from_their_own_model_copies():
+    ids = [4, 0, 3, 1, 2]
+    sequential, _ = _run(LocalEngine(progress=False), ThreadRecorder(), ids)
+    recorder = ThreadRecorder()
+    parallel, model = _run(LocalEngine(progress=False, parallel=3), recorder, ids)
+    assert [m.client_id for m in parallel] == ids
+    assert all(torch.equal(a.payload["delta"], b.payload["delta"]) for a, b in zip(sequential, parallel))
+    assert sorted(recorder.calls) == sorted(ids)
+    assert all(name.startswith("fedaudit-client") for name, _, _ in recorder.calls.values())
+    copies = [copy for _, copy, _ in recorder.calls.values()]
+    assert all(copy is not model for copy in copies) and len({id(copy) for copy in copies}) == len(ids)
+
+
+def test_one_client_or_one_at_a_time_stays_in_this_thread():
+    recorder = ThreadRecorder()
+    _run(LocalEngine(progress=False, parallel=4), recorder, [2])
+    _run(LocalEngine(progress=False, parallel=1), recorder, [0, 1])
+    assert {name for name, _, _ in recorder.calls.values()} == {threading.current_thread().name}
+
+
+def test_a_failing_parallel_client_propagates():
+    with pytest.raises(RuntimeError, match="client 3 failed"):
+        _run(LocalEngine(progress=False, parallel=2), ThreadRecorder(fail=3), [0, 3, 1, 2])
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedlap"])
+def test_a_run_with_parallel_clients_is_the_sequential_run(tmp_path, cli, algorithm):
+    args = (*FAST_ARGS, "--rounds", "2", "--dp", *(FEDLAP if algorithm == "fedlap" else ("--algorithm", "fedavg")))
+    sequential, parallel = tmp_path / "sequential", tmp_path / "parallel"
+    assert cli("train", *args, "--out", sequential).exit_code == 0
+    assert cli("train", *args, "--parallel-clients", "3", "--out", parallel).exit_code == 0
+    assert json.loads((parallel / "config.json").read_text())["parallel_clients"] == 3
+    assert_same_run(parallel, sequential)
+
+
+def test_an_interrupted_run_resumes_with_parallel_clients(tmp_path, cli, monkeypatch):
+    args = (*FAST_ARGS, "--rounds", "3", *FEDLAP)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert cli("train", *args, "--out", whole).exit_code == 0
+    interrupt_in_round(monkeypatch, 2)
+    assert cli("train", *args, "--out", resumed).exit_code == 1
+    monkeypatch.undo()
+    assert cli("train", "--resume", resumed, "--parallel-clients", "2", "--no-progress").exit_code == 0
+    assert json.loads((resumed / "config.json").read_text())["parallel_clients"] == 2
+    assert_same_run(resumed, whole)
+
+
+@pytest.mark.parametrize(
+    ("extra", "mentions"),
+    [
+        (("--parallel-clients", "0"), "--parallel-clients must be a positive integer"),
+        (("--parallel-clients", "2", "--engine", "flower"), "--parallel-clients is for the local engine"),
+    ],
+)
+def test_bad_parallel_clients_are_one_sentence(tmp_path, cli, extra, mentions):
+    out = tmp_path / "run"
+    assert_user_error(cli("train", *FAST_ARGS, *extra, "--out", out), mentions=mentions)
+    assert not out.exists()
