@@ -254,6 +254,27 @@ def main() -> None:
     "the same seed gives the same run on both. [default: local]",
 )
 @click.option(
+    "--superlink",
+    help="HOST:PORT of a Flower SuperLink: with --engine flower, the clients run on the SuperNodes of that "
+    "deployment, one per site (docs/deployment.md), instead of Flower's simulation runtime.",
+)
+@click.option(
+    "--root-certificates",
+    type=click.Path(dir_okay=False),
+    help="The CA certificate (PEM) that signed the SuperLink's TLS certificate.",
+)
+@click.option("--insecure", is_flag=True, default=None, help="Talk to the SuperLink without TLS (only when asked).")
+@click.option(
+    "--wait-seconds",
+    type=float,
+    help="How long to wait for every client's SuperNode to connect. [default: 300]",
+)
+@click.option(
+    "--round-timeout",
+    type=float,
+    help="How long a round may wait for a site that neither answers nor dies. [default: 3600]",
+)
+@click.option(
     "--parallel-clients",
     type=int,
     help="How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU); the "
@@ -292,21 +313,23 @@ def train(
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if resume_dir is not None:
         extra = (
-            sorted(given - {"rounds", "device", "parallel_clients"})
+            sorted(given - {"rounds", "device", *RESUME_SETTINGS})
             + (["config"] if config_file else [])
             + (["out"] if out else [])
             + (["overwrite"] if overwrite else [])
         )
         if extra:
             raise TrainingError(
-                f"--resume continues a run with its stored configuration; only --rounds, --device and "
-                f"--parallel-clients may be given with it, not --{extra[0].replace('_', '-')}."
+                "--resume continues a run with its stored configuration; only --rounds, --device, "
+                "--parallel-clients and a Flower deployment's connection (--superlink, --root-certificates, "
+                "--insecure, --wait-seconds, --round-timeout) may be given with it, "
+                f"not --{extra[0].replace('_', '-')}."
             )
         result = training.resume(
             resume_dir,
             rounds=options.get("rounds"),
             device=options.get("device"),
-            parallel_clients=options.get("parallel_clients"),
+            settings={name: options.get(name) for name in RESUME_SETTINGS},
             progress=progress,
         )
     else:
@@ -548,6 +571,9 @@ def _finish_report(outcome: Any) -> None:
         if EXIT_CODES[outcome.verdict]:
             sys.exit(EXIT_CODES[outcome.verdict])
 
+
+# Options of `train --resume` that change how a run is carried out, never its results.
+RESUME_SETTINGS = ("parallel_clients", "superlink", "root_certificates", "insecure", "wait_seconds", "round_timeout")
 
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
 COMPARE_BASE_OPTIONS = (

@@ -140,7 +140,9 @@ class References:
 def _cache_key(run: RunDirectory, pool: Pool, seed: int, online: bool) -> dict:
     """What the references depend on: the run (its data, recipe, rounds and final weights), the pool and the seed."""
     manifest = run.read_manifest()
-    recipe = {key: value for key, value in run.read_config().items() if key != "parallel_clients"}  # scheduling only
+    recipe = {  # without the settings that change how a run is carried out, never its results
+        key: value for key, value in run.read_config().items() if key not in ("parallel_clients", "deployment")
+    }
     return {
         "format_version": FORMAT_VERSION,
         "dataset_fingerprint": manifest.dataset.fingerprint,

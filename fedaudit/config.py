@@ -100,6 +100,22 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class DeploymentConfig:
+    """Where a Flower deployment's SuperLink is (``--engine flower --superlink``), and how to talk to it.
+
+    Without ``superlink``, ``--engine flower`` runs Flower's simulation runtime on this machine. With it, fedaudit
+    is the server of a federation whose clients run on SuperNodes at their sites (docs/deployment.md). These are
+    connection settings: the results do not depend on them.
+    """
+
+    superlink: str | None = None  # HOST:PORT of the SuperLink (its one HTTPS port)
+    root_certificates: str | None = None  # the CA certificate (PEM) that signed the SuperLink's certificate
+    insecure: bool = False  # plain HTTP instead of TLS (only when asked for)
+    wait_seconds: float = 300.0  # how long to wait for every client's SuperNode to connect
+    round_timeout: float = 3600.0  # how long a round may wait for a site that neither answers nor dies
+
+
+@dataclass(frozen=True)
 class PrivacyConfig:
     """Record-level DP: the mechanism's parameters and how it is accounted."""
 
@@ -176,6 +192,7 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     save_transmitted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,6 +271,41 @@ class RunConfig:
         config.validate()
         return config
 
+    def _validate_deployment(self) -> None:
+        dep = self.deployment
+        if dep.superlink is None:
+            _check(
+                dep.root_certificates is None and not dep.insecure,
+                "--root-certificates and --insecure are for a Flower deployment: give --superlink HOST:PORT too.",
+            )
+            return
+        _check(self.engine == "flower", "--superlink needs --engine flower (the clients run on Flower SuperNodes).")
+        host, _, port = str(dep.superlink).rpartition(":")
+        _check(
+            bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host,
+            f"--superlink must be HOST:PORT (no scheme), got '{dep.superlink}'.",
+        )
+        _check(
+            not (dep.insecure and dep.root_certificates),
+            "--insecure turns TLS off, so it cannot be given with --root-certificates; choose one.",
+        )
+        _check(
+            dep.insecure or dep.root_certificates is not None,
+            "A Flower deployment talks TLS: give --root-certificates CA.crt (the CA that signed the SuperLink's "
+            "certificate), or --insecure to send everything in the clear.",
+        )
+        if dep.root_certificates is not None:
+            _check(
+                Path(dep.root_certificates).is_file(),
+                f"--root-certificates {dep.root_certificates} is not a readable file.",
+            )
+        for name in ("wait_seconds", "round_timeout"):
+            value = getattr(dep, name)
+            _check(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}.",
+            )
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
         _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
@@ -262,6 +314,7 @@ class RunConfig:
             self.parallel_clients is None or (_is_int(self.parallel_clients) and self.parallel_clients >= 1),
             f"--parallel-clients must be a positive integer, got {self.parallel_clients!r}.",
         )
+        self._validate_deployment()
         _check(
             self.engine == "local" or self.parallel_clients in (None, 1),
             "--parallel-clients is for the local engine; Flower's runtime runs clients in parallel itself "
@@ -471,6 +524,7 @@ _SECTION_TYPES: dict[str, type] = {
     "privacy": PrivacyConfig,
     "fedlap": FedLAPConfig,
     "audit": AuditConfig,
+    "deployment": DeploymentConfig,
 }
 
 

@@ -44,10 +44,17 @@ class Setup:
     canaries: Canaries | None = None  # planted for a canary audit (--canaries)
 
 
-def engine_unavailable(name: str) -> str | None:
+def engine_unavailable(name: str, *, deployment: bool = False) -> str | None:
     """None when the engine ``name`` can run here, else one sentence saying what to install (an import probe: the
-    engines themselves depend on this module, not the other way round)."""
+    engines themselves depend on this module, not the other way round). A Flower deployment needs Flower only; its
+    simulation runtime needs Ray as well."""
     if name != "flower":
+        return None
+    if deployment:
+        try:
+            import flwr.superlink.grid  # noqa: F401
+        except ImportError:
+            return "--engine flower --superlink needs Flower: install it with pip install 'fedaudit[flower]'."
         return None
     try:
         import flwr.simulation  # noqa: F401
@@ -73,7 +80,7 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
     population records this way).
     """
     config = config.resolved()
-    missing = engine_unavailable(config.engine)
+    missing = engine_unavailable(config.engine, deployment=config.deployment.superlink is not None)
     if missing:
         raise TrainingError(missing)
     if dataset is None:

@@ -12,7 +12,7 @@ import base64
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fedaudit.algorithms.base import ClientMessage, RoundContext, TensorDict, clone_params, load_params
-from fedaudit.config import RunConfig
+from fedaudit.config import RunConfig, option_field
 from fedaudit.engine import Engine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, round_events
@@ -96,7 +96,7 @@ def resume(
     *,
     rounds: int | None = None,
     device: str | None = None,
-    parallel_clients: int | None = None,
+    settings: Mapping[str, Any] | None = None,
     progress: bool = True,
     echo: Echo = tqdm.write,
 ) -> TrainResult:
@@ -110,8 +110,9 @@ def resume(
         run_dir: the run directory.
         rounds: a new total number of rounds (not fewer than done; not more for a ``--target-epsilon`` run).
         device: where the rest of the run trains (the results do not depend on it).
-        parallel_clients: how many clients the local engine runs at once from now on (the results do not depend on
-            it either).
+        settings: configuration fields the results do not depend on either, by option name (``parallel_clients``
+            and the Flower deployment's connection: ``superlink``, ``root_certificates``, ``insecure``,
+            ``wait_seconds``, ``round_timeout``); ``None`` values are ignored.
         progress: show progress bars.
         echo: receives one line per round.
 
@@ -134,8 +135,8 @@ def resume(
                 f"{config.federated.rounds} rounds; more rounds would spend more than that budget, so start a new run."
             )
         config = replace(config, federated=replace(config.federated, rounds=rounds))
-    if parallel_clients is not None:
-        config = replace(config, parallel_clients=parallel_clients)
+    if settings:
+        config = config.with_overrides({option_field(name): value for name, value in settings.items()})
         config.validate()
     setup = prepare(config, device=device)
     run.check_dataset(setup.dataset)
@@ -374,7 +375,13 @@ def _run_rounds(
     rounds, start = setup.config.federated.rounds, manifest.rounds_done
     state.params = {name: p.to(setup.device) for name, p in state.params.items()}
     accuracy = float(state.rows[-1]["test_accuracy"]) if state.rows else math.nan
-    with make_engine(setup.config, num_clients=len(setup.partition.clients), progress=progress, echo=echo) as engine:
+    with make_engine(
+        setup.config,
+        num_clients=len(setup.partition.clients),
+        progress=progress,
+        echo=echo,
+        membership=setup.partition.clients,
+    ) as engine:
         loop = _RoundLoop(setup, run, engine)
         try:
             for m in tqdm(

@@ -87,15 +87,25 @@ def _query(message: Any, context: Any) -> Any:
 
 
 def _train(message: Any, context: Any) -> Any:
-    """One client round: the same ``client_update`` as the local engine, with the client's own derived generator."""
+    """One client round on a simulated SuperNode (its node config names the client as ``partition-id``)."""
+    return client_round(message, int(context.node_config["partition-id"]))
+
+
+def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
+    """One client round: the same ``client_update`` as the local engine, with the client's own derived generator.
+
+    ``hosted`` is the client this SuperNode serves; ``data_dir`` replaces the run's data directory (a site's own).
+    """
     from flwr.app import ConfigRecord, Message, RecordDict
 
     task = message.content["task"]
-    config_json, client, round_index = str(task["config"]), int(task["client"]), int(task["round"])
-    if client != int(context.node_config["partition-id"]):
-        raise RuntimeError(
-            f"SuperNode of client {context.node_config['partition-id']} was sent client {client}'s work."
-        )
+    config_json, client, round_index = (
+        site_config(str(task["config"]), data_dir),
+        int(task["client"]),
+        int(task["round"]),
+    )
+    if client != hosted:
+        raise RuntimeError(f"SuperNode of client {hosted} was sent client {client}'s work.")
     setup, model = _client_side(config_json)
     config, algorithm, device = setup.config, setup.algorithm, setup.device
     repeatable(device)
@@ -115,12 +125,57 @@ def _train(message: Any, context: Any) -> Any:
                 "num_examples": result.num_examples,
                 "metrics": json.dumps(result.metrics),
                 "events": json.dumps([event.to_dict() for event in result.privacy_events]),
+                "fingerprint": setup.dataset.fingerprint,
             }
         ),
     }
     if result.state:
         content["state"] = _to_record(result.state)
     return Message(content=RecordDict(content), reply_to=message)
+
+
+def site_config(config_json: str, data_dir: str | None) -> str:
+    """The run's configuration as a site sees it: with the site's own data directory, when it names one."""
+    if data_dir is None:
+        return config_json
+    config = json.loads(config_json)
+    config["data"]["data_dir"] = data_dir
+    return json.dumps(config, sort_keys=True)
+
+
+def train_message(
+    config_json: str,
+    global_params: TensorDict,
+    data: ClientData,
+    ctx: RoundContext,
+    state: TensorDict | None,
+    node: int,
+) -> Any:
+    """The Flower message that asks the SuperNode ``node`` for one round of client ``data.client_id``."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    content = {
+        "global": _to_record(global_params),
+        "task": ConfigRecord(
+            {"config": config_json, "client": data.client_id, "round": ctx.round, "rounds": ctx.rounds}
+        ),
+    }
+    if state is not None:
+        content["state"] = _to_record(state)
+    return Message(content=RecordDict(content), message_type="train", dst_node_id=node)
+
+
+def client_message(reply: Any, device: torch.device) -> ClientMessage:
+    """The :class:`ClientMessage` that a client's reply carries."""
+    info = reply.content["info"]
+    return ClientMessage(
+        client_id=int(info["client"]),
+        num_examples=int(info["num_examples"]),
+        payload=_from_record(reply.content["payload"], device),
+        metrics={k: float(v) for k, v in json.loads(str(info["metrics"])).items()},
+        privacy_events=[SGMEvent.from_dict(e) for e in json.loads(str(info["events"]))],
+        state=_from_record(reply.content["state"], device) if "state" in reply.content else {},
+    )
 
 
 def _client_app() -> Any:
@@ -169,38 +224,22 @@ class FlowerEngine:
         states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
         """Send each selected client its round and wait for every reply; a client's failure is raised here."""
-        from flwr.app import ConfigRecord, Message, RecordDict
-
         if self._thread is None:
             self._start()
-        requests = []
-        for data in clients:
-            content = {
-                "global": _to_record(global_params),
-                "task": ConfigRecord(
-                    {"config": self.config_json, "client": data.client_id, "round": ctx.round, "rounds": ctx.rounds}
-                ),
-            }
-            if data.client_id in states:
-                content["state"] = _to_record(states[data.client_id])
-            requests.append(
-                Message(content=RecordDict(content), message_type="train", dst_node_id=self._node_of[data.client_id])
+        requests = [
+            train_message(
+                self.config_json, global_params, data, ctx, states.get(data.client_id), self._node_of[data.client_id]
             )
+            for data in clients
+        ]
         self._requests.put(requests)
         replies = self._receive()
         messages = {}
         for reply in replies:
             if reply.has_error():
                 raise RuntimeError(f"A client failed on Flower: {reply.error.reason}")
-            info = reply.content["info"]
-            messages[int(info["client"])] = ClientMessage(
-                client_id=int(info["client"]),
-                num_examples=int(info["num_examples"]),
-                payload=_from_record(reply.content["payload"], ctx.device),
-                metrics={k: float(v) for k, v in json.loads(str(info["metrics"])).items()},
-                privacy_events=[SGMEvent.from_dict(e) for e in json.loads(str(info["events"]))],
-                state=_from_record(reply.content["state"], ctx.device) if "state" in reply.content else {},
-            )
+            message = client_message(reply, ctx.device)
+            messages[message.client_id] = message
         missing = [data.client_id for data in clients if data.client_id not in messages]
         if missing:
             raise RuntimeError(f"Flower returned no reply from client {missing[0]}.")

@@ -1,0 +1,420 @@
+"""Flower's deployment runtime: each client runs on a SuperNode at its own site, the fedaudit process is the server.
+
+A user starts a SuperLink (``flower-superlink --isolation process``), one SuperNode per site whose node config
+names its client (``--node-config 'client-id=0 data-dir="/site/data"'``), and ``fedaudit train --engine flower
+--superlink HOST:PORT --root-certificates ca.crt``. This engine then does what ``flwr run`` and Flower's
+ServerApp process would do, inside the training process, so the round loop, run directory, ledger,
+checkpoints and audit stay exactly those of the local engine:
+
+1. submit a run to the SuperLink (a FAB holding only a ``pyproject.toml``: the ClientApp is this module's
+   :data:`client_app`, imported from the fedaudit installed at each site), claim its ServerApp task and keep it
+   alive with a heartbeat;
+2. wait until every client's SuperNode is connected, and ask each which client it hosts and which records it
+   holds (their indices in the dataset and the data's fingerprint: no record leaves a site). A client claimed by
+   two SuperNodes, or a site whose records are not the run's partition, is refused;
+3. each round, send the selected clients the global model and what they kept, and turn the replies back into
+   client messages. A site that dies (no heartbeat for a minute) or does not answer within ``round_timeout``
+   ends the round with one sentence naming it; nothing of that round is committed, so ``--resume`` continues
+   once the site is back. A site whose data fingerprint changes during the run is refused.
+
+Every site computes exactly what the local engine's client computes (the same ``client_update`` with the same
+derived generator), so the run is the same, byte for byte. The Flower APIs used for step 1 are internal ones of
+Flower 1.41 (the ``flower`` extra pins it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+from fedaudit.config import RunConfig
+from fedaudit.engine.flower import _client_side, client_message, client_round, site_config, train_message
+from fedaudit.errors import UserError
+
+ACQUIRE_SECONDS = 20.0  # how long the SuperLink may take to hand this process its run's ServerApp task
+POLL_SECONDS = 0.2
+NODE_UNAVAILABLE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE
+
+PYPROJECT = b"""[project]
+name = "fedaudit-deployment"
+version = "1.0.0"
+description = "fedaudit clients on Flower SuperNodes (the ClientApp comes from the fedaudit installed at each site)"
+
+[tool.flwr.app]
+publisher = "fedaudit"
+
+[tool.flwr.app.components]
+serverapp = "fedaudit.engine.deployment:server_app"
+clientapp = "fedaudit.engine.deployment:client_app"
+
+[tool.flwr.app.config]
+"""
+
+
+class DeploymentError(UserError):
+    """The federation cannot carry the run (a site missing, dead, duplicated or holding other data)."""
+
+
+# ---------------------------------------------------------------------------- the ClientApp (runs at each site)
+
+
+def _site(context: Any) -> tuple[int, str | None]:
+    node = context.node_config
+    if "client-id" not in node:
+        raise RuntimeError("this SuperNode has no client-id in its --node-config, so it hosts no fedaudit client")
+    data_dir = node.get("data-dir")
+    return int(node["client-id"]), None if data_dir in (None, "") else str(data_dir)
+
+
+def _hello(message: Any, context: Any) -> Any:
+    """Which client this site hosts and which records it holds (indices into the dataset, and its fingerprint)."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+    client, data_dir = _site(context)
+    setup, _ = _client_side(site_config(str(message.content["task"]["config"]), data_dir))
+    records = (
+        np.asarray(setup.partition.clients[client], dtype=np.int64) if client < len(setup.partition.clients) else None
+    )
+    content = {"site": ConfigRecord({"client": client, "fingerprint": setup.dataset.fingerprint})}
+    if records is not None:
+        content["records"] = ArrayRecord({"index": Array(np.ascontiguousarray(records))})
+    return Message(content=RecordDict(content), reply_to=message)
+
+
+def _train(message: Any, context: Any) -> Any:
+    client, data_dir = _site(context)
+    return client_round(message, client, data_dir)
+
+
+def _make_client_app() -> Any:
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+    app.query()(_hello)
+    app.train()(_train)
+    return app
+
+
+def _make_server_app() -> Any:
+    from flwr.serverapp import ServerApp
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Any, context: Any) -> None:  # the fedaudit process is the server; this one is never started
+        raise RuntimeError("fedaudit's deployment runs need the SuperLink started with --isolation process")
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    """``client_app`` / ``server_app`` for Flower's component loader, built on first use (Flower imports lazily)."""
+    if name == "client_app":
+        return _make_client_app()
+    if name == "server_app":
+        return _make_server_app()
+    raise AttributeError(name)
+
+
+# ---------------------------------------------------------------------------- the engine (server side)
+
+
+class DeploymentEngine:
+    """Runs the selected clients of each round on their sites' SuperNodes, through a SuperLink."""
+
+    name = "flower"
+
+    def __init__(self, config: RunConfig, *, num_clients: int, membership: Sequence[np.ndarray]) -> None:
+        dep = config.deployment
+        self.config_json = _config_json(config)
+        self.address = str(dep.superlink)
+        self.insecure = bool(dep.insecure)
+        self.certificates = None if dep.root_certificates is None else Path(dep.root_certificates).read_bytes()
+        self.wait_seconds = float(dep.wait_seconds)
+        self.round_timeout = float(dep.round_timeout)
+        self.num_clients = num_clients
+        self.membership = [np.asarray(m, dtype=np.int64) for m in membership]
+        self._grid: Any = None
+        self._control: Any = None
+        self._context: Any = None
+        self._heartbeat: Any = None
+        self._task_alive = True
+        self._node_of: dict[int, int] = {}
+        self._fingerprint: dict[int, str] = {}
+        self._ok = False
+
+    def __enter__(self) -> DeploymentEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(completed=exc[0] is None)
+
+    # -- rounds
+
+    def run_clients(
+        self,
+        algorithm: Algorithm,
+        model: nn.Module,
+        global_params: TensorDict,
+        clients: Sequence[ClientData],
+        ctx: RoundContext,
+        make_generator: Callable[[int], torch.Generator],
+        states: Mapping[int, TensorDict],
+    ) -> list[ClientMessage]:
+        """Send each selected client its round and wait for every reply; a dead, silent or changed site is raised."""
+        if self._grid is None:
+            self._start()
+        requests = {
+            data.client_id: train_message(
+                self.config_json, global_params, data, ctx, states.get(data.client_id), self._node_of[data.client_id]
+            )
+            for data in clients
+        }
+        replies = self._exchange(requests, ctx.round + 1, time.monotonic() + self.round_timeout)
+        messages = []
+        for data in clients:
+            reply = replies[data.client_id]
+            fingerprint = str(reply.content["info"]["fingerprint"])
+            if fingerprint != self._fingerprint[data.client_id]:
+                raise DeploymentError(
+                    f"The data at client {data.client_id}'s site changed during the run (fingerprint "
+                    f"{fingerprint[:12]}, was {self._fingerprint[data.client_id][:12]}); put its data back and resume."
+                )
+            messages.append(client_message(reply, ctx.device))
+        return messages
+
+    def _exchange(self, requests: dict[int, Any], round_number: int, deadline: float) -> dict[int, Any]:
+        """Push one message per client and pull until every client answered; failures are one sentence each."""
+        sent = dict(zip(self._grid.push_messages(list(requests.values())), requests))  # message id -> client
+        replies: dict[int, Any] = {}
+        while len(replies) < len(sent):
+            if not self._task_alive:
+                raise DeploymentError(f"The SuperLink at {self.address} ended this run (its heartbeat was refused).")
+            waiting = [mid for mid, client in sent.items() if client not in replies]
+            for reply in self._grid.pull_messages(waiting):
+                client = sent[reply.metadata.reply_to_message_id]
+                if reply.has_error():
+                    raise DeploymentError(self._failure(client, round_number, reply.error))
+                replies[client] = reply
+            if len(replies) < len(sent):
+                if time.monotonic() > deadline:
+                    silent = sorted(client for client in sent.values() if client not in replies)
+                    raise DeploymentError(
+                        f"Client {silent[0]}'s site did not answer round {round_number} within "
+                        f"{self.round_timeout:g} s; check its SuperNode and resume the run."
+                    )
+                time.sleep(POLL_SECONDS)
+        return replies
+
+    def _failure(self, client: int, round_number: int, error: Any) -> str:
+        node = self._node_of.get(client)
+        if int(error.code) == NODE_UNAVAILABLE:
+            return (
+                f"The SuperNode of client {client} (node {node}) stopped answering in round {round_number}: it sent no "
+                "heartbeat for a minute. Restart it and continue with fedaudit train --resume RUN."
+            )
+        return f"Client {client}'s ClientApp (node {node}) failed in round {round_number}: {error.reason}"
+
+    # -- session
+
+    def _start(self) -> None:
+        """Submit the run, claim its ServerApp task, and map every client to the SuperNode that hosts it."""
+        logging.getLogger("flwr").setLevel(logging.ERROR)
+        try:
+            self._open_session()
+        except UserError:
+            raise
+        except Exception as exc:  # connection refused, TLS failure, ...: one sentence
+            raise DeploymentError(f"Cannot use the SuperLink at {self.address}: {_reason(exc)}.") from exc
+        self._map_sites()
+
+    def _open_session(self) -> None:
+        from flwr.cli.build import build_fab_from_files
+        from flwr.common.serde import context_from_proto, fab_to_proto, run_from_proto
+        from flwr.proto.control_pb2 import StartRunRequest
+        from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest
+        from flwr.supercore.constant import TaskType
+        from flwr.supercore.control.control_http_client import ControlHttpClient
+        from flwr.supercore.fab import Fab
+        from flwr.supercore.heartbeat import HeartbeatSender
+        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+        from flwr.supercore.runtime import RuntimeHttpClient
+        from flwr.supercore.task_identity import TaskIdentity
+        from flwr.superlink.grid import HttpGrid
+
+        with warnings.catch_warnings():  # Flower's builder uses a pattern class its pathspec deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            fab_bytes, _ = build_fab_from_files({"pyproject.toml": PYPROJECT})
+        fab = Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
+        self._control = ControlHttpClient.from_server_address(
+            self.address,
+            self.insecure,
+            self.certificates,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="fedaudit")],
+        )
+        run_id = self._control.StartRun(StartRunRequest(fab=fab_to_proto(fab))).run_id
+        runtime = RuntimeHttpClient.from_server_address(
+            self.address,
+            self.insecure,
+            self.certificates,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+        )
+        try:
+            deadline = time.monotonic() + ACQUIRE_SECONDS
+            while True:
+                acquired = runtime.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.SERVER_APP]))
+                if acquired.token and acquired.task.run_id == run_id:
+                    break
+                if time.monotonic() > deadline:
+                    raise DeploymentError(
+                        f"The SuperLink at {self.address} did not hand over the run's server task; start it with "
+                        "--isolation process (fedaudit itself is the server) and no other server attached."
+                    )
+                time.sleep(POLL_SECONDS)
+        finally:
+            runtime.close()
+        self._grid = HttpGrid(
+            runtime_api_address=self.address,
+            insecure=self.insecure,
+            root_certificates=self.certificates,
+            token=acquired.token,
+        )
+        task_input = self._grid._runtime_client.PullTaskInput(PullTaskInputRequest())
+        TaskIdentity.task_id, TaskIdentity.run_id = task_input.task_id, task_input.run.run_id
+        TaskIdentity.node_id = task_input.context.node_id
+        self._grid.set_run(run_from_proto(task_input.run))
+        self._context = context_from_proto(task_input.context)
+        self._heartbeat = HeartbeatSender(self._beat)
+        self._heartbeat.start()
+
+    def _beat(self) -> bool:
+        """Keep the server task alive (Flower's own helper would raise SIGINT in this process on a refusal)."""
+        from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
+
+        try:
+            self._task_alive = bool(self._grid._runtime_client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success)
+        except Exception:  # a transport error: the sender retries with back-off
+            return False
+        return True
+
+    def _map_sites(self) -> None:
+        """Ask every connected SuperNode which client it hosts, until each client has one (or the wait is over)."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        deadline = time.monotonic() + self.wait_seconds
+        asked: set[int] = set()
+        claims: dict[int, list[int]] = {}
+        while True:
+            nodes = [n for n in self._grid.get_node_ids() if n not in asked]
+            if nodes:
+                asked.update(nodes)
+                task = ConfigRecord({"config": self.config_json})
+                requests = {n: Message(RecordDict({"task": task}), message_type="query", dst_node_id=n) for n in nodes}
+                for node, reply in self._hellos(requests, deadline).items():
+                    self._check_site(node, reply, claims)
+            if all(client in self._node_of for client in range(self.num_clients)):
+                return
+            if time.monotonic() > deadline:
+                missing = [client for client in range(self.num_clients) if client not in self._node_of]
+                raise DeploymentError(
+                    f"No SuperNode hosts client {missing[0]} after {self.wait_seconds:g} s ({len(self._node_of)} of "
+                    f"{self.num_clients} clients connected to {self.address}); start one with --node-config "
+                    f"'client-id={missing[0]}'."
+                )
+            time.sleep(POLL_SECONDS)
+
+    def _hellos(self, requests: dict[int, Any], deadline: float) -> dict[int, Any]:
+        """Replies of the nodes that answered; a node that went away meanwhile (a dead site's stale entry) is left
+        out."""
+        sent = dict(zip(self._grid.push_messages(list(requests.values())), requests))
+        answers: dict[int, Any] = {}
+        pending = set(sent)
+        while pending and time.monotonic() <= deadline:
+            for reply in self._grid.pull_messages(list(pending)):
+                pending.discard(reply.metadata.reply_to_message_id)
+                node = sent[reply.metadata.reply_to_message_id]
+                if reply.has_error():
+                    if int(reply.error.code) == NODE_UNAVAILABLE:
+                        continue
+                    raise DeploymentError(
+                        f"The SuperNode {node} could not say which client it hosts: {reply.error.reason}"
+                    )
+                answers[node] = reply
+            if pending:
+                time.sleep(POLL_SECONDS)
+        return answers
+
+    def _check_site(self, node: int, reply: Any, claims: dict[int, list[int]]) -> None:
+        site = reply.content["site"]
+        client = int(site["client"])
+        if not 0 <= client < self.num_clients:
+            raise DeploymentError(
+                f"The SuperNode {node} hosts client {client}, but this run has clients 0 to {self.num_clients - 1}."
+            )
+        claims.setdefault(client, []).append(node)
+        if len(claims[client]) > 1:
+            first, second = claims[client][:2]
+            raise DeploymentError(
+                f"Two SuperNodes claim client {client} (nodes {first} and {second}); give each site its own client-id."
+            )
+        records = reply.content["records"]["index"].numpy() if "records" in reply.content else None
+        if records is None or not np.array_equal(records, self.membership[client]):
+            raise DeploymentError(
+                f"The site of client {client} (node {node}) holds other records than the run's partition gives "
+                f"client {client}; it must use the same dataset, seed and partition settings."
+            )
+        self._node_of[client] = node
+        self._fingerprint[client] = str(site["fingerprint"])
+
+    def close(self, *, completed: bool = True) -> None:
+        """End the session: stop the heartbeat and tell the SuperLink whether the run completed."""
+        if self._grid is None:
+            return
+        from flwr.common.constant import SubStatus
+        from flwr.common.serde import context_to_proto
+        from flwr.proto.runtime_pb2 import PushTaskOutputRequest
+        from flwr.supercore.task_identity import TaskIdentity
+
+        self._heartbeat.stop()
+        try:
+            self._grid._runtime_client.PushTaskOutput(
+                PushTaskOutputRequest(
+                    context=context_to_proto(self._context),
+                    sub_status=SubStatus.COMPLETED if completed else SubStatus.FAILED,
+                    details="" if completed else "the fedaudit server stopped the run",
+                )
+            )
+        except Exception:  # the SuperLink may be gone; the run then expires there on its own
+            pass
+        finally:
+            self._grid.close()
+            self._control.close()
+            self._grid = None
+            TaskIdentity.task_id = TaskIdentity.run_id = TaskIdentity.node_id = None
+
+
+def _config_json(config: RunConfig) -> str:
+    """The configuration the sites get: the run's, without the server's connection settings and data directory
+    (each site names its own in its node config)."""
+    import json
+    from dataclasses import replace
+
+    from fedaudit.config import DeploymentConfig
+
+    plain = replace(config, engine="local", deployment=DeploymentConfig(), data=replace(config.data, data_dir=None))
+    return json.dumps(plain.to_dict(), sort_keys=True)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0].rstrip(".")

@@ -1,0 +1,111 @@
+"""A Flower deployment: a TLS SuperLink and three SuperNodes as separate processes on 127.0.0.1, one per client.
+
+fedaudit is the server; each SuperNode's node config names its client. The runs must equal the local engine's,
+byte for byte, and a federation that cannot carry a run is refused with one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from federation import Federation
+from helpers import FAST_ARGS, assert_user_error, tree_digest
+
+pytest.importorskip("flwr.superlink.grid", reason="the flower extra is not installed")  # `make test` installs it
+
+CLIENTS = 3
+BASE = (*FAST_ARGS, "--num-clients", str(CLIENTS), "--rounds", "2", "--dp")
+ALGORITHMS = {
+    "fedavg": ("--algorithm", "fedavg"),
+    # with what a client keeps between rounds and what crossed the wire: every path of the message seam
+    "fedlap": (
+        *"--algorithm fedlap --ipc 2 --trajectories 1 --max-loops 2 --real-batches 2 --image-steps 2".split(),
+        *"--init previous --save-transmitted".split(),
+    ),
+}
+VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the engine, or hold wall-clock times
+
+
+def comparable(run: Path) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in tree_digest(run).items()
+        if name not in VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))
+    }
+
+
+@pytest.fixture
+def federation(tmp_path):
+    """A running SuperLink with no SuperNodes yet; every process it starts is stopped, by pid, after the test."""
+    fed = Federation(tmp_path / "federation")
+    try:
+        fed.start_superlink()
+        yield fed
+    finally:
+        fed.close()
+
+
+def deployment_args(fed: Federation) -> tuple[str, ...]:
+    return ("--engine", "flower", "--superlink", fed.address, "--root-certificates", str(fed.tls["ca"]))
+
+
+def test_runs_on_three_sites_equal_the_local_engine(tmp_path, cli, federation):
+    for client in range(CLIENTS):
+        federation.start_supernode(client)
+    for name, extra in ALGORITHMS.items():
+        local, deployed = tmp_path / f"{name}-local", tmp_path / f"{name}-deployed"
+        assert cli("train", *BASE, *extra, "--out", local).exit_code == 0
+        result = cli("train", *BASE, *extra, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
+        assert result.exit_code == 0, result.output + federation.log("superlink") + federation.log("supernode-0")
+        assert comparable(deployed) == comparable(local)
+        assert (deployed / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
+        ledgers = [json.loads((run / "privacy.json").read_text()) for run in (deployed, local)]
+        assert ledgers[0] == ledgers[1]
+        metrics = [pd.read_csv(run / "metrics.csv").drop(columns="wall_seconds") for run in (deployed, local)]
+        pd.testing.assert_frame_equal(*metrics)
+        config = json.loads((deployed / "config.json").read_text())
+        assert config["engine"] == "flower" and config["deployment"]["superlink"] == federation.address
+
+
+def test_a_client_claimed_twice_is_refused(tmp_path, cli, federation):
+    federation.start_supernode(0)
+    federation.start_supernode(1)
+    federation.start_supernode(2, node_config="client-id=1")
+    out = tmp_path / "run"
+    result = cli(
+        "train", *BASE, *ALGORITHMS["fedavg"], *deployment_args(federation), "--wait-seconds", "90", "--out", out
+    )
+    assert_user_error(result, mentions="claim client 1")
+
+
+def test_missing_sites_and_bad_connections_are_one_sentence(tmp_path, cli, federation):
+    federation.start_supernode(0)
+    args = (*BASE, *ALGORITHMS["fedavg"], *deployment_args(federation))
+    line = assert_user_error(cli("train", *args, "--wait-seconds", "15", "--out", tmp_path / "a"))
+    assert "No SuperNode hosts client 1" in line
+    wrong_ca = tmp_path / "other-ca"
+    from federation import make_tls_files
+
+    other = make_tls_files(wrong_ca)["ca"]
+    bad = (*BASE, "--engine", "flower", "--superlink", federation.address, "--root-certificates", str(other))
+    assert "Cannot use the SuperLink" in assert_user_error(cli("train", *bad, "--out", tmp_path / "b"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "mentions"),
+    [
+        (("--engine", "flower", "--superlink", "127.0.0.1:1"), "--root-certificates"),
+        (("--engine", "flower", "--superlink", "127.0.0.1", "--insecure"), "HOST:PORT"),
+        (("--superlink", "127.0.0.1:9000", "--insecure"), "--engine flower"),
+        (("--insecure",), "--superlink"),
+        (("--engine", "flower", "--superlink", "h:1", "--root-certificates", "/nonexistent/ca.crt"), "readable"),
+        (("--engine", "flower", "--superlink", "h:1", "--insecure", "--wait-seconds", "0"), "--wait-seconds"),
+    ],
+)
+def test_bad_deployment_options_are_one_sentence(tmp_path, cli, extra, mentions):
+    out = tmp_path / "run"
+    assert_user_error(cli("train", *FAST_ARGS, *extra, "--out", out), mentions=mentions)
+    assert not out.exists()
