@@ -109,3 +109,34 @@ def test_bad_deployment_options_are_one_sentence(tmp_path, cli, extra, mentions)
     out = tmp_path / "run"
     assert_user_error(cli("train", *FAST_ARGS, *extra, "--out", out), mentions=mentions)
     assert not out.exists()
+
+
+def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp_path, cli, federation, monkeypatch):
+    from fedaudit.engine.deployment import DeploymentEngine
+
+    for client in range(CLIENTS):
+        federation.start_supernode(client)
+    args = (*FAST_ARGS, "--num-clients", str(CLIENTS), "--rounds", "3", "--dp", *ALGORITHMS["fedlap"])
+    local, deployed = tmp_path / "local", tmp_path / "deployed"
+    assert cli("train", *args, "--out", local).exit_code == 0
+
+    exchange = DeploymentEngine._exchange
+
+    def kill_in_round_two(self, requests, round_number, deadline):
+        if round_number == 2:
+            federation.kill("supernode-1")  # SIGKILL: the site is gone without a word
+        return exchange(self, requests, round_number, deadline)
+
+    monkeypatch.setattr(DeploymentEngine, "_exchange", kill_in_round_two)
+    result = cli("train", *args, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
+    line = assert_user_error(result, mentions="SuperNode of client 1")
+    assert "round 2" in line and "--resume" in line
+    manifest = json.loads((deployed / "manifest.json").read_text())
+    assert (manifest["status"], manifest["rounds_done"]) == ("failed", 1)
+
+    monkeypatch.undo()
+    federation.start_supernode(1)  # the site is back (a new node id)
+    result = cli("train", "--resume", deployed, "--wait-seconds", "120", "--no-progress")
+    assert result.exit_code == 0, result.output + federation.log("supernode-1")
+    assert comparable(deployed) == comparable(local)
+    assert (deployed / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
