@@ -35,6 +35,19 @@ def tree_digest(path: Path) -> dict[str, str]:
     }
 
 
+ENGINE_VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the engine or settings, or hold clock times
+
+
+def engine_independent_digest(run: Path) -> dict[str, str]:
+    """:func:`tree_digest` of every file of a run whose bytes must not depend on the engine, on how the clients were
+    scheduled, or on the clock (the rest is compared field by field)."""
+    return {
+        name: value
+        for name, value in tree_digest(run).items()
+        if name not in ENGINE_VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))
+    }
+
+
 def read_json(path: Path):
     return json.loads(path.read_text())
 

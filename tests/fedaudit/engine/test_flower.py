@@ -4,11 +4,10 @@ byte."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
-from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, tree_digest
+from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, interrupt_in_round
 
 pytest.importorskip("flwr.simulation", reason="the flower extra is not installed")  # `make test` installs it
 
@@ -19,17 +18,7 @@ ARGS = (
     *"--dp --algorithm fedlap --ipc 2 --trajectories 1 --max-loops 2 --real-batches 2 --image-steps 2".split(),
     *"--init previous --client-fraction 0.6 --save-transmitted".split(),
 )
-VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the engine, or hold wall-clock times
 READ_JSON = json.loads
-
-
-def comparable(run: Path) -> dict[str, str]:
-    """Digests of every file whose bytes do not depend on the engine or the clock."""
-    return {
-        name: value
-        for name, value in tree_digest(run).items()
-        if name not in VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))
-    }
 
 
 def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cli, monkeypatch):
@@ -45,7 +34,7 @@ def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cl
     monkeypatch.undo()
     result = cli("train", "--resume", flower, "--no-progress")  # a new simulation for round 3
     assert result.exit_code == 0, result.output
-    assert comparable(flower) == comparable(local)
+    assert engine_independent_digest(flower) == engine_independent_digest(local)
     assert (flower / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
     assert READ_JSON((flower / "privacy.json").read_text()) == READ_JSON((local / "privacy.json").read_text())
     metrics = [pd.read_csv(run / "metrics.csv").drop(columns="wall_seconds") for run in (flower, local)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, tree_digest
+from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, interrupt_in_round
 from torch import nn
 
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
@@ -21,20 +21,10 @@ FEDLAP = (
     *"--dp --algorithm fedlap --ipc 2 --trajectories 1 --max-loops 2 --real-batches 2 --image-steps 2".split(),
     *"--init previous --client-fraction 0.6 --save-transmitted".split(),
 )
-VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the settings, or hold wall-clock times
-
-
-def comparable(run: Path) -> dict[str, str]:
-    """Digests of every file whose bytes do not depend on how the clients were scheduled or on the clock."""
-    return {
-        name: value
-        for name, value in tree_digest(run).items()
-        if name not in VOLATILE and not (name.startswith("checkpoints/") and name.endswith(".json"))
-    }
 
 
 def assert_same_run(a: Path, b: Path) -> None:
-    assert comparable(a) == comparable(b)
+    assert engine_independent_digest(a) == engine_independent_digest(b)
     metrics = [pd.read_csv(run / "metrics.csv").drop(columns="wall_seconds") for run in (a, b)]
     pd.testing.assert_frame_equal(*metrics)
 
