@@ -254,6 +254,17 @@ def main() -> None:
     "the same seed gives the same run on both. [default: local]",
 )
 @click.option(
+    "--ray-address",
+    help="HOST:PORT of an existing Ray cluster's head for --engine flower's simulation runtime (docs/deployment.md). "
+    "[default: a Ray instance on this machine]",
+)
+@click.option("--client-cpus", type=float, help="CPUs each simulated client reserves on Ray. [default: 1]")
+@click.option(
+    "--client-gpus",
+    type=float,
+    help="Share of a GPU each simulated client reserves on Ray. [default: 1/clients on CUDA, else 0]",
+)
+@click.option(
     "--superlink",
     help="HOST:PORT of a Flower SuperLink: with --engine flower, the clients run on the SuperNodes of that "
     "deployment, one per site (docs/deployment.md), instead of Flower's simulation runtime.",
@@ -320,10 +331,10 @@ def train(
         )
         if extra:
             raise TrainingError(
-                "--resume continues a run with its stored configuration; only --rounds, --device, "
-                "--parallel-clients and a Flower deployment's connection (--superlink, --root-certificates, "
-                "--insecure, --wait-seconds, --round-timeout) may be given with it, "
-                f"not --{extra[0].replace('_', '-')}."
+                "--resume continues a run with its stored configuration; only --rounds, --device and the "
+                "settings of where clients run (--parallel-clients, --ray-address, --client-cpus, --client-gpus, "
+                "--superlink, --root-certificates, --insecure, --wait-seconds, --round-timeout) may be given with "
+                f"it, not --{extra[0].replace('_', '-')}."
             )
         result = training.resume(
             resume_dir,
@@ -573,7 +584,17 @@ def _finish_report(outcome: Any) -> None:
 
 
 # Options of `train --resume` that change how a run is carried out, never its results.
-RESUME_SETTINGS = ("parallel_clients", "superlink", "root_certificates", "insecure", "wait_seconds", "round_timeout")
+RESUME_SETTINGS = (
+    "parallel_clients",
+    "ray_address",
+    "client_cpus",
+    "client_gpus",
+    "superlink",
+    "root_certificates",
+    "insecure",
+    "wait_seconds",
+    "round_timeout",
+)
 
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
 COMPARE_BASE_OPTIONS = (

@@ -436,8 +436,8 @@ def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
 
 def _comparable(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """A configuration without the fields that do not change results (where it trains, which engine runs the
-    clients, how many at once, how to reach a Flower deployment)."""
-    volatile = ("device", "engine", "parallel_clients", "deployment")
+    clients, how many at once, where Flower runs them)."""
+    volatile = ("device", "engine", "parallel_clients", "flower")
     return None if config is None else {key: value for key, value in config.items() if key not in volatile}
 
 

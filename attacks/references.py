@@ -141,7 +141,7 @@ def _cache_key(run: RunDirectory, pool: Pool, seed: int, online: bool) -> dict:
     """What the references depend on: the run (its data, recipe, rounds and final weights), the pool and the seed."""
     manifest = run.read_manifest()
     recipe = {  # without the settings that change how a run is carried out, never its results
-        key: value for key, value in run.read_config().items() if key not in ("parallel_clients", "deployment")
+        key: value for key, value in run.read_config().items() if key not in ("parallel_clients", "flower")
     }
     return {
         "format_version": FORMAT_VERSION,

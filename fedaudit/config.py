@@ -100,14 +100,15 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
-class DeploymentConfig:
-    """Where a Flower deployment's SuperLink is (``--engine flower --superlink``), and how to talk to it.
-
-    Without ``superlink``, ``--engine flower`` runs Flower's simulation runtime on this machine. With it, fedaudit
-    is the server of a federation whose clients run on SuperNodes at their sites (docs/deployment.md). These are
-    connection settings: the results do not depend on them.
+class FlowerConfig:
+    """Where ``--engine flower`` runs the clients: Flower's simulation runtime (on this machine, or on an existing
+    Ray cluster with ``ray_address``), or with ``superlink`` the SuperNodes of a Flower deployment, one per site,
+    with fedaudit as the server (docs/deployment.md). The results do not depend on any of these settings.
     """
 
+    ray_address: str | None = None  # an existing Ray cluster's head (HOST:PORT) for the simulation runtime
+    client_cpus: float = 1.0  # Ray resources each simulated client reserves
+    client_gpus: float | None = None  # None: 1 / clients on a CUDA run, else 0
     superlink: str | None = None  # HOST:PORT of the SuperLink (its one HTTPS port)
     root_certificates: str | None = None  # the CA certificate (PEM) that signed the SuperLink's certificate
     insecure: bool = False  # plain HTTP instead of TLS (only when asked for)
@@ -192,7 +193,7 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
-    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    flower: FlowerConfig = field(default_factory=FlowerConfig)
     save_transmitted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -271,8 +272,28 @@ class RunConfig:
         config.validate()
         return config
 
-    def _validate_deployment(self) -> None:
-        dep = self.deployment
+    def _validate_flower(self) -> None:
+        dep = self.flower
+        _check(
+            self.engine == "flower" or (dep.ray_address is None and dep.client_gpus is None and dep.client_cpus == 1.0),
+            "--ray-address, --client-cpus and --client-gpus are for --engine flower's simulation runtime.",
+        )
+        _check(
+            isinstance(dep.client_cpus, (int, float)) and not isinstance(dep.client_cpus, bool) and dep.client_cpus > 0,
+            f"--client-cpus must be a positive number, got {dep.client_cpus!r}.",
+        )
+        _check(
+            dep.client_gpus is None
+            or (
+                isinstance(dep.client_gpus, (int, float))
+                and not isinstance(dep.client_gpus, bool)
+                and 0 <= dep.client_gpus <= 1
+            ),
+            f"--client-gpus must be a share of one GPU, from 0 to 1, got {dep.client_gpus!r}.",
+        )
+        if dep.ray_address is not None:
+            _check(dep.superlink is None, "--ray-address is for the simulation runtime; a deployment has --superlink.")
+            _check(_host_port(dep.ray_address), f"--ray-address must be HOST:PORT, got '{dep.ray_address}'.")
         if dep.superlink is None:
             _check(
                 dep.root_certificates is None and not dep.insecure,
@@ -280,11 +301,7 @@ class RunConfig:
             )
             return
         _check(self.engine == "flower", "--superlink needs --engine flower (the clients run on Flower SuperNodes).")
-        host, _, port = str(dep.superlink).rpartition(":")
-        _check(
-            bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host,
-            f"--superlink must be HOST:PORT (no scheme), got '{dep.superlink}'.",
-        )
+        _check(_host_port(dep.superlink), f"--superlink must be HOST:PORT (no scheme), got '{dep.superlink}'.")
         _check(
             not (dep.insecure and dep.root_certificates),
             "--insecure turns TLS off, so it cannot be given with --root-certificates; choose one.",
@@ -314,7 +331,7 @@ class RunConfig:
             self.parallel_clients is None or (_is_int(self.parallel_clients) and self.parallel_clients >= 1),
             f"--parallel-clients must be a positive integer, got {self.parallel_clients!r}.",
         )
-        self._validate_deployment()
+        self._validate_flower()
         _check(
             self.engine == "local" or self.parallel_clients in (None, 1),
             "--parallel-clients is for the local engine; Flower's runtime runs clients in parallel itself "
@@ -504,6 +521,11 @@ def _build_section(section_type: type, name: str, value: Any) -> Any:
     return section_type(**dict(value))
 
 
+def _host_port(address: Any) -> bool:
+    host, _, port = str(address).rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -524,7 +546,7 @@ _SECTION_TYPES: dict[str, type] = {
     "privacy": PrivacyConfig,
     "fedlap": FedLAPConfig,
     "audit": AuditConfig,
-    "deployment": DeploymentConfig,
+    "flower": FlowerConfig,
 }
 
 

@@ -80,7 +80,7 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
     population records this way).
     """
     config = config.resolved()
-    missing = engine_unavailable(config.engine, deployment=config.deployment.superlink is not None)
+    missing = engine_unavailable(config.engine, deployment=config.flower.superlink is not None)
     if missing:
         raise TrainingError(missing)
     if dataset is None:

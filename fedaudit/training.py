@@ -111,8 +111,8 @@ def resume(
         rounds: a new total number of rounds (not fewer than done; not more for a ``--target-epsilon`` run).
         device: where the rest of the run trains (the results do not depend on it).
         settings: configuration fields the results do not depend on either, by option name (``parallel_clients``
-            and the Flower deployment's connection: ``superlink``, ``root_certificates``, ``insecure``,
-            ``wait_seconds``, ``round_timeout``); ``None`` values are ignored.
+            and where Flower runs the clients: ``ray_address``, ``client_cpus``, ``client_gpus``, ``superlink``,
+            ``root_certificates``, ``insecure``, ``wait_seconds``, ``round_timeout``); ``None`` values are ignored.
         progress: show progress bars.
         echo: receives one line per round.
 

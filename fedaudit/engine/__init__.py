@@ -29,7 +29,7 @@ def make_engine(
 
     ``membership`` is each client's record indices: a Flower deployment checks that every site holds its client's.
     """
-    if config.engine == "flower" and config.deployment.superlink is not None:
+    if config.engine == "flower" and config.flower.superlink is not None:
         from fedaudit.engine.deployment import DeploymentEngine
 
         return DeploymentEngine(config, num_clients=num_clients, membership=membership)

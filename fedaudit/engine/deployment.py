@@ -135,7 +135,7 @@ class DeploymentEngine:
     name = "flower"
 
     def __init__(self, config: RunConfig, *, num_clients: int, membership: Sequence[np.ndarray]) -> None:
-        dep = config.deployment
+        dep = config.flower
         self.config_json = _config_json(config)
         self.address = str(dep.superlink)
         self.insecure = bool(dep.insecure)
@@ -409,9 +409,9 @@ def _config_json(config: RunConfig) -> str:
     import json
     from dataclasses import replace
 
-    from fedaudit.config import DeploymentConfig
+    from fedaudit.config import FlowerConfig
 
-    plain = replace(config, engine="local", deployment=DeploymentConfig(), data=replace(config.data, data_dir=None))
+    plain = replace(config, engine="local", flower=FlowerConfig(), data=replace(config.data, data_dir=None))
     return json.dumps(plain.to_dict(), sort_keys=True)
 
 

@@ -1,4 +1,5 @@
-"""Flower engine: every client runs as a Flower ClientApp on a virtual SuperNode of Flower's simulation runtime (Ray).
+"""Flower engine: every client runs as a Flower ClientApp on a virtual SuperNode of Flower's simulation runtime (Ray),
+on this machine or on an existing Ray cluster (``--ray-address``).
 
 The round loop stays in :mod:`fedaudit.training`. This engine starts Flower's
 simulation once per training session, in a background thread whose ServerApp
@@ -201,6 +202,7 @@ class FlowerEngine:
             config = replace(config, data=replace(config.data, data_dir=str(Path(data_dir).resolve())))
         self.config_json = json.dumps(config.to_dict(), sort_keys=True)
         self.device = config.device
+        self.settings = config.flower
         self.num_clients = num_clients
         self._requests: queue.Queue[Any] = queue.Queue()
         self._replies: queue.Queue[Any] = queue.Queue()
@@ -259,19 +261,19 @@ class FlowerEngine:
         logging.getLogger("flwr").setLevel(logging.ERROR)
         server_app = ServerApp()
         server_app.main()(lambda grid, context: self._serve(grid))
-        gpus = (
-            1.0 / self.num_clients
-            if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-            else 0.0
-        )
+        settings = self.settings
+        gpus = settings.client_gpus
+        if gpus is None:
+            cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+            gpus = 1.0 / self.num_clients if cuda else 0.0
+        init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
+        if settings.ray_address is None:  # a new Ray instance of this machine for this run, even if a cluster runs here
+            init_args.update(address="local", num_cpus=max(1, os.cpu_count() or 1))
+        else:  # an existing cluster: its nodes bring their own CPUs and GPUs
+            init_args["address"] = settings.ray_address
         backend = {
-            "client_resources": {"num_cpus": 1, "num_gpus": gpus},
-            "init_args": {
-                "num_cpus": max(1, os.cpu_count() or 1),
-                "include_dashboard": False,
-                "logging_level": logging.ERROR,
-                "log_to_driver": False,
-            },
+            "client_resources": {"num_cpus": float(settings.client_cpus), "num_gpus": float(gpus)},
+            "init_args": init_args,
         }
         self._thread = threading.Thread(
             target=self._simulate, args=(server_app, backend), name="flower-simulation", daemon=True

@@ -176,3 +176,50 @@ class Federation:
                 process.wait()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)  # what is left of the group (its SuperExec, ClientApps)
+
+
+class RayHead:
+    """A Ray cluster's head node on 127.0.0.1 (``ray start --head --block``), in its own process group."""
+
+    def __init__(self, directory: Path, cpus: int = 2) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = directory / "ray-head.log"
+        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(BIN / "ray"),
+                    *("start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(self.port)),
+                    *("--num-cpus", str(cpus), "--num-gpus", "0", "--include-dashboard", "false"),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                time.sleep(2)  # the head's other services come up just after its GCS port opens
+                return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"the Ray head did not come up: {self.log.read_text(errors='replace')[-2000:]}")
+
+    def close(self) -> None:
+        """Stop the head's process group by the pid the test got (SIGTERM lets ``ray start --block`` stop its
+        services; SIGKILL whatever is left)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)

@@ -58,7 +58,7 @@ def test_runs_on_three_sites_equal_the_local_engine(tmp_path, cli, federation):
         metrics = [pd.read_csv(run / "metrics.csv").drop(columns="wall_seconds") for run in (deployed, local)]
         pd.testing.assert_frame_equal(*metrics)
         config = json.loads((deployed / "config.json").read_text())
-        assert config["engine"] == "flower" and config["deployment"]["superlink"] == federation.address
+        assert config["engine"] == "flower" and config["flower"]["superlink"] == federation.address
 
 
 def test_a_client_claimed_twice_is_refused(tmp_path, cli, federation):

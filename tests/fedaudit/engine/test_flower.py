@@ -49,3 +49,47 @@ def test_without_flower_installed_the_engine_is_a_user_error(tmp_path, cli, monk
     out = tmp_path / "run"
     assert_user_error(cli("train", *FAST_ARGS, "--engine", "flower", "--out", out), mentions="Flower")
     assert not out.exists()
+
+
+def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path, cli):
+    """A Ray head started here stands for a cluster: the clients run on its workers, with the resources asked for."""
+    from federation import RayHead
+
+    args = (*FAST_ARGS, "--rounds", "2", "--dp", "--algorithm", "fedavg")
+    local, cluster = tmp_path / "local", tmp_path / "cluster"
+    assert cli("train", *args, "--out", local).exit_code == 0
+    head = RayHead(tmp_path / "ray")
+    try:
+        result = cli(
+            "train",
+            *args,
+            "--engine",
+            "flower",
+            "--ray-address",
+            head.address,
+            "--client-cpus",
+            "0.5",
+            "--out",
+            cluster,
+        )
+        assert result.exit_code == 0, result.output + head.log.read_text(errors="replace")[-2000:]
+    finally:
+        head.close()
+    assert engine_independent_digest(cluster) == engine_independent_digest(local)
+    flower = json.loads((cluster / "config.json").read_text())["flower"]
+    assert (flower["ray_address"], flower["client_cpus"]) == (head.address, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "mentions"),
+    [
+        (("--ray-address", "127.0.0.1:6379"), "--engine flower"),
+        (("--engine", "flower", "--client-gpus", "2"), "--client-gpus"),
+        (("--engine", "flower", "--client-cpus", "0"), "--client-cpus"),
+        (("--engine", "flower", "--ray-address", "nohost"), "HOST:PORT"),
+    ],
+)
+def test_bad_ray_options_are_one_sentence(tmp_path, cli, extra, mentions):
+    out = tmp_path / "run"
+    assert_user_error(cli("train", *FAST_ARGS, *extra, "--out", out), mentions=mentions)
+    assert not out.exists()
