@@ -223,3 +223,7 @@ class RayHead:
             self.process.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        current = Path("/tmp/ray/ray_current_cluster")  # where `ray start` says "a cluster runs here"
+        with contextlib.suppress(OSError):
+            if current.read_text().strip().endswith(f":{self.port}"):
+                current.unlink()
