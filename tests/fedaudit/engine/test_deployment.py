@@ -134,3 +134,45 @@ def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp
     ledgers = [json.loads((run / "privacy.json").read_text()) for run in (deployed, local)]
     assert ledgers[0] == ledgers[1]
     assert len(list((deployed / "transmitted").glob("round-*/client-*.safetensors"))) == 2 * CLIENTS
+
+
+def test_a_site_whose_data_changed_during_the_run_is_refused(monkeypatch):
+    """The engine compares each reply's data fingerprint with the one the site reported at the start (a stand-in
+    grid answers for the site: no processes needed)."""
+    from types import SimpleNamespace
+
+    import torch
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedaudit.algorithms.base import ClientData, RoundContext
+    from fedaudit.config import RunConfig
+    from fedaudit.engine.deployment import DeploymentEngine, DeploymentError
+
+    for name in ("_task_id", "_run_id", "_node_id"):  # what the engine's session would have set
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    engine = DeploymentEngine(RunConfig(), num_clients=1, membership=[])
+
+    def reply(fingerprint: str) -> SimpleNamespace:
+        info = ConfigRecord(
+            {"client": 0, "num_examples": 3, "metrics": "{}", "events": "[]", "fingerprint": fingerprint}
+        )
+        payload = ArrayRecord({"delta": Array(torch.zeros(2).numpy())})
+        return SimpleNamespace(
+            content={"info": info, "payload": payload},
+            has_error=lambda: False,
+            metadata=SimpleNamespace(reply_to_message_id="m0"),
+        )
+
+    answers: list[SimpleNamespace] = []
+    engine._grid = SimpleNamespace(push_messages=lambda messages: ["m0"], pull_messages=lambda ids: [answers.pop()])
+    engine._node_of, engine._fingerprint = {0: 7}, {0: "a" * 64}
+    data = ClientData(0, torch.zeros(3, 1, 2, 2), torch.zeros(3, dtype=torch.long))
+    ctx = RoundContext(0, 2, RunConfig(), torch.device("cpu"))
+    args = (None, None, {"w": torch.zeros(2)}, [data], ctx, None, {})
+    answers.append(reply("a" * 64))
+    assert engine.run_clients(*args)[0].client_id == 0
+    answers.append(reply("b" * 64))
+    with pytest.raises(DeploymentError, match="data at client 0's site changed during the run"):
+        engine.run_clients(*args)
+    engine._grid = None  # nothing to close: there was no session
