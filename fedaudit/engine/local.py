@@ -66,8 +66,15 @@ class LocalEngine:
         kept."""
         device = next(iter(global_params.values())).device
         parallel = self.parallel if self.parallel is not None else (len(clients) if device.type == "cuda" else 1)
+
+        def update(data: ClientData, scratch: nn.Module) -> ClientMessage:
+            generator = make_generator(data.client_id)
+            return algorithm.client_update(
+                scratch, global_params, data, ctx, generator, state=states.get(data.client_id)
+            )
+
         if parallel > 1 and len(clients) > 1:
-            return self._run_parallel(algorithm, model, global_params, clients, ctx, make_generator, states, parallel)
+            return self._run_parallel(update, model, clients, ctx, device, parallel)
         messages = []
         bar = tqdm(
             clients,
@@ -79,11 +86,7 @@ class LocalEngine:
         for data in bar:
             bar.set_postfix(client=data.client_id)
             began = time.perf_counter()
-            messages.append(
-                algorithm.client_update(
-                    model, global_params, data, ctx, make_generator(data.client_id), state=states.get(data.client_id)
-                )
-            )
+            messages.append(update(data, model))
             if not self._estimated:
                 self._estimated = True
                 self._estimate(time.perf_counter() - began, len(clients), ctx)
@@ -91,30 +94,26 @@ class LocalEngine:
 
     def _run_parallel(
         self,
-        algorithm: Algorithm,
+        update: Callable[[ClientData, nn.Module], ClientMessage],
         model: nn.Module,
-        global_params: TensorDict,
         clients: Sequence[ClientData],
         ctx: RoundContext,
-        make_generator: Callable[[int], torch.Generator],
-        states: Mapping[int, TensorDict],
+        device: torch.device,
         parallel: int,
     ) -> list[ClientMessage]:
-        """The clients in ``parallel`` threads; messages in the order of ``clients``."""
-        device = next(iter(global_params.values())).device
+        """The clients in ``parallel`` threads, each on its own copy of ``model``; messages in the order of
+        ``clients``."""
         cuda = device.type == "cuda"
         if cuda:  # the global parameters are written on the default stream: finish before other streams read them
             torch.cuda.synchronize(device)
 
-        def update(data: ClientData) -> ClientMessage:
+        def update_in_thread(data: ClientData) -> ClientMessage:
             scratch = copy.deepcopy(model)  # modules carry hooks and are loaded in place: one per client
-            generator = make_generator(data.client_id)
-            state = states.get(data.client_id)
             if not cuda:
-                return algorithm.client_update(scratch, global_params, data, ctx, generator, state=state)
+                return update(data, scratch)
             stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
-                message = algorithm.client_update(scratch, global_params, data, ctx, generator, state=state)
+                message = update(data, scratch)
             stream.synchronize()
             return message
 
@@ -130,7 +129,7 @@ class LocalEngine:
             ) as bar,
         ):
             began = time.perf_counter()
-            futures = [pool.submit(update, data) for data in clients]
+            futures = [pool.submit(update_in_thread, data) for data in clients]
             messages = []
             try:
                 for future in futures:
