@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedaudit.privacy.layers import Untraceable, layer_sq_norms, layer_weighted_sums, trace_layers
+from fedaudit.privacy.layers import (
+    LayerTrace,
+    Untraceable,
+    layer_sq_norms,
+    layer_weighted_sums,
+    trace_layers,
+)
 
 TensorDict = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -94,15 +100,32 @@ def per_sample_sq_norms(
     params = dict(trainable_params(model) if params is None else params)
     if x.shape[0] == 0:
         return {name: torch.zeros(0, dtype=p.dtype, device=p.device) for name, p in params.items()}
+    traced = _layer_squares(model, x, y, params, loss_fn, for_sum=False)
+    if traced is None:
+        grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
+        return {name: g.flatten(start_dim=1).pow(2).sum(dim=1) for name, g in grads.items()}
+    return traced[1]
+
+
+def _layer_squares(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    params: Mapping[str, torch.Tensor],
+    loss_fn: LossFn,
+    *,
+    for_sum: bool,
+) -> tuple[list[LayerTrace], TensorDict] | None:
+    """The batch's layer traces and per-parameter squared per-sample norms (in the order of ``params``), or None
+    for a model the layer-wise path cannot follow (the caller then takes the whole-model vmap path)."""
     try:
         traces = trace_layers(model, x, y, params, loss_fn)
     except Untraceable:
-        grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
-        return {name: g.flatten(start_dim=1).pow(2).sum(dim=1) for name, g in grads.items()}
+        return None
     squares: TensorDict = {}
     for layer in traces:
-        squares.update(layer_sq_norms(layer, params, for_sum=False))
-    return {name: squares[name] for name in params}
+        squares.update(layer_sq_norms(layer, params, for_sum=for_sum))
+    return traces, {name: squares[name] for name in params}
 
 
 def clipped_sum(
@@ -125,17 +148,13 @@ def clipped_sum(
         summed = {name: torch.zeros_like(p) for name, p in params.items()}
         norms = torch.zeros(0, dtype=next(iter(params.values())).dtype, device=x.device)
     else:
-        try:
-            traces = trace_layers(model, x, y, params, loss_fn)
-        except Untraceable:
+        traced = _layer_squares(model, x, y, params, loss_fn, for_sum=True)
+        if traced is None:
             grads = per_sample_gradients(model, x, y, params=params, loss_fn=loss_fn)
-            traces = None
             summed, norms = clip_and_sum(grads, max_grad_norm)
-        if traces is not None:
-            squares: TensorDict = {}
-            for layer in traces:
-                squares.update(layer_sq_norms(layer, params))
-            norms = torch.stack([squares[name] for name in params]).sum(0).sqrt()
+        else:
+            traces, squares = traced
+            norms = torch.stack(list(squares.values())).sum(0).sqrt()
             factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             parts: TensorDict = {}
             for layer in traces:
