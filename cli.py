@@ -17,8 +17,10 @@ import click
 from fedaudit.config import (
     CANARY_KINDS,
     DEVICES,
+    DISTILL_INITS,
     ENGINES,
     FEDLAP_INITS,
+    LABEL_MECHANISMS,
     LR_SCHEDULES,
     RADIUS_STRATEGIES,
     WEIGHTINGS,
@@ -219,6 +221,36 @@ def main() -> None:
     "--radius-strategy",
     type=click.Choice(RADIUS_STRATEGIES),
     help="FedLAP server radius r_g from the clients' r_k. [default: min]",
+)
+@click.option("--distill-ipc", type=int, help="FedGM: synthetic images per class a client holds. [default: 10]")
+@click.option(
+    "--distill-iterations",
+    type=int,
+    help="FedGM: freshly initialised networks the gradient matching runs on. [default: 20]",
+)
+@click.option("--distill-steps", type=int, help="FedGM: matching steps per network. [default: 10]")
+@click.option("--distill-lr", type=float, help="FedGM: synthetic image learning rate (SGD). [default: 0.1]")
+@click.option("--distill-batch", type=int, help="FedGM: real images per class in a matching step. [default: 128]")
+@click.option(
+    "--distill-init",
+    type=click.Choice(DISTILL_INITS),
+    help="FedGM: start the synthetic images from real images of the class or from noise. [default: real]",
+)
+@click.option(
+    "--label-epsilon",
+    type=float,
+    help="FedGM: label DP of every label sent (epsilon of the label mechanism; images are sent in clear). "
+    "[default: none, labels in clear]",
+)
+@click.option(
+    "--label-mechanism",
+    type=click.Choice(LABEL_MECHANISMS),
+    help="FedGM: randomized response, RR over the prior's top k, or RR with the best k for the prior (the "
+    "server's model of the earlier stages). [default: rr-with-prior]",
+)
+@click.option("--top-k", type=int, help="FedGM: k of --label-mechanism rr-top-k.")
+@click.option(
+    "--server-steps", type=int, help="FedGM: server SGD steps on the union of what it received. [default: 500]"
 )
 @click.option(
     "--canaries",
@@ -438,7 +470,9 @@ def epsilon(
     "signals",
     multiple=True,
     metavar="NAME",
-    help="loss, grad-norm, confidence or logit-confidence; repeat for several. [default: loss and grad-norm]",
+    help="loss, grad-norm, confidence or logit-confidence; synthetic-distance (distance to the nearest synthetic "
+    "image that crossed the wire: FedLAP and FedGM runs kept with --save-transmitted); repeat for several. "
+    "[default: loss and grad-norm]",
 )
 @click.option(
     "--method",

@@ -280,8 +280,9 @@ def plan(study: Study) -> list[PlannedRun]:
 
 
 def _equal_data_access(run: PlannedRun) -> PlannedRun:
-    """FedAvg/FedProx run as many local steps (DP queries) per round as FedLAP's worst case under the same budget."""
-    if run.algorithm not in ("fedavg", "fedprox"):
+    """FedAvg/FedProx/SCAFFOLD run as many local steps (DP queries) per round as FedLAP's worst case under the same
+    budget."""
+    if run.algorithm not in ("fedavg", "fedprox", "scaffold"):
         return run
     try:
         queries = data_access(run.config, algorithm="fedlap").queries

@@ -119,7 +119,7 @@ def _sent_vector(
         loss = F.cross_entropy(functional_call(model, leaves, (tensors["images"],)), tensors["labels"].long())
         flat = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(leaves.values()))]).to(torch.float64)
         return flat / flat.norm().clamp_min(1e-30)
-    if set(tensors) != set(shapes):
+    if not set(shapes) <= set(tensors):  # a model update (SCAFFOLD's also carries a control delta)
         raise AttackError(f"{run.path} {where} holds neither a model update nor a synthetic set of the run's model.")
     return -torch.cat([tensors[name].reshape(-1).to(torch.float64) for name in shapes])
 

@@ -26,11 +26,28 @@ from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, 
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, risk, summarize
 from fedaudit.attacks.references import MAX_REFERENCES, reference_signals, references
-from fedaudit.attacks.signals import DEFAULT_SIGNALS, OUTPUT_SIGNALS, SIGNALS, Signals, compute_signals, oriented
+from fedaudit.attacks.signals import (
+    DEFAULT_SIGNALS,
+    OUTPUT_SIGNALS,
+    SIGNALS,
+    SYNTHETIC_SIGNAL,
+    Signals,
+    compute_signals,
+    nearest_distance,
+    oriented,
+)
 from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
-from fedaudit.runs import RunDirectory, RunError, atomic_write_bytes, atomic_write_json, csv_bytes, now_iso
+from fedaudit.runs import (
+    RunDirectory,
+    RunError,
+    atomic_write_bytes,
+    atomic_write_json,
+    csv_bytes,
+    load_tensors,
+    now_iso,
+)
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.setup import resolve_device
 
@@ -282,13 +299,15 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             model,
             x,
             y,
-            options.signals,
+            [s for s in options.signals if s != SYNTHETIC_SIGNAL],
             per_layer=options.per_layer,
             batch_size=options.batch_size,
             device=device,
             progress=options.progress,
             desc=f"{prepared.run.path.name} {target.label}",
         )
+        if SYNTHETIC_SIGNAL in options.signals:
+            signals.values[SYNTHETIC_SIGNAL] = nearest_distance(x, _synthetic_images(prepared, target.round))
         _check_finite(prepared, target, signals)
         for signal in options.signals:
             for method in plain:
@@ -298,6 +317,30 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     if METHOD in options.methods:
         results += _canary(prepared)
     return results
+
+
+def _synthetic_images(prepared: PreparedRun, rounds: int) -> torch.Tensor:
+    """Every synthetic image that crossed the wire in rounds 1..``rounds`` (what the server saw)."""
+    run = prepared.run
+    found, sent_updates = [], False
+    for round_number in range(1, rounds + 1):
+        for file in sorted((run.transmitted_dir / f"round-{round_number:04d}").glob("client-*.safetensors")):
+            tensors = load_tensors(file)
+            if "images" in tensors:
+                found.append(tensors["images"].to(torch.float32))
+            else:
+                sent_updates = True
+    if sent_updates and not found:
+        raise AttackError(
+            f"{run.path} is a {prepared.config.federated.algorithm} run whose clients sent model updates, not "
+            f"synthetic images, so --signal {SYNTHETIC_SIGNAL} has nothing to measure."
+        )
+    if not found or not sum(len(f) for f in found):
+        raise AttackError(
+            f"{run.path} kept no synthetic images under transmitted/ for --signal {SYNTHETIC_SIGNAL}; train it "
+            "with --save-transmitted."
+        )
+    return torch.cat(found)
 
 
 def _check_finite(prepared: PreparedRun, target: Target, signals: Signals) -> None:
@@ -398,8 +441,8 @@ def _reference_attacks(
     results = []
     for signal in options.signals:
         for method in methods:
-            if method == "rmia" and signal not in OUTPUT_SIGNALS:
-                continue
+            if (method == "rmia" and signal not in OUTPUT_SIGNALS) or signal == SYNTHETIC_SIGNAL:
+                continue  # synthetic-distance reads no model, so reference models have nothing to compare
             output = compared.output(method, signal, signals.values[signal])
             results.append(_result(prepared, target, signals, signal, method, output, options))
     return results
@@ -534,6 +577,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         if method != METHOD
         and (method not in REFERENCE_METHODS or target.final)
         and (method != "rmia" or signal in OUTPUT_SIGNALS)
+        and (method not in REFERENCE_METHODS or signal != SYNTHETIC_SIGNAL)
     }
     if METHOD in options.methods:
         try:

@@ -6,6 +6,9 @@ tiny losses of well-fitted members stay distinct instead of rounding to 0.
 The white-box signal is the L2 norm of the per-example gradient of the loss
 with respect to all trainable parameters, from the shared DP primitive
 (:func:`fedaudit.privacy.primitive.per_sample_sq_norms`, layer by layer) without clipping.
+``synthetic-distance`` does not look at a model: it is the distance from a record to the nearest synthetic image
+that crossed the wire (FedLAP's and FedGM's sets, kept with ``--save-transmitted``), the server's view of
+algorithms that share synthetic data. A synthetic image distilled from few records sits close to them.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ from tqdm.auto import tqdm
 
 from fedaudit.privacy.primitive import per_sample_sq_norms, trainable_params
 
-SIGNALS: tuple[str, ...] = ("loss", "confidence", "logit-confidence", "grad-norm")
+SIGNALS: tuple[str, ...] = ("loss", "confidence", "logit-confidence", "grad-norm", "synthetic-distance")
 DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
 OUTPUT_SIGNALS: tuple[str, ...] = ("loss", "confidence", "logit-confidence")
+SYNTHETIC_SIGNAL = "synthetic-distance"  # read from what crossed the wire, not from a model
 
 # Whether members tend to have *higher* values of the signal than non-members
 # (a model fits its training records: lower loss and gradient norm, higher confidence).
-MEMBERS_HIGHER: dict[str, bool] = {"loss": False, "confidence": True, "logit-confidence": True, "grad-norm": False}
+MEMBERS_HIGHER: dict[str, bool] = {
+    "loss": False,
+    "confidence": True,
+    "logit-confidence": True,
+    "grad-norm": False,
+    "synthetic-distance": False,
+}
 
 PER_LAYER_PREFIX = "grad_norm:"
 
@@ -88,7 +98,7 @@ def compute_signals(
         batch_size: records per forward pass / per-sample gradient batch.
         progress: show a tqdm bar over records.
     """
-    unknown = [s for s in signals if s not in SIGNALS]
+    unknown = [s for s in signals if s not in SIGNALS or s == SYNTHETIC_SIGNAL]
     if unknown:
         raise ValueError(f"unknown signal {unknown[0]!r}; choose from {', '.join(SIGNALS)}")
     model = model.eval().to(device)
@@ -117,6 +127,17 @@ def compute_signals(
         values={name: arrays[name] for name in signals},
         per_layer={name: arrays[name] for name in arrays if name.startswith(PER_LAYER_PREFIX)},
     )
+
+
+def nearest_distance(x: torch.Tensor, synthetic: torch.Tensor, *, batch_size: int = 1024) -> np.ndarray:
+    """For each record of ``x``, the Euclidean distance (over all pixels, as the model sees them) to the nearest
+    image of ``synthetic``, in float64."""
+    flat = synthetic.reshape(len(synthetic), -1).to(torch.float64)
+    chunks = []
+    for start in range(0, len(x), batch_size):
+        rows = x[start : start + batch_size].reshape(-1, flat.shape[1]).to(torch.float64)
+        chunks.append(torch.cdist(rows, flat, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values)
+    return _concat(chunks)
 
 
 def _batches(

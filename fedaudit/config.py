@@ -175,6 +175,26 @@ FEDLAP_DEFAULTS = {
 }
 FEDLAP_INITS = ("noise", "previous", "real")
 RADIUS_STRATEGIES = ("min", "median", "max", "fixed")
+LABEL_MECHANISMS = ("rr", "rr-top-k", "rr-with-prior")
+DISTILL_INITS = ("real", "noise")
+
+
+@dataclass(frozen=True)
+class FedGMConfig:
+    """FedGM: one-shot distillation by class-wise gradient matching, the labels sent under label DP
+    (docs/algorithms.md). The run's rounds are FedGM's stages T: each client releases 1/T of its synthetic set per
+    round, its labels randomized with a prior from the server's model of the stages before."""
+
+    distill_ipc: int = 10  # synthetic images per class a client holds
+    distill_iterations: int = 20  # fresh random networks the matching runs on (outer loop)
+    distill_steps: int = 10  # matching steps per network (inner loop), each followed by one network step
+    distill_lr: float = 0.1  # SGD (momentum 0.5) on the synthetic images
+    distill_batch: int = 128  # real images per class in one matching step
+    distill_init: str = "real"  # real: start from randomly drawn real images of the class (the paper); noise
+    label_epsilon: float | None = None  # label DP of every label sent; None: labels are sent in clear
+    label_mechanism: str = "rr-with-prior"
+    top_k: int | None = None  # k of rr-top-k
+    server_steps: int = 500  # SGD steps of the server on the union of what it received
 
 
 @dataclass(frozen=True)
@@ -192,6 +212,7 @@ class RunConfig:
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
+    fedgm: FedGMConfig = field(default_factory=FedGMConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
     save_transmitted: bool = False
@@ -271,6 +292,28 @@ class RunConfig:
             config = replace(config, save_transmitted=True)
         config.validate()
         return config
+
+    def _validate_fedgm(self) -> None:
+        """FedGM's section, and what FedGM cannot do; its options with another algorithm."""
+        gm = self.fedgm
+        _validate_fedgm_section(gm)
+        if self.federated.algorithm != "fedgm":
+            _check(
+                gm == FedGMConfig(),
+                "The FedGM options (--label-epsilon, --label-mechanism, --top-k, --distill-*, --server-steps) need "
+                "--algorithm fedgm.",
+            )
+            return
+        _check(
+            not self.privacy.dp,
+            "FedGM protects the labels it sends (label DP, --label-epsilon), not the records: --dp (record-level "
+            "DP-SGD) does not apply to it.",
+        )
+        _check(
+            self.federated.client_fraction == 1.0,
+            "FedGM releases every client's synthetic set in stages, one per round, so every client must take part "
+            "in every round (--client-fraction 1).",
+        )
 
     def _validate_flower(self) -> None:
         dep = self.flower
@@ -413,6 +456,7 @@ class RunConfig:
                 "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
             )
         _validate_fedlap(self.fedlap, dp=p.dp)
+        self._validate_fedgm()
         a = self.audit
         _check(
             _is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
@@ -425,6 +469,30 @@ class RunConfig:
             not a.canaries or p.dp,
             "--canaries needs --dp: a canary audit bounds the epsilon of a DP run's accountant.",
         )
+
+
+def _validate_fedgm_section(gm: FedGMConfig) -> None:
+    for name in ("distill_ipc", "distill_iterations", "distill_steps", "distill_batch", "server_steps"):
+        value = getattr(gm, name)
+        _check(_is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+    _check(_is_number(gm.distill_lr) and gm.distill_lr > 0, f"--distill-lr must be positive, got {gm.distill_lr!r}.")
+    _check(
+        gm.distill_init in DISTILL_INITS,
+        f"--distill-init must be one of {', '.join(DISTILL_INITS)}, got {gm.distill_init!r}.",
+    )
+    _check(
+        gm.label_epsilon is None or (_is_number(gm.label_epsilon) and gm.label_epsilon > 0),
+        f"--label-epsilon must be positive, got {gm.label_epsilon!r}.",
+    )
+    _check(
+        gm.label_mechanism in LABEL_MECHANISMS,
+        f"--label-mechanism must be one of {', '.join(LABEL_MECHANISMS)}, got {gm.label_mechanism!r}.",
+    )
+    _check(
+        (gm.top_k is None) == (gm.label_mechanism != "rr-top-k"),
+        "--top-k is needed by --label-mechanism rr-top-k, and by no other mechanism.",
+    )
+    _check(gm.top_k is None or (_is_int(gm.top_k) and gm.top_k >= 1), f"--top-k must be at least 1, got {gm.top_k!r}.")
 
 
 def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
@@ -545,6 +613,7 @@ _SECTION_TYPES: dict[str, type] = {
     "federated": FederatedConfig,
     "privacy": PrivacyConfig,
     "fedlap": FedLAPConfig,
+    "fedgm": FedGMConfig,
     "audit": AuditConfig,
     "flower": FlowerConfig,
 }

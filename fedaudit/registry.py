@@ -102,6 +102,13 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 options=("federated.mu",),
             ),
             _sgd("fedsgd", "FedSGD", "one local step per round", "fedaudit.algorithms.fedavg:FedSGD", 0.1),
+            _sgd(
+                "scaffold",
+                "SCAFFOLD",
+                "FedAvg with control variates against client drift (twice the upload)",
+                "fedaudit.algorithms.scaffold:Scaffold",
+                0.1,
+            ),
             AlgorithmEntry(
                 name="fedlap",
                 label="FedLAP",
@@ -111,6 +118,17 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 client_lr=0.002,
                 max_grad_norm=1.0,
                 options=("fedlap.*",),
+            ),
+            AlgorithmEntry(
+                name="fedgm",
+                label="FedGM",
+                dp_label="FedGM",
+                summary="one shot in stages: synthetic sets made by class-wise gradient matching, labels under label "
+                "DP (--label-epsilon), images in clear",
+                implementation="fedaudit.algorithms.fedgm:FedGM",
+                client_lr=0.01,
+                max_grad_norm=1.0,
+                options=("fedgm.*",),
             ),
         )
     }

@@ -3,7 +3,7 @@
 Layout (every file and key: docs/run-directory.md)::
 
     config.json  manifest.json  membership.npz  metrics.csv  privacy.json  model.safetensors
-    checkpoints/round-NNNN.safetensors (+ .json, + -clients.safetensors)  transmitted/  attacks/
+    checkpoints/round-NNNN.safetensors (+ .json, -clients, -server, -server-kept .safetensors)  transmitted/  attacks/
 
 Weights are safetensors and metadata JSON, so nothing is ever unpickled.
 Every file is written to a temporary name in the same directory and renamed,
@@ -698,6 +698,21 @@ class RunDirectory:
             client, name = key.split("/", 1)
             states.setdefault(int(client.removeprefix("client")), {})[name] = tensor
         return states
+
+    def server_state_path(self, round_number: int, *, kept: bool = False) -> Path:
+        """What the server broadcasts besides the weights (SCAFFOLD's control variate) or, ``kept``, keeps to itself
+        (FedGM's received sets), saved with the checkpoint."""
+        suffix = "server-kept" if kept else "server"
+        return self.checkpoints_dir / f"round-{round_number:04d}-{suffix}.safetensors"
+
+    def save_server_state(self, round_number: int, state: Mapping[str, torch.Tensor], *, kept: bool = False) -> None:
+        save_tensors(self.server_state_path(round_number, kept=kept), state, {"round": str(round_number)})
+
+    def load_server_state(
+        self, round_number: int, device: str | torch.device = "cpu", *, kept: bool = False
+    ) -> dict[str, torch.Tensor]:
+        path = self.server_state_path(round_number, kept=kept)
+        return load_tensors(path, device) if path.is_file() else {}
 
     def save_transmitted(self, round_number: int, client_id: int, payload: Mapping[str, torch.Tensor]) -> None:
         """What one client sent in one round, for audits of what crossed the wire."""

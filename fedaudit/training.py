@@ -153,6 +153,8 @@ def resume(
         # safetensors returns names sorted; keep the model's order, which fixes the order of floating-point sums
         state.params = {name: stored_params[name] for name in state.params}
         state.states = run.load_client_states(done, setup.device)
+        state.server_state = run.load_server_state(done, setup.device)
+        state.server_kept = run.load_server_state(done, setup.device, kept=True)
     state.rows = run.read_metrics().to_dict("records")[:done]
     manifest = _manifest(setup, rounds_done=done, created=manifest.created)
     if done == setup.config.federated.rounds:
@@ -184,6 +186,8 @@ class _TrainingState:
     ledger: PrivacyLedger | None
     rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.csv so far
     states: dict[int, TensorDict] = field(default_factory=dict)  # what clients keep between rounds
+    server_state: TensorDict = field(default_factory=dict)  # what the server broadcasts besides the weights
+    server_kept: TensorDict = field(default_factory=dict)  # what the server keeps to itself
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ class _RoundOutcome:
 
     round: int  # 1-based
     params: TensorDict
+    server_state: TensorDict
+    server_kept: TensorDict
     messages: list[ClientMessage]
     server_metrics: dict[str, float]
     row: dict[str, Any]
@@ -297,7 +303,14 @@ class _RoundLoop:
         setup, config, device = self.setup, self.setup.config, self.setup.device
         began = time.perf_counter()
         rounds = config.federated.rounds
-        ctx = RoundContext(round=m, rounds=rounds, config=config, device=device)
+        ctx = RoundContext(
+            round=m,
+            rounds=rounds,
+            config=config,
+            device=device,
+            server_state=state.server_state,
+            server_kept=state.server_kept,
+        )
         selected = select_clients(config.seed, m, len(self.clients), config.federated.client_fraction)
 
         def client_generator(k: int) -> torch.Generator:
@@ -338,13 +351,21 @@ class _RoundLoop:
             "clients": len(messages),
             **numbers,
         }
-        return _RoundOutcome(round=m + 1, params=params, messages=messages, server_metrics=numbers, row=row)
+        return _RoundOutcome(
+            round=m + 1,
+            params=params,
+            server_state=clone_params(result.state),
+            server_kept=clone_params(result.kept),
+            messages=messages,
+            server_metrics=numbers,
+            row=row,
+        )
 
     def commit(self, outcome: _RoundOutcome, state: _TrainingState, manifest: Manifest) -> Manifest:
         """Write the round: checkpoint, client states, transmitted payloads, model, metrics, ledger, and the manifest
         last (the commit point a resume trusts)."""
         run, config, number = self.run, self.setup.config, outcome.round
-        state.params = outcome.params
+        state.params, state.server_state, state.server_kept = outcome.params, outcome.server_state, outcome.server_kept
         state.rows.append(outcome.row)
         clients = [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in outcome.messages]
         run.save_checkpoint(
@@ -354,6 +375,10 @@ class _RoundLoop:
         )
         if state.states:
             run.save_client_states(number, state.states)
+        if state.server_state:
+            run.save_server_state(number, state.server_state)
+        if state.server_kept:
+            run.save_server_state(number, state.server_kept, kept=True)
         if config.save_transmitted:
             for msg in outcome.messages:
                 run.save_transmitted(number, msg.client_id, msg.payload)

@@ -384,7 +384,7 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
     dataset = manifest.dataset
     return {
         "algorithm": algorithm_label(federated.algorithm, config.privacy.dp),
-        "privacy budget": budget_label(config.privacy),
+        "privacy budget": _label_dp(config) or budget_label(config.privacy),
         "dataset": data.dataset,
         "partition": data.partition,
         "clients": data.num_clients,
@@ -404,6 +404,14 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def _label_dp(config: RunConfig) -> str | None:
+    """FedGM's label-DP statement ("label DP, epsilon E (mechanism)"), or None for a run without one."""
+    gm = config.fedgm
+    if config.federated.algorithm != "fedgm" or gm.label_epsilon is None:
+        return None
+    return f"label DP, epsilon {gm.label_epsilon:g} ({gm.label_mechanism})"
+
+
 def budget_label(privacy: PrivacyConfig) -> str:
     """How a run's privacy level was chosen: "epsilon E" (sigma calibrated to it), "sigma S", or "no DP"."""
     if not privacy.dp:
@@ -418,6 +426,17 @@ def _privacy(
     config: RunConfig, manifest: Manifest, ledger: PrivacyLedger | None, path: Path, notes: list[Note]
 ) -> PrivacySummary:
     settings = config.privacy
+    label_dp = _label_dp(config)
+    if label_dp:
+        notes.append(
+            Note(
+                f"No record-level DP guarantee: epsilon is infinite. The labels this run sent are {label_dp} (against "
+                "the substitution of one label); the synthetic images were made from the real records and sent in "
+                "clear, so they are not protected.",
+                "read the membership attacks as the measure of what the images leak",
+            )
+        )
+        return PrivacySummary(dp=False)
     if not settings.dp:
         notes.append(
             Note(

@@ -73,12 +73,20 @@ class ClientData:
 
 @dataclass(frozen=True)
 class RoundContext:
-    """What every participant knows about the current round."""
+    """What every participant knows about the current round.
+
+    ``server_state`` is what the server broadcasts with the global model besides the weights (SCAFFOLD's server
+    control variate). ``server_kept`` is what the server keeps for itself between rounds (FedGM's received sets):
+    it is for :meth:`Algorithm.server_update` only, and no engine sends it to a client. Both are empty for
+    algorithms that keep no server state.
+    """
 
     round: int  # 0-based index of the round being run
     rounds: int
     config: RunConfig
     device: torch.device
+    server_state: TensorDict = field(default_factory=dict)
+    server_kept: TensorDict = field(default_factory=dict)
 
     def cosine_lr(self, base_lr: float) -> float:
         """``base_lr`` with cosine decay over rounds (round 0 uses the full rate)."""
@@ -112,10 +120,13 @@ class ClientMessage:
 
 @dataclass(frozen=True)
 class ServerResult:
-    """New global parameters and what the server measured while computing them."""
+    """New global parameters, the server state broadcast with them next round and the state the server keeps to
+    itself (see :class:`RoundContext`), and what the server measured while computing them."""
 
     params: TensorDict
     metrics: dict[str, Any] = field(default_factory=dict)
+    state: TensorDict = field(default_factory=dict)
+    kept: TensorDict = field(default_factory=dict)
 
 
 class Algorithm(Protocol):

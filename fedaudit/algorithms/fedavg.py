@@ -36,6 +36,9 @@ class FedAvg:
     name = "fedavg"
     mu = 0.0  # weight of FedProx's proximal term
     single_step = False  # FedSGD: one local step per round
+    # the loss of a batch without DP (the DP primitive's per-example loss is cross-entropy too); tests replace it
+    # with a quadratic to check the algorithms against closed forms
+    loss = staticmethod(F.cross_entropy)
 
     def __init__(self, config: RunConfig | None = None) -> None:
         """Every algorithm is built from the run's configuration (see :mod:`fedaudit.registry`)."""
@@ -59,15 +62,7 @@ class FedAvg:
         state: TensorDict | None = None,
     ) -> ClientMessage:
         """Local training from the global model; the message carries the model delta."""
-        fed = ctx.config.federated
-        load_params(model, global_params)
-        model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=ctx.cosine_lr(fed.client_lr), momentum=fed.momentum)
-        if ctx.config.privacy.dp:
-            events, metrics = self._train_dp(model, optimizer, global_params, data, ctx, generator)
-        else:
-            events, metrics = [], self._train_plain(model, optimizer, global_params, data, ctx, generator)
-        delta = {name: p.detach() - global_params[name] for name, p in model.named_parameters()}
+        delta, events, metrics = self.local_update(model, global_params, data, ctx, generator)
         return ClientMessage(
             client_id=data.client_id,
             num_examples=data.num_examples,
@@ -75,6 +70,31 @@ class FedAvg:
             metrics=metrics,
             privacy_events=events,
         )
+
+    def local_update(
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
+        correction: TensorDict | None = None,
+    ) -> tuple[TensorDict, list[SGMEvent], dict[str, float]]:
+        """Local SGD (DP-SGD under DP) from the global model: (model delta, privacy events, metrics).
+
+        ``correction`` is added to every step's gradient after the DP noise, like FedProx's proximal gradient
+        (SCAFFOLD's c - c_k): it does not depend on the batch, so it costs no privacy.
+        """
+        fed = ctx.config.federated
+        load_params(model, global_params)
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=ctx.cosine_lr(fed.client_lr), momentum=fed.momentum)
+        if ctx.config.privacy.dp:
+            events, metrics = self._train_dp(model, optimizer, global_params, data, ctx, generator, correction)
+        else:
+            events, metrics = [], self._train_plain(model, optimizer, global_params, data, ctx, generator, correction)
+        delta = {name: p.detach() - global_params[name] for name, p in model.named_parameters()}
+        return delta, events, metrics
 
     def server_update(
         self,
@@ -92,10 +112,14 @@ class FedAvg:
                 new[name] += ctx.config.federated.server_lr * weight * message.payload[name].to(new[name].device)
         return ServerResult(params=new)
 
-    def _apply_prox(self, model: nn.Module, global_params: TensorDict) -> None:
+    def _adjust(self, model: nn.Module, global_params: TensorDict, correction: TensorDict | None) -> None:
+        """What is added to a step's gradient after the noise: FedProx's mu (w - w_g) and a drift correction."""
         if self.mu > 0:
             for name, p in model.named_parameters():
                 p.grad.add_(p.detach() - global_params[name], alpha=self.mu)
+        if correction is not None:
+            for name, p in model.named_parameters():
+                p.grad.add_(correction[name])
 
     def _train_plain(
         self,
@@ -105,6 +129,7 @@ class FedAvg:
         data: ClientData,
         ctx: RoundContext,
         generator: torch.Generator,
+        correction: TensorDict | None,
     ) -> dict[str, float]:
         fed = ctx.config.federated
         n = data.num_examples
@@ -124,9 +149,9 @@ class FedAvg:
         losses = []
         for idx in batches:
             optimizer.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(model(data.x[idx]), data.y[idx])
+            loss = self.loss(model(data.x[idx]), data.y[idx])
             loss.backward()
-            self._apply_prox(model, global_params)
+            self._adjust(model, global_params, correction)
             optimizer.step()
             losses.append(loss.detach())
         return {"train_loss": float(torch.stack(losses).double().mean()), "local_steps": float(len(batches))}
@@ -139,6 +164,7 @@ class FedAvg:
         data: ClientData,
         ctx: RoundContext,
         generator: torch.Generator,
+        correction: TensorDict | None,
     ) -> tuple[list[SGMEvent], dict[str, float]]:
         priv = ctx.config.privacy
         batch_size = ctx.config.federated.batch_size
@@ -159,7 +185,7 @@ class FedAvg:
             )
             for name, p in model.named_parameters():
                 p.grad = result.grads[name]
-            self._apply_prox(model, global_params)
+            self._adjust(model, global_params, correction)
             optimizer.step()
         event = SGMEvent(noise_multiplier=priv.noise_multiplier, sample_rate=sample_rate, steps=steps)
         return [event], {"local_steps": float(steps)}

@@ -115,7 +115,10 @@ def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
     received = _from_record(message.content["global"], device)
     global_params = {name: received[name] for name in names}  # the model's order fixes the order of float sums
     state = _from_record(message.content["state"], device) if "state" in message.content else None
-    ctx = RoundContext(round=round_index, rounds=int(task["rounds"]), config=config, device=device)
+    server_state = _from_record(message.content["server"], device) if "server" in message.content else {}
+    ctx = RoundContext(
+        round=round_index, rounds=int(task["rounds"]), config=config, device=device, server_state=server_state
+    )
     generator = make_generator(config.seed, Stream.CLIENT, round_index, client, device=device)
     result = algorithm.client_update(model, global_params, data, ctx, generator, state=state)
     content = {
@@ -163,6 +166,8 @@ def train_message(
     }
     if state is not None:
         content["state"] = _to_record(state)
+    if ctx.server_state:
+        content["server"] = _to_record(ctx.server_state)
     return Message(content=RecordDict(content), message_type="train", dst_node_id=node)
 
 

@@ -52,10 +52,11 @@ def test_without_flower_installed_the_engine_is_a_user_error(tmp_path, cli, monk
 
 
 def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path, cli):
-    """A Ray head started here stands for a cluster: the clients run on its workers, with the resources asked for."""
+    """A Ray head started here stands for a cluster: the clients run on its workers, with the resources asked for.
+    DP-SCAFFOLD: the server's control variate goes to the clients with the model, and theirs come back."""
     from federation import RayHead
 
-    args = (*FAST_ARGS, "--rounds", "2", "--dp", "--algorithm", "fedavg")
+    args = (*FAST_ARGS, "--rounds", "2", "--dp", "--algorithm", "scaffold", "--client-fraction", "0.6")
     local, cluster = tmp_path / "local", tmp_path / "cluster"
     assert cli("train", *args, "--out", local).exit_code == 0
     head = RayHead(tmp_path / "ray")

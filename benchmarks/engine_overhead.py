@@ -1,0 +1,177 @@
+"""What running the clients on Flower costs: the local engine vs Flower's simulation and deployment runtimes.
+
+The same run (``fedaudit train`` with the same seed, so the same model bytes on every engine) on:
+
+- local: the clients one after another inside the training process;
+- simulation: ``--engine flower``, each client a ClientApp on Flower's simulation runtime (Ray);
+- deployment: ``--engine flower --superlink``, a TLS SuperLink and one SuperNode per client as separate
+  processes on 127.0.0.1, with fedaudit as the server (the federation is up before the run starts, as at
+  real sites; its start-up is shown on its own line).
+
+Every process of every engine is pinned to the same cores with ``taskset`` (one core by default) and runs
+one torch thread, and every engine may run as many clients at once as there are cores (the local engine with
+``--parallel-clients``, the simulation with one CPU per client, the deployment's SuperNodes as they like), so
+the engines get the same compute and the ratio to local is the engine's overhead, not extra parallelism. The
+federation uses Flower's default polling intervals. Seconds per round come from each run's ``metrics.csv``
+(clients plus server update); "outside rounds" is the rest of the train command (imports, data, engine
+start-up, evaluation, checkpoints). The model bytes of every engine are checked against local's.
+
+    python benchmarks/engine_overhead.py [--datasets digits fashion-mnist] [--algorithms fedlap-dp] \
+        [--rounds 2] [--cores 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from federation import Federation  # noqa: E402  (the test suite's launcher of a TLS SuperLink and SuperNodes)
+
+BIN = Path(sys.executable).parent
+ALGORITHMS = {
+    "fedlap-dp": ("--algorithm", "fedlap", "--dp"),
+    "dp-fedavg": ("--algorithm", "fedavg", "--dp"),
+}
+DATASETS = {
+    "digits": ("--dataset", "digits", "--width", "32"),
+    "fashion-mnist": ("--dataset", "fashion-mnist", "--width", "32", "--partition", "classes:2"),
+}
+
+
+def _pinned(cores: str, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", cores, *argv]
+
+
+def _count(cores: str) -> int:
+    """How many cores a taskset list ("0", "0,1", "0-3") names."""
+    total = 0
+    for part in cores.split(","):
+        first, _, last = part.partition("-")
+        total += int(last or first) - int(first) + 1
+    return total
+
+
+def _train(argv: list[str], cores: str, env: dict[str, str]) -> float:
+    began = time.perf_counter()
+    result = subprocess.run(_pinned(cores, argv), env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - began
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return wall
+
+
+def _digest(run: Path) -> str:
+    return hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _row(engine: str, run: Path, total: float) -> dict[str, object]:
+    metrics = pd.read_csv(run / "metrics.csv")
+    rounds = metrics["wall_seconds"].to_numpy()
+    return {
+        "engine": engine,
+        "s_per_round": float(rounds.mean()),
+        "round_seconds": " ".join(f"{r:.1f}" for r in rounds),
+        "outside_rounds_s": total - float(rounds.sum()),
+        "total_s": total,
+        "accuracy": float(metrics["test_accuracy"].iloc[-1]),
+        "model": _digest(run),
+    }
+
+
+def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) -> pd.DataFrame:
+    """The three engines on one run; returns one row each."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    base = [
+        str(BIN / "fedaudit"),
+        "train",
+        *DATASETS[dataset],
+        *ALGORITHMS[algorithm],
+        *("--num-clients", str(args.clients), "--rounds", str(args.rounds), "--seed", "0"),
+        *("--device", "cpu", "--no-progress"),
+    ]
+    cores = _count(args.cores)
+    rows = []
+    for engine in args.engines:
+        out = work / f"{dataset}-{algorithm}-{engine}"
+        if engine == "local":
+            argv = [*base, "--parallel-clients", str(cores), "--out", str(out)]
+            rows.append(_row(engine, out, _train(argv, args.cores, env)))
+        elif engine == "simulation":
+            argv = [*base, "--engine", "flower", "--client-cpus", "1", "--out", str(out)]
+            rows.append(_row(engine, out, _train(argv, args.cores, env)))
+        else:
+            federation = Federation(work / f"federation-{dataset}-{algorithm}", task_poll_seconds=None)
+            try:
+                began = time.perf_counter()
+                federation.start_superlink()
+                for client in range(args.clients):
+                    federation.start_supernode(client)
+                federation_up = time.perf_counter() - began
+                for process in federation.processes.values():  # the whole federation on the same cores
+                    subprocess.run(["taskset", "-a", "-p", "-c", args.cores, str(process.pid)], capture_output=True)
+                argv = [
+                    *base,
+                    *("--engine", "flower", "--superlink", federation.address),
+                    *("--root-certificates", str(federation.tls["ca"]), "--out", str(out)),
+                ]
+                row = _row(engine, out, _train(argv, args.cores, env))
+                row["federation_up_s"] = federation_up
+                rows.append(row)
+            finally:
+                federation.close()
+    table = pd.DataFrame(rows)
+    local = table.loc[table["engine"] == "local", "s_per_round"]
+    if len(local):
+        table["ratio_to_local"] = table["s_per_round"] / float(local.iloc[0])
+        reference = table.loc[table["engine"] == "local", "model"].iloc[0]
+        table["same_model_as_local"] = table["model"] == reference
+    table.insert(0, "run", f"{dataset} {algorithm}")
+    return table.drop(columns="model")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=["digits", "fashion-mnist"], choices=sorted(DATASETS))
+    parser.add_argument("--algorithms", nargs="+", default=["fedlap-dp"], choices=sorted(ALGORITHMS))
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        default=["local", "simulation", "deployment"],
+        choices=["local", "simulation", "deployment"],
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=5)
+    parser.add_argument("--cores", default="0", help="taskset core list every process is pinned to")
+    parser.add_argument("--keep", help="keep the run directories here instead of a temporary directory")
+    args = parser.parse_args()
+    if shutil.which("taskset") is None:
+        raise SystemExit("taskset (util-linux) is needed to give every engine the same cores")
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="engine-overhead-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(
+        f"cores {args.cores} for every process, 1 torch thread each, {args.clients} clients, {args.rounds} rounds",
+        flush=True,
+    )
+    try:
+        for dataset in args.datasets:
+            for algorithm in args.algorithms:
+                table = measure(dataset, algorithm, args, work)
+                with pd.option_context("display.width", 200, "display.max_columns", 20):
+                    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""SCAFFOLD: FedAvg whose local steps are corrected by control variates, so that clients do not drift apart.
+
+Every client k keeps a control variate c_k (its own estimate of its gradient) and the server keeps c, the mean of
+all clients' c_k; both start at zero. In a round, a selected client runs local SGD from the global model x with
+every step's gradient corrected by c - c_k, and then updates its control variate with the cheap rule ("option II"
+of Karimireddy et al., 2020):
+
+    c_k+ = c_k - c + (x - y_k) / (K eta_l)      (y_k its local model after K steps of learning rate eta_l)
+
+It sends the model delta y_k - x and the control delta c_k+ - c_k (twice FedAvg's upload). The server applies the
+deltas like FedAvg (``--weighting``, ``--server-lr``) and moves c by |S| / N times the plain mean of the selected
+clients' control deltas, which keeps c the mean of all N clients' c_k.
+
+With ``--dp`` the local steps are DP-SGD queries of the one DP primitive and the correction is added after the
+noise (it does not depend on the batch), and the control update is a function of the client's DP output and of
+earlier state: post-processing. The privacy ledger is therefore DP-FedAvg's, query for query. Option II's
+(x - y_k) / (K eta_l) is the mean applied gradient for plain SGD; with ``--momentum`` it is an approximation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict
+from fedaudit.algorithms.fedavg import FedAvg
+
+CONTROL = "control/"  # payload prefix of the control delta; the model delta keeps the parameters' own names
+
+
+class Scaffold(FedAvg):
+    """SCAFFOLD (option II control variates), with record-level DP-SGD on the clients under ``--dp``."""
+
+    name = "scaffold"
+
+    def client_update(
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
+        state: TensorDict | None = None,
+    ) -> ClientMessage:
+        """Corrected local training; the message carries the model delta and the control delta, and the client
+        keeps its new control variate."""
+        server = _controls(ctx.server_state, global_params)
+        own = _controls(state, global_params)
+        correction = {name: server[name] - own[name] for name in global_params}
+        delta, events, metrics = self.local_update(model, global_params, data, ctx, generator, correction)
+        step = metrics["local_steps"] * ctx.cosine_lr(ctx.config.federated.client_lr)
+        updated = {name: own[name] - server[name] - delta[name] / step for name in global_params}
+        control_delta = {f"{CONTROL}{name}": updated[name] - own[name] for name in global_params}
+        return ClientMessage(
+            client_id=data.client_id,
+            num_examples=data.num_examples,
+            payload={**delta, **control_delta},
+            metrics=metrics,
+            privacy_events=events,
+            state=updated,
+        )
+
+    def server_update(
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        messages: list[ClientMessage],
+        ctx: RoundContext,
+        generator: torch.Generator,
+    ) -> ServerResult:
+        """x <- x + eta_s * weighted mean model delta; c <- c + |S| / N * mean control delta."""
+        result = super().server_update(model, global_params, messages, ctx, generator)
+        server = _controls(ctx.server_state, global_params)
+        share = 1.0 / ctx.config.data.num_clients  # |S| / N times the mean over the |S| messages
+        control = {}
+        for name, c in server.items():
+            total = torch.zeros_like(c)
+            for message in messages:
+                total += message.payload[f"{CONTROL}{name}"].to(c.device)
+            control[name] = c + share * total
+        return ServerResult(params=result.params, metrics=result.metrics, state=control)
+
+
+def _controls(values: TensorDict | None, like: TensorDict) -> TensorDict:
+    """A control variate by parameter name; zeros before the first round a client (or the server) takes part in."""
+    if not values:
+        return {name: torch.zeros_like(p) for name, p in like.items()}
+    return {name: values[name].to(like[name].device, like[name].dtype) for name in like}
