@@ -146,6 +146,12 @@ class Study:
         for name in self.algorithms:
             if name not in ALGORITHMS:
                 raise StudyError(f"Unknown algorithm {name!r} in the study; choose from {', '.join(ALGORITHMS)}.")
+            if not ALGORITHMS[name].record_dp:
+                raise StudyError(
+                    f"{ALGORITHMS[name].label}'s guarantee is label DP, which a study's record-level budgets cannot "
+                    f"set or compare; train it with `fedaudit train --algorithm {name} --label-epsilon E`, attack it, "
+                    "and report it beside the study's runs with `fedaudit report`."
+                )
         if not self.budgets:
             raise StudyError("A study needs at least one budget (epsilon:E, sigma:S or none).")
         if not self.seeds or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds):

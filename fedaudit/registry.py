@@ -43,6 +43,7 @@ class AlgorithmEntry:
         dataset_client_lr: per-dataset overrides of ``client_lr``.
         dataset_max_grad_norm: per-dataset overrides of ``max_grad_norm``.
         options: the configuration fields (``section.field``) that only this algorithm reads.
+        record_dp: whether it has a record-level DP variant (``--dp``); FedGM's guarantee is label DP instead.
     """
 
     name: str
@@ -55,6 +56,7 @@ class AlgorithmEntry:
     dataset_client_lr: Mapping[str, float] = field(default_factory=dict)
     dataset_max_grad_norm: Mapping[str, float] = field(default_factory=dict)
     options: tuple[str, ...] = ()
+    record_dp: bool = True
 
     def default_client_lr(self, dataset: str) -> float:
         return self.dataset_client_lr.get(dataset, self.client_lr)
@@ -129,6 +131,7 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 client_lr=0.01,
                 max_grad_norm=1.0,
                 options=("fedgm.*",),
+                record_dp=False,
             ),
         )
     }

@@ -41,10 +41,14 @@ def test_the_command_line_offers_exactly_the_registry() -> None:
 def test_every_algorithm_builds_and_takes_its_defaults_from_its_entry(name: str) -> None:
     entry = ALGORITHMS[name]
     for dataset in ("digits", "fashion-mnist"):
-        config = RunConfig().with_overrides({"federated.algorithm": name, "data.dataset": dataset, "privacy.dp": True})
-        resolved = config.resolved()
+        overrides = {"federated.algorithm": name, "data.dataset": dataset, "privacy.dp": entry.record_dp}
+        resolved = RunConfig().with_overrides(overrides).resolved()
         assert resolved.federated.client_lr == entry.default_client_lr(dataset)
-        assert resolved.privacy.max_grad_norm == entry.default_max_grad_norm(dataset)
+        if entry.record_dp:
+            assert resolved.privacy.max_grad_norm == entry.default_max_grad_norm(dataset)
+        else:  # FedGM: --dp is refused with one sentence
+            with pytest.raises(ConfigError, match="does not apply"):
+                RunConfig().with_overrides({**overrides, "privacy.dp": True}).resolved()
         assert get_algorithm(resolved).name == name
     assert registry.algorithm_label(name, dp=True) == entry.dp_label
     assert registry.algorithm_label(name, dp=False) == entry.label
