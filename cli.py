@@ -216,11 +216,21 @@ def main() -> None:
     help="FedLAP: differentiable augmentation of real and synthetic batches. [default: off]",
 )
 @click.option("--server-batch-size", type=int, help="FedLAP server minibatch. [default: 512]")
-@click.option("--server-epochs", type=int, help="FedLAP server epochs at most. [default: 100]")
+@click.option("--server-epochs", type=int, help="FedLAP and FedDM: server epochs at most. [default: 100]")
 @click.option(
     "--radius-strategy",
     type=click.Choice(RADIUS_STRATEGIES),
     help="FedLAP server radius r_g from the clients' r_k. [default: min]",
+)
+@click.option("--dm-ipc", type=int, help="FedDM: synthetic images per class a client holds. [default: 10]")
+@click.option("--dm-iterations", type=int, help="FedDM: image steps, each on a newly sampled network. [default: 100]")
+@click.option("--dm-lr", type=float, help="FedDM: synthetic image learning rate (SGD). [default: 1]")
+@click.option("--dm-batch", type=int, help="FedDM: real images per class in one step. [default: 256]")
+@click.option(
+    "--dm-radius",
+    type=float,
+    help="FedDM rho: networks are sampled at this distance from the global model, and the server trains within "
+    "it. [default: 5]",
 )
 @click.option("--distill-ipc", type=int, help="FedGM: synthetic images per class a client holds. [default: 10]")
 @click.option(

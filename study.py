@@ -146,11 +146,12 @@ class Study:
         for name in self.algorithms:
             if name not in ALGORITHMS:
                 raise StudyError(f"Unknown algorithm {name!r} in the study; choose from {', '.join(ALGORITHMS)}.")
-            if not ALGORITHMS[name].record_dp:
+            dp_budgets = [str(b) for b in self.budgets if b.kind != "none"]
+            if not ALGORITHMS[name].record_dp and dp_budgets:
                 raise StudyError(
-                    f"{ALGORITHMS[name].label}'s guarantee is label DP, which a study's record-level budgets cannot "
-                    f"set or compare; train it with `fedaudit train --algorithm {name} --label-epsilon E`, attack it, "
-                    "and report it beside the study's runs with `fedaudit report`."
+                    f"{ALGORITHMS[name].label} has no record-level DP variant, so the study's budget {dp_budgets[0]} "
+                    f"cannot apply to it; give it its own study with the budget none (FedGM's label DP: train it "
+                    "with `fedaudit train --algorithm fedgm --label-epsilon E` and report it beside the study)."
                 )
         if not self.budgets:
             raise StudyError("A study needs at least one budget (epsilon:E, sigma:S or none).")

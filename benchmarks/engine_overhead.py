@@ -14,7 +14,10 @@ one torch thread, and every engine may run as many clients at once as there are 
 the engines get the same compute and the ratio to local is the engine's overhead, not extra parallelism. The
 federation uses Flower's default polling intervals. Seconds per round come from each run's ``metrics.csv``
 (clients plus server update); "outside rounds" is the rest of the train command (imports, data, engine
-start-up, evaluation, checkpoints). The model bytes of every engine are checked against local's.
+start-up, evaluation, checkpoints). ``cpu_s`` is the CPU time the whole run cost: the train command and every
+process it started, and for the deployment also the SuperLink's and SuperNodes' processes meanwhile (their
+polling, and the ClientApp process each SuperNode starts per message). The model bytes of every engine are
+checked against local's.
 
     python benchmarks/engine_overhead.py [--datasets digits fashion-mnist] [--algorithms fedlap-dp] \
         [--rounds 2] [--cores 0]
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -61,20 +65,44 @@ def _count(cores: str) -> int:
     return total
 
 
-def _train(argv: list[str], cores: str, env: dict[str, str]) -> float:
-    began = time.perf_counter()
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu(groups: set[int]) -> float:
+    """CPU seconds of every live process in the process groups ``groups``, with the children each has reaped."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups:
+            total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return total / TICK
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _train(argv: list[str], cores: str, env: dict[str, str], groups: set[int] = frozenset()) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the train command and of the federation's processes meanwhile)."""
+    began, cpu_before, fed_before = time.perf_counter(), _children_cpu(), group_cpu(groups)
     result = subprocess.run(_pinned(cores, argv), env=env, capture_output=True, text=True)
     wall = time.perf_counter() - began
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return wall
+    return wall, _children_cpu() - cpu_before + group_cpu(groups) - fed_before
 
 
 def _digest(run: Path) -> str:
     return hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
 
 
-def _row(engine: str, run: Path, total: float) -> dict[str, object]:
+def _row(engine: str, run: Path, measured: tuple[float, float]) -> dict[str, object]:
+    total, cpu = measured
     metrics = pd.read_csv(run / "metrics.csv")
     rounds = metrics["wall_seconds"].to_numpy()
     return {
@@ -83,6 +111,7 @@ def _row(engine: str, run: Path, total: float) -> dict[str, object]:
         "round_seconds": " ".join(f"{r:.1f}" for r in rounds),
         "outside_rounds_s": total - float(rounds.sum()),
         "total_s": total,
+        "cpu_s": cpu,
         "accuracy": float(metrics["test_accuracy"].iloc[-1]),
         "model": _digest(run),
     }
@@ -124,7 +153,8 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
                     *("--engine", "flower", "--superlink", federation.address),
                     *("--root-certificates", str(federation.tls["ca"]), "--out", str(out)),
                 ]
-                row = _row(engine, out, _train(argv, args.cores, env))
+                groups = {process.pid for process in federation.processes.values()}
+                row = _row(engine, out, _train(argv, args.cores, env, groups))
                 row["federation_up_s"] = federation_up
                 rows.append(row)
             finally:
@@ -133,6 +163,7 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
     local = table.loc[table["engine"] == "local", "s_per_round"]
     if len(local):
         table["ratio_to_local"] = table["s_per_round"] / float(local.iloc[0])
+        table["cpu_ratio_to_local"] = table["cpu_s"] / float(table.loc[table["engine"] == "local", "cpu_s"].iloc[0])
         reference = table.loc[table["engine"] == "local", "model"].iloc[0]
         table["same_model_as_local"] = table["model"] == reference
     table.insert(0, "run", f"{dataset} {algorithm}")

@@ -180,6 +180,18 @@ DISTILL_INITS = ("real", "noise")
 
 
 @dataclass(frozen=True)
+class FedDMConfig:
+    """FedDM: each round, synthetic sets matched to the real data's mean embeddings and mean logits on networks
+    sampled around the global model; the server trains inside a ball of that radius (docs/algorithms.md)."""
+
+    dm_ipc: int = 10  # synthetic images per class a client holds
+    dm_iterations: int = 100  # sampled networks (one image step each)
+    dm_lr: float = 1.0  # SGD (momentum 0.5) on the synthetic images
+    dm_batch: int = 256  # real images per class in one step
+    dm_radius: float = 5.0  # rho: networks are sampled on the sphere of this radius around w_g; the server's ball
+
+
+@dataclass(frozen=True)
 class FedGMConfig:
     """FedGM: one-shot distillation by class-wise gradient matching, the labels sent under label DP
     (docs/algorithms.md). The run's rounds are FedGM's stages T: each client releases 1/T of its synthetic set per
@@ -213,6 +225,7 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
     fedgm: FedGMConfig = field(default_factory=FedGMConfig)
+    feddm: FedDMConfig = field(default_factory=FedDMConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
     save_transmitted: bool = False
@@ -292,6 +305,26 @@ class RunConfig:
             config = replace(config, save_transmitted=True)
         config.validate()
         return config
+
+    def _validate_feddm(self) -> None:
+        """FedDM's section; its options with another algorithm; FedDM has no DP variant here."""
+        dm = self.feddm
+        for name in ("dm_ipc", "dm_iterations", "dm_batch"):
+            value = getattr(dm, name)
+            _check(
+                _is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}."
+            )
+        for name in ("dm_lr", "dm_radius"):
+            value = getattr(dm, name)
+            _check(_is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
+        if self.federated.algorithm != "feddm":
+            _check(dm == FedDMConfig(), "The FedDM options (--dm-*) need --algorithm feddm.")
+            return
+        _check(
+            not self.privacy.dp,
+            "FedDM runs without DP here: its paper's DP variant protects class-wise statistics and is not specified "
+            "precisely enough to account; use --algorithm fedlap --dp for DP synthetic sets.",
+        )
 
     def _validate_fedgm(self) -> None:
         """FedGM's section, and what FedGM cannot do; its options with another algorithm."""
@@ -457,6 +490,7 @@ class RunConfig:
             )
         _validate_fedlap(self.fedlap, dp=p.dp)
         self._validate_fedgm()
+        self._validate_feddm()
         a = self.audit
         _check(
             _is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
@@ -614,6 +648,7 @@ _SECTION_TYPES: dict[str, type] = {
     "privacy": PrivacyConfig,
     "fedlap": FedLAPConfig,
     "fedgm": FedGMConfig,
+    "feddm": FedDMConfig,
     "audit": AuditConfig,
     "flower": FlowerConfig,
 }

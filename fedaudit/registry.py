@@ -133,6 +133,18 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 options=("fedgm.*",),
                 record_dp=False,
             ),
+            AlgorithmEntry(
+                name="feddm",
+                label="FedDM",
+                dp_label="FedDM",
+                summary="synthetic sets matched to mean embeddings and logits on networks near the global model, "
+                "every round (no DP)",
+                implementation="fedaudit.algorithms.feddm:FedDM",
+                client_lr=0.01,
+                max_grad_norm=1.0,
+                options=("feddm.*", "fedlap.server_epochs"),
+                record_dp=False,
+            ),
         )
     }
 )

@@ -85,7 +85,7 @@ class _MatchingStats:
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
 
-    def moved(self, fit: _Fit) -> None:
+    def moved(self, fit: Fit) -> None:
         self.max_distance = max(self.max_distance, fit.distance)
         self.last_step_start = max(self.last_step_start, fit.before_last)
 
@@ -122,7 +122,7 @@ class _Matching:
 
 
 @dataclass(frozen=True)
-class _Fit:
+class Fit:
     """Where SGD on a synthetic set ended: parameters, distance from the origin, steps, and distance before the last
     step (inside the ball unless no step was taken)."""
 
@@ -210,7 +210,7 @@ class FedLAP:
             self._match(work, params, stats)
             if loop == lap.max_loops - 1:
                 return
-            fit = self._train(
+            fit = fit_in_ball(
                 work.model,
                 params,
                 origin=work.global_params,
@@ -262,7 +262,7 @@ class FedLAP:
             ]
         )
         lr = ctx.cosine_lr(ctx.config.federated.client_lr)
-        fit = self._train(
+        fit = fit_in_ball(
             model,
             global_params,
             origin=global_params,
@@ -362,50 +362,6 @@ class FedLAP:
         work.image_opt.step()
         return distance.detach()
 
-    def _train(
-        self,
-        model: nn.Module,
-        start: TensorDict,
-        *,
-        origin: TensorDict,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        sample_weights: torch.Tensor,
-        lr: float,
-        epochs: int,
-        radius: float,
-        batch_size: int,
-        generator: torch.Generator,
-        use_augment: bool,
-    ) -> _Fit:
-        """SGD on (images, labels) from ``start``; stops after the step that leaves the ball of ``radius`` around
-        ``origin``.
-
-        The radius is exceeded by at most one step (see :class:`_Fit`).
-        """
-        params = {name: p.detach().clone().requires_grad_(True) for name, p in start.items()}
-        optimizer = torch.optim.SGD(list(params.values()), lr=lr)
-        steps = 0
-        distance = before = flat_distance(params, origin)
-        for _ in range(epochs):
-            if distance >= radius:
-                break
-            order = torch.randperm(len(labels), generator=generator, device=generator.device)
-            for idx in order.split(batch_size):
-                x = images[idx]
-                if use_augment:
-                    x = augment(x, seed=_draw_seed(generator))
-                losses = F.cross_entropy(functional_call(model, params, (x,)), labels[idx], reduction="none")
-                loss = (losses * sample_weights[idx]).mean()
-                optimizer.zero_grad(set_to_none=False)
-                loss.backward()
-                optimizer.step()
-                steps += 1
-                before, distance = distance, flat_distance(params, origin)
-                if distance >= radius:
-                    break
-        return _Fit({name: p.detach() for name, p in params.items()}, distance, steps, before)
-
     def _measured_radius(
         self,
         model: nn.Module,
@@ -446,6 +402,50 @@ class FedLAP:
                 out = functional_call(model, detached, (data.x[start : start + batch_size],))
                 total += float(F.cross_entropy(out, data.y[start : start + batch_size], reduction="sum"))
         return total / data.num_examples
+
+
+def fit_in_ball(
+    model: nn.Module,
+    start: TensorDict,
+    *,
+    origin: TensorDict,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    sample_weights: torch.Tensor,
+    lr: float,
+    epochs: int,
+    radius: float,
+    batch_size: int,
+    generator: torch.Generator,
+    use_augment: bool,
+) -> Fit:
+    """SGD on (images, labels) from ``start``; stops after the step that leaves the ball of ``radius`` around
+    ``origin`` (FedLAP's and FedDM's server; FedLAP's model epochs between loops).
+
+    The radius is exceeded by at most one step (see :class:`Fit`).
+    """
+    params = {name: p.detach().clone().requires_grad_(True) for name, p in start.items()}
+    optimizer = torch.optim.SGD(list(params.values()), lr=lr)
+    steps = 0
+    distance = before = flat_distance(params, origin)
+    for _ in range(epochs):
+        if distance >= radius:
+            break
+        order = torch.randperm(len(labels), generator=generator, device=generator.device)
+        for idx in order.split(batch_size):
+            x = images[idx]
+            if use_augment:
+                x = augment(x, seed=_draw_seed(generator))
+            losses = F.cross_entropy(functional_call(model, params, (x,)), labels[idx], reduction="none")
+            loss = (losses * sample_weights[idx]).mean()
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            before, distance = distance, flat_distance(params, origin)
+            if distance >= radius:
+                break
+    return Fit({name: p.detach() for name, p in params.items()}, distance, steps, before)
 
 
 def _draw_seed(generator: torch.Generator) -> int:

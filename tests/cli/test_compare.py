@@ -107,7 +107,7 @@ def test_plan_crosses_algorithms_budgets_and_seeds_at_equal_data_access(tmp_path
         ({"algorithms": ["fedavg"]}, "must include fedlap"),
         ({"algorithms": ["fedlap", "fedsgd"]}, "fedsgd"),
         ({"algorithms": ["fedfoo"]}, "fedfoo"),
-        ({"algorithms": ["fedlap", "fedgm"]}, "label DP"),
+        ({"algorithms": ["fedlap", "fedgm"]}, "no record-level DP"),
         ({"budgets": ["epsilon:0"]}, "epsilon:0"),
         ({"seeds": [-1]}, "seeds"),
         ({"base": {**BASE, "privacy": {"dp": True}}}, "budgets set them"),
