@@ -28,17 +28,20 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.analysis.prv import Domain
-from opacus.accountants.analysis.rdp import compute_rdp as _opacus_compute_rdp
-from opacus.accountants.analysis.rdp import get_privacy_spent as _opacus_get_privacy_spent
 from scipy.optimize import brentq
 
 from fedaudit.errors import UserError
 from fedaudit.registry import ACCOUNTANTS
+
+if TYPE_CHECKING:
+    from opacus.accountants.analysis.prv import Domain
+
+# Opacus is imported where epsilon is computed, not here: its package import takes about 2.6 s (it loads its
+# privacy engine and torch.distributed), and every Flower ClientApp process (one per message) and most commands
+# import this module for SGMEvent alone.
 
 __all__ = [
     "ACCOUNTANTS",
@@ -55,8 +58,8 @@ __all__ = [
 ]
 
 
-RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
-"""Opacus' RDP orders: 1.1..10.9 in steps of 0.1, then 12..63."""
+RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
+"""Opacus' RDP orders (``RDPAccountant.DEFAULT_ALPHAS``, tested equal): 1.1..10.9 in steps of 0.1, then 12..63."""
 
 _ORDERS = np.asarray(RDP_ORDERS)
 
@@ -182,6 +185,8 @@ def compose(events: Iterable[SGMEvent]) -> list[SGMEvent]:
 @lru_cache(maxsize=4096)
 def _rdp_one_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     """Opacus' RDP of one SGM step at every order in :data:`RDP_ORDERS` (cached, read-only)."""
+    from opacus.accountants.analysis.rdp import compute_rdp as _opacus_compute_rdp
+
     rdp = np.asarray(
         _opacus_compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(RDP_ORDERS)),
         dtype=np.float64,
@@ -200,6 +205,8 @@ def _rdp_of(history: tuple[tuple[float, float, int], ...]) -> np.ndarray:
 
 def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
     """Balle et al. 2020 conversion, exactly Opacus' ``get_privacy_spent`` over :data:`RDP_ORDERS`."""
+    from opacus.accountants.analysis.rdp import get_privacy_spent as _opacus_get_privacy_spent
+
     with warnings.catch_warnings():
         # Opacus warns when the optimum sits at an end of its own fixed orders; the orders are part of the spec.
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
@@ -209,6 +216,8 @@ def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
 
 def _prv_domain(history: tuple[tuple[float, float, int], ...], delta: float) -> Domain:
     """The grid Opacus' PRVAccountant discretises on (``compute_safe_domain_size``, mesh), from our cached RDP."""
+    from opacus.accountants.analysis.prv import Domain
+
     delta_error = delta / 1000
     total = sum(n for _, _, n in history)
     half_width = _rdp_to_epsilon(_rdp_of(history), delta_error / 4)
@@ -219,15 +228,15 @@ def _prv_domain(history: tuple[tuple[float, float, int], ...], delta: float) -> 
     return Domain.create_aligned(-half_width, half_width, mesh)
 
 
-class _PRVAccountantWithDomain(PRVAccountant):
+def _prv_accountant(domain: Domain) -> Any:
     """Opacus' PRVAccountant on a precomputed domain: Opacus would recompute (uncached) the RDP curves for it."""
+    from opacus.accountants import PRVAccountant
 
-    def __init__(self, domain: Domain) -> None:
-        super().__init__()
-        self._domain = domain
+    class PRVAccountantWithDomain(PRVAccountant):
+        def _get_domain(self, prvs: Any, num_self_compositions: Any, eps_error: float, delta_error: float) -> Domain:
+            return domain
 
-    def _get_domain(self, prvs: Any, num_self_compositions: Any, eps_error: float, delta_error: float) -> Domain:
-        return self._domain
+    return PRVAccountantWithDomain()
 
 
 @lru_cache(maxsize=1024)
@@ -256,7 +265,7 @@ def prv_epsilon(history: tuple[tuple[float, float, int], ...], delta: float) -> 
             f"because epsilon is very large (RDP gives {_rdp_to_epsilon(_rdp_of(history), delta):.3g}); "
             "use accountant='rdp'."
         )
-    prv = _PRVAccountantWithDomain(domain)
+    prv = _prv_accountant(domain)
     prv.history = list(history)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)

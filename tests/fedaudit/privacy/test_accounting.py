@@ -396,3 +396,17 @@ def test_ledger_rejects_malformed_or_inconsistent_dicts() -> None:
     for bad in (missing, wrong_rounds, tampered, bad_index, "privacy.json"):
         with pytest.raises(AccountingError):
             PrivacyLedger.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_rdp_orders_are_opacus_default_alphas_and_importing_the_ledger_does_not_load_opacus() -> None:
+    """The orders are written out so that SGMEvent (every ClientApp process imports it) does not load Opacus."""
+    import subprocess
+    import sys
+
+    from opacus.accountants import RDPAccountant
+
+    from fedaudit.privacy.accounting import RDP_ORDERS
+
+    assert list(RDP_ORDERS) == [float(a) for a in RDPAccountant.DEFAULT_ALPHAS]
+    probe = "import sys, fedaudit.privacy.accounting, fedaudit.engine.flower; print('opacus' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
