@@ -16,8 +16,9 @@ federation uses Flower's default polling intervals. Seconds per round come from 
 (clients plus server update); "outside rounds" is the rest of the train command (imports, data, engine
 start-up, evaluation, checkpoints). ``cpu_s`` is the CPU time the whole run cost: the train command and every
 process it started, and for the deployment also the SuperLink's and SuperNodes' processes meanwhile (their
-polling, and the ClientApp process each SuperNode starts per message). The model bytes of every engine are
-checked against local's.
+polling, and the ClientApp process each SuperNode starts per message); it is not measured for the simulation,
+whose Ray workers are not processes the train command reaps. The model bytes of every engine are checked against
+local's.
 
     python benchmarks/engine_overhead.py [--datasets digits fashion-mnist] [--algorithms fedlap-dp] \
         [--rounds 2] [--cores 0]
@@ -137,7 +138,8 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
             rows.append(_row(engine, out, _train(argv, args.cores, env)))
         elif engine == "simulation":
             argv = [*base, "--engine", "flower", "--client-cpus", "1", "--out", str(out)]
-            rows.append(_row(engine, out, _train(argv, args.cores, env)))
+            wall, _ = _train(argv, args.cores, env)
+            rows.append(_row(engine, out, (wall, float("nan"))))  # Ray's workers are not children it reaps
         else:
             federation = Federation(work / f"federation-{dataset}-{algorithm}", task_poll_seconds=None)
             try:
