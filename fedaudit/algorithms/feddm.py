@@ -35,7 +35,7 @@ from fedaudit.algorithms.base import (
     TensorDict,
     aggregation_weights,
 )
-from fedaudit.algorithms.fedlap import fit_in_ball
+from fedaudit.algorithms.fedlap import fit_in_ball, real_images
 from fedaudit.config import RunConfig
 
 SERVER_BATCH = 256
@@ -67,13 +67,7 @@ class FedDM:
         classes = torch.unique(data.y).sort().values
         labels = classes.repeat_interleave(dm.dm_ipc)
         members = {int(c): torch.nonzero(data.y == c).flatten() for c in classes}
-        picks = []
-        for c in classes:
-            pool = members[int(c)]
-            order = torch.randperm(len(pool), generator=generator, device=generator.device).to(pool.device)
-            chosen = pool[order[: dm.dm_ipc]]
-            picks.append(chosen[torch.arange(dm.dm_ipc, device=chosen.device) % len(chosen)])
-        images = data.x[torch.cat(picks)].clone().requires_grad_(True)
+        images = real_images(data, classes, dm.dm_ipc, generator).requires_grad_(True)
         optimizer = torch.optim.SGD([images], lr=dm.dm_lr, momentum=0.5)
         head = _last_linear(model)
         first = last = None

@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict
-from fedaudit.algorithms.fedlap import matching_loss
+from fedaudit.algorithms.fedlap import matching_loss, real_images
 from fedaudit.config import FedGMConfig, RunConfig
 from fedaudit.privacy.labeldp import randomized_response, rr_top_k, rr_with_prior
 from fedaudit.seeding import Stream, make_generator
@@ -192,13 +192,7 @@ def distil(
     labels = classes.repeat_interleave(gm.distill_ipc)
     members = {int(c): torch.nonzero(data.y == c).flatten() for c in classes}
     if gm.distill_init == "real":
-        picks = []
-        for c in classes:
-            pool = members[int(c)]
-            order = torch.randperm(len(pool), generator=generator, device=generator.device).to(pool.device)
-            chosen = pool[order[: gm.distill_ipc]]
-            picks.append(chosen[torch.arange(gm.distill_ipc, device=chosen.device) % len(chosen)])
-        start = data.x[torch.cat(picks)].clone()
+        start = real_images(data, classes, gm.distill_ipc, generator)
     else:
         shape = (len(labels), *data.x.shape[1:])
         start = torch.randn(shape, generator=generator, device=generator.device, dtype=data.x.dtype).to(data.x.device)

@@ -303,13 +303,7 @@ class FedLAP:
         if lap.init == "previous" and state is not None and state["images"].shape == shape:
             return SyntheticSet(state["images"].to(data.x.device), labels)
         if lap.init == "real":
-            picks = []
-            for c in classes:
-                members = torch.nonzero(data.y == c).flatten()
-                order = torch.randperm(len(members), generator=generator, device=generator.device)
-                chosen = members[order[: lap.ipc]]
-                picks.append(chosen[torch.arange(lap.ipc, device=chosen.device) % len(chosen)])
-            return SyntheticSet(data.x[torch.cat(picks)].clone(), labels)
+            return SyntheticSet(real_images(data, classes, lap.ipc, generator), labels)
         noise = torch.randn(shape, generator=generator, device=generator.device, dtype=data.x.dtype)
         return SyntheticSet(noise.to(data.x.device), labels)
 
@@ -402,6 +396,18 @@ class FedLAP:
                 out = functional_call(model, detached, (data.x[start : start + batch_size],))
                 total += float(F.cross_entropy(out, data.y[start : start + batch_size], reduction="sum"))
         return total / data.num_examples
+
+
+def real_images(data: ClientData, classes: torch.Tensor, ipc: int, generator: torch.Generator) -> torch.Tensor:
+    """``ipc`` random records of each class, in class order (repeated if a class has fewer): a synthetic set's
+    start from real data (FedLAP's ``--init real``, FedGM's and FedDM's)."""
+    picks = []
+    for c in classes:
+        members = torch.nonzero(data.y == c).flatten()
+        order = torch.randperm(len(members), generator=generator, device=generator.device).to(members.device)
+        chosen = members[order[:ipc]]
+        picks.append(chosen[torch.arange(ipc, device=chosen.device) % len(chosen)])
+    return data.x[torch.cat(picks)].clone()
 
 
 def fit_in_ball(

@@ -46,8 +46,8 @@ def test_every_algorithm_builds_and_takes_its_defaults_from_its_entry(name: str)
         assert resolved.federated.client_lr == entry.default_client_lr(dataset)
         if entry.record_dp:
             assert resolved.privacy.max_grad_norm == entry.default_max_grad_norm(dataset)
-        else:  # FedGM: --dp is refused with one sentence
-            with pytest.raises(ConfigError, match="does not apply"):
+        else:  # FedGM and FedDM: --dp is refused with one sentence
+            with pytest.raises(ConfigError, match="does not apply|runs without DP"):
                 RunConfig().with_overrides({**overrides, "privacy.dp": True}).resolved()
         assert get_algorithm(resolved).name == name
     assert registry.algorithm_label(name, dp=True) == entry.dp_label
