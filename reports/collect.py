@@ -351,9 +351,9 @@ def collect_run(path: Path) -> RunSummary:
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise ReportError(f"{path} holds malformed attack files ({type(exc).__name__}: {exc}).") from exc
     privacy = _privacy(config, manifest, ledger, path, notes)
-    fedlap = config.federated.algorithm == "fedlap"
-    synthetic = _synthetic(run) if fedlap else ()
-    if fedlap and not synthetic:
+    shares_synthetic = config.federated.algorithm in SYNTHETIC_ALGORITHMS
+    synthetic = _synthetic(run) if shares_synthetic else ()
+    if shares_synthetic and not synthetic:
         notes.append(
             Note(
                 "No synthetic sets were stored, so none are shown.",
@@ -556,6 +556,9 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
     )
 
 
+SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm")  # their clients send synthetic sets, which the report shows
+
+
 def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:
     """The synthetic sets clients sent, per client and round; unreadable files are skipped.
 
@@ -573,7 +576,7 @@ def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:
             except (SafetensorError, OSError, ValueError):
                 continue
             images, labels = tensors.get("images"), tensors.get("labels")
-            if images is None or labels is None or images.ndim != 4:
+            if images is None or labels is None or images.ndim != 4 or not len(labels):
                 continue
             sets.append(SyntheticSet(int(folder.name.split("-")[1]), int(file.stem.split("-")[1]), images, labels))
     return tuple(sets)
