@@ -415,7 +415,7 @@ def _run_rounds(
                 outcome = loop.compute(m, state)
                 manifest = loop.commit(outcome, state, manifest)
                 accuracy = outcome.row["test_accuracy"]
-                echo(_round_line(outcome.row, rounds, dp=state.ledger is not None))
+                echo(_round_line(outcome.row, rounds, dp=state.ledger is not None, config=setup.config))
         except KeyboardInterrupt:
             run.write_manifest(manifest.advanced(status="interrupted"))
             raise
@@ -428,8 +428,14 @@ def _run_rounds(
     return TrainResult(run_dir=run.path, rounds_done=rounds, test_accuracy=accuracy, epsilon=epsilon)
 
 
-def _round_line(row: dict[str, Any], rounds: int, *, dp: bool) -> str:
-    eps_text = f"epsilon {row['epsilon']:.3f}" if dp else "no DP"
+def _round_line(row: dict[str, Any], rounds: int, *, dp: bool, config: RunConfig) -> str:
+    label_epsilon = config.fedgm.label_epsilon if config.federated.algorithm == "fedgm" else None
+    if dp:
+        eps_text = f"epsilon {row['epsilon']:.3f}"
+    elif label_epsilon is not None:
+        eps_text = f"no record-level DP, labels {label_epsilon:g}-label-DP"
+    else:
+        eps_text = "no DP"
     return (
         f"round {row['round']}/{rounds}: test accuracy {row['test_accuracy']:.4f}, loss {row['test_loss']:.4f}, "
         f"{eps_text}, {row['wall_seconds']:.1f}s, {row['bytes_up'] / 1e6:.2f} MB up"

@@ -95,6 +95,7 @@ def test_a_fedgm_run_keeps_only_what_was_sent_and_resumes_to_the_same_bytes(tmp_
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     result = cli("train", *args, "--out", full)
     assert result.exit_code == 0, result.output
+    assert "no record-level DP, labels 2-label-DP" in result.output
     assert not list((full / "checkpoints").glob("*-clients.safetensors"))  # no true labels, no unsent stage
     assert not (full / "privacy.json").exists()  # no record-level DP ledger: FedGM has no record-level guarantee
     kept = load_file(full / "checkpoints" / "round-0002-server-kept.safetensors")
