@@ -33,9 +33,8 @@ from fedaudit.algorithms.base import (
     RoundContext,
     ServerResult,
     TensorDict,
-    aggregation_weights,
 )
-from fedaudit.algorithms.fedlap import fit_in_ball, real_images
+from fedaudit.algorithms.fedlap import fit_in_ball, real_images, weighted_union
 from fedaudit.config import RunConfig
 
 SERVER_BATCH = 256
@@ -107,15 +106,7 @@ class FedDM:
         generator: torch.Generator,
     ) -> ServerResult:
         """Train on the union of the synthetic sets, weighted per client, until ||w - w_g|| >= rho."""
-        weights = aggregation_weights(messages, ctx.config.federated.weighting)
-        images = torch.cat([m.payload["images"].to(ctx.device) for m in messages])
-        labels = torch.cat([m.payload["labels"].to(ctx.device) for m in messages])
-        sample_weights = torch.cat(
-            [
-                torch.full((len(m.payload["labels"]),), w * len(labels) / len(m.payload["labels"]), device=ctx.device)
-                for w, m in zip(weights, messages)
-            ]
-        )
+        images, labels, sample_weights = weighted_union(messages, ctx)
         fit = fit_in_ball(
             model,
             global_params,

@@ -251,16 +251,7 @@ class FedLAP:
         r_g = {"min": min, "max": max, "median": statistics.median}.get(lap.radius_strategy, min)(radii)
         if lap.radius_strategy == "fixed":
             r_g = float("inf")
-        weights = aggregation_weights(messages, ctx.config.federated.weighting)
-        images = torch.cat([m.payload["images"].to(ctx.device) for m in messages])
-        labels = torch.cat([m.payload["labels"].to(ctx.device) for m in messages])
-        # per-image weight so that client k's loss counts weight_k whatever |S_k| is
-        sample_weights = torch.cat(
-            [
-                torch.full((len(m.payload["labels"]),), w * len(labels) / len(m.payload["labels"]), device=ctx.device)
-                for w, m in zip(weights, messages)
-            ]
-        )
+        images, labels, sample_weights = weighted_union(messages, ctx)
         lr = ctx.cosine_lr(ctx.config.federated.client_lr)
         fit = fit_in_ball(
             model,
@@ -396,6 +387,22 @@ class FedLAP:
                 out = functional_call(model, detached, (data.x[start : start + batch_size],))
                 total += float(F.cross_entropy(out, data.y[start : start + batch_size], reduction="sum"))
         return total / data.num_examples
+
+
+def weighted_union(messages: list[ClientMessage], ctx: RoundContext) -> tuple[torch.Tensor, ...]:
+    """The union of the synthetic sets the clients sent: (images, labels, per-image weights), each image weighted
+    so that client k's loss counts its aggregation weight whatever the size of its set (FedLAP's and FedDM's
+    server)."""
+    weights = aggregation_weights(messages, ctx.config.federated.weighting)
+    images = torch.cat([m.payload["images"].to(ctx.device) for m in messages])
+    labels = torch.cat([m.payload["labels"].to(ctx.device) for m in messages])
+    sample_weights = torch.cat(
+        [
+            torch.full((len(m.payload["labels"]),), w * len(labels) / len(m.payload["labels"]), device=ctx.device)
+            for w, m in zip(weights, messages)
+        ]
+    )
+    return images, labels, sample_weights
 
 
 def real_images(data: ClientData, classes: torch.Tensor, ipc: int, generator: torch.Generator) -> torch.Tensor:
