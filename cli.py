@@ -20,6 +20,7 @@ from fedaudit.config import (
     DISTILL_INITS,
     ENGINES,
     FEDLAP_INITS,
+    FEDSSYN_INNER,
     LABEL_MECHANISMS,
     LR_SCHEDULES,
     RADIUS_STRATEGIES,
@@ -261,6 +262,31 @@ def main() -> None:
 @click.option("--top-k", type=int, help="FedGM: k of --label-mechanism rr-top-k.")
 @click.option(
     "--server-steps", type=int, help="FedGM: server SGD steps on the union of what it received. [default: 500]"
+)
+@click.option(
+    "--inner-algorithm",
+    type=click.Choice(FEDSSYN_INNER),
+    help="Fedssyn: the federated algorithm that trains on real plus shuffled synthetic records after the "
+    "generation round. [default: fedavg]",
+)
+@click.option(
+    "--generator-fraction",
+    type=float,
+    help="Fedssyn rho: the share of a client's records its generator trains on. [default: 0.75]",
+)
+@click.option(
+    "--synthetic-per-client",
+    type=int,
+    help="Fedssyn n~: records each client generates, and the size of every client's shuffled share. "
+    "[default: the mean client's records]",
+)
+@click.option("--generator-epochs", type=int, help="Fedssyn: epochs of the generator's training. [default: 30]")
+@click.option(
+    "--generator-batch", type=int, help="Fedssyn: generator minibatch (expected batch under DP). [default: 64]"
+)
+@click.option("--generator-lr", type=float, help="Fedssyn: generator learning rate (Adam). [default: 0.001]")
+@click.option(
+    "--generator-clip", type=float, help="Fedssyn with --dp: clipping norm of the generator's DP-SGD. [default: 1]"
 )
 @click.option(
     "--canaries",

@@ -191,6 +191,24 @@ class FedDMConfig:
     dm_radius: float = 5.0  # rho: networks are sampled on the sphere of this radius around w_g; the server's ball
 
 
+FEDSSYN_INNER = ("fedavg", "fedprox", "scaffold", "fedsgd")
+
+
+@dataclass(frozen=True)
+class FedssynConfig:
+    """Fedssyn: in its first round every client trains a class-conditional generator on a fraction of its records
+    and sends generated records; the server shuffles them and deals every client an equal share, which the client
+    then trains on with its own records under the inner algorithm, every later round (docs/algorithms.md)."""
+
+    inner_algorithm: str = "fedavg"  # the federated algorithm of the rounds after the generation round
+    generator_fraction: float = 0.75  # rho: the share of a client's records its generator trains on
+    synthetic_per_client: int | None = None  # n~: records each client generates; None: the mean client's size
+    generator_epochs: int = 30
+    generator_batch: int = 64  # minibatch (expected Poisson batch under DP)
+    generator_lr: float = 1e-3  # Adam
+    generator_clip: float = 1.0  # DP clipping norm of the generator's per-record gradients
+
+
 @dataclass(frozen=True)
 class FedGMConfig:
     """FedGM: one-shot distillation by class-wise gradient matching, the labels sent under label DP
@@ -226,6 +244,7 @@ class RunConfig:
     fedlap: FedLAPConfig = field(default_factory=FedLAPConfig)
     fedgm: FedGMConfig = field(default_factory=FedGMConfig)
     feddm: FedDMConfig = field(default_factory=FedDMConfig)
+    fedssyn: FedssynConfig = field(default_factory=FedssynConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
     save_transmitted: bool = False
@@ -324,6 +343,47 @@ class RunConfig:
             not self.privacy.dp,
             "FedDM runs without DP here: its paper's DP variant protects class-wise statistics and is not specified "
             "precisely enough to account; use --algorithm fedlap --dp for DP synthetic sets.",
+        )
+
+    def _validate_fedssyn(self) -> None:
+        """Fedssyn's section; its options with another algorithm; what Fedssyn needs of the run."""
+        fs = self.fedssyn
+        _check(
+            fs.inner_algorithm in FEDSSYN_INNER,
+            f"--inner-algorithm must be one of {', '.join(FEDSSYN_INNER)}, got {fs.inner_algorithm!r}.",
+        )
+        _check(
+            _is_number(fs.generator_fraction) and 0 < fs.generator_fraction <= 1,
+            f"--generator-fraction must be in (0, 1], got {fs.generator_fraction!r}.",
+        )
+        _check(
+            fs.synthetic_per_client is None or (_is_int(fs.synthetic_per_client) and fs.synthetic_per_client >= 1),
+            f"--synthetic-per-client must be a positive integer, got {fs.synthetic_per_client!r}.",
+        )
+        for name in ("generator_epochs", "generator_batch"):
+            value = getattr(fs, name)
+            _check(
+                _is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}."
+            )
+        for name in ("generator_lr", "generator_clip"):
+            value = getattr(fs, name)
+            _check(_is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
+        if self.federated.algorithm != "fedssyn":
+            _check(
+                fs == FedssynConfig(),
+                "The Fedssyn options (--inner-algorithm, --generator-*, --synthetic-per-client) need "
+                "--algorithm fedssyn.",
+            )
+            return
+        _check(
+            self.federated.rounds >= 2,
+            "Fedssyn's first round makes and deals the synthetic records and the inner algorithm trains from the "
+            "second on: give --rounds 2 or more.",
+        )
+        _check(
+            not self.audit.canaries,
+            "--canaries is not available with Fedssyn: its generation round sends generated records, not the "
+            "gradient steps a canary audit measures.",
         )
 
     def _validate_fedgm(self) -> None:
@@ -491,6 +551,7 @@ class RunConfig:
         _validate_fedlap(self.fedlap, dp=p.dp)
         self._validate_fedgm()
         self._validate_feddm()
+        self._validate_fedssyn()
         a = self.audit
         _check(
             _is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
@@ -649,6 +710,7 @@ _SECTION_TYPES: dict[str, type] = {
     "fedlap": FedLAPConfig,
     "fedgm": FedGMConfig,
     "feddm": FedDMConfig,
+    "fedssyn": FedssynConfig,
     "audit": AuditConfig,
     "flower": FlowerConfig,
 }

@@ -6,6 +6,7 @@ per-sample gradients (vmap over functional_call) and double backward work.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,3 +125,28 @@ def initial_params(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     from it, and an audit of round 1 differentiates at it."""
     torch.manual_seed(derive_seed(seed, Stream.INIT))
     return {name: p.detach().clone() for name, p in build_model(spec).named_parameters()}
+
+
+def fresh_params(
+    model: nn.Module, like: dict[str, torch.Tensor], generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """A newly initialised network drawn from ``generator`` (PyTorch's default ranges: U(+-1/sqrt(fan_in)) for
+    convolution and linear weights and biases, 1 and 0 for normalisation layers); thread-safe, unlike a reseeded
+    global generator."""
+    params: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        weight = own.get("weight")
+        is_norm = isinstance(module, (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm2d, nn.InstanceNorm2d))
+        for name, p in own.items():
+            full = f"{prefix}.{name}" if prefix else name
+            if is_norm:
+                params[full] = torch.ones_like(p) if name == "weight" else torch.zeros_like(p)
+                continue
+            fan_in = weight[0].numel() if weight is not None and weight.dim() > 1 else p.numel()
+            bound = 1.0 / math.sqrt(max(1, fan_in))
+            draw = torch.rand(p.shape, generator=generator, device=generator.device, dtype=p.dtype)
+            params[full] = ((2 * draw - 1) * bound).to(p.device)
+    return {name: params[name].to(like[name].device, like[name].dtype) for name in like}

@@ -111,6 +111,15 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 "fedaudit.algorithms.scaffold:Scaffold",
                 0.1,
             ),
+            _sgd(
+                "fedssyn",
+                "Fedssyn",
+                "a generation round of shuffled synthetic records (a class-conditional generator per client), then "
+                "the inner algorithm (--inner-algorithm) on real plus shuffled records",
+                "fedaudit.algorithms.fedssyn:Fedssyn",
+                0.1,
+                options=("fedssyn.*", "federated.mu"),
+            ),
             AlgorithmEntry(
                 name="fedlap",
                 label="FedLAP",

@@ -20,7 +20,7 @@ from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model, default_depth
-from fedaudit.privacy.accounting import calibrate_noise_multiplier
+from fedaudit.privacy.accounting import calibrate_events, calibrate_noise_multiplier
 from fedaudit.seeding import Stream, numpy_rng
 
 
@@ -98,8 +98,10 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
         depth=config.model.depth,
     )
     build_model(spec)  # fail early on a model that cannot be built for this input
-    algorithm = get_algorithm(config)
     sizes = {k: int(len(idx)) for k, idx in enumerate(partition.clients)}
+    if config.federated.algorithm == "fedssyn":
+        config = _resolve_fedssyn(config, sizes)
+    algorithm = get_algorithm(config)
     selected = clients_per_round(config.federated.client_fraction, config.data.num_clients)
     client_fraction = selected / config.data.num_clients
     queries = {k: algorithm.queries_per_round(config, n) for k, n in sizes.items()}
@@ -113,7 +115,10 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
                 f"B / N_k would exceed 1; use a batch size of at most {smallest}."
             )
         sample_rates = {k: batch / n for k, n in sizes.items()}
-        if config.privacy.noise_multiplier is None:
+        if config.privacy.noise_multiplier is None and hasattr(algorithm, "privacy_plan"):
+            sigma = max(_calibrate_plan(config, algorithm, n, client_fraction) for n in sizes.values())
+            config = mark_calibrated(config, sigma)
+        elif config.privacy.noise_multiplier is None:
             sigma = max(
                 calibrate_noise_multiplier(
                     target_epsilon=config.privacy.target_epsilon,
@@ -234,6 +239,35 @@ def _partition(config: RunConfig, dataset: Dataset) -> Partition:
         seed=config.seed,
         holdout_fraction=config.data.holdout_fraction,
     )
+
+
+def _resolve_fedssyn(config: RunConfig, sizes: dict[int, int]) -> RunConfig:
+    """Fedssyn's n~ (the mean client's size unless given), and a generator batch no client's draw is smaller than."""
+    fs = config.fedssyn
+    if fs.synthetic_per_client is None:
+        fs = replace(fs, synthetic_per_client=max(1, sum(sizes.values()) // len(sizes)))
+    smallest = min(max(1, int(fs.generator_fraction * n)) for n in sizes.values())
+    if fs.generator_batch > smallest:
+        raise TrainingError(
+            f"--generator-batch {fs.generator_batch} exceeds the {smallest} records the smallest client's generator "
+            f"trains on (--generator-fraction {fs.generator_fraction:g} of its records); use at most {smallest}."
+        )
+    return replace(config, fedssyn=fs)
+
+
+def _calibrate_plan(config: RunConfig, algorithm: Algorithm, num_examples: int, client_fraction: float) -> float:
+    """The noise multiplier that meets ``--target-epsilon`` over every round an algorithm plans itself."""
+    priv = config.privacy
+
+    def events_at(sigma: float) -> list:
+        at = replace(config, privacy=replace(priv, noise_multiplier=sigma))
+        return [
+            event
+            for m in range(config.federated.rounds)
+            for event in algorithm.privacy_plan(at, num_examples, m, client_fraction)
+        ]
+
+    return calibrate_events(events_at, target_epsilon=priv.target_epsilon, delta=priv.delta, accountant=priv.accountant)
 
 
 def clients_per_round(client_fraction: float, num_clients: int) -> int:

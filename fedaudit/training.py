@@ -22,11 +22,19 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fedaudit.algorithms.base import ClientMessage, RoundContext, TensorDict, clone_params, load_params
+from fedaudit.algorithms.base import (
+    ClientMessage,
+    RoundContext,
+    TensorDict,
+    clone_params,
+    load_params,
+    privacy_plan,
+    setup_rounds,
+)
 from fedaudit.config import RunConfig, option_field
 from fedaudit.engine import Engine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
-from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, round_events
+from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.runs import (
     ClientsRecord,
     DatasetRecord,
@@ -268,17 +276,25 @@ def _manifest(setup: Setup, *, rounds_done: int, created: str) -> Manifest:
     )
 
 
-def _round_privacy_events(setup: Setup, messages: list[ClientMessage]) -> dict[int, list[SGMEvent]]:
+def _round_privacy_events(setup: Setup, messages: list[ClientMessage], round_index: int) -> dict[int, list[SGMEvent]]:
     """Per client, this round's SGM events: the worst case of the plan and of what clients reported.
 
     Every client is charged every round (q1 = p q covers the chance of being
-    selected), with T = max(planned worst case, queries actually made).
+    selected), with T = max(planned worst case, queries actually made). An algorithm that plans its own events
+    (:func:`fedaudit.algorithms.base.privacy_plan`) is charged its plan, and more steps where a client reported more
+    queries at some (sigma, q) than planned.
     """
     priv = setup.config.privacy
     reported = {m.client_id: m.privacy_events for m in messages}
     events: dict[int, list[SGMEvent]] = {}
     for k, q in setup.sample_rates.items():
         made = reported.get(k, [])
+        planned = privacy_plan(
+            setup.algorithm, setup.config, len(setup.partition.clients[k]), round_index, setup.client_fraction
+        )
+        if planned is not None:
+            events[k] = _at_least(planned, made)
+            continue
         steps = max(setup.queries[k], sum(e.steps for e in made))
         rate = max([q, *(e.sample_rate for e in made)])
         sigma = min([priv.noise_multiplier, *(e.noise_multiplier for e in made)])
@@ -286,6 +302,15 @@ def _round_privacy_events(setup: Setup, messages: list[ClientMessage]) -> dict[i
             noise_multiplier=sigma, sample_rate=rate, queries_per_round=steps, client_fraction=setup.client_fraction
         )
     return events
+
+
+def _at_least(planned: list[SGMEvent], made: list[SGMEvent]) -> list[SGMEvent]:
+    """The planned events, each (sigma, q) with at least as many steps as the client reported at it."""
+    steps = {(e.noise_multiplier, e.sample_rate): e.steps for e in compose(planned)}
+    for e in compose(made):
+        key = (e.noise_multiplier, e.sample_rate)
+        steps[key] = max(steps.get(key, 0), e.steps)
+    return compose(SGMEvent(noise_multiplier=s, sample_rate=q, steps=n) for (s, q), n in steps.items())
 
 
 class _RoundLoop:
@@ -311,7 +336,8 @@ class _RoundLoop:
             server_state=state.server_state,
             server_kept=state.server_kept,
         )
-        selected = select_clients(config.seed, m, len(self.clients), config.federated.client_fraction)
+        fraction = 1.0 if m < setup_rounds(setup.algorithm) else config.federated.client_fraction
+        selected = select_clients(config.seed, m, len(self.clients), fraction)
 
         def client_generator(k: int) -> torch.Generator:
             return make_generator(config.seed, Stream.CLIENT, m, k, device=device)
@@ -328,6 +354,8 @@ class _RoundLoop:
         state.states.update({msg.client_id: msg.state for msg in messages if msg.state})
         server = make_generator(config.seed, Stream.SERVER, m, device=device)
         result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
+        for k, dealt in result.dealt.items():
+            state.states[k] = {**state.states.get(k, {}), **dealt}
         params = clone_params(result.params)
         if not all(bool(torch.isfinite(p).all()) for p in params.values()):
             raise TrainingError(
@@ -338,7 +366,7 @@ class _RoundLoop:
         wall = time.perf_counter() - began
         epsilon = math.inf
         if state.ledger is not None:
-            epsilon = state.ledger.record_round(_round_privacy_events(setup, messages))
+            epsilon = state.ledger.record_round(_round_privacy_events(setup, messages, m))
         accuracy, loss = evaluate(self.model, params, *self.test)
         numbers = {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))}
         row = {

@@ -437,10 +437,22 @@ def _privacy(
             )
         )
         return PrivacySummary(dp=False)
+    fedssyn = config.federated.algorithm == "fedssyn"
+    if fedssyn and settings.dp:
+        notes.append(
+            Note(
+                "Fedssyn with DP: the epsilon covers both phases on the same records (their costs add): the "
+                "generation round (the class counts, one Gaussian query, and the generator's DP-SGD) and the inner "
+                f"algorithm's DP-SGD ({config.fedssyn.inner_algorithm}) on the client's records plus its shuffled "
+                "share, sampled together; the per-client events are in privacy.json.",
+                "compare it with other runs by epsilon, not by the noise multiplier",
+            )
+        )
     if not settings.dp:
         notes.append(
             Note(
-                "No DP guarantee: epsilon is infinite (the run was trained without differential privacy).",
+                "No DP guarantee: epsilon is infinite (the run was trained without differential privacy)."
+                + (" Fedssyn's generated records were made and sent without DP as well." if fedssyn else ""),
                 "train with `--dp` (and `--noise-multiplier` or `--target-epsilon`) for a guarantee",
             )
         )
@@ -460,7 +472,7 @@ def _privacy(
         worst = int(np.argmin(sizes)) if sizes else None
     batch = config.federated.batch_size
     fraction = clients.client_fraction_effective
-    q2 = batch / sizes[worst] if worst is not None and batch else None
+    q2 = batch / sizes[worst] if worst is not None and batch and not fedssyn else None
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,
@@ -469,7 +481,7 @@ def _privacy(
         max_grad_norm=ledger.max_grad_norm,
         q1=None if q2 is None else fraction * q2,
         q2=q2,
-        queries_per_round=queries[worst] if worst is not None and worst < len(queries) else None,
+        queries_per_round=queries[worst] if worst is not None and worst < len(queries) and not fedssyn else None,
         client_fraction=fraction,
         batch_size=batch,
         worst_client=worst,
@@ -556,7 +568,7 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
     )
 
 
-SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm")  # their clients send synthetic sets, which the report shows
+SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm", "fedssyn")  # their clients send synthetic sets, shown by the report
 
 
 def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:

@@ -121,16 +121,29 @@ class ClientMessage:
 @dataclass(frozen=True)
 class ServerResult:
     """New global parameters, the server state broadcast with them next round and the state the server keeps to
-    itself (see :class:`RoundContext`), and what the server measured while computing them."""
+    itself (see :class:`RoundContext`), and what the server measured while computing them.
+
+    ``dealt`` is what the server sends to single clients to keep, by client id (Fedssyn's share of the shuffled
+    synthetic records): it joins that client's kept state (the ``state`` argument of its next
+    :meth:`Algorithm.client_update`), so it reaches the client in every later round it takes part in.
+    """
 
     params: TensorDict
     metrics: dict[str, Any] = field(default_factory=dict)
     state: TensorDict = field(default_factory=dict)
     kept: TensorDict = field(default_factory=dict)
+    dealt: dict[int, TensorDict] = field(default_factory=dict)
 
 
 class Algorithm(Protocol):
-    """A federated algorithm: a client update, a server update, and its worst-case DP query count."""
+    """A federated algorithm: a client update, a server update, and its worst-case DP query count.
+
+    Two optional members change the round loop for algorithms that need it (:func:`setup_rounds` and
+    :func:`privacy_plan` read them): ``setup_rounds``, the number of leading rounds in which every client takes part
+    whatever ``--client-fraction`` says (Fedssyn's generation round), and ``privacy_plan(config, num_examples,
+    round, client_fraction)``, the SGM events a client is charged for in a round when they are not the usual
+    ``queries_per_round`` steps at rate B / N_k.
+    """
 
     name: str
 
@@ -186,3 +199,17 @@ def flat_distance(a: TensorDict, b: TensorDict) -> float:
     """
     squares = torch.stack([(a[name].detach() - b[name].detach()).pow(2).sum() for name in a])
     return math.sqrt(float(squares.to(torch.float64).sum()))
+
+
+def setup_rounds(algorithm: Algorithm) -> int:
+    """The leading rounds in which every client takes part (0 for most algorithms)."""
+    return int(getattr(algorithm, "setup_rounds", 0))
+
+
+def privacy_plan(
+    algorithm: Algorithm, config: RunConfig, num_examples: int, round_index: int, client_fraction: float
+) -> list[SGMEvent] | None:
+    """The SGM events a client with ``num_examples`` records is charged for in round ``round_index`` at worst, when
+    the algorithm plans them itself; None for the usual plan (``queries_per_round`` steps at rate B / N_k)."""
+    plan = getattr(algorithm, "privacy_plan", None)
+    return None if plan is None else plan(config, num_examples, round_index, client_fraction)

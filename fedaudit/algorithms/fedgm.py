@@ -37,6 +37,7 @@ from torch.func import functional_call
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict
 from fedaudit.algorithms.fedlap import matching_loss, real_images
 from fedaudit.config import FedGMConfig, RunConfig
+from fedaudit.models import fresh_params
 from fedaudit.privacy.labeldp import randomized_response, rr_top_k, rr_with_prior
 from fedaudit.seeding import Stream, make_generator
 
@@ -159,29 +160,6 @@ def _num_classes(model: nn.Module, params: TensorDict, images: torch.Tensor) -> 
     with torch.no_grad():
         detached = {name: p.detach() for name, p in params.items()}
         return int(functional_call(model, detached, (images[:1],)).shape[1])
-
-
-def fresh_params(model: nn.Module, like: TensorDict, generator: torch.Generator) -> TensorDict:
-    """A newly initialised network drawn from ``generator`` (PyTorch's default ranges: U(+-1/sqrt(fan_in)) for
-    convolution and linear weights and biases, 1 and 0 for normalisation layers); thread-safe, unlike a reseeded
-    global generator."""
-    params: TensorDict = {}
-    for prefix, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        weight = own.get("weight")
-        is_norm = isinstance(module, (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm2d, nn.InstanceNorm2d))
-        for name, p in own.items():
-            full = f"{prefix}.{name}" if prefix else name
-            if is_norm:
-                params[full] = torch.ones_like(p) if name == "weight" else torch.zeros_like(p)
-                continue
-            fan_in = weight[0].numel() if weight is not None and weight.dim() > 1 else p.numel()
-            bound = 1.0 / math.sqrt(max(1, fan_in))
-            draw = torch.rand(p.shape, generator=generator, device=generator.device, dtype=p.dtype)
-            params[full] = ((2 * draw - 1) * bound).to(p.device)
-    return {name: params[name].to(like[name].device, like[name].dtype) for name in like}
 
 
 def distil(

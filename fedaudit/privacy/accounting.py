@@ -441,6 +441,47 @@ def calibrate_noise_multiplier(
     return _solve_sigma(lambda s: epsilon_at(s, "prv"), target=target, start=start, factor=factor)
 
 
+def calibrate_events(
+    events_at: Callable[[float], Sequence[SGMEvent]],
+    *,
+    target_epsilon: float,
+    delta: float = 1e-5,
+    accountant: str = "rdp",
+) -> float:
+    """Smallest noise multiplier (to ~1e-3 relative) whose whole history ``events_at(sigma)`` has epsilon <=
+    ``target_epsilon``: :func:`calibrate_noise_multiplier` for histories that are not rounds of equal DP-SGD steps
+    (Fedssyn's generator training, then the rounds of its inner algorithm). ``events_at`` must be monotone: more
+    noise, less epsilon."""
+    target = _check_real("target_epsilon", target_epsilon)
+    if not 0.0 < target < math.inf:
+        raise AccountingError(f"target_epsilon must be positive and finite, got {target_epsilon!r}.")
+    delta = _check_delta(delta)
+    accountant = _check_accountant(accountant)
+
+    def epsilon_at(sigma: float, how: str) -> float:
+        try:
+            return compute_epsilon(compose(events_at(sigma)), delta=delta, accountant=how)
+        except AccountingError:
+            return math.inf
+
+    floor = _rdp_to_epsilon(np.zeros_like(_ORDERS), delta)
+    if target <= floor and accountant == "rdp":
+        raise AccountingError(
+            f"--target-epsilon {target:g} is unreachable with RDP accounting at --delta {delta:g}: "
+            f"epsilon never goes below {floor:.4f} however much noise is added."
+        )
+    try:
+        sigma = _solve_sigma(lambda s: epsilon_at(s, "rdp"), target=target, start=1.0, factor=2.0)
+    except AccountingError:
+        if accountant == "rdp":
+            raise
+        sigma = None
+    if accountant == "rdp":
+        return sigma
+    start, factor = (1.0, 2.0) if sigma is None else (sigma, 1.1)  # PRV sits a little below RDP: start there
+    return _solve_sigma(lambda s: epsilon_at(s, "prv"), target=target, start=start, factor=factor)
+
+
 def _solve_sigma(epsilon_at: Callable[[float], float], *, target: float, start: float, factor: float) -> float:
     """Smallest evaluated sigma with eps(sigma) <= target, within ``_CALIBRATION_RTOL`` of a sigma above target.
 

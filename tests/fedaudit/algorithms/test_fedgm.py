@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from torch.func import functional_call
 
 from fedaudit.algorithms.base import RoundContext
-from fedaudit.algorithms.fedgm import FedGM, fresh_params
+from fedaudit.algorithms.fedgm import FedGM
 from fedaudit.config import DataConfig, FederatedConfig, FedGMConfig, ModelConfig, RunConfig
-from fedaudit.models import build_model, initial_params
+from fedaudit.models import build_model, fresh_params, initial_params
 from fedaudit.privacy.labeldp import randomized_response, rr_with_prior
 from fedaudit.seeding import Stream, make_generator
 from fedaudit.setup import client_data, prepare

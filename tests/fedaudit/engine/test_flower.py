@@ -42,6 +42,50 @@ def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cl
     assert len(list((flower / "transmitted").glob("round-*/client-*.safetensors"))) == 3 * 3  # 3 of 5 clients a round
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # the generation round takes every client whatever --client-fraction says, and the server deals each one
+        # its share, which then travels with the client's kept state; SCAFFOLD's control variates ride along
+        (
+            "--algorithm",
+            "fedssyn",
+            "--inner-algorithm",
+            "scaffold",
+            "--dp",
+            "--client-fraction",
+            "0.6",
+            "--generator-epochs",
+            "1",
+            "--synthetic-per-client",
+            "20",
+        ),
+        # what the server keeps to itself (FedGM's received stages) never goes to the clients
+        (
+            "--algorithm",
+            "fedgm",
+            "--label-epsilon",
+            "2",
+            "--distill-iterations",
+            "2",
+            "--distill-steps",
+            "2",
+            "--server-steps",
+            "5",
+        ),
+        ("--algorithm", "feddm", "--dm-iterations", "3", "--server-epochs", "2"),
+    ],
+    ids=["fedssyn", "fedgm", "feddm"],
+)
+def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra):
+    args = (*FAST_ARGS, "--rounds", "2", "--save-transmitted", *extra)
+    local, flower = tmp_path / "local", tmp_path / "flower"
+    assert cli("train", *args, "--out", local).exit_code == 0
+    result = cli("train", *args, "--engine", "flower", "--out", flower)
+    assert result.exit_code == 0, result.output
+    assert engine_independent_digest(flower) == engine_independent_digest(local)
+
+
 def test_without_flower_installed_the_engine_is_a_user_error(tmp_path, cli, monkeypatch):
     import sys
 

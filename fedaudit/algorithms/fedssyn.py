@@ -1,0 +1,199 @@
+"""Fedssyn: synthetic data shuffling against data heterogeneity (Li et al., 2023).
+
+Round 1 is the generation round, in which every client takes part whatever ``--client-fraction`` says. Client k
+draws ``generator_fraction`` (rho) of its records at random, trains a class-conditional generator on them
+(:mod:`fedaudit.generative`) and generates ``synthetic_per_client`` (n~) records whose labels follow the class
+frequencies of those records; it sends them (``images``, ``labels``) and the global model is left as it was. The
+server concatenates every client's records, shuffles them and deals every client an equal share of n~, which the
+client keeps for the rest of the run (:attr:`ServerResult.dealt`).
+
+From round 2 on, the inner algorithm (``--inner-algorithm``: FedAvg, FedProx, SCAFFOLD or FedSGD) runs unchanged on
+every client's own records plus its share; its rounds are counted from the second (its learning-rate schedule
+sees R - 1 rounds). As in the paper, a client takes as many local steps as the inner algorithm would on its own
+records alone, E floor(N_k / B), so the shuffled records change what a step sees, not how many steps there are.
+
+Privacy. Without ``--dp`` nothing is protected: the generated records, and the model updates on the real records,
+leak like FedAvg's. With ``--dp`` both phases are record-level DP through the one DP primitive, on the same
+records, so their costs add (sequential composition) in the one ledger:
+- generation round: the class counts (one Gaussian query at rate 1, noise sigma per class; a record's one-hot
+  label has norm 1) and the generator's DP-SGD (``generator_epochs`` * floor(m / B_g) steps at rate B_g / m, where
+  m = floor(rho N_k), clipping ``generator_clip``), both at the run's noise multiplier; charged to every record of
+  the client, whether or not it was drawn into the m (no amplification by that draw is claimed);
+- later rounds: the inner algorithm's DP-SGD on own plus dealt records, sampled together at rate
+  B / (N_k + n~) (the dealt records are DP outputs already: post-processing).
+What the other clients receive (the shuffled records) is covered by the generation round's share of the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict, clone_params
+from fedaudit.config import RunConfig
+from fedaudit.generative import ConditionalVAE, allocate, class_counts, sample, train_generator
+from fedaudit.models import fresh_params
+from fedaudit.privacy.accounting import SGMEvent, round_events
+from fedaudit.registry import algorithm as algorithm_entry
+
+SYNTHETIC = "synthetic/"  # prefix of the dealt share in a client's kept state
+GENERATION_ROUND = 0
+
+
+def generator_records(config: RunConfig, num_examples: int) -> int:
+    """m = floor(rho N_k), at least one: the records a client's generator trains on."""
+    return max(1, int(config.fedssyn.generator_fraction * num_examples))
+
+
+class Fedssyn:
+    """Fedssyn: one generation round of shuffled synthetic records, then the inner algorithm on real plus shuffled."""
+
+    name = "fedssyn"
+    setup_rounds = 1  # the generation round: every client takes part
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        """The inner algorithm is built from the same configuration."""
+        inner = "fedavg" if config is None else config.fedssyn.inner_algorithm
+        self.inner = algorithm_entry(inner).build(config)
+
+    def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
+        """The inner algorithm's local steps on the client's own records (the generation round is planned apart)."""
+        return self.inner.queries_per_round(config, num_examples)
+
+    def privacy_plan(
+        self, config: RunConfig, num_examples: int, round_index: int, client_fraction: float
+    ) -> list[SGMEvent]:
+        """The generation round's class counts and generator steps; then the inner algorithm's steps at rate
+        B / (N_k + n~)."""
+        sigma = config.privacy.noise_multiplier
+        fs = config.fedssyn
+        if round_index == GENERATION_ROUND:
+            m = generator_records(config, num_examples)
+            steps = fs.generator_epochs * max(1, m // fs.generator_batch)
+            return [
+                SGMEvent(noise_multiplier=sigma, sample_rate=1.0, steps=1),
+                SGMEvent(noise_multiplier=sigma, sample_rate=fs.generator_batch / m, steps=steps),
+            ]
+        total = num_examples + fs.synthetic_per_client
+        return round_events(
+            noise_multiplier=sigma,
+            sample_rate=config.federated.batch_size / total,
+            queries_per_round=self.queries_per_round(config, num_examples),
+            client_fraction=client_fraction,
+        )
+
+    def client_update(
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
+        state: TensorDict | None = None,
+    ) -> ClientMessage:
+        """Generation round: train the generator and send generated records. Later rounds: the inner algorithm on
+        the client's records plus its dealt share."""
+        if ctx.round == GENERATION_ROUND:
+            return self._generate(model, global_params, data, ctx, generator)
+        state = dict(state or {})
+        share = {name: state.pop(name) for name in list(state) if name.startswith(SYNTHETIC)}
+        if not share:
+            raise RuntimeError(
+                f"Client {data.client_id} has no share of the synthetic records in round {ctx.round + 1}."
+            )
+        x = torch.cat([data.x, share[f"{SYNTHETIC}images"].to(data.x.device, data.x.dtype)])
+        y = torch.cat([data.y, share[f"{SYNTHETIC}labels"].to(data.y.device)])
+        steps = self.inner.queries_per_round(ctx.config, data.num_examples)
+        union = ClientData(client_id=data.client_id, x=x, y=y)
+        message = self.inner.client_update(model, global_params, union, self._inner_ctx(ctx, steps), generator, state)
+        message.state = {**message.state, **share}
+        message.metrics = {**message.metrics, "synthetic_records": float(len(y) - data.num_examples)}
+        return message
+
+    def _generate(
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        data: ClientData,
+        ctx: RoundContext,
+        generator: torch.Generator,
+    ) -> ClientMessage:
+        """Draw rho of the records, count their classes, train the generator on them and generate n~ records."""
+        config, fs = ctx.config, ctx.config.fedssyn
+        sigma = config.privacy.noise_multiplier if config.privacy.dp else None
+        device = data.x.device
+        m = generator_records(config, data.num_examples)
+        drawn = torch.randperm(data.num_examples, generator=generator, device=generator.device)[:m].to(device)
+        x, y = data.x[drawn], data.y[drawn]
+        num_classes = _num_classes(model, global_params, data.x[:1])
+        counts, events = class_counts(y, num_classes, generator=generator, noise_multiplier=sigma)
+        vae = ConditionalVAE(tuple(data.x.shape[1:]), num_classes).to(device)
+        with torch.no_grad():
+            for name, p in fresh_params(vae, dict(vae.named_parameters()), generator).items():
+                vae.get_parameter(name).copy_(p)
+        steps, metrics = train_generator(
+            vae,
+            x,
+            y,
+            epochs=fs.generator_epochs,
+            batch_size=fs.generator_batch,
+            lr=fs.generator_lr,
+            generator=generator,
+            noise_multiplier=sigma,
+            max_grad_norm=fs.generator_clip,
+        )
+        labels = allocate(counts, fs.synthetic_per_client).to(device)
+        images = sample(vae, labels, generator).to(data.x.dtype)
+        return ClientMessage(
+            client_id=data.client_id,
+            num_examples=data.num_examples,
+            payload={"images": images, "labels": labels},
+            metrics={**metrics, "generator_records": float(m), "images_sent": float(len(labels))},
+            privacy_events=[*events, *steps],
+        )
+
+    def server_update(
+        self,
+        model: nn.Module,
+        global_params: TensorDict,
+        messages: list[ClientMessage],
+        ctx: RoundContext,
+        generator: torch.Generator,
+    ) -> ServerResult:
+        """Generation round: shuffle every client's generated records and deal equal shares; the model stays.
+        Later rounds: the inner algorithm's server update."""
+        if ctx.round != GENERATION_ROUND:
+            steps = 1  # the server update reads no step count
+            return self.inner.server_update(model, global_params, messages, self._inner_ctx(ctx, steps), generator)
+        messages = sorted(messages, key=lambda message: message.client_id)
+        images = torch.cat([message.payload["images"].to(ctx.device) for message in messages])
+        labels = torch.cat([message.payload["labels"].to(ctx.device) for message in messages])
+        order = torch.randperm(len(labels), generator=generator, device=generator.device).to(ctx.device)
+        shares = order.split(ctx.config.fedssyn.synthetic_per_client)
+        dealt = {
+            message.client_id: {f"{SYNTHETIC}images": images[share], f"{SYNTHETIC}labels": labels[share]}
+            for message, share in zip(messages, shares)
+        }
+        return ServerResult(
+            params=clone_params(global_params),
+            metrics={"synthetic_records": float(len(labels))},
+            dealt=dealt,
+        )
+
+    @staticmethod
+    def _inner_ctx(ctx: RoundContext, steps: int) -> RoundContext:
+        """The inner algorithm's view: its rounds start after the generation round, and a client takes ``steps``
+        local steps (those of its own records) whatever the size of its records plus its share."""
+        fed = ctx.config.federated
+        local_steps = fed.local_steps if fed.local_steps is not None else steps
+        config = replace(ctx.config, federated=replace(fed, local_steps=local_steps))
+        return replace(ctx, round=ctx.round - 1, rounds=ctx.rounds - 1, config=config)
+
+
+def _num_classes(model: nn.Module, params: TensorDict, x: torch.Tensor) -> int:
+    """The dataset's number of classes: the width of the run's model's output."""
+    with torch.no_grad():
+        return int(functional_call(model, {name: p.detach() for name, p in params.items()}, (x,)).shape[1])
