@@ -45,7 +45,7 @@ def test_help_and_usage_errors_do_not_load_torch(args):
         (
             ["train", "--algorithm", "fedfoo", "--out", "x"],
             "Error: Invalid value for '--algorithm': 'fedfoo' is not one of 'fedavg', 'fedprox', 'fedsgd', "
-            "'scaffold', 'fedlap', 'fedgm', 'feddm'.",
+            "'scaffold', 'fedssyn', 'fedlap', 'fedgm', 'feddm'.",
         ),
         (
             ["epsilon", "--steps", "0", "--sample-rate", "0.1", "--rounds", "3", "--noise-multiplier", "1"],
