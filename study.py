@@ -146,13 +146,6 @@ class Study:
         for name in self.algorithms:
             if name not in ALGORITHMS:
                 raise StudyError(f"Unknown algorithm {name!r} in the study; choose from {', '.join(ALGORITHMS)}.")
-            dp_budgets = [str(b) for b in self.budgets if b.kind != "none"]
-            if not ALGORITHMS[name].record_dp and dp_budgets:
-                raise StudyError(
-                    f"{ALGORITHMS[name].label} has no record-level DP variant, so the study's budget {dp_budgets[0]} "
-                    f"cannot apply to it; give it its own study with the budget none (FedGM's label DP: train it "
-                    "with `fedaudit train --algorithm fedgm --label-epsilon E` and report it beside the study)."
-                )
         if not self.budgets:
             raise StudyError("A study needs at least one budget (epsilon:E, sigma:S or none).")
         if not self.seeds or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds):
@@ -274,16 +267,27 @@ def plan(study: Study) -> list[PlannedRun]:
     for seed in study.seeds:
         for budget in study.budgets:
             for algorithm in study.algorithms:
-                name = f"{algorithm}-{budget.slug}-seed{seed}"
+                # without record-level DP (FedGM, FedDM): trained once per seed, beside the budgets
+                own = budget if ALGORITHMS[algorithm].record_dp else Budget("none")
+                name = f"{algorithm}-{own.slug}-seed{seed}"
                 if any(run.name == name for run in runs):
                     continue  # the same run given twice (sigma:1 and sigma:1.0, none and no-dp, ...)
-                config = budget.apply(
-                    replace(study.base, seed=seed, federated=replace(study.base.federated, algorithm=algorithm))
-                )
-                runs.append(PlannedRun(name, algorithm, budget, seed, config))
+                base = replace(study.base, seed=seed, federated=replace(study.base.federated, algorithm=algorithm))
+                config = own.apply(_own_sections(base, algorithm))
+                runs.append(PlannedRun(name, algorithm, own, seed, config))
     if study.equal_data_access:
         runs = [_equal_data_access(run) for run in runs]
     return runs
+
+
+OWN_SECTIONS = ("fedgm", "feddm", "fedssyn")  # configuration sections that only their algorithm reads
+
+
+def _own_sections(config: RunConfig, algorithm: str) -> RunConfig:
+    """``config`` with the algorithm-specific sections of the other algorithms at their defaults: a study's base may
+    set FedGM's label epsilon or Fedssyn's generator for those runs without refusing every other run."""
+    defaults = RunConfig()
+    return replace(config, **{name: getattr(defaults, name) for name in OWN_SECTIONS if name != algorithm})
 
 
 def _equal_data_access(run: PlannedRun) -> PlannedRun:

@@ -1,14 +1,19 @@
-"""Accuracy vs epsilon: FedLAP-DP, DP-FedAvg and DP-FedProx on Fashion-MNIST at equal data access.
+"""Accuracy of fedaudit's algorithms on Fashion-MNIST, 5 clients x 2 classes, beside the source papers' figures.
 
-The paper's setting (5 clients x 2 classes, sigma = 1, B = 256, the authors' DP
-configurations) at a reduced ConvNet width so that a few rounds fit in about an
-hour on a 2-core CPU. The baselines run as many local steps (DP queries) per
-round as FedLAP-DP's worst case T = R_i * L * R_b, so every algorithm spends the
-same epsilon per round. Prints one table (round, epsilon, accuracy per
-algorithm) next to the paper's Table 2 figures for Fashion-MNIST (width 128,
-full training; epsilon 2.79 is their first round).
+``--study dp`` (the default): FedLAP-DP, DP-FedAvg and DP-FedProx at equal data access. The paper's setting
+(sigma = 1, B = 256, the authors' DP configurations) at a reduced ConvNet width so that a few rounds fit in about
+an hour on a 2-core CPU. The baselines run as many local steps (DP queries) per round as FedLAP-DP's worst case
+T = R_i * L * R_b, so every algorithm spends the same epsilon per round. Prints one table (round, epsilon, accuracy
+per algorithm) next to the paper's Table 2 figures for Fashion-MNIST (width 128, full training; epsilon 2.79 is
+their first round).
 
-    python benchmarks/utility.py [--rounds 3] [--width 16] [--out runs/utility] [--threads 1]
+``--study others``: the other systems without DP (SCAFFOLD, FedDM, FedGM with labels in clear and under label DP,
+Fedssyn with FedAvg inside) and FedAvg, every one with its own defaults at ``--local-epochs``; prints accuracy
+after each round, wall time, the papers' anchors (FedLAP-DP's Table 1 for SCAFFOLD and FedDM, FedGM's Table 1)
+and Fedssyn's rounds to FedAvg's final accuracy against FedAvg's (its generation round not counted).
+``--algorithms`` trains a subset (run two processes on two cores); the table covers every run under ``--out``.
+
+    python benchmarks/utility.py [--study dp|others] [--rounds 3] [--width 16] [--out runs/utility] [--threads 1]
 """
 
 from __future__ import annotations
@@ -34,15 +39,106 @@ PAPER_TABLE_2 = pd.DataFrame(
 )
 
 
+# FedLAP-DP paper, Table 1 (Fashion-MNIST, 5 clients x 2 classes, ConvNet width 128, 60 rounds of 5 local epochs,
+# no DP) and FedGM's Table 1 (Fashion-MNIST #C=2, 10 clients, one shot, labels in clear).
+PAPER_ANCHORS = {
+    "FedAvg": "79.67 +- 0.56 (FedLAP-DP Table 1)",
+    "SCAFFOLD": "82.17 +- 0.37 (FedLAP-DP Table 1)",
+    "FedDM": "83.10 +- 0.16 (FedLAP-DP Table 1)",
+    "FedGM": "85.3 +- 0.1 (FedGM Table 1, 10 clients #C=2)",
+    "FedGM label-eps 4": "no Fashion-MNIST figure (label-DP results are MNIST plots)",
+    "Fedssyn": "CIFAR-10 only: FedAvg 88 rounds to 44% without, 4 with (alpha 0.01)",
+}
+OTHERS = {
+    "FedAvg": {"federated.algorithm": "fedavg"},
+    "SCAFFOLD": {"federated.algorithm": "scaffold"},
+    "Fedssyn": {"federated.algorithm": "fedssyn"},
+    "FedDM": {"federated.algorithm": "feddm"},
+    "FedGM": {"federated.algorithm": "fedgm"},
+    "FedGM label-eps 4": {"federated.algorithm": "fedgm", "fedgm.label_epsilon": 4.0},
+}
+ONE_SHOT = {"FedGM": 2, "FedGM label-eps 4": 2}  # FedGM's stages: the paper's T = 2
+
+
+def others(args: argparse.Namespace) -> None:
+    """The other systems without DP, each with its own defaults; the table covers every run under ``--out``."""
+    base = RunConfig(
+        seed=args.seed,
+        device="cpu",
+        data=DataConfig(dataset="fashion-mnist", partition="classes:2", num_clients=5),
+        model=ModelConfig(width=args.width),
+    )
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, CPU; Fashion-MNIST, 5 clients x 2 classes, "
+        f"ConvNet width {args.width}, {args.local_epochs} local epoch(s), seed {args.seed}, no DP"
+    )
+    for name in args.algorithms or list(OTHERS):
+        rounds = ONE_SHOT.get(name, args.rounds + (1 if name == "Fedssyn" else 0))
+        config = base.with_overrides(
+            {**OTHERS[name], "federated.rounds": rounds, "federated.local_epochs": args.local_epochs}
+        )
+        started = time.perf_counter()
+        train(
+            config,
+            Path(args.out) / name,
+            overwrite=True,
+            progress=False,
+            echo=lambda line, n=name: print(f"  {n}: {line}", flush=True),
+        )
+        print(f"  {name}: {time.perf_counter() - started:.0f} s", flush=True)
+    rows = []
+    curves = {}
+    for name in OTHERS:
+        path = Path(args.out) / name / "metrics.csv"
+        if not path.exists():
+            continue
+        metrics = pd.read_csv(path)
+        curves[name] = metrics.set_index("round")["test_accuracy"]
+        rows.append(
+            {
+                "algorithm": name,
+                "rounds": len(metrics),
+                "final acc %": round(100 * float(metrics["test_accuracy"].iloc[-1]), 2),
+                "best acc %": round(100 * float(metrics["test_accuracy"].max()), 2),
+                "wall s": round(float(metrics["wall_seconds"].sum())),
+                "paper": PAPER_ANCHORS[name],
+            }
+        )
+    print("\nThis run (accuracy after the last round; wall: the rounds' seconds):")
+    print(pd.DataFrame(rows).to_string(index=False))
+    print("\nAccuracy % after each round (Fedssyn's round 1 is its generation round):")
+    print((100 * pd.DataFrame(curves)).round(2).to_string())
+    if "FedAvg" in curves and "Fedssyn" in curves:
+        target = float(curves["FedAvg"].iloc[-1])
+        fedavg = _rounds_to(curves["FedAvg"], target)
+        shuffled = _rounds_to(curves["Fedssyn"].iloc[1:], target)
+        print(
+            f"\nRounds to FedAvg's final accuracy {100 * target:.2f}%: FedAvg {fedavg}, Fedssyn "
+            f"{'not reached' if shuffled is None else shuffled - 1} (training rounds after the generation round)"
+        )
+
+
+def _rounds_to(curve: pd.Series, target: float) -> int | None:
+    """The first round whose accuracy reaches ``target``, or None."""
+    reached = curve[curve >= target - 1e-12]
+    return None if reached.empty else int(reached.index[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--study", choices=["dp", "others"], default="dp")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--local-epochs", type=int, default=2, help="--study others only")
+    parser.add_argument("--algorithms", nargs="+", choices=list(OTHERS), help="--study others: train these only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/utility")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.study == "others":
+        others(args)
+        return
     base = RunConfig(
         seed=args.seed,
         device="cpu",

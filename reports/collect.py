@@ -18,7 +18,7 @@ from fedaudit.attacks.metrics import rate_interval, threshold_bounds
 from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
-from fedaudit.registry import algorithm_label
+from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunError
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
@@ -404,6 +404,12 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def _has_record_dp(algorithm: str) -> bool:
+    """False for the algorithms that have no record-level DP variant (FedGM, FedDM)."""
+    entry = ALGORITHMS.get(algorithm)
+    return entry is None or entry.record_dp
+
+
 def _label_dp(config: RunConfig) -> str | None:
     """FedGM's label-DP statement ("label DP, epsilon E (mechanism)"), or None for a run without one."""
     gm = config.fedgm
@@ -452,7 +458,13 @@ def _privacy(
         notes.append(
             Note(
                 "No DP guarantee: epsilon is infinite (the run was trained without differential privacy)."
-                + (" Fedssyn's generated records were made and sent without DP as well." if fedssyn else ""),
+                + (" Fedssyn's generated records were made and sent without DP as well." if fedssyn else "")
+                + (
+                    f" {algorithm_label(config.federated.algorithm, False)} has no record-level DP variant: a study "
+                    "trains it once per seed without DP, beside its budgets, and it is not comparable with them."
+                    if not _has_record_dp(config.federated.algorithm)
+                    else ""
+                ),
                 "train with `--dp` (and `--noise-multiplier` or `--target-epsilon`) for a guarantee",
             )
         )

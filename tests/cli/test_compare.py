@@ -101,13 +101,42 @@ def test_plan_crosses_algorithms_budgets_and_seeds_at_equal_data_access(tmp_path
         assert config.federated.local_steps == (4 if run.algorithm == "fedavg" else None)
 
 
+def test_systems_without_record_level_dp_are_planned_beside_the_budgets(tmp_path):
+    """FedGM (label DP) and FedDM are trained once per seed without record-level DP; Fedssyn takes every budget; the
+    base's FedGM and Fedssyn sections reach their own runs only."""
+    base = {**BASE, "fedgm": {"label_epsilon": 2.0}, "fedssyn": {"generator_epochs": 3}}
+    study = load_study(
+        write_study(
+            tmp_path,
+            algorithms=["fedavg", "fedssyn", "fedgm", "feddm"],
+            budgets=["epsilon:8", "epsilon:20"],
+            seeds=[0],
+            equal_data_access=False,
+            base=base,
+        )
+    )
+    runs = plan(study)
+    assert [r.name for r in runs] == [
+        "fedavg-eps8-seed0",
+        "fedssyn-eps8-seed0",
+        "fedgm-nodp-seed0",
+        "feddm-nodp-seed0",
+        "fedavg-eps20-seed0",
+        "fedssyn-eps20-seed0",
+    ]
+    for run in runs:
+        config = run.config.resolved()
+        assert config.privacy.dp == (run.algorithm in ("fedavg", "fedssyn"))
+        assert config.fedgm.label_epsilon == (2.0 if run.algorithm == "fedgm" else None)
+        assert config.fedssyn.generator_epochs == (3 if run.algorithm == "fedssyn" else 30)
+
+
 @pytest.mark.parametrize(
     "changes, mentions",
     [
         ({"algorithms": ["fedavg"]}, "must include fedlap"),
         ({"algorithms": ["fedlap", "fedsgd"]}, "fedsgd"),
         ({"algorithms": ["fedfoo"]}, "fedfoo"),
-        ({"algorithms": ["fedlap", "fedgm"]}, "no record-level DP"),
         ({"budgets": ["epsilon:0"]}, "epsilon:0"),
         ({"seeds": [-1]}, "seeds"),
         ({"base": {**BASE, "privacy": {"dp": True}}}, "budgets set them"),
