@@ -141,6 +141,10 @@ def test_dp_fedssyn_charges_the_counts_the_generator_and_the_inner_steps_on_the_
     assert math.isclose(ledger["epsilon_per_round"][-1], worst, rel_tol=1e-12)
     without_generator = compute_epsilon([SGMEvent(1.2, batch / (sizes[0] + 40), 2 * (sizes[0] // batch))], delta=1e-5)
     assert worst > without_generator  # the generation round is not free
+    report = cli("report", out, "--out", tmp_path / "report.md")
+    assert report.exit_code == 0, report.output
+    text = (tmp_path / "report.md").read_text()
+    assert "covers both phases" in text and "adds the generation round" in text
 
 
 def test_a_target_epsilon_covers_both_phases(tmp_path, cli):
