@@ -99,6 +99,9 @@ def test_a_fedssyn_run_deals_once_trains_on_real_plus_shuffled_and_resumes_to_th
     monkeypatch.undo()
     assert cli("train", "--resume", resumed, "--no-progress").exit_code == 0
     assert engine_independent_digest(resumed) == engine_independent_digest(full)
+    attack = cli("attack", full, "--signal", "synthetic-distance", "--signal", "loss", "--no-progress")
+    assert attack.exit_code == 0, attack.output  # the generated records of round 1 are the server's view
+    assert len(list((full / "attacks").glob("*synthetic-distance*"))) >= 1
 
 
 def initial_params_of(run) -> dict[str, torch.Tensor]:
