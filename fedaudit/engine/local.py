@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, setup_rounds
 
 # A round whose clients are estimated to take at least this long gets an estimate of the time left, said after the
 # first client of the process has run (so that a long run says up front what it will cost, in a log too).
@@ -65,6 +65,8 @@ class LocalEngine:
         """One client update per selected client; ``model`` is reused as scratch space, ``states`` is what clients
         kept."""
         device = next(iter(global_params.values())).device
+        # a setup round (Fedssyn's generation) says nothing about the cost of the rounds after it
+        estimate = not self._estimated and ctx.round >= setup_rounds(algorithm)
         parallel = self.parallel if self.parallel is not None else (len(clients) if device.type == "cuda" else 1)
 
         def update(data: ClientData, scratch: nn.Module) -> ClientMessage:
@@ -74,7 +76,7 @@ class LocalEngine:
             )
 
         if parallel > 1 and len(clients) > 1:
-            return self._run_parallel(update, model, clients, ctx, device, parallel)
+            return self._run_parallel(update, model, clients, ctx, device, parallel, estimate)
         messages = []
         bar = tqdm(
             clients,
@@ -87,7 +89,7 @@ class LocalEngine:
             bar.set_postfix(client=data.client_id)
             began = time.perf_counter()
             messages.append(update(data, model))
-            if not self._estimated:
+            if estimate and not self._estimated:
                 self._estimated = True
                 self._estimate(time.perf_counter() - began, len(clients), ctx)
         return messages
@@ -100,6 +102,7 @@ class LocalEngine:
         ctx: RoundContext,
         device: torch.device,
         parallel: int,
+        estimate: bool,
     ) -> list[ClientMessage]:
         """The clients in ``parallel`` threads, each on its own copy of ``model``; messages in the order of
         ``clients``."""
@@ -135,7 +138,7 @@ class LocalEngine:
                 for future in futures:
                     messages.append(future.result())
                     bar.update(1)
-                    if not self._estimated:
+                    if estimate and not self._estimated:
                         self._estimated = True
                         self._estimate(time.perf_counter() - began, len(clients), ctx, at_once=workers)
             except BaseException:

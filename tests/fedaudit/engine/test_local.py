@@ -194,3 +194,22 @@ def test_local_engine_is_a_context_manager_that_lets_errors_through():
         assert entered is engine
     with pytest.raises(KeyError), LocalEngine(progress=False):
         raise KeyError("not swallowed")
+
+
+def test_a_setup_round_is_not_estimated_and_the_first_training_round_is(monkeypatch):
+    """Fedssyn's generation round costs nothing like its training rounds: the estimate waits for round 2."""
+
+    class WithSetupRound(RecordingAlgorithm):
+        setup_rounds = 1
+
+    said: list[str] = []
+    engine = LocalEngine(progress=False, echo=said.append)
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 1000.0))
+    run(engine, WithSetupRound(), clients(0, 1), context(0, 5))
+    assert said == []
+    monkeypatch.setattr(local.time, "perf_counter", Clock(0.0, 100.0))
+    run(engine, WithSetupRound(), clients(0, 1), context(1, 5))
+    assert said == [
+        "round 2/5: the first client took 2 min, so a round's clients take about 3 min and the 4 round(s) to go "
+        "about 13 min"
+    ]
