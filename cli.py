@@ -356,8 +356,9 @@ def main() -> None:
 @click.option(
     "--parallel-clients",
     type=int,
-    help="How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU); the "
-    "results do not depend on it. [default: all of a round's clients on CUDA, 1 on CPU]",
+    help="How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU), or how "
+    "many sites of a Flower deployment are sent work at once (sites that share machines); the results do not "
+    "depend on it. [default: local: all of a round's clients on CUDA, 1 on CPU; deployment: all]",
 )
 @click.option("--out", type=click.Path(), help="Run directory to create.")
 @click.option(

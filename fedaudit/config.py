@@ -469,9 +469,9 @@ class RunConfig:
         )
         self._validate_flower()
         _check(
-            self.engine == "local" or self.parallel_clients in (None, 1),
-            "--parallel-clients is for the local engine; Flower's runtime runs clients in parallel itself "
-            "(its client resources decide how many).",
+            self.engine == "local" or self.flower.superlink is not None or self.parallel_clients in (None, 1),
+            "--parallel-clients is for the local engine and a Flower deployment; Flower's simulation runs clients "
+            "in parallel itself (its client resources decide how many).",
         )
         _check(
             _is_int(self.seed) and 0 <= self.seed <= MAX_SEED,

@@ -142,6 +142,7 @@ class DeploymentEngine:
         self.certificates = None if dep.root_certificates is None else Path(dep.root_certificates).read_bytes()
         self.wait_seconds = float(dep.wait_seconds)
         self.round_timeout = float(dep.round_timeout)
+        self.window = config.parallel_clients  # at most this many sites at work at once; None: all of a round's
         self.num_clients = num_clients
         self.membership = [np.asarray(m, dtype=np.int64) for m in membership]
         self._grid: Any = None
@@ -194,19 +195,26 @@ class DeploymentEngine:
         return messages
 
     def _exchange(self, requests: dict[int, Any], round_number: int, deadline: float) -> dict[int, Any]:
-        """Push one message per client and pull until every client answered; failures are one sentence each."""
-        sent = dict(zip(self._grid.push_messages(list(requests.values())), requests))  # message id -> client
+        """Push one message per client (at most ``window`` outstanding at once, the next one as soon as a reply
+        comes) and pull until every client answered; failures are one sentence each."""
+        queue = list(requests)
+        window = len(queue) if self.window is None else self.window
+        sent: dict[str, int] = {}  # message id -> client
         replies: dict[int, Any] = {}
-        while len(replies) < len(sent):
+        while len(replies) < len(requests):
             if not self._task_alive:
                 raise DeploymentError(f"The SuperLink at {self.address} ended this run (its heartbeat was refused).")
+            room = window - (len(sent) - len(replies))
+            if room > 0 and queue:
+                batch, queue = queue[:room], queue[room:]
+                sent.update(zip(self._grid.push_messages([requests[client] for client in batch]), batch))
             waiting = [mid for mid, client in sent.items() if client not in replies]
             for reply in self._grid.pull_messages(waiting):
                 client = sent[reply.metadata.reply_to_message_id]
                 if reply.has_error():
                     raise DeploymentError(self._failure(client, round_number, reply.error))
                 replies[client] = reply
-            if len(replies) < len(sent):
+            if len(replies) < len(requests):
                 if time.monotonic() > deadline:
                     silent = sorted(client for client in sent.values() if client not in replies)
                     raise DeploymentError(

@@ -43,13 +43,18 @@ def deployment_args(fed: Federation) -> tuple[str, ...]:
 
 
 def test_runs_on_three_sites_equal_the_local_engine(tmp_path, cli, federation):
-    """DP-FedAvg here; FedLAP-DP (with client state and what crossed the wire) in the kill-and-resume test below."""
+    """DP-FedAvg here, at most two sites at work at once; FedLAP-DP (with client state and what crossed the wire) in
+    the kill-and-resume test below."""
     for client in range(CLIENTS):
         federation.start_supernode(client)
     for name, extra in [("fedavg", ALGORITHMS["fedavg"])]:
         local, deployed = tmp_path / f"{name}-local", tmp_path / f"{name}-deployed"
         assert cli("train", *BASE, *extra, "--out", local).exit_code == 0
-        result = cli("train", *BASE, *extra, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
+        # two sites at work at once: the third gets its round when the first reply comes
+        window = ("--parallel-clients", "2")
+        result = cli(
+            "train", *BASE, *extra, *deployment_args(federation), *window, "--wait-seconds", "120", "--out", deployed
+        )
         assert result.exit_code == 0, result.output + federation.log("superlink") + federation.log("supernode-0")
         assert engine_independent_digest(deployed) == engine_independent_digest(local)
         assert (deployed / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
@@ -59,6 +64,7 @@ def test_runs_on_three_sites_equal_the_local_engine(tmp_path, cli, federation):
         pd.testing.assert_frame_equal(*metrics)
         config = json.loads((deployed / "config.json").read_text())
         assert config["engine"] == "flower" and config["flower"]["superlink"] == federation.address
+        assert config["parallel_clients"] == 2
 
 
 def test_a_client_claimed_twice_is_refused(tmp_path, cli, federation):
@@ -176,3 +182,34 @@ def test_a_site_whose_data_changed_during_the_run_is_refused(monkeypatch):
     with pytest.raises(DeploymentError, match="data at client 0's site changed during the run"):
         engine.run_clients(*args)
     engine._grid = None  # nothing to close: there was no session
+
+
+@pytest.mark.parametrize("window", [None, 1, 2, 5])
+def test_at_most_parallel_clients_sites_are_at_work_at_once(window):
+    """With --parallel-clients N the engine keeps at most N messages outstanding and sends the next one as soon as a
+    reply comes; without it every selected site gets its round at once (a stand-in grid answers one reply per
+    pull, oldest first)."""
+    from types import SimpleNamespace
+
+    from fedaudit.config import RunConfig
+    from fedaudit.engine import deployment
+
+    engine = deployment.DeploymentEngine(RunConfig(parallel_clients=window), num_clients=5, membership=[])
+    outstanding: list[str] = []
+    most = 0
+
+    def push(messages: list[str]) -> list[str]:
+        nonlocal most
+        outstanding.extend(messages)
+        most = max(most, len(outstanding))
+        return list(messages)
+
+    def pull(ids: list[str]) -> list[SimpleNamespace]:
+        done = outstanding.pop(0)
+        return [SimpleNamespace(has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id=done))]
+
+    engine._grid = SimpleNamespace(push_messages=push, pull_messages=pull)
+    requests = {client: f"m{client}" for client in range(4)}
+    replies = engine._exchange(requests, 1, float("inf"))
+    assert sorted(replies) == [0, 1, 2, 3] and not outstanding
+    assert most == (4 if window is None else min(window, 4))
