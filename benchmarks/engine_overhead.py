@@ -6,7 +6,10 @@ The same run (``fedaudit train`` with the same seed, so the same model bytes on 
 - simulation: ``--engine flower``, each client a ClientApp on Flower's simulation runtime (Ray);
 - deployment: ``--engine flower --superlink``, a TLS SuperLink and one SuperNode per client as separate
   processes on 127.0.0.1, with fedaudit as the server (the federation is up before the run starts, as at
-  real sites; its start-up is shown on its own line).
+  real sites; its start-up is shown on its own line);
+- deployment-window: the same with ``--parallel-clients`` = the cores, so that no more sites work at once than
+  there are cores, as the local engine's clients (at real sites every SuperNode has its own machine; here five
+  share the cores, and without the window all five ClientApps of a round time-share them).
 
 Every process of every engine is pinned to the same cores with ``taskset`` (one core by default) and runs
 one torch thread, and every engine may run as many clients at once as there are cores (the local engine with
@@ -140,7 +143,8 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
             argv = [*base, "--engine", "flower", "--client-cpus", "1", "--out", str(out)]
             wall, _ = _train(argv, args.cores, env)
             rows.append(_row(engine, out, (wall, float("nan"))))  # Ray's workers are not children it reaps
-        else:
+        else:  # deployment, deployment-window
+            window = ("--parallel-clients", str(cores)) if engine == "deployment-window" else ()
             federation = Federation(work / f"federation-{dataset}-{algorithm}", task_poll_seconds=None)
             try:
                 began = time.perf_counter()
@@ -153,7 +157,7 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
                 argv = [
                     *base,
                     *("--engine", "flower", "--superlink", federation.address),
-                    *("--root-certificates", str(federation.tls["ca"]), "--out", str(out)),
+                    *("--root-certificates", str(federation.tls["ca"]), *window, "--out", str(out)),
                 ]
                 groups = {process.pid for process in federation.processes.values()}
                 row = _row(engine, out, _train(argv, args.cores, env, groups))
@@ -179,8 +183,8 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         nargs="+",
-        default=["local", "simulation", "deployment"],
-        choices=["local", "simulation", "deployment"],
+        default=["local", "simulation", "deployment", "deployment-window"],
+        choices=["local", "simulation", "deployment", "deployment-window"],
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", type=int, default=5)
