@@ -166,8 +166,7 @@ class Fedssyn:
         """Generation round: shuffle every client's generated records and deal equal shares; the model stays.
         Later rounds: the inner algorithm's server update."""
         if ctx.round != GENERATION_ROUND:
-            steps = 1  # the server update reads no step count
-            return self.inner.server_update(model, global_params, messages, self._inner_ctx(ctx, steps), generator)
+            return self.inner.server_update(model, global_params, messages, self._inner_ctx(ctx), generator)
         messages = sorted(messages, key=lambda message: message.client_id)
         images = torch.cat([message.payload["images"].to(ctx.device) for message in messages])
         labels = torch.cat([message.payload["labels"].to(ctx.device) for message in messages])
@@ -184,13 +183,13 @@ class Fedssyn:
         )
 
     @staticmethod
-    def _inner_ctx(ctx: RoundContext, steps: int) -> RoundContext:
+    def _inner_ctx(ctx: RoundContext, steps: int | None = None) -> RoundContext:
         """The inner algorithm's view: its rounds start after the generation round, and a client takes ``steps``
         local steps (those of its own records) whatever the size of its records plus its share."""
         fed = ctx.config.federated
-        local_steps = fed.local_steps if fed.local_steps is not None else steps
-        config = replace(ctx.config, federated=replace(fed, local_steps=local_steps))
-        return replace(ctx, round=ctx.round - 1, rounds=ctx.rounds - 1, config=config)
+        if steps is not None and fed.local_steps is None:
+            ctx = replace(ctx, config=replace(ctx.config, federated=replace(fed, local_steps=steps)))
+        return replace(ctx, round=ctx.round - 1, rounds=ctx.rounds - 1)
 
 
 def _num_classes(model: nn.Module, params: TensorDict, x: torch.Tensor) -> int:
