@@ -95,7 +95,6 @@ def train_generator(
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     epoch_losses: list[float] = []
-    events: list[SGMEvent] = []
     steps_per_epoch = max(1, n // batch_size)
     for _ in range(epochs):
         losses = []
@@ -133,10 +132,11 @@ def train_generator(
                         losses.append(model(packed).mean())
             optimizer.step()
         epoch_losses.append(float(torch.stack(losses).double().mean()) if losses else math.nan)
-    if noise_multiplier is not None:
-        events = [
-            SGMEvent(noise_multiplier=noise_multiplier, sample_rate=batch_size / n, steps=epochs * steps_per_epoch)
-        ]
+    events = (
+        []
+        if noise_multiplier is None
+        else [SGMEvent(noise_multiplier=noise_multiplier, sample_rate=batch_size / n, steps=epochs * steps_per_epoch)]
+    )
     metrics = {"generator_loss_first": epoch_losses[0], "generator_loss_last": epoch_losses[-1]} if epochs else {}
     return events, metrics
 

@@ -15,6 +15,7 @@ import torch
 
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData
+from fedaudit.algorithms.fedssyn import generator_records
 from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
@@ -246,7 +247,7 @@ def _resolve_fedssyn(config: RunConfig, sizes: dict[int, int]) -> RunConfig:
     fs = config.fedssyn
     if fs.synthetic_per_client is None:
         fs = replace(fs, synthetic_per_client=max(1, sum(sizes.values()) // len(sizes)))
-    smallest = min(max(1, int(fs.generator_fraction * n)) for n in sizes.values())
+    smallest = min(generator_records(replace(config, fedssyn=fs), n) for n in sizes.values())
     if fs.generator_batch > smallest:
         raise TrainingError(
             f"--generator-batch {fs.generator_batch} exceeds the {smallest} records the smallest client's generator "

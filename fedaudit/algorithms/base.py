@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
@@ -213,3 +214,9 @@ def privacy_plan(
     the algorithm plans them itself; None for the usual plan (``queries_per_round`` steps at rate B / N_k)."""
     plan = getattr(algorithm, "privacy_plan", None)
     return None if plan is None else plan(config, num_examples, round_index, client_fraction)
+
+
+def num_classes(model: nn.Module, params: TensorDict, x: torch.Tensor) -> int:
+    """The dataset's number of classes: the width of the model's output on one record."""
+    with torch.no_grad():
+        return int(functional_call(model, {name: p.detach() for name, p in params.items()}, (x[:1],)).shape[1])

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict, num_classes
 from fedaudit.algorithms.fedlap import matching_loss, real_images
 from fedaudit.config import FedGMConfig, RunConfig
 from fedaudit.models import fresh_params
@@ -145,7 +145,7 @@ class FedGM:
     ) -> torch.Tensor:
         """The labels through the configured mechanism, with the server model's prior from the second stage on."""
         gm = ctx.config.fedgm
-        classes = _num_classes(model, global_params, images)
+        classes = num_classes(model, global_params, images)
         if ctx.round == 0 or gm.label_mechanism == "rr":  # no model of earlier stages yet: a uniform prior, RR
             return randomized_response(labels, classes, gm.label_epsilon, generator)
         with torch.no_grad():
@@ -154,12 +154,6 @@ class FedGM:
         if gm.label_mechanism == "rr-top-k":
             return rr_top_k(labels, prior, min(gm.top_k, classes), gm.label_epsilon, generator)
         return rr_with_prior(labels, prior, gm.label_epsilon, generator)
-
-
-def _num_classes(model: nn.Module, params: TensorDict, images: torch.Tensor) -> int:
-    with torch.no_grad():
-        detached = {name: p.detach() for name, p in params.items()}
-        return int(functional_call(model, detached, (images[:1],)).shape[1])
 
 
 def distil(

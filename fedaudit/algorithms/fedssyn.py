@@ -30,9 +30,16 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
-from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict, clone_params
+from fedaudit.algorithms.base import (
+    ClientData,
+    ClientMessage,
+    RoundContext,
+    ServerResult,
+    TensorDict,
+    clone_params,
+    num_classes,
+)
 from fedaudit.config import RunConfig
 from fedaudit.generative import ConditionalVAE, allocate, class_counts, sample, train_generator
 from fedaudit.models import fresh_params
@@ -128,9 +135,9 @@ class Fedssyn:
         m = generator_records(config, data.num_examples)
         drawn = torch.randperm(data.num_examples, generator=generator, device=generator.device)[:m].to(device)
         x, y = data.x[drawn], data.y[drawn]
-        num_classes = _num_classes(model, global_params, data.x[:1])
-        counts, events = class_counts(y, num_classes, generator=generator, noise_multiplier=sigma)
-        vae = ConditionalVAE(tuple(data.x.shape[1:]), num_classes).to(device)
+        classes = num_classes(model, global_params, data.x)
+        counts, events = class_counts(y, classes, generator=generator, noise_multiplier=sigma)
+        vae = ConditionalVAE(tuple(data.x.shape[1:]), classes).to(device)
         with torch.no_grad():
             for name, p in fresh_params(vae, dict(vae.named_parameters()), generator).items():
                 vae.get_parameter(name).copy_(p)
@@ -190,9 +197,3 @@ class Fedssyn:
         if steps is not None and fed.local_steps is None:
             ctx = replace(ctx, config=replace(ctx.config, federated=replace(fed, local_steps=steps)))
         return replace(ctx, round=ctx.round - 1, rounds=ctx.rounds - 1)
-
-
-def _num_classes(model: nn.Module, params: TensorDict, x: torch.Tensor) -> int:
-    """The dataset's number of classes: the width of the run's model's output."""
-    with torch.no_grad():
-        return int(functional_call(model, {name: p.detach() for name, p in params.items()}, (x,)).shape[1])
