@@ -531,6 +531,7 @@ class RunDirectory:
     checkpoints_dir = property(lambda self: self.path / "checkpoints")
     transmitted_dir = property(lambda self: self.path / "transmitted")
     attacks_dir = property(lambda self: self.path / "attacks")  # written by fedaudit attack, read by reports
+    queries_dir = property(lambda self: self.path / "queries")  # canary runs: the query log of every round
 
     def attack_names(self) -> list[str]:
         """The attack result directories under attacks/ that hold a metrics.json (written last), sorted."""
@@ -718,6 +719,24 @@ class RunDirectory:
         """What one client sent in one round, for audits of what crossed the wire."""
         path = self.transmitted_dir / f"round-{round_number:04d}" / f"client-{client_id:03d}.safetensors"
         save_tensors(path, payload, {"round": str(round_number), "client": str(client_id)})
+
+    def queries_path(self, round_number: int) -> Path:
+        return self.queries_dir / f"round-{round_number:04d}.safetensors"
+
+    def save_queries(self, round_number: int, logs: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """A canary run's query logs of one round (fedaudit.queries), by client, in one file."""
+        flat = {f"client-{k:03d}/{name}": t for k, log in sorted(logs.items()) for name, t in log.items()}
+        save_tensors(self.queries_path(round_number), flat, {"round": str(round_number)})
+
+    def load_queries(self, round_number: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The query logs of one round by client; a round that wrote none is a :class:`RunError`."""
+        logs: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in load_tensors(self.queries_path(round_number)).items():
+            client, _, name = key.partition("/")
+            if not client.startswith("client-") or not client[7:].isdigit() or not name:
+                raise RunError(f"{self.queries_path(round_number)} holds an entry {key!r} that is not a query log.")
+            logs.setdefault(int(client[7:]), {})[name] = tensor
+        return logs
 
     def saved_rounds(self) -> list[int]:
         """Round numbers that have a checkpoint, ascending."""

@@ -27,6 +27,7 @@ class Stream(enum.IntEnum):
     ATTACK = 4
     CANARY_DRAW = 5  # which canaries are included, and in which client's data
     CANARY = 6  # the direction of one gradient canary
+    QUERY_AUDIT = 7  # which DP queries a canary run keeps whole for the conformance checks
 
 
 # How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
@@ -40,6 +41,7 @@ STREAM_KEYS = {
     Stream.ATTACK: 1,
     Stream.CANARY_DRAW: 0,
     Stream.CANARY: 1,
+    Stream.QUERY_AUDIT: 2,
 }
 
 

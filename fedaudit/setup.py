@@ -17,6 +17,7 @@ from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData
 from fedaudit.algorithms.fedssyn import generator_records
 from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
+from fedaudit.queries import query_audit
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.errors import UserError
@@ -175,14 +176,32 @@ def client_data(setup: Setup, client: int) -> ClientData:
     dataset, device = setup.dataset, setup.device
     data = ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device))
     canaries = setup.canaries
-    held = np.empty(0, dtype=np.int64) if canaries is None else canaries.held_by(client)
+    if canaries is None:
+        return data
+    shapes = {name: p.shape for name, p in build_model(setup.spec).named_parameters() if p.requires_grad}
+    fed = setup.config.federated
+    data = replace(
+        data,
+        audit=query_audit(
+            seed=setup.config.seed,
+            canary_client=canaries.client,
+            canary_included=canaries.included,
+            client=client,
+            kind=canaries.kind,
+            shapes=shapes,
+            clients=len(setup.partition.clients),
+            rounds=fed.rounds,
+            client_fraction=setup.client_fraction,
+            planned_queries=setup.queries[client],
+        ),
+    )
+    held = canaries.held_by(client)
     if not len(held):
         return data
     if canaries.kind == "input":
         records = torch.from_numpy(canaries.record[held])
         labels = torch.from_numpy(canaries.label[held]).to(dataset.train_y.dtype)
         return replace(data, canary_x=dataset.train_x[records].to(device), canary_y=labels.to(device))
-    shapes = {name: p.shape for name, p in build_model(setup.spec).named_parameters()}
     directions = canary_directions(setup.config.seed, held, shapes, device)
     norm = GRADIENT_CANARY_NORM * setup.config.privacy.max_grad_norm
     return replace(data, canary_grads={name: norm * u for name, u in directions.items()})

@@ -410,6 +410,8 @@ class _RoundLoop:
         if config.save_transmitted:
             for msg in outcome.messages:
                 run.save_transmitted(number, msg.client_id, msg.payload)
+        if self.setup.canaries is not None:
+            run.save_queries(number, {msg.client_id: msg.audit for msg in outcome.messages})
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         run.write_metrics(state.rows)
         if state.ledger is not None:

@@ -10,7 +10,7 @@ and an audit can look at exactly what crossed the wire.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +20,7 @@ from torch.func import functional_call
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import poisson_sample
+from fedaudit.queries import QueryAudit, QueryLog
 
 TensorDict = dict[str, torch.Tensor]
 
@@ -40,6 +41,9 @@ class ClientData:
     # the input canaries this client holds: records (with their replaced labels) trained on like its own
     canary_x: torch.Tensor | None = None
     canary_y: torch.Tensor | None = None
+    # a canary run's query audit, and the log of the round under way (see run_client)
+    audit: QueryAudit | None = None
+    recorder: QueryLog | None = None
 
     @property
     def num_examples(self) -> int:
@@ -62,6 +66,7 @@ class ClientData:
         """
         idx = poisson_sample(self.num_examples, sample_rate, generator=generator)
         x, y, extra = self.x[idx], self.y[idx], None
+        sampled = None
         if self.num_canaries:
             sampled = poisson_sample(self.num_canaries, sample_rate, generator=generator)
             if self.canary_grads:
@@ -69,6 +74,9 @@ class ClientData:
             else:
                 x = torch.cat([x, self.canary_x[sampled]])
                 y = torch.cat([y, self.canary_y[sampled]])
+        if self.recorder is not None and self.audit is not None:
+            drawn = self.audit.held[sampled.cpu().numpy()] if sampled is not None else self.audit.held[:0]
+            self.recorder.batch(int(idx.shape[0]), drawn, sample_rate)
         return x, y, extra
 
 
@@ -112,6 +120,7 @@ class ClientMessage:
     metrics: dict[str, float] = field(default_factory=dict)
     privacy_events: list[SGMEvent] = field(default_factory=list)
     state: TensorDict = field(default_factory=dict)  # kept by the client for its next round, never sent
+    audit: TensorDict = field(default_factory=dict)  # a canary run's query log of the round: the auditor's tap
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +180,25 @@ class Algorithm(Protocol):
 
     def queries_per_round(self, config: RunConfig, num_examples: int) -> int:
         """Worst-case number of DP queries a client with ``num_examples`` records makes per round."""
+
+
+def run_client(
+    algorithm: Algorithm,
+    model: nn.Module,
+    global_params: TensorDict,
+    data: ClientData,
+    ctx: RoundContext,
+    generator: torch.Generator,
+    state: TensorDict | None = None,
+) -> ClientMessage:
+    """One client update, as every engine runs it: in a canary run the client's DP queries are logged (its
+    :class:`QueryLog` rides on the data the algorithm sees) and the log joins the message."""
+    if data.audit is None:
+        return algorithm.client_update(model, global_params, data, ctx, generator, state=state)
+    log = data.audit.log(data.client_id, ctx.round, next(iter(global_params.values())).device)
+    message = algorithm.client_update(model, global_params, replace(data, recorder=log), ctx, generator, state=state)
+    message.audit = log.arrays()
+    return message
 
 
 def aggregation_weights(messages: list[ClientMessage], weighting: str) -> list[float]:

@@ -182,6 +182,7 @@ class FedAvg:
                 expected_batch_size=batch_size,
                 generator=generator,
                 extra=extra,
+                recorder=data.recorder,
             )
             for name, p in model.named_parameters():
                 p.grad = result.grads[name]

@@ -324,6 +324,7 @@ class FedLAP:
                 generator=generator,
                 params=params,
                 extra=extra,
+                recorder=data.recorder,
             )
             return [result.grads[name] for name in params]
         idx = torch.randperm(n, generator=generator, device=generator.device)[:batch]

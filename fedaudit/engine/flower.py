@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, run_client
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.seeding import Stream, make_generator, repeatable
@@ -120,7 +120,7 @@ def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
         round=round_index, rounds=int(task["rounds"]), config=config, device=device, server_state=server_state
     )
     generator = make_generator(config.seed, Stream.CLIENT, round_index, client, device=device)
-    result = algorithm.client_update(model, global_params, data, ctx, generator, state=state)
+    result = run_client(algorithm, model, global_params, data, ctx, generator, state=state)
     content = {
         "payload": _to_record(result.payload),
         "info": ConfigRecord(
@@ -135,6 +135,8 @@ def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
     }
     if result.state:
         content["state"] = _to_record(result.state)
+    if result.audit:
+        content["audit"] = _to_record(result.audit)
     return Message(content=RecordDict(content), reply_to=message)
 
 
@@ -181,6 +183,7 @@ def client_message(reply: Any, device: torch.device) -> ClientMessage:
         metrics={k: float(v) for k, v in json.loads(str(info["metrics"])).items()},
         privacy_events=[SGMEvent.from_dict(e) for e in json.loads(str(info["events"]))],
         state=_from_record(reply.content["state"], device) if "state" in reply.content else {},
+        audit=_from_record(reply.content["audit"], "cpu") if "audit" in reply.content else {},
     )
 
 

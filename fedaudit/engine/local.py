@@ -19,7 +19,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, setup_rounds
+from fedaudit.algorithms.base import (
+    Algorithm,
+    ClientData,
+    ClientMessage,
+    RoundContext,
+    TensorDict,
+    run_client,
+    setup_rounds,
+)
 
 # A round whose clients are estimated to take at least this long gets an estimate of the time left, said after the
 # first client of the process has run (so that a long run says up front what it will cost, in a log too).
@@ -71,9 +79,7 @@ class LocalEngine:
 
         def update(data: ClientData, scratch: nn.Module) -> ClientMessage:
             generator = make_generator(data.client_id)
-            return algorithm.client_update(
-                scratch, global_params, data, ctx, generator, state=states.get(data.client_id)
-            )
+            return run_client(algorithm, scratch, global_params, data, ctx, generator, state=states.get(data.client_id))
 
         if parallel > 1 and len(clients) > 1:
             return self._run_parallel(update, model, clients, ctx, device, parallel, estimate)

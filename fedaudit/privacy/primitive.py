@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -177,12 +178,45 @@ def add_noise(
     generator: torch.Generator,
 ) -> TensorDict:
     """Add one draw of N(0, (noise_multiplier * max_grad_norm)^2 I) to the sum and divide by the expected batch size."""
+    released = noisy_sum(summed, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, generator=generator)
+    return {name: s / expected_batch_size for name, s in released.items()}
+
+
+def noisy_sum(
+    summed: Mapping[str, torch.Tensor], *, noise_multiplier: float, max_grad_norm: float, generator: torch.Generator
+) -> TensorDict:
+    """The sum plus one draw of N(0, (noise_multiplier * max_grad_norm)^2 I): the released value of the query."""
     std = noise_multiplier * max_grad_norm
-    noisy: TensorDict = {}
+    released: TensorDict = {}
     for name, s in summed.items():
         noise = torch.normal(0.0, std, size=s.shape, generator=generator, device=s.device, dtype=s.dtype)
-        noisy[name] = (s + noise) / expected_batch_size
-    return noisy
+        released[name] = s + noise
+    return released
+
+
+@dataclass(frozen=True)
+class Query:
+    """One answered Sampled Gaussian Mechanism query, as the primitive released it (for a query recorder).
+
+    ``released`` is the noisy clipped sum S + N before the division by B, in the order of ``params``: what an
+    auditor who sees every noisy query observes. ``params`` is the point the gradients were taken at.
+    """
+
+    released: TensorDict
+    params: TensorDict
+    x: torch.Tensor  # the batch's inputs as the gradients saw them (after any augmentation)
+    y: torch.Tensor
+    batch_size: int  # records in the batch, extra (gradient canaries) included
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: float
+
+
+class QueryRecorder(Protocol):
+    """Something that wants to see every query the primitive answers (an audit's tap); it must not change them."""
+
+    def record(self, query: Query) -> None:
+        """Take note of one answered query."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +240,7 @@ def dp_gradient(
     params: Mapping[str, torch.Tensor] | None = None,
     loss_fn: LossFn = F.cross_entropy,
     extra: Mapping[str, torch.Tensor] | None = None,
+    recorder: QueryRecorder | None = None,
 ) -> DPGradient:
     """The DP gradient of a Poisson-sampled batch: per-sample grads, clip to C, sum, add N(0, sigma^2 C^2), divide by B.
 
@@ -238,14 +273,23 @@ def dp_gradient(
         raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}.")
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}.")
+    params = dict(trainable_params(model) if params is None else params)
     summed, norms = clipped_sum(model, x, y, max_grad_norm, params=params, loss_fn=loss_fn, extra=extra)
-    noisy = add_noise(
-        summed,
-        noise_multiplier=noise_multiplier,
-        max_grad_norm=max_grad_norm,
-        expected_batch_size=expected_batch_size,
-        generator=generator,
-    )
+    released = noisy_sum(summed, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, generator=generator)
+    noisy = {name: s / expected_batch_size for name, s in released.items()}
+    if recorder is not None:
+        recorder.record(
+            Query(
+                released=released,
+                params=params,
+                x=x,
+                y=y,
+                batch_size=int(norms.shape[0]),
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm,
+                expected_batch_size=expected_batch_size,
+            )
+        )
     return DPGradient(grads=noisy, batch_size=int(x.shape[0]), per_sample_norms=norms)
 
 

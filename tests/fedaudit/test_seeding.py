@@ -21,6 +21,7 @@ def test_streams_are_distinct_and_stable():
         "ATTACK": 4,
         "CANARY_DRAW": 5,
         "CANARY": 6,
+        "QUERY_AUDIT": 7,
     }
 
 

@@ -1,0 +1,195 @@
+"""The query log of a canary run: what every DP query of a client released, seen where the mechanism releases it.
+
+In a canary run each client's one DP primitive is handed a :class:`QueryLog` (its recorder). For every query it
+answers the log keeps:
+
+- the query's metadata: step, records drawn, canaries drawn, sigma, C, the expected batch size B and the sampling
+  rate q the client used;
+- for each gradient canary that belongs to the client (included or not), its projection on the released noisy sum,
+  o_i = <S + N, u_i> / C, reduced at once to two per-canary statistics of the round: the sum of o_i over the
+  round's queries and the sum of the per-query log-likelihood ratio of the Poisson-subsampled Gaussian,
+  log(1 - q + q exp((2 o_i - 1) / (2 sigma^2))) (the per-query projections themselves would take hundreds of MB
+  on Fashion-MNIST: queries x canaries);
+- a few whole queries, chosen from the run's seed on a stream of their own (pairs of consecutive queries, so that
+  noise reused across steps can be seen): the point the gradients were taken at, the batch as the gradients saw it,
+  the gradient canaries drawn, and the released sum. ``fedaudit verify`` recomputes their clean clipped sums with an
+  independent loop.
+
+The log never touches the training's generator or tensors, so a run records the same training with or without it.
+The round's arrays travel with the client's message (:attr:`ClientMessage.audit`) and the training core writes
+them to ``queries/round-NNNN.safetensors``. docs/audit.md (the query view) says how they are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedaudit.canaries import canary_directions
+from fedaudit.privacy.primitive import Query
+from fedaudit.seeding import Stream, make_generator
+
+TensorDict = dict[str, torch.Tensor]
+
+KEPT_PAIRS = 6  # whole queries kept per run, in pairs of consecutive queries, on average
+_BUFFER = 64  # released sums projected together (one matrix product instead of many)
+_DIRECTIONS_CHUNK = 1024  # canaries whose directions are held at once
+
+
+@dataclass(frozen=True)
+class QueryAudit:
+    """What a client needs to keep its query log: its canaries and how often to keep a whole query."""
+
+    seed: int  # the run's seed: canary directions and the choice of whole queries derive from it
+    canaries: np.ndarray  # int64 ids of every canary of this client, included or not (gradient canaries only)
+    held: np.ndarray  # int64 ids of the canaries in its data, in the order ClientData holds them
+    shapes: dict[str, torch.Size]  # the model's trainable parameters, in order
+    keep_probability: float  # chance that a round of this client keeps one pair of whole queries
+    planned_queries: int  # queries the client plans per round (where a kept pair may start)
+
+    def log(self, client: int, round_index: int, device: torch.device) -> QueryLog:
+        """A fresh log for one round of ``client``."""
+        return QueryLog(self, client, round_index, device)
+
+
+class QueryLog:
+    """The recorder of one client's round (see the module docstring); :meth:`arrays` is what it gathered."""
+
+    def __init__(self, audit: QueryAudit, client: int, round_index: int, device: torch.device) -> None:
+        self.audit, self.client, self.round, self.device = audit, client, round_index, device
+        chooser = make_generator(audit.seed, Stream.QUERY_AUDIT, round_index, client)
+        keep = bool(torch.rand(1, generator=chooser).item() < audit.keep_probability)
+        span = max(audit.planned_queries - 1, 1)
+        self.kept_steps = {int(torch.randint(span, (1,), generator=chooser).item())} if keep else set()
+        self.kept_steps |= {step + 1 for step in self.kept_steps}
+        self.meta: dict[str, list[float]] = {
+            key: [] for key in ("records", "canaries", "noise_multiplier", "max_grad_norm", "batch", "rate")
+        }
+        count = len(audit.canaries)
+        self.sum = torch.zeros(count, dtype=torch.float64, device=device)
+        self.llr = torch.zeros(count, dtype=torch.float64, device=device)
+        self.kept: list[TensorDict] = []
+        self._pending: tuple[int, np.ndarray, float] | None = None
+        self._buffer: list[tuple[torch.Tensor, float, float, float]] = []
+        self._directions: list[torch.Tensor] | None = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.meta["rate"])
+
+    def batch(self, records: int, canaries: np.ndarray, rate: float) -> None:
+        """What the next query's Poisson batch drew: its number of records, the ids of the canaries drawn, the rate."""
+        self._pending = (records, canaries, rate)
+
+    def record(self, query: Query) -> None:
+        """Take note of one answered query (the primitive calls this)."""
+        if self._pending is None:
+            raise RuntimeError("A DP query was recorded without its batch: draw it with ClientData.dp_batch.")
+        records, canaries, rate = self._pending
+        self._pending = None
+        step = self.steps
+        for key, value in (
+            ("records", records),
+            ("canaries", len(canaries)),
+            ("noise_multiplier", query.noise_multiplier),
+            ("max_grad_norm", query.max_grad_norm),
+            ("batch", query.expected_batch_size),
+            ("rate", rate),
+        ):
+            self.meta[key].append(float(value))
+        flat = torch.cat([query.released[name].detach().reshape(-1) for name in self.audit.shapes])
+        if step in self.kept_steps:
+            self.kept.append(
+                {
+                    "step": torch.tensor([step]),
+                    "params": torch.cat([query.params[name].detach().reshape(-1) for name in self.audit.shapes]),
+                    "released": flat.clone(),
+                    "x": query.x.detach().clone(),
+                    "y": query.y.detach().clone(),
+                    "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
+                }
+            )
+        if len(self.audit.canaries):
+            self._buffer.append((flat, query.max_grad_norm, query.noise_multiplier, rate))
+            if len(self._buffer) >= _BUFFER:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Project the buffered released sums on every canary direction and add them to the two statistics."""
+        if not self._buffer:
+            return
+        if self._directions is None:
+            ids = self.audit.canaries
+            self._directions = [
+                _flat_directions(self.audit, chunk).to(self.device)
+                for chunk in (ids[i : i + _DIRECTIONS_CHUNK] for i in range(0, len(ids), _DIRECTIONS_CHUNK))
+            ]
+        released = torch.stack([flat for flat, *_ in self._buffer], dim=1).to(torch.float32)  # [d, k]
+        clip = torch.tensor([c for _, c, _, _ in self._buffer], dtype=torch.float64, device=self.device)
+        sigma = torch.tensor([s for _, _, s, _ in self._buffer], dtype=torch.float64, device=self.device)
+        rate = torch.tensor([q for *_, q in self._buffer], dtype=torch.float64, device=self.device)
+        start = 0
+        for directions in self._directions:
+            o = (directions @ released).to(torch.float64) / clip  # [canaries, k]
+            rows = slice(start, start + len(directions))
+            self.sum[rows] += o.sum(dim=1)
+            self.llr[rows] += subsampled_gaussian_llr(o, rate, sigma).sum(dim=1)
+            start += len(directions)
+        self._buffer.clear()
+
+    def arrays(self) -> TensorDict:
+        """Everything gathered this round, as CPU tensors keyed by name (the client's part of the round's file)."""
+        self._flush()
+        self._directions = None
+        out: TensorDict = {key: torch.tensor(values, dtype=torch.float64) for key, values in self.meta.items()}
+        out["canary_ids"] = torch.from_numpy(self.audit.canaries.copy())
+        out["sum"], out["llr"] = self.sum.cpu(), self.llr.cpu()
+        for index, kept in enumerate(self.kept):
+            out.update({f"kept{index}/{name}": t.cpu() for name, t in kept.items()})
+        return out
+
+
+def _flat_directions(audit: QueryAudit, chunk: np.ndarray) -> torch.Tensor:
+    """The unit directions u_i of the canaries ``chunk``, one row each, parameters in the model's order."""
+    split = canary_directions(audit.seed, chunk, audit.shapes)
+    return torch.cat([split[name].reshape(len(chunk), -1) for name in audit.shapes], dim=1)
+
+
+def subsampled_gaussian_llr(o: torch.Tensor, rate: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """log of the likelihood ratio (1 - q) + q N(o; 1, sigma^2) / N(o; 0, sigma^2) for each projection o (one column
+    per query, with its rate q and sigma): the Neyman-Pearson statistic of one query of the Poisson-subsampled
+    Gaussian. With sigma 0 a projection is certain evidence; it is clamped to keep the sums finite."""
+    z = (2 * o - 1) / (2 * sigma.clamp_min(1e-6) ** 2)
+    log_keep = torch.log1p(-rate.clamp(max=1 - 1e-12))
+    return torch.logaddexp(log_keep, torch.log(rate) + z).clamp(-1e6, 1e6)
+
+
+def query_audit(
+    *,
+    seed: int,
+    canary_client: np.ndarray,
+    canary_included: np.ndarray,
+    client: int,
+    kind: str,
+    shapes: dict[str, torch.Size],
+    clients: int,
+    rounds: int,
+    client_fraction: float,
+    planned_queries: int,
+) -> QueryAudit:
+    """The query audit of one client of a canary run: its canaries (gradient canaries are projected, input canaries
+    are only counted), and a keep probability that keeps :data:`KEPT_PAIRS` pairs of whole queries per run on
+    average."""
+    mine = np.flatnonzero(canary_client == client).astype(np.int64)
+    held = np.flatnonzero((canary_client == client) & (canary_included == 1)).astype(np.int64)
+    expected_client_rounds = max(clients * rounds * client_fraction, 1.0)
+    return QueryAudit(
+        seed=seed,
+        canaries=mine if kind == "gradient" else np.empty(0, dtype=np.int64),
+        held=held,
+        shapes=dict(shapes),
+        keep_probability=min(1.0, KEPT_PAIRS / expected_client_rounds),
+        planned_queries=max(int(planned_queries), 1),
+    )
