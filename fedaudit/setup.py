@@ -17,12 +17,12 @@ from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData
 from fedaudit.algorithms.fedssyn import generator_records
 from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
-from fedaudit.queries import query_audit
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import calibrate_events, calibrate_noise_multiplier
+from fedaudit.queries import query_audit
 from fedaudit.seeding import Stream, numpy_rng
 
 
