@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.audit import bound_by_guesses, split_audit
+from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, roc
 from fedaudit.canaries import Canaries, canary_directions
 from fedaudit.data import Dataset
@@ -62,13 +62,33 @@ class View:
 UPDATES = View("update-projection", "the server sees every client update of every round")
 SYNTHETIC = View("synthetic-gradient", "the server sees every synthetic set of every round")
 FINAL_LOSS = View("loss", "only the final model is seen (black-box loss of each canary)")
-VIEWS = (UPDATES, SYNTHETIC, FINAL_LOSS)
+QUERY_SUM = View(
+    "query-sum",
+    "the auditor sees every noisy DP query (white-box, all iterates): each canary's projection on the released "
+    "sums of its client's queries, summed",
+)
+QUERY_LLR = View(
+    "query-llr",
+    "the auditor sees every noisy DP query (white-box, all iterates): the likelihood ratio of the "
+    "Poisson-subsampled Gaussian of each canary's projections, over its client's queries",
+)
+VIEWS = (UPDATES, SYNTHETIC, FINAL_LOSS, QUERY_SUM, QUERY_LLR)
+QUERY_VIEWS = (QUERY_SUM, QUERY_LLR)
 
 
-def canary_views(kind: str, algorithm: str) -> tuple[View, ...]:
-    """The views a run's canaries are audited in: what crossed the wire, and for input canaries the final model."""
+def canary_views(kind: str, algorithm: str, queries: bool = False) -> tuple[View, ...]:
+    """The views a run's canaries are audited in: what crossed the wire, for input canaries the final model, and
+    for gradient canaries of a run with a query log (``queries``) every noisy query."""
     wire = SYNTHETIC if algorithm == "fedlap" else UPDATES
-    return (wire, FINAL_LOSS) if kind == "input" else (wire,)
+    views = (wire, FINAL_LOSS) if kind == "input" else (wire,)
+    return views + QUERY_VIEWS if queries and kind == "gradient" else views
+
+
+def run_views(run: RunDirectory) -> tuple[View, ...]:
+    """:func:`canary_views` of a canary run as it stands on disk."""
+    return canary_views(
+        read_canaries(run).kind, run.read_run_config().federated.algorithm, run.queries_path(1).is_file()
+    )
 
 
 def read_canaries(run: RunDirectory) -> Canaries:
@@ -172,6 +192,50 @@ def wire_scores(
     return scores
 
 
+def query_scores(run: RunDirectory, canaries: Canaries, rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The query view's two scores of every canary and which canaries were informative (their client answered at
+    least one query): the sum of its projections over its client's queries, divided by sigma sqrt(T_i) so that
+    canaries of clients with different numbers of queries T_i share one scale (an excluded canary's is about
+    N(0, 1), an included one's mean is about q sqrt(T_i) / sigma), and the summed log-likelihood ratio."""
+    total, llr = np.zeros(canaries.count), np.zeros(canaries.count)
+    queries, variance = np.zeros(canaries.count), np.zeros(canaries.count)
+    for round_number in range(1, rounds + 1):
+        if not run.queries_path(round_number).is_file():
+            raise AttackError(
+                f"{run.path} has no query log for round {round_number} ({run.queries_path(round_number)}), so its "
+                "query view cannot be audited; it was changed after training."
+            )
+        for client, log in run.load_queries(round_number).items():
+            ids = log["canary_ids"].numpy().astype(np.int64)
+            if len(ids) and (ids.min() < 0 or ids.max() >= canaries.count or (canaries.client[ids] != client).any()):
+                raise AttackError(
+                    f"{run.queries_path(round_number)} logs canaries for client {client} that are not its own."
+                )
+            total[ids] += log["sum"].numpy()
+            llr[ids] += log["llr"].numpy()
+            queries[ids] += len(log["rate"])
+            variance[ids] += float((log["noise_multiplier"].numpy() ** 2).sum())
+    informative = queries > 0
+    scale = np.sqrt(np.where(informative, variance, 1.0))
+    return np.where(informative, total / np.where(scale > 0, scale, 1.0), 0.0), llr, informative
+
+
+def _senders(run: RunDirectory, rounds: int) -> set[int]:
+    """The clients that sent something in rounds 1..``rounds`` (their canaries are the informative ones)."""
+    return {client for clients in _round_payloads(run, rounds).values() for client in clients}
+
+
+def _auc_interval(inside: np.ndarray, outside: np.ndarray, seed: int, resamples: int = 1000) -> tuple[float, float]:
+    """Percentile bootstrap 95% interval of the canaries' AUC (included and excluded resampled separately)."""
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(resamples):
+        a, b = inside[rng.integers(0, len(inside), len(inside))], outside[rng.integers(0, len(outside), len(outside))]
+        values.append(roc_auc_score(np.r_[np.ones(len(a)), np.zeros(len(b))], np.r_[a, b]))
+    low, high = np.percentile(values, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def loss_scores(run: RunDirectory, canaries: Canaries, dataset: Dataset, batch_size: int = 1024) -> np.ndarray:
     """score_i = -cross-entropy of canary record i, with the label it was trained with, on the final model."""
     model = run.load_model(None)
@@ -206,32 +270,44 @@ def canary_audit(
     included = canaries.included.astype(int)
     if included.all() or not included.any():
         raise AttackError(f"{run.canaries_path} has canaries on one side only; the audit needs both.")
-    views = canary_views(canaries.kind, algorithm)
+    views = run_views(run)
     level = 1.0 - (1.0 - CONFIDENCE) / (len(ESTIMATORS) * len(views))
     split_seed = derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT)
+    queried = query_scores(run, canaries, rounds) if any(v in QUERY_VIEWS for v in views) else None
     audits = []
     for view in views:
+        informative = np.ones(canaries.count, dtype=bool)
         if view is FINAL_LOSS:
             scores = loss_scores(run, canaries, dataset)
+        elif view in QUERY_VIEWS and queried is not None:
+            scores = queried[0] if view is QUERY_SUM else queried[1]
+            informative = queried[2]
         else:
             scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed)
-        bounds = {
-            name: split_audit(
-                scores[included == 1],
-                scores[included == 0],
-                estimator=name,
-                delta=delta,
-                confidence=level,
-                seed=split_seed,
+            informative = np.isin(canaries.client, sorted(_senders(run, rounds)))
+        inside, outside = scores[informative & (included == 1)], scores[informative & (included == 0)]
+        if not len(inside) or not len(outside):
+            raise AttackError(
+                f"{run.path}: no client that holds both included and excluded canaries took part, so the "
+                f"{view.name} view has nothing to compare."
             )
+        bounds = {
+            name: split_audit(inside, outside, estimator=name, delta=delta, confidence=level, seed=split_seed)
             for name in ESTIMATORS
         }
         epsilon = max(bound.epsilon for bound in bounds.values())
-        curve = roc(included, scores)
+        curve = roc(included[informative], scores[informative])
+        auc = float(roc_auc_score(included[informative], scores[informative]))
+        estimate = (
+            gaussian_estimate(inside, outside, delta=delta, seed=split_seed)
+            if len(inside) > 1 and len(outside) > 1
+            else None
+        )
         metrics = {
-            "auc": float(roc_auc_score(included, scores)),
-            "num_members": int(included.sum()),
-            "num_nonmembers": int((1 - included).sum()),
+            "auc": auc,
+            "auc_ci95": list(_auc_interval(inside, outside, split_seed)),
+            "num_members": int(len(inside)),
+            "num_nonmembers": int(len(outside)),
             "epsilon_lower_bound": epsilon,
             "epsilon_lower_bound_confidence": CONFIDENCE,
             "delta": delta,
@@ -242,21 +318,22 @@ def canary_audit(
             "canary_audit": {
                 "threat_model": view.threat_model,
                 "canaries": canaries.count,
+                "informative_canaries": int(informative.sum()),
                 "canary_kind": canaries.kind,
                 "estimators": {name: bound.to_dict() for name, bound in bounds.items()},
                 "per_estimator_confidence": level,
                 "views": [v.name for v in views],
-                "bound_by_guesses": bound_by_guesses(
-                    scores[included == 1], scores[included == 0], delta=delta, confidence=level
-                ),
+                "bound_by_guesses": bound_by_guesses(inside, outside, delta=delta, confidence=level),
                 "ratio_to_accountant": None if not accountant_epsilon else epsilon / accountant_epsilon,
-                "note": "canaries are records: the accountant's epsilon covers them unchanged",
+                "estimate": None if estimate is None else estimate.to_dict(),
+                "note": "canaries are records: the accountant's epsilon covers them unchanged; canaries of clients "
+                "that never took part carry no evidence and are left out",
             },
         }
         columns: dict[str, Any] = {"canary": np.arange(canaries.count), "client": canaries.client}
         if canaries.record is not None:
             columns.update(record=canaries.record, label=canaries.label)
-        table = pd.DataFrame({**columns, "member": included, "score": scores})
+        table = pd.DataFrame({**columns, "member": included, "informative": informative, "score": scores})
         curve_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
         audits.append((view, metrics, table, curve_table))
     return audits

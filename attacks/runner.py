@@ -21,7 +21,7 @@ from sklearn.metrics import roc_auc_score
 
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, canary_views, read_canaries
+from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, read_canaries, run_views
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, risk, summarize
@@ -581,7 +581,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
     }
     if METHOD in options.methods:
         try:
-            views = canary_views(read_canaries(run).kind, run.read_run_config().federated.algorithm)
+            views = run_views(run)
         except (RunError, AttackError):
             return {}
         expected.update({view.name: run.read_manifest().rounds_done for view in views})

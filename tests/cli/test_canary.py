@@ -38,8 +38,14 @@ def test_a_correct_run_is_not_flagged_and_its_audit_is_recorded(correct):
     assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
     assert metrics["epsilon_lower_bound_exceeds_accountant"] is False
     audit = metrics["canary_audit"]
-    assert set(audit["estimators"]) == {"one-run", "gdp"} and audit["per_estimator_confidence"] == 0.975
+    assert set(audit["estimators"]) == {"one-run", "gdp"} and audit["per_estimator_confidence"] == 1 - 0.05 / 6
+    assert audit["views"] == ["update-projection-canary", "query-sum-canary", "query-llr-canary"]
     assert metrics["epsilon_lower_bound"] == max(e["epsilon"] for e in audit["estimators"].values())
+    for view in ("query-sum-canary", "query-llr-canary"):  # every noisy query seen: more power, still no flag
+        query = json.loads((run / "attacks" / view / "metrics.json").read_text())
+        assert metrics["auc"] < query["auc"] and query["epsilon_lower_bound"] <= query["accountant_epsilon"]
+        estimate = query["canary_audit"]["estimate"]
+        assert estimate["rigorous"] is False and estimate["ci95"][0] <= estimate["epsilon"] <= estimate["ci95"][1]
     scores = pd.read_csv(run / "attacks" / "update-projection-canary" / "scores.csv")
     assert len(scores) == 1000 and (scores["member"].to_numpy() == canaries["included"]).all()
     assert metrics["auc"] > 0.55  # the canaries are visible through the noise, short of a bound beyond the budget
@@ -81,7 +87,7 @@ def test_canaries_do_not_change_what_the_accountant_says(correct, tmp_path):
 def test_a_broken_dp_query_is_caught(tmp_path, monkeypatch, fault):
     """The fault is planted in the real code path (the one DP primitive), only while training. Clipping is seen
     because a gradient canary's own gradient is 10 C u_i: clipped to C u_i by a correct query, not by a broken one."""
-    real, real_clip = primitive.add_noise, primitive.clip_and_sum
+    real, real_clip = primitive.noisy_sum, primitive.clip_and_sum
 
     def broken(summed, **kwargs):
         if fault == "sigma-not-sigma-C":
@@ -93,7 +99,7 @@ def test_a_broken_dp_query_is_caught(tmp_path, monkeypatch, fault):
     if fault == "no-clipping":
         monkeypatch.setattr(primitive, "clip_and_sum", lambda grads, max_grad_norm: real_clip(grads, float("inf")))
     else:
-        monkeypatch.setattr(primitive, "add_noise", broken)
+        monkeypatch.setattr(primitive, "noisy_sum", broken)
     out = tmp_path / "run"
     extra = ("--noise-multiplier", "3") + (("--max-grad-norm", "10") if fault == "sigma-not-sigma-C" else ())
     result = invoke("train", *CANARY_RUN, *extra, "--out", out)
