@@ -606,6 +606,35 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the checks' own random choices (recorded in verification.json).",
+)
+@user_errors
+def verify(run_dirs: tuple[str, ...], seed: int) -> None:
+    """Check that a DP canary run's mechanism does what its ledger charges for; writes RUN_DIR/verification.json.
+
+    Independent recomputations of noise, clipping, sampling and the ledger (Google's dp-accounting), each a test at
+    a family-wise level of 0.001: exit code 1 when a check fails. What each check computes: docs/audit.md.
+    """
+    from fedaudit.attacks.runner import verify_runs
+
+    failed = False
+    for path, verification in verify_runs(run_dirs, seed=seed):
+        click.echo(f"{path}: {'PASS' if verification.passed else 'FAIL'}")
+        for check in verification.checks:
+            p_value = "" if check.p_value is None else f" (p = {check.p_value:.3g}, n = {check.n})"
+            click.echo(f"  {'PASS' if check.passed else 'FAIL'} {check.name}{p_value}: {check.sentence}")
+        failed = failed or not verification.passed
+    if failed:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option(
     "--out",
     required=True,
     type=click.Path(),
@@ -645,13 +674,17 @@ def _finish_report(outcome: Any) -> None:
 
     for path in outcome.written:
         click.echo(f"Wrote {path}")
+    for run, why in outcome.broken.items():
+        click.echo(f"{run}: the DP implementation does not keep its promise: {why}.")
+    if outcome.verdict is None and outcome.broken:
+        sys.exit(1)
     if outcome.verdict is not None:
         open_checks = [
             f"{c.run}: {c.limit} {c.verdict}" for checks in outcome.checks.values() for c in checks if c.verdict != PASS
         ]
         click.echo(f"Policy: {outcome.verdict}" + (f" ({'; '.join(open_checks)})" if open_checks else ""))
-        if EXIT_CODES[outcome.verdict]:
-            sys.exit(EXIT_CODES[outcome.verdict])
+        if outcome.broken or EXIT_CODES[outcome.verdict]:
+            sys.exit(1 if outcome.broken else EXIT_CODES[outcome.verdict])
 
 
 # Options of `train --resume` that change how a run is carried out, never its results.

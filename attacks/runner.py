@@ -700,3 +700,28 @@ def _rate(entry: dict[str, Any]) -> str:
     if entry["estimable"]:
         return f"{entry['tpr']:.3f} (FPR {entry['fpr']:.3f})"
     return f"n/e (<{entry['nonmembers_needed']} non-members)"
+
+
+def verify_runs(run_dirs: Sequence[str | Path], *, seed: int) -> list[tuple[Path, Any]]:
+    """``fedaudit verify``: the conformance checks of every run, each written to its verification.json; every run is
+    read and checked before anything is written, so bad input leaves nothing behind."""
+    from fedaudit.attacks.conformance import verify
+
+    results = [(Path(path), verify(RunDirectory(path), seed=seed)) for path in run_dirs]
+    for path, verification in results:
+        write_verification(RunDirectory(path), verification, seed)
+    return results
+
+
+def write_verification(run: RunDirectory, verification: Any, seed: int) -> None:
+    """verification.json: the checks, the round they saw, the seed and the version."""
+    atomic_write_json(
+        run.verification_path,
+        {
+            **verification.to_dict(),
+            "rounds": run.read_manifest().rounds_done,
+            "seed": seed,
+            "fedaudit_version": fedaudit.__version__,
+            "created": now_iso(),
+        },
+    )

@@ -532,6 +532,7 @@ class RunDirectory:
     transmitted_dir = property(lambda self: self.path / "transmitted")
     attacks_dir = property(lambda self: self.path / "attacks")  # written by fedaudit attack, read by reports
     queries_dir = property(lambda self: self.path / "queries")  # canary runs: the query log of every round
+    verification_path = property(lambda self: self.path / "verification.json")  # written by fedaudit verify
 
     def attack_names(self) -> list[str]:
         """The attack result directories under attacks/ that hold a metrics.json (written last), sorted."""

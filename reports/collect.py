@@ -229,6 +229,7 @@ class RunSummary:
     notes: tuple[Note, ...]
     seedless_config: str = ""  # config.json without what differs between seeds of one setting (see group_key)
     test_records: int | None = None  # size of the test split the accuracy is measured on
+    verification: Verification | None = None  # the conformance checks of `fedaudit verify`, if it ran
 
     @property
     def rounds_done(self) -> int:
@@ -376,7 +377,56 @@ def collect_run(path: Path) -> RunSummary:
         tuple(notes),
         seedless_config(config.to_dict()),
         manifest.dataset.test_size,
+        _verification(run, manifest.rounds_done),
     )
+
+
+@dataclass(frozen=True)
+class ConformanceCheck:
+    """One check of `fedaudit verify` as verification.json records it."""
+
+    name: str
+    passed: bool
+    p_value: float | None
+    sentence: str
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `fedaudit verify` found about a run: its checks, and the round it verified."""
+
+    checks: tuple[ConformanceCheck, ...]
+    rounds: int
+    current: bool  # whether it verified the run as it stands (the same number of rounds)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failed(self) -> tuple[ConformanceCheck, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+
+def _verification(run: RunDirectory, rounds_done: int) -> Verification | None:
+    """verification.json, if `fedaudit verify` wrote one; a malformed one is a :class:`ReportError`."""
+    if not run.verification_path.is_file():
+        return None
+    try:
+        data = run.read_json(run.verification_path)
+        checks = tuple(
+            ConformanceCheck(
+                str(c["name"]),
+                c["passed"] is True,
+                None if c.get("p_value") is None else float(c["p_value"]),
+                str(c["sentence"]),
+            )
+            for c in data["checks"]
+        )
+        rounds = int(data["rounds"])
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ReportError(f"{run.verification_path} is malformed ({type(exc).__name__}: {exc}).") from exc
+    return Verification(checks, rounds, rounds == rounds_done)
 
 
 def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:

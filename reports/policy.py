@@ -33,6 +33,8 @@ LIMITS: dict[str, str] = {
     "min_accuracy": "final test accuracy >= {limit:g} (judged on its 95% interval)",
     "max_audit_ratio": "canary audit's epsilon lower bound <= {limit:g} x the accountant's epsilon (the bound holds "
     "at 95%; above 1, the DP implementation or its accounting is broken)",
+    "max_failed_conformance_checks": "conformance checks of `fedaudit verify` that fail <= {limit:g} (noise, "
+    "clipping, sampling, the ledger recomputed with dp-accounting)",
 }
 OPTIONS = ("delta",)
 
@@ -52,6 +54,7 @@ class Policy:
     max_tpr_at_1pct_fpr_per_client: float | None = None
     min_accuracy: float | None = None
     max_audit_ratio: float | None = None
+    max_failed_conformance_checks: float | None = None
     source: str = ""
 
     def limits(self) -> dict[str, float]:
@@ -288,6 +291,18 @@ def _audit(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None,
     return _worst(results)
 
 
+def _conformance(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
+    """The conformance checks are exact verdicts (each a test at a family-wise level of 0.001): more failures than
+    ``limit`` is a FAIL, and a run that was not verified as it stands cannot meet the limit."""
+    verification = run.verification
+    if verification is None or not verification.current:
+        state = "not verified" if verification is None else "verified at another round"
+        return None, FAIL, f"not available: {state} (run `fedaudit verify` on a run trained with --canaries)"
+    failed = len(verification.failed)
+    names = ", ".join(c.name for c in verification.failed) or "none"
+    return float(failed), PASS if failed <= limit else FAIL, f"{failed} of {len(verification.checks)} failed: {names}"
+
+
 _CHECKS = {
     "max_epsilon": _epsilon,
     "max_tpr_at_1pct_fpr_per_client": _tpr_per_client,
@@ -295,4 +310,5 @@ _CHECKS = {
     "max_tpr_at_0_1pct_fpr": _tpr,
     "min_accuracy": _accuracy,
     "max_audit_ratio": _audit,
+    "max_failed_conformance_checks": _conformance,
 }

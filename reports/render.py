@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class ReportOutcome:
     written: tuple[Path, ...]
     checks: dict[str, list[Check]]
     verdict: str | None  # PASS, FAIL or INCONCLUSIVE (reports.policy.overall); None without a policy
+    broken: dict[str, str] = field(default_factory=dict)  # run -> why its DP implementation does not keep its promise
 
 
 def output_paths(out: str | Path, formats: tuple[str, ...]) -> tuple[dict[str, Path], Path]:
@@ -122,6 +123,7 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "accuracy_ci": interval(run.final_accuracy_ci),
         "bound": run.epsilon_lower_bound(),
         "exceeds": _exceeds(run),
+        "promise": promise(run),
         "figures": figs,
         "checks": policy_table(checks) if checks else None,
         "verdict": None if checks is None else overall(checks),
@@ -142,6 +144,63 @@ def _exceeds(run: RunSummary) -> dict[str, Any] | None:
         return None
     name = max(excess, key=excess.__getitem__)
     return {"attack": name, "bound": bounds[name], "accountant": dp[name].accountant_epsilon, "attacks": len(bounds)}
+
+
+def promise(run: RunSummary) -> dict[str, Any] | None:
+    """ "Does the implementation keep its promise?" for a DP run: each conformance check of `fedaudit verify`, each
+    canary view's bound beside the accountant, a verdict (FAIL when a check failed or a bound exceeds the accountant,
+    PASS when both kinds of evidence exist and agree, else NOT CHECKED) and what could not be checked."""
+    if not run.privacy.dp or not run.privacy.epsilon_per_round:
+        return None
+    failures: list[str] = []
+    unchecked: list[str] = []
+    checks = []
+    verification = run.verification
+    if verification is None:
+        unchecked.append(
+            "the mechanism's conformance (noise, clipping, sampling, the ledger recomputed with dp-accounting) was not "
+            f"verified: run `fedaudit verify {run.path}`"
+            + ("" if run.canary_audits else " on a run trained with --canaries")
+        )
+    else:
+        checks = [
+            {"name": c.name, "verdict": "PASS" if c.passed else "FAIL", "p_value": c.p_value, "sentence": c.sentence}
+            for c in verification.checks
+        ]
+        failures += [f"{c.name}: {c.sentence}" for c in verification.failed]
+        if not verification.current:
+            unchecked.append(
+                f"verify saw {verification.rounds} rounds and the run now has {run.rounds_done}: verify it again"
+            )
+    views = []
+    for a in run.canary_audits:
+        estimate = (a.canary_audit or {}).get("estimate") or None
+        above = bool(a.accountant_epsilon is not None and a.epsilon_lower_bound > a.accountant_epsilon)
+        views.append(
+            {
+                "view": a.name,
+                "bound": a.epsilon_lower_bound,
+                "accountant": a.accountant_epsilon,
+                "ratio": None if not a.accountant_epsilon else a.epsilon_lower_bound / a.accountant_epsilon,
+                "estimate": None if estimate is None else estimate.get("epsilon"),
+                "estimate_ci": None if estimate is None else estimate.get("ci95"),
+                "informative": (a.canary_audit or {}).get("informative_canaries"),
+                "canaries": (a.canary_audit or {}).get("canaries"),
+                "verdict": "FAIL" if above else "PASS",
+            }
+        )
+        if above:
+            failures.append(
+                f"the {a.name} audit proves epsilon >= {fmt(a.epsilon_lower_bound)} (95%), above the accountant's "
+                f"{fmt(a.accountant_epsilon)}"
+            )
+    if not run.canary_audits:
+        unchecked.append(
+            "no canary audit: how much the released queries leak was not measured (train with --dp --canaries N, "
+            "then attack with --method canary)"
+        )
+    verdict = "FAIL" if failures else ("NOT CHECKED" if verification is None or not views else "PASS")
+    return {"verdict": verdict, "checks": checks, "views": views, "failures": failures, "unchecked": unchecked}
 
 
 def _environment() -> Environment:
@@ -210,7 +269,12 @@ def write_report(
     for path, data in rendered.items():
         atomic_write_bytes(path, data)
     verdict = None if policy is None else overall([c for group in checks.values() for c in group])
-    return ReportOutcome(tuple(rendered), checks, verdict)
+    broken = {
+        run["run"].name: "; ".join(run["promise"]["failures"])
+        for run in context["runs"]
+        if run["promise"] is not None and run["promise"]["verdict"] == "FAIL"
+    }
+    return ReportOutcome(tuple(rendered), checks, verdict, broken)
 
 
 def _pdf(html: str) -> bytes:
