@@ -34,7 +34,7 @@ from torch.func import functional_call
 
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
-from fedaudit.attacks.metrics import CONFIDENCE, roc
+from fedaudit.attacks.metrics import CONFIDENCE, Bootstrap, bootstrap, roc
 from fedaudit.canaries import Canaries, canary_directions
 from fedaudit.data import Dataset
 from fedaudit.models import ModelSpec, build_model, initial_params
@@ -225,15 +225,11 @@ def _senders(run: RunDirectory, rounds: int) -> set[int]:
     return {client for clients in _round_payloads(run, rounds).values() for client in clients}
 
 
-def _auc_interval(inside: np.ndarray, outside: np.ndarray, seed: int, resamples: int = 1000) -> tuple[float, float]:
+def _auc_interval(inside: np.ndarray, outside: np.ndarray, seed: int) -> tuple[float, float]:
     """Percentile bootstrap 95% interval of the canaries' AUC (included and excluded resampled separately)."""
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(resamples):
-        a, b = inside[rng.integers(0, len(inside), len(inside))], outside[rng.integers(0, len(outside), len(outside))]
-        values.append(roc_auc_score(np.r_[np.ones(len(a)), np.zeros(len(b))], np.r_[a, b]))
-    low, high = np.percentile(values, [2.5, 97.5])
-    return float(low), float(high)
+    member = np.r_[np.ones(len(inside), dtype=int), np.zeros(len(outside), dtype=int)]
+    resampled = bootstrap(member, np.r_[inside, outside], rng=np.random.default_rng(seed))
+    return Bootstrap.interval(resampled.auc)
 
 
 def loss_scores(run: RunDirectory, canaries: Canaries, dataset: Dataset, batch_size: int = 1024) -> np.ndarray:
