@@ -441,14 +441,13 @@ def train(
 )
 @click.option("--sample-rate", type=click.FloatRange(0, 1, min_open=True), required=True, help="q = B / N_k.")
 @click.option("--steps", type=click.IntRange(min=1), required=True, help="DP queries per client per round T.")
-@click.option("--rounds", type=click.IntRange(min=1), required=True, help="Rounds M.")
 @click.option(
-    "--client-fraction",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Client selection probability p.",
+    "--rounds",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Rounds M the client takes part in (each charged in full).",
 )
+@click.option("--client-fraction", type=float, default=None, hidden=True)
 @click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-5, show_default=True)
 @click.option(
     "--accountant",
@@ -464,22 +463,26 @@ def epsilon(
     sample_rate: float,
     steps: int,
     rounds: int,
-    client_fraction: float,
+    client_fraction: float | None,
     delta: float,
     accountant: str,
 ) -> None:
-    """Epsilon after each round for DP-SGD clients (two-rate accounting; see docs/accounting.md)."""
+    """Epsilon after each round a DP-SGD client takes part in (see docs/accounting.md)."""
     import pandas as pd
 
     from fedaudit.privacy.accounting import AccountingError, calibrate_noise_multiplier, epsilon_per_round
 
+    if client_fraction is not None:
+        raise AccountingError(
+            "--client-fraction no longer lowers epsilon: the server knows which clients it selected, so client "
+            "sampling hides nothing; give the number of rounds the client takes part in as --rounds."
+        )
     if (noise_multiplier is None) == (target_epsilon is None):
         raise AccountingError("Give exactly one of --noise-multiplier and --target-epsilon.")
     common = dict(
         sample_rate=sample_rate,
         queries_per_round=steps,
         rounds=rounds,
-        client_fraction=client_fraction,
         delta=delta,
         accountant=accountant,
     )
@@ -490,9 +493,7 @@ def epsilon(
     )
     eps = epsilon_per_round(noise_multiplier=sigma, **common)
     table = pd.DataFrame({"round": range(1, rounds + 1), "epsilon": eps})
-    click.echo(
-        f"accountant={accountant} delta={delta:g} sigma={sigma:.6g} q={sample_rate:g} T={steps} p={client_fraction:g}"
-    )
+    click.echo(f"accountant={accountant} delta={delta:g} sigma={sigma:.6g} q={sample_rate:g} T={steps}")
     click.echo(table.to_string(index=False))
     if target_epsilon is None:
         click.echo(f"epsilon={eps[-1]:.6g}")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import Algorithm, ClientData
+from fedaudit.algorithms.base import Algorithm, ClientData, setup_rounds
 from fedaudit.algorithms.fedssyn import generator_records
 from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
 from fedaudit.config import RunConfig, mark_calibrated
@@ -117,8 +117,11 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
                 f"B / N_k would exceed 1; use a batch size of at most {smallest}."
             )
         sample_rates = {k: batch / n for k, n in sizes.items()}
+        taking_part = participation(config, algorithm)
         if config.privacy.noise_multiplier is None and hasattr(algorithm, "privacy_plan"):
-            sigma = max(_calibrate_plan(config, algorithm, n, client_fraction) for n in sizes.values())
+            sigma = max(
+                _calibrate_plan(config, algorithm, sizes[k], rounds) for k, rounds in taking_part.items() if rounds
+            )
             config = mark_calibrated(config, sigma)
         elif config.privacy.noise_multiplier is None:
             sigma = max(
@@ -126,12 +129,12 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
                     target_epsilon=config.privacy.target_epsilon,
                     sample_rate=q,
                     queries_per_round=queries[k],
-                    rounds=config.federated.rounds,
-                    client_fraction=client_fraction,
+                    rounds=len(taking_part[k]),
                     delta=config.privacy.delta,
                     accountant=config.privacy.accountant,
                 )
                 for k, q in sample_rates.items()
+                if taking_part[k]
             )
             config = mark_calibrated(config, sigma)
     return Setup(
@@ -275,17 +278,14 @@ def _resolve_fedssyn(config: RunConfig, sizes: dict[int, int]) -> RunConfig:
     return replace(config, fedssyn=fs)
 
 
-def _calibrate_plan(config: RunConfig, algorithm: Algorithm, num_examples: int, client_fraction: float) -> float:
-    """The noise multiplier that meets ``--target-epsilon`` over every round an algorithm plans itself."""
+def _calibrate_plan(config: RunConfig, algorithm: Algorithm, num_examples: int, rounds: list[int]) -> float:
+    """The noise multiplier that meets ``--target-epsilon`` over the ``rounds`` a client takes part in, for an
+    algorithm that plans its events itself."""
     priv = config.privacy
 
     def events_at(sigma: float) -> list:
         at = replace(config, privacy=replace(priv, noise_multiplier=sigma))
-        return [
-            event
-            for m in range(config.federated.rounds)
-            for event in algorithm.privacy_plan(at, num_examples, m, client_fraction)
-        ]
+        return [event for m in rounds for event in algorithm.privacy_plan(at, num_examples, m)]
 
     return calibrate_events(events_at, target_epsilon=priv.target_epsilon, delta=priv.delta, accountant=priv.accountant)
 
@@ -293,6 +293,23 @@ def _calibrate_plan(config: RunConfig, algorithm: Algorithm, num_examples: int, 
 def clients_per_round(client_fraction: float, num_clients: int) -> int:
     """ceil(p K), ignoring floating-point error in p K (0.28 * 25 is 7.000000000000001, not above 7)."""
     return max(1, math.ceil(round(client_fraction * num_clients, 9)))
+
+
+def round_participants(config: RunConfig, algorithm: Algorithm, round_index: int) -> list[int]:
+    """The clients taking part in round ``round_index``: all of them in an algorithm's set-up rounds, else
+    ``--client-fraction`` of them. The choice depends on the seed alone, never on data."""
+    fraction = 1.0 if round_index < setup_rounds(algorithm) else config.federated.client_fraction
+    return select_clients(config.seed, round_index, config.data.num_clients, fraction)
+
+
+def participation(config: RunConfig, algorithm: Algorithm) -> dict[int, list[int]]:
+    """Per client, the rounds it takes part in: what the ledger will charge, known before training because the
+    selection depends on the seed alone (calibration meets the target for exactly these rounds)."""
+    rounds: dict[int, list[int]] = {k: [] for k in range(config.data.num_clients)}
+    for m in range(config.federated.rounds):
+        for k in round_participants(config, algorithm, m):
+            rounds[k].append(m)
+    return rounds
 
 
 def select_clients(seed: int, round_index: int, num_clients: int, client_fraction: float) -> list[int]:

@@ -29,7 +29,6 @@ from fedaudit.algorithms.base import (
     clone_params,
     load_params,
     privacy_plan,
-    setup_rounds,
 )
 from fedaudit.config import RunConfig, option_field
 from fedaudit.engine import Engine, make_engine
@@ -47,7 +46,7 @@ from fedaudit.runs import (
     versions,
 )
 from fedaudit.seeding import Stream, make_generator, repeatable
-from fedaudit.setup import Setup, TrainingError, client_data, prepare, select_clients
+from fedaudit.setup import Setup, TrainingError, client_data, prepare, round_participants
 
 Echo = Callable[[str], None]
 
@@ -276,31 +275,31 @@ def _manifest(setup: Setup, *, rounds_done: int, created: str) -> Manifest:
     )
 
 
-def _round_privacy_events(setup: Setup, messages: list[ClientMessage], round_index: int) -> dict[int, list[SGMEvent]]:
-    """Per client, this round's SGM events: the worst case of the plan and of what clients reported.
+def _round_privacy_events(
+    setup: Setup, messages: list[ClientMessage], round_index: int, selected: list[int]
+) -> dict[int, list[SGMEvent]]:
+    """Per selected client, this round's SGM events: the worst case of the plan and of what the client reported.
 
-    Every client is charged every round (q1 = p q covers the chance of being
-    selected), with T = max(planned worst case, queries actually made). An algorithm that plans its own events
-    (:func:`fedaudit.algorithms.base.privacy_plan`) is charged its plan, and more steps where a client reported more
-    queries at some (sigma, q) than planned.
+    A client is charged for the rounds it was selected for, in full: no discount for client sampling, because the
+    server knows whom it selected (docs/accounting.md). A selected client whose reply never came is charged too:
+    it may have computed and sent. T = max(planned worst case, queries actually made). An algorithm that plans its
+    own events (:func:`fedaudit.algorithms.base.privacy_plan`) is charged its plan, and more steps where a client
+    reported more queries at some (sigma, q) than planned.
     """
     priv = setup.config.privacy
     reported = {m.client_id: m.privacy_events for m in messages}
     events: dict[int, list[SGMEvent]] = {}
-    for k, q in setup.sample_rates.items():
+    for k in sorted(set(selected) | set(reported)):
+        q = setup.sample_rates[k]
         made = reported.get(k, [])
-        planned = privacy_plan(
-            setup.algorithm, setup.config, len(setup.partition.clients[k]), round_index, setup.client_fraction
-        )
+        planned = privacy_plan(setup.algorithm, setup.config, len(setup.partition.clients[k]), round_index)
         if planned is not None:
             events[k] = _at_least(planned, made)
             continue
         steps = max(setup.queries[k], sum(e.steps for e in made))
         rate = max([q, *(e.sample_rate for e in made)])
         sigma = min([priv.noise_multiplier, *(e.noise_multiplier for e in made)])
-        events[k] = round_events(
-            noise_multiplier=sigma, sample_rate=rate, queries_per_round=steps, client_fraction=setup.client_fraction
-        )
+        events[k] = round_events(noise_multiplier=sigma, sample_rate=rate, queries_per_round=steps)
     return events
 
 
@@ -336,8 +335,7 @@ class _RoundLoop:
             server_state=state.server_state,
             server_kept=state.server_kept,
         )
-        fraction = 1.0 if m < setup_rounds(setup.algorithm) else config.federated.client_fraction
-        selected = select_clients(config.seed, m, len(self.clients), fraction)
+        selected = round_participants(config, setup.algorithm, m)
 
         def client_generator(k: int) -> torch.Generator:
             return make_generator(config.seed, Stream.CLIENT, m, k, device=device)
@@ -366,7 +364,7 @@ class _RoundLoop:
         wall = time.perf_counter() - began
         epsilon = math.inf
         if state.ledger is not None:
-            epsilon = state.ledger.record_round(_round_privacy_events(setup, messages, m))
+            epsilon = state.ledger.record_round(_round_privacy_events(setup, messages, m, selected))
         accuracy, loss = evaluate(self.model, params, *self.test)
         numbers = {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))}
         row = {

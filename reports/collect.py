@@ -46,10 +46,10 @@ class PrivacySummary:
     delta: float | None = None
     noise_multiplier: float | None = None
     max_grad_norm: float | None = None
-    q1: float | None = None
-    q2: float | None = None
+    sample_rate: float | None = None
     queries_per_round: int | None = None
     client_fraction: float | None = None
+    worst_client_rounds: int | None = None
     batch_size: int | None = None
     worst_client: int | None = None
     worst_client_examples: int | None = None
@@ -536,20 +536,20 @@ def _privacy(
         worst = int(np.argmin(sizes)) if sizes else None
     batch = config.federated.batch_size
     fraction = clients.client_fraction_effective
-    q2 = batch / sizes[worst] if worst is not None and batch and not fedssyn else None
+    q = batch / sizes[worst] if worst is not None and batch and not fedssyn else None
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,
         delta=ledger.delta,
         noise_multiplier=ledger.noise_multiplier,
         max_grad_norm=ledger.max_grad_norm,
-        q1=None if q2 is None else fraction * q2,
-        q2=q2,
+        sample_rate=q,
         queries_per_round=queries[worst] if worst is not None and worst < len(queries) and not fedssyn else None,
         client_fraction=fraction,
         batch_size=batch,
         worst_client=worst,
         worst_client_examples=sizes[worst] if worst is not None else None,
+        worst_client_rounds=ledger.rounds_charged(worst) if worst is not None else None,
         rounds=ledger.rounds,
         epsilon_per_round=tuple(float(e) for e in ledger.epsilon_per_round),
     )

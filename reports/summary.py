@@ -49,14 +49,13 @@ def privacy_table(run: RunSummary) -> pd.DataFrame:
         "noise multiplier sigma": p.noise_multiplier,
         "clipping norm C": p.max_grad_norm,
         "client selection probability p": p.client_fraction,
-        "q = B / N_k (worst client)": p.q2,
-        "q1 = p * q (first query of a round)": p.q1,
-        "q2 = q (later queries of a round)": p.q2,
+        "q = B / N_k (worst client)": p.sample_rate,
         "DP queries per round T": p.queries_per_round,
         "worst client k (N_k records)": None
         if p.worst_client is None
         else f"{p.worst_client} ({p.worst_client_examples})",
         "rounds": p.rounds,
+        "rounds the worst client took part in (each charged in full)": p.worst_client_rounds,
         "epsilon after the last round": p.epsilon if p.epsilon_per_round else None,
     }
     return pd.DataFrame({"quantity": list(rows), "value": [fmt(v, 6) for v in rows.values()]})
@@ -187,8 +186,7 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
                 "dp": p.dp,
                 "noise_multiplier": p.noise_multiplier,
                 "max_grad_norm": p.max_grad_norm,
-                "q1": p.q1,
-                "q2": p.q2,
+                "sample_rate": p.sample_rate,
                 "queries_per_round": p.queries_per_round,
                 "delta": p.delta,
                 "accountant": p.accountant,

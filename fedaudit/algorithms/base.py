@@ -151,7 +151,7 @@ class Algorithm(Protocol):
     Two optional members change the round loop for algorithms that need it (:func:`setup_rounds` and
     :func:`privacy_plan` read them): ``setup_rounds``, the number of leading rounds in which every client takes part
     whatever ``--client-fraction`` says (Fedssyn's generation round), and ``privacy_plan(config, num_examples,
-    round, client_fraction)``, the SGM events a client is charged for in a round when they are not the usual
+    round)``, the SGM events a client is charged for in a round it takes part in when they are not the usual
     ``queries_per_round`` steps at rate B / N_k.
     """
 
@@ -235,13 +235,12 @@ def setup_rounds(algorithm: Algorithm) -> int:
     return int(getattr(algorithm, "setup_rounds", 0))
 
 
-def privacy_plan(
-    algorithm: Algorithm, config: RunConfig, num_examples: int, round_index: int, client_fraction: float
-) -> list[SGMEvent] | None:
-    """The SGM events a client with ``num_examples`` records is charged for in round ``round_index`` at worst, when
-    the algorithm plans them itself; None for the usual plan (``queries_per_round`` steps at rate B / N_k)."""
+def privacy_plan(algorithm: Algorithm, config: RunConfig, num_examples: int, round_index: int) -> list[SGMEvent] | None:
+    """The SGM events a client with ``num_examples`` records is charged for at worst in a round ``round_index`` it
+    takes part in, when the algorithm plans them itself; None for the usual plan (``queries_per_round`` steps at
+    rate B / N_k)."""
     plan = getattr(algorithm, "privacy_plan", None)
-    return None if plan is None else plan(config, num_examples, round_index, client_fraction)
+    return None if plan is None else plan(config, num_examples, round_index)
 
 
 def num_classes(model: nn.Module, params: TensorDict, x: torch.Tensor) -> int:

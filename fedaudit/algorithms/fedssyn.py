@@ -70,9 +70,7 @@ class Fedssyn:
         """The inner algorithm's local steps on the client's own records (the generation round is planned apart)."""
         return self.inner.queries_per_round(config, num_examples)
 
-    def privacy_plan(
-        self, config: RunConfig, num_examples: int, round_index: int, client_fraction: float
-    ) -> list[SGMEvent]:
+    def privacy_plan(self, config: RunConfig, num_examples: int, round_index: int) -> list[SGMEvent]:
         """The generation round's class counts and generator steps; then the inner algorithm's steps at rate
         B / (N_k + n~)."""
         sigma = config.privacy.noise_multiplier
@@ -89,7 +87,6 @@ class Fedssyn:
             noise_multiplier=sigma,
             sample_rate=config.federated.batch_size / total,
             queries_per_round=self.queries_per_round(config, num_examples),
-            client_fraction=client_fraction,
         )
 
     def client_update(

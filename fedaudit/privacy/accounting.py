@@ -1,12 +1,12 @@
-"""Record-level privacy accounting for federated DP: two-rate RDP, PRV, calibration and the run's ledger.
+"""Record-level privacy accounting for federated DP: RDP, PRV, calibration and the run's ledger.
 
 A client that takes part in a round answers T DP queries, each a Sampled
-Gaussian Mechanism (SGM) with noise multiplier sigma. A record is touched by
-the first query of a round with probability q1 = p * q (its client is selected
-with probability p, then Poisson-sampled with q = B / N_k) and by every later
-query of that round with q2 = q (docs/accounting.md). Over M rounds::
+Gaussian Mechanism (SGM) with noise multiplier sigma and Poisson rate
+q = B / N_k. Client sampling amplifies nothing: the server knows which clients
+it selected, so a record is charged for every round its client takes part in
+(docs/accounting.md). Over the M_k rounds client k takes part in::
 
-    RDP(alpha) = M * rdp_SGM(alpha | q1, sigma) + M * (T - 1) * rdp_SGM(alpha | q2, sigma)
+    RDP(alpha) = M_k * T * rdp_SGM(alpha | q, sigma)
 
 Mechanisms are small immutable :class:`SGMEvent` records (noise multiplier,
 sample rate, steps), in the style of Google's dp-accounting; the arithmetic
@@ -16,7 +16,7 @@ Balle et al. 2020 (``get_privacy_spent``), or numerical composition with
 ``opacus.accountants.PRVAccountant``.
 
 Example:
-    >>> events = round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=50, client_fraction=0.1)
+    >>> events = round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=50)
     >>> eps = compute_epsilon(compose(events * 20), delta=1e-5)
 """
 
@@ -150,22 +150,16 @@ class SGMEvent:
         return (self.noise_multiplier, self.sample_rate, self.steps)
 
 
-def round_events(
-    *, noise_multiplier: float, sample_rate: float, queries_per_round: int, client_fraction: float = 1.0
-) -> list[SGMEvent]:
-    """One round of one client: the first query at rate ``client_fraction * sample_rate``, the rest at ``sample_rate``.
+def round_events(*, noise_multiplier: float, sample_rate: float, queries_per_round: int) -> list[SGMEvent]:
+    """One round of a client that takes part: ``[SGMEvent(sigma, q, T)]``.
 
-    Returns ``[SGMEvent(s, p*q, 1), SGMEvent(s, q, T-1)]`` without zero-step
-    events; with ``client_fraction == 1`` both rates coincide and the round is
-    the single event ``SGMEvent(s, q, T)``.
+    There is no discount for client sampling: whoever sees the updates knows
+    which clients sent them, so the selection hides nothing (docs/accounting.md).
     """
     sigma = _check_noise_multiplier(noise_multiplier)
     q = _check_fraction("sample_rate", sample_rate)
-    p = _check_fraction("client_fraction", client_fraction)
     t = _check_int("queries_per_round", queries_per_round, minimum=1)
-    first = SGMEvent(noise_multiplier=sigma, sample_rate=p * q, steps=1)
-    rest = SGMEvent(noise_multiplier=sigma, sample_rate=q, steps=t - 1)
-    return compose([first, rest])
+    return [SGMEvent(noise_multiplier=sigma, sample_rate=q, steps=t)]
 
 
 def compose(events: Iterable[SGMEvent]) -> list[SGMEvent]:
@@ -307,15 +301,10 @@ def compute_epsilon(events: Sequence[SGMEvent], *, delta: float, accountant: str
 
 
 def _rounds_events(
-    *, noise_multiplier: float, sample_rate: float, queries_per_round: int, rounds: int, client_fraction: float
+    *, noise_multiplier: float, sample_rate: float, queries_per_round: int, rounds: int
 ) -> list[SGMEvent]:
     """The composed events of ``rounds`` identical rounds."""
-    one = round_events(
-        noise_multiplier=noise_multiplier,
-        sample_rate=sample_rate,
-        queries_per_round=queries_per_round,
-        client_fraction=client_fraction,
-    )
+    one = round_events(noise_multiplier=noise_multiplier, sample_rate=sample_rate, queries_per_round=queries_per_round)
     return [
         SGMEvent(noise_multiplier=e.noise_multiplier, sample_rate=e.sample_rate, steps=e.steps * rounds) for e in one
     ]
@@ -327,18 +316,16 @@ def epsilon_per_round(
     sample_rate: float,
     queries_per_round: int,
     rounds: int,
-    client_fraction: float = 1.0,
     delta: float = 1e-5,
     accountant: str = "rdp",
 ) -> list[float]:
-    """Epsilon after rounds 1..M of one client (worst case: it is charged every round).
+    """Epsilon after rounds 1..M of one client that takes part in every one of them.
 
     Args:
         noise_multiplier: sigma of every query.
         sample_rate: q = B / N_k, the Poisson rate within a round.
         queries_per_round: T, the DP queries (local steps) per round.
-        rounds: M.
-        client_fraction: p, the probability that the client takes part in a round (first query at q1 = p q).
+        rounds: M, the rounds the client takes part in.
         delta: the delta of (epsilon, delta)-DP.
         accountant: ``rdp`` or ``prv``.
 
@@ -361,7 +348,6 @@ def epsilon_per_round(
                 sample_rate=sample_rate,
                 queries_per_round=queries_per_round,
                 rounds=m,
-                client_fraction=client_fraction,
             ),
             delta=delta,
             accountant=accountant,
@@ -376,7 +362,6 @@ def calibrate_noise_multiplier(
     sample_rate: float,
     queries_per_round: int,
     rounds: int,
-    client_fraction: float = 1.0,
     delta: float = 1e-5,
     accountant: str = "rdp",
 ) -> float:
@@ -390,7 +375,7 @@ def calibrate_noise_multiplier(
 
     Args:
         target_epsilon: the budget after the last round.
-        sample_rate, queries_per_round, rounds, client_fraction, delta, accountant: as for
+        sample_rate, queries_per_round, rounds, delta, accountant: as for
             :func:`epsilon_per_round`.
 
     Returns:
@@ -409,14 +394,13 @@ def calibrate_noise_multiplier(
     if not 0.0 < target < math.inf:
         raise AccountingError(f"target_epsilon must be positive and finite, got {target_epsilon!r}.")
     q = _check_fraction("sample_rate", sample_rate)
-    p = _check_fraction("client_fraction", client_fraction)
     t = _check_int("queries_per_round", queries_per_round, minimum=1)
     m = _check_int("rounds", rounds, minimum=1)
     delta = _check_delta(delta)
     accountant = _check_accountant(accountant)
 
     def epsilon_at(sigma: float, how: str) -> float:
-        events = _rounds_events(noise_multiplier=sigma, sample_rate=q, queries_per_round=t, rounds=m, client_fraction=p)
+        events = _rounds_events(noise_multiplier=sigma, sample_rate=q, queries_per_round=t, rounds=m)
         try:
             return compute_epsilon(events, delta=delta, accountant=how)
         except AccountingError:
@@ -594,6 +578,10 @@ class PrivacyLedger:
     def rounds(self) -> int:
         """Rounds recorded so far."""
         return len(self._history)
+
+    def rounds_charged(self, client: int) -> int:
+        """The rounds in which ``client`` was charged (the rounds it took part in)."""
+        return sum(1 for round_ in self._history if client in round_)
 
     @property
     def epsilon_per_round(self) -> list[float]:

@@ -189,20 +189,48 @@ def test_clipping_switched_off_without_noise_is_an_exact_failure(tmp_path, monke
 
 
 def test_participation_with_client_sampling(tmp_path):
-    """3 of 5 clients a round: sampling passes. The ledger amplifies each round's first query by p = 0.6 and charges
-    every client every round, but the server sees who took part, so a client chosen in all 6 rounds spent more than
-    the ledger charged it (48 queries at q against 42 at q and 6 at 0.6 q); the others are covered."""
+    """3 of 5 clients a round over 6 rounds: sampling passes, and the ledger, which charges each client for the
+    rounds it took part in with no discount for client sampling, covers every client's recorded queries exactly."""
     run = train(tmp_path / "run", "--rounds", "6", "--client-fraction", "0.6")
     verification = verify(run)
-    sampling = verification.check("sampling")
-    assert sampling.passed, sampling.sentence
-    participation = sampling.details["participation"]
+    assert failed(verification) == set(), {c.name: c.sentence for c in verification.checks if not c.passed}
+    participation = verification.check("sampling").details["participation"]
     assert sum(participation) == 6 * 3
-    assert failed(verification) <= {"ledger"}
     clients = verification.check("ledger").details["clients"]
-    uncovered = {int(k) for k, client in clients.items() if not client["covered"]}
+    assert all(client["covered"] for client in clients.values())
+    assert {int(k): client["rounds"] for k, client in clients.items()} == {
+        k: n for k, n in enumerate(participation) if n
+    }
+
+
+def test_the_old_discount_for_client_sampling_is_caught(tmp_path, monkeypatch):
+    """A ledger that discounts each round's first query to p q and charges clients for rounds they sat out (the
+    accounting of FedLAP-DP's paper) under-charges a client chosen in every round: verify FAILs it."""
+    import fedaudit.training as training
+    from fedaudit.privacy.accounting import SGMEvent
+
+    def discounted(setup, messages, round_index, selected):
+        p = setup.client_fraction
+        return {
+            k: [
+                SGMEvent(noise_multiplier=setup.config.privacy.noise_multiplier, sample_rate=p * q, steps=1),
+                SGMEvent(
+                    noise_multiplier=setup.config.privacy.noise_multiplier, sample_rate=q, steps=setup.queries[k] - 1
+                ),
+            ]
+            for k, q in setup.sample_rates.items()
+        }
+
+    monkeypatch.setattr(training, "_round_privacy_events", discounted)
+    run = train(tmp_path / "run", "--rounds", "6", "--client-fraction", "0.6")
+    monkeypatch.undo()
+    verification = verify(run)
+    participation = verification.check("sampling").details["participation"]
+    assert 6 in participation  # this seed chooses some client in every round
+    ledger = verification.check("ledger")
+    assert not ledger.passed and "spend" in ledger.sentence
+    uncovered = {int(k) for k, client in ledger.details["clients"].items() if not client["covered"]}
     assert uncovered == {k for k, count in enumerate(participation) if count == 6}
-    assert verification.check("ledger").passed == (not uncovered)
 
 
 def test_the_rdp_recomputation_matches_the_ledger_of_a_correct_run(correct):

@@ -143,8 +143,8 @@ def test_an_accountant_that_undercounts_is_caught(tmp_path, monkeypatch, fault):
     if fault == "ledger-charges-only-the-last-round":
         real_events = training._round_privacy_events
 
-        def only_last(setup, messages, round_index):
-            events = real_events(setup, messages, round_index)
+        def only_last(setup, messages, round_index, selected):
+            events = real_events(setup, messages, round_index, selected)
             last = len(only_last.calls) + 1 == setup.config.federated.rounds
             only_last.calls.append(1)
             return events if last else {k: [] for k in events}

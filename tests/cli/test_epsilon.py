@@ -25,14 +25,14 @@ def _table(stdout: str) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "sigma, q, t, m, p, delta, accountant",
+    "sigma, q, t, m, delta, accountant",
     [
-        (1.0, 0.0256, 200, 15, 1.0, 1e-5, "rdp"),
-        (0.8, 0.05, 20, 6, 0.4, 1e-6, "rdp"),
-        (1.2, 0.1, 10, 4, 0.5, 1e-5, "prv"),
+        (1.0, 0.0256, 200, 15, 1e-5, "rdp"),
+        (0.8, 0.05, 20, 6, 1e-6, "rdp"),
+        (1.2, 0.1, 10, 4, 1e-5, "prv"),
     ],
 )
-def test_epsilon_command_prints_the_accountants_values(cli, sigma, q, t, m, p, delta, accountant):
+def test_epsilon_command_prints_the_accountants_values(cli, sigma, q, t, m, delta, accountant):
     result = cli(
         "epsilon",
         "--noise-multiplier",
@@ -43,8 +43,6 @@ def test_epsilon_command_prints_the_accountants_values(cli, sigma, q, t, m, p, d
         t,
         "--rounds",
         m,
-        "--client-fraction",
-        p,
         "--delta",
         delta,
         "--accountant",
@@ -56,7 +54,6 @@ def test_epsilon_command_prints_the_accountants_values(cli, sigma, q, t, m, p, d
         sample_rate=q,
         queries_per_round=t,
         rounds=m,
-        client_fraction=p,
         delta=delta,
         accountant=accountant,
     )
@@ -74,7 +71,6 @@ def test_epsilon_command_defaults(cli):
         sample_rate=0.0256,
         queries_per_round=200,
         rounds=15,
-        client_fraction=1.0,
         delta=1e-5,
         accountant="rdp",
     )[-1]
@@ -82,11 +78,11 @@ def test_epsilon_command_defaults(cli):
 
 
 @pytest.mark.parametrize(
-    "target, accountant, q, t, m, p",
-    [(4.0, "rdp", 0.05, 20, 5, 0.5), (2.5, "rdp", 0.05, 20, 5, 0.5), (2.0, "prv", 0.2, 2, 2, 1.0)],
+    "target, accountant, q, t, m",
+    [(4.0, "rdp", 0.05, 20, 5), (2.5, "rdp", 0.05, 20, 5), (2.0, "prv", 0.2, 2, 2)],
 )
-def test_epsilon_command_with_target_prints_the_noise_multiplier(cli, target, accountant, q, t, m, p):
-    common = dict(sample_rate=q, queries_per_round=t, rounds=m, client_fraction=p, delta=1e-5, accountant=accountant)
+def test_epsilon_command_with_target_prints_the_noise_multiplier(cli, target, accountant, q, t, m):
+    common = dict(sample_rate=q, queries_per_round=t, rounds=m, delta=1e-5, accountant=accountant)
     result = cli(
         "epsilon",
         "--target-epsilon",
@@ -97,8 +93,6 @@ def test_epsilon_command_with_target_prints_the_noise_multiplier(cli, target, ac
         t,
         "--rounds",
         m,
-        "--client-fraction",
-        p,
         "--accountant",
         accountant,
     )
@@ -121,8 +115,8 @@ BAD_EPSILON = {
     "nan-sigma": ["--noise-multiplier", "nan", "--sample-rate", "0.1", "--steps", "10", "--rounds", "2"],
     "zero-delta": ["--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "10", "--rounds", "2", "--delta", "0"],
     "delta-one": ["--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "10", "--rounds", "2", "--delta", "1"],
-    "zero-fraction": [
-        *"--noise-multiplier 1 --sample-rate 0.1 --steps 10 --rounds 2 --client-fraction 0".split(),
+    "client-fraction": [
+        *"--noise-multiplier 1 --sample-rate 0.1 --steps 10 --rounds 2 --client-fraction 0.5".split(),
     ],
     "both": [
         *"--noise-multiplier 1 --target-epsilon 3 --sample-rate 0.1 --steps 10 --rounds 2".split(),

@@ -379,6 +379,25 @@ def test_target_epsilon_calibrates_sigma(tmp_path, trained, cli):
         assert 0.98 * budget <= final <= budget, (extra, final)
 
 
+def test_target_epsilon_with_partial_participation_meets_the_target_for_the_rounds_taken_part_in(trained):
+    from fedaudit.setup import select_clients
+
+    target, rounds = 3.0, 4
+    equal = ("--partition", "iid", "--num-clients", "4", "--client-fraction", "0.5")
+    run = trained("--dp", "--rounds", str(rounds), *equal, "--target-epsilon", str(target))
+    ledger = read_json(run / "privacy.json")
+    taking_part = {k: sum(k in select_clients(0, m, 4, 0.5) for m in range(rounds)) for k in range(4)}
+    busiest = max(taking_part.values())
+    assert busiest < rounds  # no client took part in every round: calibrating for every round would waste budget
+    ((q, t),) = set(client_plan(run).values())
+    sigma = read_json(run / "config.json")["privacy"]["noise_multiplier"]
+    expected = calibrate_noise_multiplier(target_epsilon=target, sample_rate=q, queries_per_round=t, rounds=busiest)
+    assert sigma == pytest.approx(expected, rel=1e-12)
+    assert 0.98 * target <= ledger["epsilon_per_round"][-1] <= target
+    for k, rounds_in in taking_part.items():
+        assert sum(str(k) in row for row in ledger["history"]["rounds"]) == rounds_in
+
+
 def test_a_diverging_run_stops_with_one_sentence_and_keeps_its_rounds(tmp_path, cli):
     from helpers import FAST_ARGS, assert_user_error
 

@@ -14,7 +14,7 @@ from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.cli import compare, epsilon, train
 from fedaudit.config import ConfigError, RunConfig
-from fedaudit.privacy.accounting import compute_epsilon, round_events
+from fedaudit.privacy.accounting import SGMEvent, compute_epsilon, round_events
 from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, AlgorithmEntry
 
 
@@ -89,7 +89,9 @@ def test_an_unknown_algorithm_is_a_configuration_error() -> None:
 
 @pytest.mark.parametrize("name", list(ACCOUNTANTS))
 def test_every_accountant_entry_is_what_compute_epsilon_uses(name: str) -> None:
-    events = round_events(noise_multiplier=1.1, sample_rate=0.05, queries_per_round=20, client_fraction=0.5) * 3
+    events = round_events(noise_multiplier=1.1, sample_rate=0.05, queries_per_round=20) * 3 + [
+        SGMEvent(noise_multiplier=1.3, sample_rate=0.01, steps=7)
+    ]
     eps = compute_epsilon(events, delta=1e-5, accountant=name)
     history = tuple((e.noise_multiplier, e.sample_rate, e.steps) for e in events)
     merged: dict[tuple[float, float], int] = {}

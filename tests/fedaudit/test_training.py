@@ -23,7 +23,7 @@ from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.privacy.accounting import epsilon_per_round
 from fedaudit.runs import METRIC_COLUMNS
-from fedaudit.training import select_clients
+from fedaudit.setup import select_clients
 
 # ---------------------------------------------------------------------------- the run directory
 
@@ -170,42 +170,33 @@ def test_a_run_never_reports_less_epsilon_than_any_client_spent(dp_run):
 # ---------------------------------------------------------------------------- client selection
 
 
-def test_partial_participation_selects_ceil_pk_clients_and_accounts_with_p_q(tmp_path, trained, cli):
-    args = ("--dp", "--rounds", "2", "--client-fraction", "0.3")  # ceil(0.3 * 5) = 2 clients, p_eff = 0.4
+def test_partial_participation_charges_the_rounds_a_client_takes_part_in_in_full(tmp_path, trained, cli):
+    args = ("--dp", "--rounds", "3", "--client-fraction", "0.3")  # ceil(0.3 * 5) = 2 clients, p_eff = 0.4
     run = trained(*args)
     manifest = read_json(run / "manifest.json")
     assert manifest["clients"]["client_fraction_effective"] == pytest.approx(0.4)
     metrics = pd.read_csv(run / "metrics.csv")
-    assert metrics["clients"].tolist() == [2, 2]
+    assert metrics["clients"].tolist() == [2, 2, 2]
     num_parameters = manifest["model"]["num_parameters"]
     assert (metrics["bytes_up"] == 2 * 4 * num_parameters).all()
 
     ledger = read_json(run / "privacy.json")
     plan = client_plan(run)
-    for k, (q, t) in plan.items():  # every client is charged every round, first query at p_eff * q
-        entries = ledger["per_client"][str(k)]["entries"]
-        assert entries == [
-            {"noise_multiplier": 1.0, "sample_rate": pytest.approx(0.4 * q, rel=1e-12), "steps": 2},
-            {"noise_multiplier": 1.0, "sample_rate": pytest.approx(q, rel=1e-12), "steps": 2 * (t - 1)},
-        ]
-    worst = ledger["worst_client"]
-    q, t = plan[worst]
-    eps = epsilon_cli(
-        cli,
-        "--noise-multiplier",
-        "1",
-        "--sample-rate",
-        repr(q),
-        "--steps",
-        t,
-        "--rounds",
-        2,
-        "--client-fraction",
-        "0.4",
-    )
-    assert eps == pytest.approx(ledger["epsilon_per_round"][-1], rel=1e-5)
-    full = epsilon_per_round(noise_multiplier=1.0, sample_rate=q, queries_per_round=t, rounds=2)[-1]
-    assert ledger["epsilon_per_round"][-1] < full  # amplification by client sampling is used
+    selected = [select_clients(0, m, 5, 0.4) for m in range(3)]
+    taking_part = {k: sum(k in s for s in selected) for k in plan}
+    assert sorted(set(taking_part.values())) != [3]  # the seed makes some client sit a round out
+    for k, (q, t) in plan.items():  # charged for the rounds it took part in, every query at q
+        rounds = taking_part[k]
+        entries = ledger["per_client"].get(str(k), {"entries": []})["entries"]
+        expected = [{"noise_multiplier": 1.0, "sample_rate": pytest.approx(q, rel=1e-12), "steps": rounds * t}]
+        assert entries == (expected if rounds else [])
+        if rounds:
+            eps = epsilon_cli(
+                cli, "--noise-multiplier", "1", "--sample-rate", repr(q), "--steps", t, "--rounds", rounds
+            )
+            assert eps == pytest.approx(ledger["per_client"][str(k)]["epsilon"], rel=1e-5)
+    for m, row in enumerate(ledger["history"]["rounds"]):
+        assert sorted(int(k) for k in row) == selected[m]
 
     # The same seed gives the same selection and the same model; another seed another model.
     again = tmp_path / "again"

@@ -83,12 +83,13 @@ def test_report_has_every_section_and_the_run_s_numbers(audited, report):
     assert run["setup"]["algorithm"] == "DP-FedAvg" and run["setup"]["seed"] == config["seed"]
     assert run["setup"]["dataset fingerprint"] == manifest["dataset"]["fingerprint"] in html
     assert run["utility"]["test_accuracy"] == pytest.approx(list(metrics["test_accuracy"]))
-    # accounting: q2 = B / N_k of the worst client, q1 = p * q2, T from the manifest
+    # accounting: q = B / N_k of the worst client, charged in every round it took part in, T from the manifest
     privacy, worst = run["privacy"], ledger["worst_client"]
     n_k = manifest["clients"]["num_examples"][worst]
-    assert privacy["q2"] == pytest.approx(config["federated"]["batch_size"] / n_k)
-    assert privacy["q2"] == pytest.approx(ledger["entries"][0]["sample_rate"])
-    assert privacy["q1"] == pytest.approx(manifest["clients"]["client_fraction_effective"] * privacy["q2"])
+    assert privacy["sample_rate"] == pytest.approx(config["federated"]["batch_size"] / n_k)
+    assert [e["sample_rate"] for e in ledger["entries"]] == pytest.approx([privacy["sample_rate"]])
+    charged = sum(1 for row in ledger["history"]["rounds"] if str(worst) in row)
+    assert privacy["worst_client_rounds"] == charged
     assert privacy["queries_per_round"] == manifest["clients"]["dp_queries_per_round"][worst]
     assert privacy["epsilon_per_round"] == pytest.approx(ledger["epsilon_per_round"])
     assert privacy["noise_multiplier"] == ledger["noise_multiplier"] and privacy["delta"] == ledger["delta"]

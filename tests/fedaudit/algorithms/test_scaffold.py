@@ -15,7 +15,7 @@ from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.algorithms.scaffold import CONTROL, Scaffold
 from fedaudit.config import DataConfig, FederatedConfig, RunConfig
-from fedaudit.training import select_clients
+from fedaudit.setup import select_clients
 
 D, CLIENTS, N = 3, 4, 8
 

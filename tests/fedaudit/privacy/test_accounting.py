@@ -30,30 +30,25 @@ DELTA = 1e-5
 ORDERS = np.asarray(RDP_ORDERS)
 INTEGER = ORDERS == np.round(ORDERS)
 
-# (sigma, q, T, M, p): one client making T queries per round over M rounds, selected with probability p.
-TWO_RATE = [
-    (1.0, 0.02, 50, 20, 0.1),
-    (0.8, 0.01, 100, 30, 0.3),
-    (2.0, 0.1, 5, 100, 0.05),
-    (1.1, 0.0256, 200, 15, 0.5),
+# (sigma, q, T, M): one client making T queries in each of the M rounds it takes part in.
+RUNS = [
+    (1.0, 0.02, 50, 20),
+    (0.8, 0.01, 100, 30),
+    (2.0, 0.1, 5, 100),
+    (1.1, 0.0256, 200, 15),
 ]
 
 
-def _run_events(sigma: float, q: float, t: int, m: int, p: float) -> list[SGMEvent]:
-    return compose(round_events(noise_multiplier=sigma, sample_rate=q, queries_per_round=t, client_fraction=p) * m)
+def _run_events(sigma: float, q: float, t: int, m: int) -> list[SGMEvent]:
+    return compose(round_events(noise_multiplier=sigma, sample_rate=q, queries_per_round=t) * m)
 
 
-def _dp_accounting(
-    sigma: float, q: float, t: int, m: int, p: float, orders: np.ndarray
-) -> dp_accounting.rdp.RdpAccountant:
-    """The same run written as dp-accounting events: M first queries at p*q, M*(T-1) later ones at q."""
+def _dp_accounting(sigma: float, q: float, t: int, m: int, orders: np.ndarray) -> dp_accounting.rdp.RdpAccountant:
+    """The same run written as dp-accounting events: M rounds of T queries at q, composed round by round."""
     accountant = dp_accounting.rdp.RdpAccountant(orders=list(orders))
-
-    def sgm(rate: float) -> dp_accounting.DpEvent:
-        return dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma))
-
-    accountant.compose(dp_accounting.SelfComposedDpEvent(sgm(p * q), m))
-    accountant.compose(dp_accounting.SelfComposedDpEvent(sgm(q), m * (t - 1)))
+    sgm = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    for _ in range(m):
+        accountant.compose(dp_accounting.SelfComposedDpEvent(sgm, t))
     return accountant
 
 
@@ -102,8 +97,12 @@ def test_single_rate_matches_opacus_prv_accountant(sigma: float, q: float, steps
     assert ours == pytest.approx(opacus.get_epsilon(delta=DELTA), rel=1e-9)
 
 
-def test_two_rate_prv_matches_opacus_heterogeneous_history() -> None:
-    events = _run_events(1.0, 0.02, 50, 10, 0.1)
+def test_prv_matches_opacus_on_a_heterogeneous_history() -> None:
+    events = [
+        SGMEvent(noise_multiplier=1.0, sample_rate=0.002, steps=10),
+        SGMEvent(noise_multiplier=1.0, sample_rate=0.02, steps=490),
+        SGMEvent(noise_multiplier=1.5, sample_rate=0.05, steps=30),
+    ]
     opacus = PRVAccountant()
     opacus.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
     assert compute_epsilon(events, delta=DELTA, accountant="prv") == pytest.approx(
@@ -111,10 +110,10 @@ def test_two_rate_prv_matches_opacus_heterogeneous_history() -> None:
     )
 
 
-@pytest.mark.parametrize(("sigma", "q", "t", "m", "p"), TWO_RATE)
-def test_two_rate_rdp_curve_matches_dp_accounting(sigma: float, q: float, t: int, m: int, p: float) -> None:
-    ours = compute_rdp(_run_events(sigma, q, t, m, p))
-    theirs = _dp_accounting(sigma, q, t, m, p, ORDERS).rdp
+@pytest.mark.parametrize(("sigma", "q", "t", "m"), RUNS)
+def test_rdp_curve_matches_dp_accounting(sigma: float, q: float, t: int, m: int) -> None:
+    ours = compute_rdp(_run_events(sigma, q, t, m))
+    theirs = _dp_accounting(sigma, q, t, m, ORDERS).rdp
     # Integer orders: both libraries evaluate the same finite binomial sum.
     np.testing.assert_allclose(ours[INTEGER], theirs[INTEGER], rtol=1e-9, atol=0)
     # Fractional orders: dp-accounting 0.6 sums |binom(alpha, i)| terms of Mironov et al.'s series, an upper
@@ -131,16 +130,16 @@ def test_fractional_orders_match_numerical_integration(sigma: float, q: float) -
         assert ours[index] == pytest.approx(_quadrature_rdp(sigma, q, alpha), rel=1e-6)
 
 
-@pytest.mark.parametrize(("sigma", "q", "t", "m", "p"), TWO_RATE)
-def test_two_rate_epsilon_matches_dp_accounting(sigma: float, q: float, t: int, m: int, p: float) -> None:
-    events = _run_events(sigma, q, t, m, p)
+@pytest.mark.parametrize(("sigma", "q", "t", "m"), RUNS)
+def test_epsilon_matches_dp_accounting(sigma: float, q: float, t: int, m: int) -> None:
+    events = _run_events(sigma, q, t, m)
     # On integer orders the RDP curves agree and both libraries use Balle et al.'s conversion
     # eps = rdp + log1p(-1/a) - log(delta * a) / (a - 1), so epsilons must agree tightly.
-    on_integers = _dp_accounting(sigma, q, t, m, p, ORDERS[INTEGER]).get_epsilon(DELTA)
+    on_integers = _dp_accounting(sigma, q, t, m, ORDERS[INTEGER]).get_epsilon(DELTA)
     ours_on_integers, _ = get_privacy_spent(orders=ORDERS[INTEGER], rdp=compute_rdp(events)[INTEGER], delta=DELTA)
     assert ours_on_integers == pytest.approx(on_integers, rel=1e-9)
     # On all orders dp-accounting's fractional-order bound can only make its epsilon larger.
-    on_all = _dp_accounting(sigma, q, t, m, p, ORDERS).get_epsilon(DELTA)
+    on_all = _dp_accounting(sigma, q, t, m, ORDERS).get_epsilon(DELTA)
     ours = compute_epsilon(events, delta=DELTA)
     assert on_all * 0.99 <= ours <= on_all * (1 + 1e-12)
 
@@ -154,16 +153,12 @@ def test_full_sampling_is_the_gaussian_closed_form(sigma: float, steps: int) -> 
     assert compute_epsilon(events, delta=DELTA) == pytest.approx(closed, rel=1e-12)
 
 
-def test_round_events_splits_the_first_query() -> None:
-    assert round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=50, client_fraction=0.1) == [
-        SGMEvent(noise_multiplier=1.0, sample_rate=0.1 * 0.02, steps=1),
-        SGMEvent(noise_multiplier=1.0, sample_rate=0.02, steps=49),
-    ]
+def test_round_events_charge_every_query_at_the_batch_rate() -> None:
     assert round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=50) == [
         SGMEvent(noise_multiplier=1.0, sample_rate=0.02, steps=50)
     ]
-    assert round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=1, client_fraction=0.5) == [
-        SGMEvent(noise_multiplier=1.0, sample_rate=0.01, steps=1)
+    assert round_events(noise_multiplier=1.0, sample_rate=0.02, queries_per_round=1) == [
+        SGMEvent(noise_multiplier=1.0, sample_rate=0.02, steps=1)
     ]
 
 
@@ -188,44 +183,40 @@ def test_no_steps_is_zero_and_no_noise_is_infinite() -> None:
 
 
 def test_epsilon_per_round_is_strictly_increasing_and_ends_at_the_composition() -> None:
-    curve = epsilon_per_round(
-        noise_multiplier=1.0, sample_rate=0.0256, queries_per_round=200, rounds=15, client_fraction=0.5
-    )
+    curve = epsilon_per_round(noise_multiplier=1.0, sample_rate=0.0256, queries_per_round=200, rounds=15)
     assert len(curve) == 15
     assert all(b > a for a, b in zip(curve, curve[1:]))
-    assert curve[-1] == compute_epsilon(_run_events(1.0, 0.0256, 200, 15, 0.5), delta=DELTA)
+    assert curve[-1] == compute_epsilon(_run_events(1.0, 0.0256, 200, 15), delta=DELTA)
     prv = epsilon_per_round(noise_multiplier=1.0, sample_rate=0.05, queries_per_round=20, rounds=4, accountant="prv")
     assert all(b > a for a, b in zip(prv, prv[1:]))
 
 
-def test_more_noise_and_partial_participation_give_less_epsilon() -> None:
-    def final(sigma: float, p: float) -> float:
-        return epsilon_per_round(
-            noise_multiplier=sigma, sample_rate=0.02, queries_per_round=50, rounds=20, client_fraction=p
-        )[-1]
+def test_more_noise_and_fewer_rounds_give_less_epsilon() -> None:
+    def final(sigma: float, rounds: int) -> float:
+        return epsilon_per_round(noise_multiplier=sigma, sample_rate=0.02, queries_per_round=50, rounds=rounds)[-1]
 
-    by_noise = [final(sigma, 1.0) for sigma in (0.7, 1.0, 1.5, 3.0)]
+    by_noise = [final(sigma, 20) for sigma in (0.7, 1.0, 1.5, 3.0)]
     assert all(b < a for a, b in zip(by_noise, by_noise[1:]))
-    by_fraction = [final(1.0, p) for p in (1.0, 0.5, 0.1)]
-    assert all(b < a for a, b in zip(by_fraction, by_fraction[1:]))
+    by_rounds = [final(1.0, m) for m in (20, 10, 2)]
+    assert all(b < a for a, b in zip(by_rounds, by_rounds[1:]))
 
 
 @pytest.mark.parametrize(
-    ("sigma", "q", "t", "m", "p", "accountant"),
+    ("sigma", "q", "t", "m", "accountant"),
     [
-        (1.0, 0.0256, 200, 15, 0.5, "rdp"),
-        (0.7, 0.01, 100, 30, 0.2, "rdp"),
-        (3.0, 0.1, 10, 50, 1.0, "rdp"),
-        (1.0, 0.05, 20, 5, 0.5, "prv"),
+        (1.0, 0.0256, 200, 15, "rdp"),
+        (0.7, 0.01, 100, 30, "rdp"),
+        (3.0, 0.1, 10, 50, "rdp"),
+        (1.0, 0.05, 20, 5, "prv"),
     ],
 )
-def test_calibration_round_trip(sigma: float, q: float, t: int, m: int, p: float, accountant: str) -> None:
+def test_calibration_round_trip(sigma: float, q: float, t: int, m: int, accountant: str) -> None:
     def eps(s: float) -> float:
-        return compute_epsilon(_run_events(s, q, t, m, p), delta=DELTA, accountant=accountant)
+        return compute_epsilon(_run_events(s, q, t, m), delta=DELTA, accountant=accountant)
 
     target = eps(sigma)
     calibrated = calibrate_noise_multiplier(
-        target_epsilon=target, sample_rate=q, queries_per_round=t, rounds=m, client_fraction=p, accountant=accountant
+        target_epsilon=target, sample_rate=q, queries_per_round=t, rounds=m, accountant=accountant
     )
     assert calibrated == pytest.approx(sigma, rel=1e-2)
     assert eps(calibrated) <= target
@@ -242,9 +233,9 @@ def test_unreachable_or_invalid_targets_raise() -> None:
 
 
 def test_prv_calibration_reaches_below_the_rdp_floor() -> None:
-    kwargs = {"sample_rate": 0.02, "queries_per_round": 10, "rounds": 5, "client_fraction": 0.5}
+    kwargs = {"sample_rate": 0.02, "queries_per_round": 10, "rounds": 5}
     sigma = calibrate_noise_multiplier(target_epsilon=0.05, accountant="prv", **kwargs)
-    assert compute_epsilon(_run_events(sigma, 0.02, 10, 5, 0.5), delta=DELTA, accountant="prv") <= 0.05
+    assert compute_epsilon(_run_events(sigma, 0.02, 10, 5), delta=DELTA, accountant="prv") <= 0.05
 
 
 def test_prv_is_close_to_and_tighter_than_rdp() -> None:
@@ -287,8 +278,8 @@ def test_bad_arguments_raise() -> None:
         compute_epsilon([event], delta=DELTA, accountant="gdp")
     with pytest.raises(AccountingError):
         compute_epsilon([(1.0, 0.1, 1)], delta=DELTA)  # type: ignore[list-item]
-    with pytest.raises(AccountingError, match="client_fraction"):
-        round_events(noise_multiplier=1.0, sample_rate=0.1, queries_per_round=5, client_fraction=0.0)
+    with pytest.raises(AccountingError, match="sample_rate"):
+        round_events(noise_multiplier=1.0, sample_rate=0.0, queries_per_round=5)
     with pytest.raises(AccountingError, match="queries_per_round"):
         round_events(noise_multiplier=1.0, sample_rate=0.1, queries_per_round=0)
     with pytest.raises(AccountingError, match="rounds"):
@@ -307,11 +298,8 @@ def _new_ledger(accountant: str = "rdp") -> PrivacyLedger:
     return PrivacyLedger(accountant=accountant, delta=DELTA, noise_multiplier=1.0, max_grad_norm=1.0)
 
 
-def _fed_round(sizes: dict[int, int], *, batch: int = 32, t: int = 20, p: float = 0.5) -> dict[int, list[SGMEvent]]:
-    return {
-        k: round_events(noise_multiplier=1.0, sample_rate=batch / n, queries_per_round=t, client_fraction=p)
-        for k, n in sizes.items()
-    }
+def _fed_round(sizes: dict[int, int], *, batch: int = 32, t: int = 20) -> dict[int, list[SGMEvent]]:
+    return {k: round_events(noise_multiplier=1.0, sample_rate=batch / n, queries_per_round=t) for k, n in sizes.items()}
 
 
 def test_ledger_reports_the_worst_client() -> None:
@@ -319,16 +307,14 @@ def test_ledger_reports_the_worst_client() -> None:
     ledger = _new_ledger()
     for _ in range(5):
         ledger.record_round(_fed_round(sizes))
-    small = epsilon_per_round(
-        noise_multiplier=1.0, sample_rate=32 / 640, queries_per_round=20, rounds=5, client_fraction=0.5
-    )
+    small = epsilon_per_round(noise_multiplier=1.0, sample_rate=32 / 640, queries_per_round=20, rounds=5)
     assert ledger.worst_client == 1
     assert ledger.epsilon_per_round == pytest.approx(small, rel=1e-12)
     assert ledger.epsilon == ledger.epsilon_per_round[-1]
     assert ledger.rounds == 5
     summary = ledger.to_dict()
     assert summary["worst_client"] == 1
-    assert summary["entries"] == [e.to_dict() for e in _run_events(1.0, 32 / 640, 20, 5, 0.5)]
+    assert summary["entries"] == [e.to_dict() for e in _run_events(1.0, 32 / 640, 20, 5)]
     assert summary["per_client"]["0"]["epsilon"] < summary["per_client"]["1"]["epsilon"]
 
 
@@ -339,9 +325,7 @@ def test_ledger_clients_missing_from_a_round_add_nothing() -> None:
     assert ledger.record_round(_fed_round({1: 2000})) == first
     assert ledger.record_round({}) == first
     assert ledger.record_round(_fed_round({0: 640})) > first
-    assert ledger.to_dict()["per_client"]["0"]["entries"] == [
-        e.to_dict() for e in _run_events(1.0, 32 / 640, 20, 2, 0.5)
-    ]
+    assert ledger.to_dict()["per_client"]["0"]["entries"] == [e.to_dict() for e in _run_events(1.0, 32 / 640, 20, 2)]
 
 
 @pytest.mark.parametrize("accountant", ACCOUNTANTS)
