@@ -660,7 +660,7 @@ def _log_check(read: _Logs) -> Check:
     return Check("log", True, 1.0, len(read.logs), 0.0, sentence, details)
 
 
-def _noise_check(residuals: list[_Residual], level: float, seed: int) -> Check:
+def _noise_check(residuals: list[_Residual], shapes: Mapping[str, torch.Size], level: float, seed: int) -> Check:
     noisy = [r for r in residuals if r.scale > 0]
     silent = [r for r in residuals if r.scale == 0]
     tests: list[_Test] = []
@@ -700,6 +700,7 @@ def _noise_check(residuals: list[_Residual], level: float, seed: int) -> Check:
                 f"C)^2 (chi-square over {total} coordinates).",
             )
         )
+        tests.append(_per_tensor_variance(scaled, shapes))
         pooled = torch.cat(scaled).numpy()
         rng = np.random.default_rng(seed)
         sample = pooled if len(pooled) <= NORMALITY_SAMPLE else rng.choice(pooled, NORMALITY_SAMPLE, replace=False)
@@ -744,6 +745,31 @@ def _noise_check(residuals: list[_Residual], level: float, seed: int) -> Check:
     else:
         success = f"Every one of the {count} kept queries has sigma C = 0 and released its clean clipped sum."
     return _combine("noise", tests, level, count, success, details)
+
+
+def _per_tensor_variance(scaled: list[torch.Tensor], shapes: Mapping[str, torch.Size]) -> _Test:
+    """The variance test on each parameter tensor apart (Bonferroni over tensors): a loop that noises some tensors
+    and not others hides in the pooled test when the skipped ones are small (biases)."""
+    matrix = torch.stack(scaled)
+    worst: tuple[float, str, float, int] = (1.0, "", 1.0, 0)
+    start = 0
+    for name, shape in shapes.items():
+        size = int(shape.numel())
+        block = matrix[:, start : start + size]
+        start += size
+        coordinates = block.numel()
+        chi2 = float(block.square().sum())
+        p_value = _two_sided_chi2(chi2, coordinates)
+        if p_value <= worst[0]:
+            worst = (p_value, name, chi2 / coordinates, coordinates)
+    p_value, name, ratio, coordinates = worst
+    return _Test(
+        "per-tensor variance",
+        min(1.0, len(shapes) * p_value),
+        ratio,
+        f"The released noise on parameter {name} of {len(scaled)} kept queries has variance {ratio:.4g} (sigma C)^2, "
+        f"not (sigma C)^2 (chi-square over {coordinates} coordinates): that tensor is not noised as the others.",
+    )
 
 
 def _clipping_check(residuals: list[_Residual], level: float) -> Check:
@@ -1046,7 +1072,7 @@ def verify(run: RunDirectory, *, seed: int = 0, level: float = 0.001) -> Verific
         residuals = [_residual(query, facts) for query in kept]
     checks = [
         _log_check(read),
-        _noise_check(residuals, per_check, seed),
+        _noise_check(residuals, facts.shapes, per_check, seed),
         _clipping_check(residuals, per_check),
         _sampling_check(read, facts, ledger, per_check),
         _ledger_check(read, facts, ledger),

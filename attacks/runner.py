@@ -38,6 +38,7 @@ from fedaudit.attacks.signals import (
 )
 from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
+from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.runs import (
     RunDirectory,
@@ -665,8 +666,26 @@ def run_attacks(paths: Sequence[str | Path], options: AttackOptions, *, echo: Ec
         for result in run_results:
             write_result(run.run, result)
         echo(f"{len(run_results)} result(s) written to {run.run.attacks_dir}")
+        if METHOD in options.methods and any(run.run.queries_dir.glob("round-*.safetensors")):
+            _verify_canary_run(run, echo)
         results += run_results
     return results
+
+
+def _verify_canary_run(prepared: PreparedRun, echo: Echo) -> None:
+    """The conformance checks of a canary run, beside its canary audit (what ``fedaudit verify`` writes), so that
+    the report sees both; a run whose records cannot be checked says why in one line and keeps its results."""
+    from fedaudit.attacks.conformance import verify
+
+    try:
+        verification = verify(prepared.run, seed=prepared.seed)
+    except UserError as exc:
+        echo(f"verify: {prepared.run.path} cannot be checked: {exc}")
+        return
+    write_verification(prepared.run, verification, prepared.seed)
+    failed = [check.name for check in verification.checks if not check.passed]
+    verdict = "PASS" if not failed else f"FAIL ({', '.join(failed)}; see fedaudit verify {prepared.run.path})"
+    echo(f"verify: {verdict}, written to {prepared.run.verification_path}")
 
 
 def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:

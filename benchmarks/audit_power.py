@@ -4,10 +4,12 @@ For each dataset, algorithm, kind of canary and accountant's epsilon this trains
 --target-epsilon E --canaries M --canary-kind K`` (5 clients x 2 classes), audits it with ``fedaudit attack --method
 canary`` and prints, for every view of the audit (what crossed the wire: client updates or FedLAP-DP's synthetic
 sets; for input canaries also the final model), the audited lower bound, the accountant's epsilon, their ratio, the
-canary AUC, the number of canaries and the time it took. The ratio is the audit's power: 1 would mean the accountant
-is tight and the audit proves it; Steinke et al. reached about 0.45 with white-box canaries in central DP-SGD at
-epsilon 8. Input canaries are held-out records, so their count is capped by the held-out pool
-(``--holdout-fraction``).
+canary AUC, the number of canaries and how many of them were informative (their client took part), and the times
+of training, the audit and ``fedaudit verify`` (with its verdict). The ratio is the audit's power: 1 would mean the
+accountant is tight and the audit proves it; Steinke et al. reached about 0.45 with white-box canaries in central
+DP-SGD at epsilon 8. Beside the rigorous bound each view prints the two-Gaussian estimate of epsilon (an estimate,
+not a bound: Andrew et al.), its 95% bootstrap interval and its ratio to the accountant's epsilon. Input canaries
+are held-out records, so their count is capped by the held-out pool (``--holdout-fraction``).
 
     python benchmarks/audit_power.py [--datasets digits fashion-mnist] [--algorithms fedavg fedlap]
                                      [--kinds gradient input] [--epsilons 2 4 8] [--canaries 5000]
@@ -55,8 +57,13 @@ def main() -> None:
         f"local epochs), {args.canaries} gradient / {args.input_canaries} input canaries, CPU, {args.threads} thread(s)"
     )
     print(
+        "eps: accountant; eps_lb: rigorous one-run lower bound (95%); est: two-Gaussian estimate of epsilon (not a "
+        "bound) with its 95% bootstrap interval; m: canaries; inf: informative canaries"
+    )
+    print(
         f"{'dataset':<14} {'algorithm':<9} {'canaries':<9} {'view':<19} {'eps':>5} {'eps_lb':>7} {'ratio':>6} "
-        f"{'AUC':>6} {'m':>6} {'train (s)':>10} {'audit (s)':>10}"
+        f"{'est':>6} {'est 95% CI':>15} {'est/eps':>7} {'AUC':>6} {'m':>6} {'inf':>6} {'train (s)':>10} "
+        f"{'audit (s)':>10} {'verify (s)':>10} {'verify':<8}"
     )
     for dataset in args.datasets:
         for algorithm in args.algorithms:
@@ -85,15 +92,42 @@ def run(args: argparse.Namespace, env: dict[str, str], dataset: str, algorithm: 
     attack = ["attack", str(out), "--method", "canary", "--no-progress", "--device", "cpu"]
     subprocess.run([*fedaudit_command(), *attack], env=env, check=True, stdout=subprocess.DEVNULL)
     audited = time.perf_counter()
+    verdict = verify(out, env)
+    verified = time.perf_counter()
     for path in sorted((out / "attacks").glob("*-canary/metrics.json"), reverse=True):
         metrics = json.loads(path.read_text())
         bound, accountant = metrics["epsilon_lower_bound"], metrics["accountant_epsilon"]
+        audit = metrics["canary_audit"]
         print(
             f"{dataset:<14} {algorithm:<9} {kind:<9} {metrics['signal']:<19} {accountant:>5.2f} {bound:>7.3f} "
-            f"{bound / accountant:>6.3f} {metrics['auc']:>6.3f} {metrics['canary_audit']['canaries']:>6d} "
-            f"{trained - began:>10.1f} {audited - trained:>10.1f}",
+            f"{bound / accountant:>6.3f} {estimate_columns(audit['estimate'], accountant)} {metrics['auc']:>6.3f} "
+            f"{audit['canaries']:>6d} {audit['informative_canaries']:>6d} {trained - began:>10.1f} "
+            f"{audited - trained:>10.1f} {verified - audited:>10.1f} {verdict:<8}",
             flush=True,
         )
+
+
+def verify(out: Path, env: dict[str, str]) -> str:
+    """Run ``fedaudit verify`` on a run: PASS, FAIL with the failed checks' names, or ERROR with its exit code."""
+    done = subprocess.run(
+        [*fedaudit_command(), "verify", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    if done.returncode == 0:
+        return "PASS"
+    report = out / "verification.json"
+    if done.returncode == 1 and report.exists():
+        failed = [check["name"] for check in json.loads(report.read_text())["checks"] if not check["passed"]]
+        return f"FAIL ({', '.join(failed)})"
+    return f"ERROR (exit {done.returncode}: {done.stderr.strip()[-200:]})"
+
+
+def estimate_columns(estimate: dict | None, accountant: float) -> str:
+    """The two-Gaussian estimate, its 95% interval and its ratio to the accountant, or dashes where there is none."""
+    if estimate is None:
+        return f"{'-':>6} {'-':>15} {'-':>7}"
+    low, high = estimate["ci95"]
+    interval = f"[{low:.2f}, {high:.2f}]"
+    return f"{estimate['epsilon']:>6.2f} {interval:>15} {estimate['epsilon'] / accountant:>7.3f}"
 
 
 if __name__ == "__main__":

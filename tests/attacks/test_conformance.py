@@ -116,6 +116,65 @@ def _fixed_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base, "poisson_sample", fixed)
 
 
+def _clipping_after_noising(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noisy sum is clipped to C as a whole after the noise is added (the order of two lines swapped)."""
+    real = primitive.noisy_sum
+
+    def clipped_late(summed, *, max_grad_norm, **kwargs):
+        released = real(summed, max_grad_norm=max_grad_norm, **kwargs)
+        norm = torch.sqrt(sum(t.pow(2).sum() for t in released.values()))
+        factor = min(1.0, max_grad_norm / float(norm))
+        return {name: t * factor for name, t in released.items()}
+
+    monkeypatch.setattr(primitive, "noisy_sum", clipped_late)
+
+
+def _batch_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch's summed gradient is clipped to C instead of each example's gradient."""
+    real = primitive.clipped_sum
+
+    def whole_batch(model, x, y, max_grad_norm, **kwargs):
+        summed, norms = real(model, x, y, math.inf, **kwargs)
+        norm = float(torch.sqrt(sum(t.pow(2).sum() for t in summed.values())))
+        factor = min(1.0, max_grad_norm / norm) if norm > 0 else 1.0
+        return {name: t * factor for name, t in summed.items()}, norms
+
+    monkeypatch.setattr(primitive, "clipped_sum", whole_batch)
+
+
+def _biases_not_noised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Noise is added to the weights only: a loop over parameters that skips the biases."""
+    real = primitive.noisy_sum
+
+    def weights_only(summed, **kwargs):
+        released = real(summed, **kwargs)
+        return {name: summed[name] if name.endswith("bias") else t for name, t in released.items()}
+
+    monkeypatch.setattr(primitive, "noisy_sum", weights_only)
+
+
+def _clipping_at_twice_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Examples are clipped to 2 C while the noise and the ledger assume C (two settings read from two places)."""
+    real = primitive.clipped_sum
+    monkeypatch.setattr(primitive, "clipped_sum", lambda model, x, y, c, **kw: real(model, x, y, 2 * c, **kw))
+
+
+def _sampler_rate_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler draws at twice the rate it is given (a rate computed from half the records)."""
+    real = base.poisson_sample
+    monkeypatch.setattr(
+        base, "poisson_sample", lambda n, rate, *, generator: real(n, min(1.0, 2 * rate), generator=generator)
+    )
+
+
+def _ledger_sigma_inflated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger charges a noise multiplier 1.5 times the one the queries used."""
+    real = training.round_events
+    monkeypatch.setattr(
+        training, "round_events", lambda **kw: real(**{**kw, "noise_multiplier": kw["noise_multiplier"] * 1.5})
+    )
+
+
 def _ledger_rate_halved(monkeypatch: pytest.MonkeyPatch) -> None:
     real = training.round_events
     monkeypatch.setattr(training, "round_events", lambda **kw: real(**{**kw, "sample_rate": kw["sample_rate"] / 2}))
@@ -138,6 +197,12 @@ def _ledger_one_step_short(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.param(_fixed_batches, "sampling", "not Poisson samples", id="fixed-batch-size"),
         pytest.param(_ledger_rate_halved, "sampling", "but the ledger charges", id="ledger-charges-a-lower-rate"),
         pytest.param(_ledger_one_step_short, "ledger", "made 8 DP queries but the ledger charged it 7", id="steps"),
+        pytest.param(_clipping_after_noising, "noise", "variance 0.", id="clipping-after-noising"),
+        pytest.param(_batch_clipping, "noise", "not (sigma C)^2", id="batch-clipped-not-each-example"),
+        pytest.param(_biases_not_noised, "noise", "bias of", id="biases-not-noised"),
+        pytest.param(_clipping_at_twice_c, "clipping", "not clipped to C", id="clipped-to-2C"),
+        pytest.param(_sampler_rate_doubled, "sampling", "average", id="sampler-at-twice-the-rate"),
+        pytest.param(_ledger_sigma_inflated, "ledger", "but the ledger charged 1.5", id="ledger-charges-more-noise"),
     ],
 )
 def test_a_planted_fault_fails_its_check(tmp_path, monkeypatch, fault: Callable, check: str, says: str):

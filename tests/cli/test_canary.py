@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, invoke
 
 import fedaudit.privacy.primitive as primitive
@@ -109,8 +110,35 @@ def test_a_broken_dp_query_is_caught(tmp_path, monkeypatch, fault):
     metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
     assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
     assert metrics["epsilon_lower_bound_exceeds_accountant"] is True
+    checks = {c["name"]: c["passed"] for c in json.loads((out / "verification.json").read_text())["checks"]}
+    assert checks["clipping" if fault == "no-clipping" else "noise"] is False, checks
     assert policy_verdict(out, tmp_path) == (1, "FAIL")
     assert "The audit proves more leakage than the accountant allows" in (tmp_path / "report.md").read_text()
+
+
+def test_noise_released_to_the_recorder_but_not_used_in_the_update_is_caught_by_the_wire_view(tmp_path, monkeypatch):
+    """A client records its noisy query faithfully but steps with the clean clipped mean (the noisy result is
+    computed and then not used). Every conformance check passes, since the log is what the primitive released; the
+    update-projection view, which scores what crossed the wire, proves more than the accountant allows."""
+    import fedaudit.algorithms.fedavg as fedavg
+
+    real = fedavg.dp_gradient
+
+    def recorded_not_used(model, x, y, **kwargs):
+        real(model, x, y, **kwargs)
+        clean = {**kwargs, "noise_multiplier": 0.0, "recorder": None}
+        clean["generator"] = torch.Generator(device=kwargs["generator"].device)
+        return real(model, x, y, **clean)
+
+    monkeypatch.setattr(fedavg, "dp_gradient", recorded_not_used)
+    out = tmp_path / "run"
+    assert invoke("train", *CANARY_RUN, "--noise-multiplier", "3", "--out", out).exit_code == 0
+    monkeypatch.undo()
+    result = invoke("attack", out, "--method", "canary", "--no-progress")
+    assert result.exit_code == 0 and "verify: PASS" in result.output, result.output
+    metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
+    assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
+    assert policy_verdict(out, tmp_path) == (1, "FAIL")
 
 
 def test_canary_options_and_runs_without_canaries_are_one_sentence(tmp_path, plain_run, dp_run):
@@ -165,18 +193,28 @@ def test_an_accountant_that_undercounts_is_caught(tmp_path, monkeypatch, fault):
     assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
     metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
     assert metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
+    checks = {c["name"]: c["passed"] for c in json.loads((out / "verification.json").read_text())["checks"]}
+    assert checks["ledger"] is False, checks
 
 
 def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path):
-    """The null side, on the small configuration: 20 seeds of a correct run, none with a bound above the budget."""
+    """The null side, on the small configuration: 20 seeds of a correct run (every other one with client sampling),
+    none with a view's rigorous bound above the budget, none failing a conformance check (attack --method canary
+    runs verify)."""
     flagged = []
     for seed in range(20):
         out = tmp_path / f"seed{seed}"
+        fraction = "1" if seed % 2 else "0.6"
         args = (*FAST_ARGS, *"--dp --rounds 3 --canaries 300 --noise-multiplier 1".split(), "--seed", str(seed))
-        assert invoke("train", *args, "--out", out).exit_code == 0
-        assert invoke("attack", out, "--method", "canary", "--no-progress").exit_code == 0
-        metrics = json.loads((out / "attacks" / "update-projection-canary" / "metrics.json").read_text())
-        flagged += [seed] if metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"] else []
+        assert invoke("train", *args, "--client-fraction", fraction, "--out", out).exit_code == 0
+        result = invoke("attack", out, "--method", "canary", "--no-progress")
+        assert result.exit_code == 0, result.output
+        assert "verify: PASS" in result.output
+        for view in ("update-projection-canary", "query-sum-canary", "query-llr-canary"):
+            metrics = json.loads((out / "attacks" / view / "metrics.json").read_text())
+            flagged += [(seed, view)] if metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"] else []
+        verification = json.loads((out / "verification.json").read_text())
+        flagged += [(seed, c["name"]) for c in verification["checks"] if not c["passed"]]
     assert flagged == []
 
 
