@@ -14,6 +14,7 @@ from fedaudit.attacks.audit import (
     bound_by_guesses,
     epsilon_from_gdp,
     epsilon_one_run,
+    gaussian_estimate,
     gdp_epsilon,
     one_run_epsilon,
     one_run_p_value,
@@ -223,3 +224,57 @@ def test_bound_by_guesses_is_the_one_run_bound_of_the_top_k_guesses():
     assert all(p["correct"] == p["guesses"] for p in inside_only)
     assert [p["epsilon"] for p in inside_only] == sorted(p["epsilon"] for p in inside_only)
     assert inside_only[-1]["epsilon"] > 3
+
+
+# ---------------------------------------------------------------------------- the two-Gaussian estimate
+
+
+@pytest.mark.parametrize("mu, n_in, n_out", [(0.5, 400, 600), (1.5, 1000, 1000), (3.0, 50, 80)])
+def test_the_estimates_mu_is_scipys_pooled_t_statistic_rescaled(mu, n_in, n_out):
+    """mu = (mean_in - mean_out) / pooled sd is Student's equal-variance t times sqrt(1/n_in + 1/n_out)."""
+    rng = np.random.default_rng(int(mu * 10))
+    inside, outside = rng.normal(mu, 1.0, n_in), rng.normal(0.0, 1.0, n_out)
+    estimate = gaussian_estimate(inside, outside, delta=DELTA, seed=0, resamples=200)
+    t = scipy.stats.ttest_ind(inside, outside, equal_var=True).statistic
+    assert estimate.mu == pytest.approx(t * math.sqrt(1 / n_in + 1 / n_out), rel=1e-10)
+    assert estimate.epsilon == gdp_epsilon(estimate.mu, DELTA)
+    assert estimate.ci95[0] <= estimate.epsilon <= estimate.ci95[1]
+    assert (estimate.canaries_in, estimate.canaries_out, estimate.rigorous) == (n_in, n_out, False)
+
+
+def test_the_estimate_converges_to_the_epsilon_of_the_true_mu():
+    rng = np.random.default_rng(7)
+    inside, outside = rng.normal(1.0, 2.0, 100_000), rng.normal(0.0, 2.0, 100_000)  # mu = 1 / 2
+    estimate = gaussian_estimate(inside, outside, delta=DELTA, seed=0, resamples=100)
+    assert estimate.epsilon == pytest.approx(gdp_epsilon(0.5, DELTA), rel=0.03)
+
+
+def test_the_estimates_interval_covers_the_true_epsilon_about_95_percent_of_the_time():
+    truth, covered = gdp_epsilon(1.0, DELTA), 0
+    for seed in range(100):
+        inside, outside = gaussian_canaries(1.0, 600, seed)
+        low, high = gaussian_estimate(inside, outside, delta=DELTA, seed=seed, resamples=400).ci95
+        covered += low <= truth <= high
+    assert covered >= 88  # 95% nominal; the percentile bootstrap runs a little narrow at a few hundred canaries
+
+
+def test_on_scores_independent_of_inclusion_the_estimate_covers_zero():
+    """The null side over 200 seeds: the interval reaches down to epsilon 0 in at least 95% of them."""
+    covers = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        inside, outside = split(rng.normal(size=500), rng.integers(0, 2, 500))
+        covers += gaussian_estimate(inside, outside, delta=DELTA, seed=seed, resamples=300).ci95[0] == 0.0
+    assert covers >= 190
+
+
+def test_a_score_that_separates_the_wrong_way_is_no_evidence():
+    """jax-privacy 2.0.0's GDP bound took |mu| and reported a large epsilon for this; every estimator here says 0."""
+    rng = np.random.default_rng(1)
+    inside, outside = rng.normal(-2.0, 1.0, 500), rng.normal(0.0, 1.0, 500)
+    estimate = gaussian_estimate(inside, outside, delta=DELTA, seed=0, resamples=200)
+    assert estimate.mu < -1.5 and estimate.epsilon == 0.0 and estimate.ci95 == (0.0, 0.0)
+    for estimator in ("one-run", "gdp"):
+        assert split_audit(inside, outside, estimator=estimator, delta=DELTA, seed=0).epsilon == 0.0
+    assert epsilon_from_gdp(inside, outside, delta=DELTA).epsilon == 0.0
+    assert gdp_epsilon(abs(estimate.mu), DELTA) > 3  # what taking |mu| would have claimed

@@ -52,6 +52,32 @@ def test_a_correct_run_is_not_flagged_and_its_audit_is_recorded(correct):
     assert metrics["auc"] > 0.55  # the canaries are visible through the noise, short of a bound beyond the budget
 
 
+def test_the_query_views_with_shuffled_inclusion_bits_prove_nothing(correct):
+    """The null side of the query views on a real run's scores: 200 shuffles of the inclusion bits among the
+    informative canaries give a positive rigorous bound in at most 5% of them and an estimate whose interval
+    reaches 0 in at least 95%, for the sum and the likelihood-ratio scores alike."""
+    from fedaudit.attacks.audit import gaussian_estimate, split_audit
+    from fedaudit.attacks.canary import query_scores, read_canaries
+    from fedaudit.runs import RunDirectory
+
+    run = RunDirectory(correct[0])
+    canaries = read_canaries(run)
+    summed, llr, informative = query_scores(run, canaries, 10)
+    bits = canaries.included[informative].astype(int)
+    level = 1 - 0.05 / 6
+    for scores in (summed[informative], llr[informative]):
+        positive = covered = 0
+        for seed in range(200):
+            shuffled = np.random.default_rng(seed).permutation(bits)
+            inside, outside = scores[shuffled == 1], scores[shuffled == 0]
+            positive += any(
+                split_audit(inside, outside, estimator=name, delta=1e-5, confidence=level, seed=seed).epsilon > 0
+                for name in ("one-run", "gdp")
+            )
+            covered += gaussian_estimate(inside, outside, delta=1e-5, seed=seed, resamples=200).ci95[0] == 0.0
+        assert positive <= 10 and covered >= 190, (positive, covered)
+
+
 def policy_verdict(run: Path, folder: Path) -> tuple[int, str]:
     """Exit code and verdict of `fedaudit report` with the policy max_audit_ratio: 1."""
     (folder / "policy.yaml").write_text("max_audit_ratio: 1\n")

@@ -1,0 +1,112 @@
+"""The query log against a slow, obviously correct loop: one query and one canary at a time, the likelihood ratio
+from scipy's normal densities, and the whole queries it keeps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from fedaudit.canaries import canary_directions
+from fedaudit.privacy.primitive import Query
+from fedaudit.queries import QueryAudit, subsampled_gaussian_llr
+
+SHAPES = {"w": torch.Size([7, 5]), "b": torch.Size([7])}
+DIMENSION = 42
+
+
+def _audit(canaries: np.ndarray, keep: float = 0.0, planned: int = 150) -> QueryAudit:
+    return QueryAudit(
+        seed=3,
+        canaries=canaries,
+        held=canaries[::2],
+        shapes=SHAPES,
+        keep_probability=keep,
+        planned_queries=planned,
+    )
+
+
+def _queries(count: int, seed: int) -> list[tuple[Query, float, np.ndarray]]:
+    """Random released sums with varying sigma, C and q, as the primitive would hand them over."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        sigma, clip = float(rng.choice([0.5, 1.0, 2.0])), float(rng.choice([0.1, 1.0, 3.0]))
+        released = {
+            name: torch.from_numpy(rng.normal(0, sigma * clip, tuple(shape))).float() for name, shape in SHAPES.items()
+        }
+        query = Query(
+            released=released,
+            params={name: torch.zeros(shape) for name, shape in SHAPES.items()},
+            x=torch.zeros(3, 2),
+            y=torch.zeros(3, dtype=torch.long),
+            batch_size=3,
+            noise_multiplier=sigma,
+            max_grad_norm=clip,
+            expected_batch_size=4.0,
+        )
+        out.append((query, float(rng.uniform(0.01, 0.5)), rng.choice(10, size=2, replace=False)))
+    return out
+
+
+def test_the_logs_sums_and_likelihood_ratios_equal_a_slow_loop():
+    ids = np.array([4, 11, 12, 30, 31], dtype=np.int64)
+    log = _audit(ids).log(client=2, round_index=1, device=torch.device("cpu"))
+    queries = _queries(150, seed=0)  # more than one buffer of 64 queries
+    for query, rate, drawn in queries:
+        log.batch(3, drawn, rate)
+        log.record(query)
+    arrays = log.arrays()
+    directions = canary_directions(3, ids, SHAPES)
+    slow_sum, slow_llr = np.zeros(len(ids)), np.zeros(len(ids))
+    for query, rate, _ in queries:
+        flat = np.concatenate([query.released[name].double().numpy().ravel() for name in SHAPES])
+        sigma, clip = query.noise_multiplier, query.max_grad_norm
+        for i in range(len(ids)):
+            u = np.concatenate([directions[name][i].double().numpy().ravel() for name in SHAPES])
+            o = float(flat @ u) / clip
+            slow_sum[i] += o
+            ratio = scipy.stats.norm.pdf(o, 1, sigma) / scipy.stats.norm.pdf(o, 0, sigma)
+            slow_llr[i] += math.log((1 - rate) + rate * ratio)
+    np.testing.assert_allclose(arrays["sum"].numpy(), slow_sum, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(arrays["llr"].numpy(), slow_llr, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(arrays["canary_ids"].numpy(), ids)
+    assert arrays["rate"].tolist() == pytest.approx([rate for _, rate, _ in queries])
+    assert arrays["noise_multiplier"].tolist() == [q.noise_multiplier for q, _, _ in queries]
+    assert arrays["canaries"].tolist() == [2.0] * len(queries)
+
+
+def test_the_likelihood_ratio_is_the_neyman_pearson_statistic_of_the_subsampled_gaussian():
+    o = torch.tensor([[-3.0, 0.0, 0.5, 1.0, 4.0]], dtype=torch.float64)
+    for rate, sigma in ((0.01, 1.0), (0.3, 0.5), (1.0, 2.0)):
+        rates, sigmas = torch.tensor([rate], dtype=torch.float64), torch.tensor([sigma], dtype=torch.float64)
+        ours = subsampled_gaussian_llr(o, rates, sigmas).numpy().ravel()
+        x = o.numpy().ravel()
+        mixture = (1 - rate) * scipy.stats.norm.pdf(x, 0, sigma) + rate * scipy.stats.norm.pdf(x, 1, sigma)
+        np.testing.assert_allclose(ours, np.log(mixture / scipy.stats.norm.pdf(x, 0, sigma)), rtol=1e-9, atol=1e-12)
+
+
+def test_whole_queries_are_kept_in_consecutive_pairs_as_released():
+    ids = np.array([1, 2], dtype=np.int64)
+    log = _audit(ids, keep=1.0, planned=20).log(client=0, round_index=0, device=torch.device("cpu"))
+    queries = _queries(20, seed=1)
+    for query, rate, drawn in queries:
+        log.batch(3, drawn, rate)
+        log.record(query)
+    arrays = log.arrays()
+    steps = [int(arrays[f"kept{j}/step"]) for j in range(2)]
+    assert steps[1] == steps[0] + 1 and "kept2/step" not in arrays
+    for j, step in enumerate(steps):
+        query, _, drawn = queries[step]
+        flat = torch.cat([query.released[name].reshape(-1) for name in SHAPES])
+        assert torch.equal(arrays[f"kept{j}/released"], flat)
+        assert arrays[f"kept{j}/canaries"].tolist() == drawn.tolist()
+
+
+def test_a_query_without_its_batch_is_refused():
+    log = _audit(np.array([1], dtype=np.int64)).log(client=0, round_index=0, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="without its batch"):
+        log.record(_queries(1, seed=2)[0][0])
