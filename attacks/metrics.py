@@ -87,8 +87,13 @@ def rates_at_fpr(member: np.ndarray, score: np.ndarray, select: np.ndarray, targ
     rates of "score > threshold" are then measured on the records outside ``select``,
     with two-sided 95% Clopper-Pearson intervals. Choosing the threshold on the same
     non-members it is judged on would let a test at 2-4 times the target FPR pass for
-    one at the target. Not estimable (values None) when either part has fewer than
-    ``nonmembers_needed`` = 1/target non-members: no threshold can then resolve the FPR.
+    one at the target. Records tied at the threshold count as non-members on both halves.
+
+    Not estimable (``estimable`` false, ``reason`` saying why) when either part has fewer than
+    ``nonmembers_needed`` = 1/target non-members (no threshold can resolve the FPR), or when the
+    FPR the test reached on the audit half has an interval that lies wholly above the target: the
+    scores do not resolve that FPR (ties, or a cluster of near-equal scores at the threshold), so its TPR
+    is a rate at another FPR. The measured rates are kept beside the verdict.
     """
     needed = math.ceil(1.0 / target - 1e-9)
     select = np.asarray(select, dtype=bool)
@@ -102,18 +107,29 @@ def rates_at_fpr(member: np.ndarray, score: np.ndarray, select: np.ndarray, targ
         "nonmembers_needed": needed,
     }
     if min(reference.size, nonmembers.size) < needed or members.size == 0:
-        return {**base, "estimable": False, "threshold": None, "tpr": None, "ci95": None, "fpr": None, "fpr_ci95": None}
+        reason = (
+            f"{min(reference.size, nonmembers.size)} non-members per half cannot resolve an FPR of {target:g} "
+            f"(needs {needed})"
+        )
+        empty = {"threshold": None, "tpr": None, "ci95": None, "fpr": None, "fpr_ci95": None}
+        return {**base, "estimable": False, "reason": reason, **empty}
     threshold = float(np.quantile(reference, 1.0 - target, method="higher"))
     hits, false_alarms = int((members > threshold).sum()), int((nonmembers > threshold).sum())
-    return {
-        **base,
-        "estimable": True,
+    fpr_ci = rate_interval(false_alarms, nonmembers.size)
+    reached = {
         "threshold": threshold,
         "tpr": hits / members.size,
         "ci95": rate_interval(hits, members.size),
         "fpr": false_alarms / nonmembers.size,
-        "fpr_ci95": rate_interval(false_alarms, nonmembers.size),
+        "fpr_ci95": fpr_ci,
     }
+    if fpr_ci[0] > target:
+        reason = (
+            f"the test chosen for FPR {target:g} reached FPR {false_alarms / nonmembers.size:.3g} "
+            f"[{fpr_ci[0]:.3f}, {fpr_ci[1]:.3f}] on the audit half: the scores do not resolve that FPR"
+        )
+        return {**base, "estimable": False, "reason": reason, **reached}
+    return {**base, "estimable": True, "reason": None, **reached}
 
 
 def wilson_interval(successes: int, trials: int, z: float) -> tuple[float, float]:

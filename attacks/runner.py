@@ -718,6 +718,8 @@ def _rate(entry: dict[str, Any]) -> str:
     resolve that FPR."""
     if entry["estimable"]:
         return f"{entry['tpr']:.3f} (FPR {entry['fpr']:.3f})"
+    if entry.get("fpr") is not None:
+        return f"n/e (FPR reached {entry['fpr']:.3f})"
     return f"n/e (<{entry['nonmembers_needed']} non-members)"
 
 

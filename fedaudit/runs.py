@@ -257,6 +257,7 @@ class RateRecord:
     nonmembers_needed: int | None = None
     fpr: float | None = None
     fpr_ci95: tuple[float, float] | None = None
+    reason: str | None = None  # why it is not estimable
 
     @classmethod
     def from_json(cls, value: Any) -> RateRecord | None:
@@ -273,6 +274,7 @@ class RateRecord:
                 nonmembers_needed=needed,
                 fpr=_number(value.get("fpr")),
                 fpr_ci95=_interval(value.get("fpr_ci95")),
+                reason=value.get("reason") if isinstance(value.get("reason"), str) else None,
             )
         number = _number(value)
         return None if number is None else cls(tpr=number, detailed=False)

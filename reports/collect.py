@@ -67,7 +67,8 @@ class PrivacySummary:
 @dataclass(frozen=True)
 class LowFprRate:
     """TPR at FPR <= ``target``: its value and 95% interval, or not estimable when fewer than ``nonmembers_needed``
-    non-members were audited (their smallest non-zero FPR is above the target)."""
+    non-members were audited (their smallest non-zero FPR is above the target) or when the FPR the test reached is
+    above the target beyond its interval (``reason`` says which)."""
 
     target: float
     tpr: float | None
@@ -78,6 +79,7 @@ class LowFprRate:
     nonmembers_needed: int
     fpr: float | None = None
     fpr_ci: tuple[float, float] | None = None
+    reason: str | None = None
 
     @classmethod
     def read(
@@ -98,6 +100,7 @@ class LowFprRate:
                 needed if entry.nonmembers_needed is None else entry.nonmembers_needed,
                 entry.fpr,
                 entry.fpr_ci95,
+                entry.reason,
             )
         if entry.tpr is None:
             return None
@@ -105,6 +108,8 @@ class LowFprRate:
         return cls(target, entry.tpr if estimable else None, None, estimable, num_members, num_nonmembers, needed)
 
     def __str__(self) -> str:
+        if not self.estimable and self.reason is not None and self.tpr is not None:
+            return f"not estimable ({self.reason})"
         if not self.estimable:
             return f"not estimable (n={self.num_nonmembers} non-members per half; needs {self.nonmembers_needed})"
         if self.tpr is None:

@@ -214,7 +214,7 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
 def _tpr(attack: AttackSummary | None, name: str) -> float | None:
     """A TPR at low FPR of the headline attack, None where it is missing or not estimable."""
     value = None if attack is None else getattr(attack, name)
-    return None if value is None else value.tpr
+    return None if value is None or not value.estimable else value.tpr
 
 
 # Headline numbers averaged over the seeds of a group, and their names in the table.

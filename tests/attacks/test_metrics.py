@@ -129,6 +129,7 @@ def test_tpr_below_the_sample_s_resolution_is_not_estimable() -> None:
         "num_reference_nonmembers": 126,
         "nonmembers_needed": 1000,
         "estimable": False,
+        "reason": "126 non-members per half cannot resolve an FPR of 0.001 (needs 1000)",
         "threshold": None,
         "tpr": None,
         "ci95": None,
@@ -176,6 +177,35 @@ def test_tpr_at_low_fpr_sets_its_threshold_on_one_half_and_measures_on_the_other
     assert entry["tpr"] == pytest.approx(0.15) and entry["fpr"] == pytest.approx(0.010)  # 990.25 .. 999.25 above
     assert entry["fpr_ci95"][0] < 0.01 < entry["fpr_ci95"][1]
     assert rates_at_fpr(member, score, select, 0.001)["threshold"] == 999.0
+
+
+def test_heavily_tied_scores_give_a_rate_at_the_target_fpr_or_none() -> None:
+    """Scores with few distinct values (saturated losses). Ties at the threshold count as non-members, so a test
+    chosen on one half stays at or below its FPR there; when the other half's scores sit above that threshold more
+    often than the target allows (beyond the FPR's interval), the TPR is a rate at another FPR and is reported as
+    not estimable, with the FPR it reached, never under the label of the target."""
+    rng = np.random.default_rng(0)
+    # 30% of the non-members tied at the top score 0, the rest at -1; members 60% at 0.
+    nonmember_scores = np.where(rng.random(2000) < 0.3, 0.0, -1.0)
+    member_scores = np.where(rng.random(600) < 0.6, 0.0, -1.0)
+    member = np.concatenate([labels(300, 1000), labels(300, 1000)])
+    score = np.concatenate([member_scores[:300], nonmember_scores[:1000], member_scores[300:], nonmember_scores[1000:]])
+    select = np.arange(score.size) < 1300
+    tied = rates_at_fpr(member, score, select, 0.01)
+    assert tied["estimable"] and tied["threshold"] == 0.0 and tied["fpr"] == 0.0 and tied["tpr"] == 0.0
+    assert tied["fpr_ci95"][0] <= 0.01 and tied["reason"] is None
+
+    # The choosing half's non-members all tie at -1, the judged half's reach 0 one time in ten.
+    shifted = score.copy()
+    shifted[300:1300] = -1.0
+    entry = rates_at_fpr(member, shifted, select, 0.01)
+    assert not entry["estimable"] and entry["threshold"] == -1.0
+    assert entry["fpr"] == pytest.approx(float((nonmember_scores[1000:] > -1).mean()))
+    assert entry["fpr_ci95"][0] > 0.01 and "did not" not in entry["reason"]
+    assert f"reached FPR {entry['fpr']:.3g}" in entry["reason"]
+
+    too_few = rates_at_fpr(member, score, select, 0.0001)
+    assert not too_few["estimable"] and too_few["tpr"] is None and "needs 10000" in too_few["reason"]
 
 
 def test_newcombe_interval_of_a_difference_of_proportions() -> None:
