@@ -430,6 +430,14 @@ def train(
         result = training.train(config, out, overwrite=overwrite, progress=progress)
     eps = f", epsilon {result.epsilon:.3f}" if result.epsilon != float("inf") else ""
     click.echo(f"Run written to {Path(result.run_dir)} (test accuracy {result.test_accuracy:.4f}{eps})")
+    from fedaudit.runs import RunDirectory
+
+    privacy = RunDirectory(result.run_dir).read_run_config().privacy
+    if privacy.calibrated:
+        click.echo(
+            f"Noise multiplier {privacy.noise_multiplier:.6g}, calibrated for --target-epsilon "
+            f"{privacy.target_epsilon:g} over the rounds each client takes part in."
+        )
 
 
 @main.command()
@@ -448,7 +456,13 @@ def train(
     help="Rounds M the client takes part in (each charged in full).",
 )
 @click.option("--client-fraction", type=float, default=None, hidden=True)
-@click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-5, show_default=True)
+@click.option(
+    "--delta",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=1e-5,
+    show_default=True,
+    help="delta of (epsilon, delta)-DP.",
+)
 @click.option(
     "--accountant",
     type=click.Choice(list(ACCOUNTANTS)),
@@ -653,8 +667,8 @@ def verify(run_dirs: tuple[str, ...], seed: int) -> None:
     "--policy",
     "policy_file",
     type=click.Path(),
-    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, min_accuracy, max_audit_ratio); "
-    "exit code "
+    help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, max_tpr_at_1pct_fpr_per_client, "
+    "min_accuracy, max_audit_ratio, max_failed_conformance_checks); exit code "
     "1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
 )
 @user_errors
@@ -856,6 +870,11 @@ def datasets(data_dir: str | None) -> None:
     from fedaudit.data import dataset_table
 
     click.echo(dataset_table(data_dir).to_string(index=False))
+
+
+for _command in main.commands.values():
+    # `fedaudit --help` lists each command with its whole first sentence, wrapped, instead of click's 45-character cut.
+    _command.short_help = (_command.help or "").split("\n\n")[0].replace("\n", " ").strip()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,30 @@ def test_help_and_usage_errors_do_not_load_torch(args):
     assert done.stdout.strip() == ("2" if "fedfoo" in args else "0")
 
 
+def test_help_texts_are_whole():
+    """Every command's first sentence in full, every option of `epsilon` explained, every policy key named."""
+    from click.testing import CliRunner
+
+    from fedaudit.cli import main
+    from fedaudit.reports.policy import LIMITS
+
+    runner = CliRunner()
+    top = runner.invoke(main, ["--help"]).output
+    assert "..." not in top.split("Commands:")[1] and "RUN_DIR/verification.json" in top
+    epsilon = runner.invoke(main, ["epsilon", "--help"]).output
+    assert "delta of (epsilon, delta)-DP" in epsilon
+    report = " ".join(runner.invoke(main, ["report", "--help"]).output.split())
+    assert all(key in report for key in LIMITS), [key for key in LIMITS if key not in report]
+
+
+def test_target_epsilon_prints_the_noise_multiplier_it_chose(tmp_path):
+    from helpers import invoke
+
+    result = invoke("train", *FAST_ARGS, "--dp", "--rounds", "1", "--target-epsilon", "4", "--out", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "calibrated for --target-epsilon 4 over the rounds each client takes part in" in result.output
+
+
 @pytest.mark.parametrize(
     "args, sentence",
     [
