@@ -65,7 +65,8 @@ FINAL_LOSS = View("loss", "only the final model is seen (black-box loss of each 
 QUERY_SUM = View(
     "query-sum",
     "the auditor sees every noisy DP query (white-box, all iterates): each canary's projection on the released "
-    "sums of its client's queries, summed",
+    "sums of its client's queries (a gradient canary's direction, an input canary's normalised gradient at the "
+    "query's point), summed",
 )
 QUERY_LLR = View(
     "query-llr",
@@ -78,10 +79,10 @@ QUERY_VIEWS = (QUERY_SUM, QUERY_LLR)
 
 def canary_views(kind: str, algorithm: str, queries: bool = False) -> tuple[View, ...]:
     """The views a run's canaries are audited in: what crossed the wire, for input canaries the final model, and
-    for gradient canaries of a run with a query log (``queries``) every noisy query."""
+    for a run with a query log (``queries``) every noisy query."""
     wire = SYNTHETIC if algorithm == "fedlap" else UPDATES
     views = (wire, FINAL_LOSS) if kind == "input" else (wire,)
-    return views + QUERY_VIEWS if queries and kind == "gradient" else views
+    return views + QUERY_VIEWS if queries else views
 
 
 def run_views(run: RunDirectory) -> tuple[View, ...]:

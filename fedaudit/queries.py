@@ -5,11 +5,12 @@ answers the log keeps:
 
 - the query's metadata: step, records drawn, canaries drawn, sigma, C, the expected batch size B and the sampling
   rate q the client used;
-- for each gradient canary that belongs to the client (included or not), its projection on the released noisy sum,
-  o_i = <S + N, u_i> / C, reduced at once to two per-canary statistics of the round: the sum of o_i over the
-  round's queries and the sum of the per-query log-likelihood ratio of the Poisson-subsampled Gaussian,
-  log(1 - q + q exp((2 o_i - 1) / (2 sigma^2))) (the per-query projections themselves would take hundreds of MB
-  on Fashion-MNIST: queries x canaries);
+- for each canary that belongs to the client (included or not), its projection on the released noisy sum,
+  o_i = <S + N, u_i> / C, where u_i is a gradient canary's direction, or an input canary's normalised gradient at
+  the query's point (computed there, one per query), reduced at once to two per-canary statistics of the round: the
+  sum of o_i over the round's queries and the sum of the per-query log-likelihood ratio of the Poisson-subsampled
+  Gaussian, log(1 - q + q exp((2 o_i - 1) / (2 sigma^2))) (the per-query projections themselves would take hundreds
+  of MB on Fashion-MNIST: queries x canaries);
 - a few whole queries, chosen from the run's seed on a stream of their own (pairs of consecutive queries, so that
   noise reused across steps can be seen): the point the gradients were taken at, the batch as the gradients saw it,
   the gradient canaries drawn, and the released sum. ``fedaudit verify`` recomputes their clean clipped sums with an
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from fedaudit.canaries import canary_directions
-from fedaudit.privacy.primitive import Query
+from fedaudit.privacy.primitive import Query, per_sample_gradients
 from fedaudit.seeding import Stream, make_generator
 
 TensorDict = dict[str, torch.Tensor]
@@ -43,11 +44,13 @@ class QueryAudit:
     """What a client needs to keep its query log: its canaries and how often to keep a whole query."""
 
     seed: int  # the run's seed: canary directions and the choice of whole queries derive from it
-    canaries: np.ndarray  # int64 ids of every canary of this client, included or not (gradient canaries only)
+    canaries: np.ndarray  # int64 ids of every canary of this client, included or not
     held: np.ndarray  # int64 ids of the canaries in its data, in the order ClientData holds them
     shapes: dict[str, torch.Size]  # the model's trainable parameters, in order
     keep_probability: float  # chance that a round of this client keeps one pair of whole queries
     planned_queries: int  # queries the client plans per round (where a kept pair may start)
+    inputs: torch.Tensor | None = None  # input canaries: the records of ``canaries``, in that order
+    labels: torch.Tensor | None = None  # input canaries: the labels they are trained with
 
     def log(self, client: int, round_index: int, device: torch.device) -> QueryLog:
         """A fresh log for one round of ``client``."""
@@ -111,10 +114,29 @@ class QueryLog:
                     "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
                 }
             )
-        if len(self.audit.canaries):
+        if len(self.audit.canaries) and self.audit.inputs is not None:
+            self._project_inputs(query, flat, rate)
+        elif len(self.audit.canaries):
             self._buffer.append((flat, query.max_grad_norm, query.noise_multiplier, rate))
             if len(self._buffer) >= _BUFFER:
                 self._flush()
+
+    def _project_inputs(self, query: Query, flat: torch.Tensor, rate: float) -> None:
+        """Input canaries: each one's gradient at the query's point, normalised, is its direction for this query."""
+        if query.model is None:
+            raise RuntimeError("An input canary's query view needs the model the query's gradients were taken of.")
+        assert self.audit.labels is not None
+        grads = per_sample_gradients(
+            query.model, self.audit.inputs, self.audit.labels, params={n: query.params[n] for n in self.audit.shapes}
+        )
+        rows = torch.cat([grads[name].detach().reshape(len(self.audit.canaries), -1) for name in self.audit.shapes], 1)
+        rows = rows.to(torch.float64)
+        norms = rows.norm(dim=1, keepdim=True)
+        directions = torch.where(norms > 0, rows / norms.clamp_min(1e-30), torch.zeros_like(rows))
+        o = (directions @ flat.to(torch.float64)).unsqueeze(1) / query.max_grad_norm
+        sigma = torch.tensor([query.noise_multiplier], dtype=torch.float64, device=o.device)
+        self.sum += o[:, 0]
+        self.llr += subsampled_gaussian_llr(o, torch.tensor([rate], dtype=torch.float64, device=o.device), sigma)[:, 0]
 
     def _flush(self) -> None:
         """Project the buffered released sums on every canary direction and add them to the two statistics."""
@@ -178,18 +200,28 @@ def query_audit(
     rounds: int,
     client_fraction: float,
     planned_queries: int,
+    canary_inputs: torch.Tensor | None = None,
+    canary_labels: torch.Tensor | None = None,
 ) -> QueryAudit:
-    """The query audit of one client of a canary run: its canaries (gradient canaries are projected, input canaries
-    are only counted), and a keep probability that keeps :data:`KEPT_PAIRS` pairs of whole queries per run on
-    average."""
+    """The query audit of one client of a canary run: its canaries (for input canaries ``canary_inputs`` and
+    ``canary_labels`` hold the records and labels of every canary, indexed by canary id), and a keep probability that
+    keeps :data:`KEPT_PAIRS` pairs of whole queries per run on average."""
     mine = np.flatnonzero(canary_client == client).astype(np.int64)
     held = np.flatnonzero((canary_client == client) & (canary_included == 1)).astype(np.int64)
     expected_client_rounds = max(clients * rounds * client_fraction, 1.0)
+    inputs = labels = None
+    if kind == "input":
+        if canary_inputs is None or canary_labels is None:
+            raise ValueError("Input canaries need their records and labels for the query view.")
+        index = torch.from_numpy(mine)
+        inputs, labels = canary_inputs[index.to(canary_inputs.device)], canary_labels[index.to(canary_labels.device)]
     return QueryAudit(
         seed=seed,
-        canaries=mine if kind == "gradient" else np.empty(0, dtype=np.int64),
+        canaries=mine,
         held=held,
         shapes=dict(shapes),
         keep_probability=min(1.0, KEPT_PAIRS / expected_client_rounds),
         planned_queries=max(int(planned_queries), 1),
+        inputs=inputs,
+        labels=labels,
     )

@@ -183,6 +183,10 @@ def client_data(setup: Setup, client: int) -> ClientData:
         return data
     shapes = {name: p.shape for name, p in build_model(setup.spec).named_parameters() if p.requires_grad}
     fed = setup.config.federated
+    inputs = labels = None
+    if canaries.kind == "input":
+        inputs = dataset.train_x[torch.from_numpy(canaries.record)].to(device)
+        labels = torch.from_numpy(canaries.label).to(dataset.train_y.dtype).to(device)
     data = replace(
         data,
         audit=query_audit(
@@ -196,6 +200,8 @@ def client_data(setup: Setup, client: int) -> ClientData:
             rounds=fed.rounds,
             client_fraction=setup.client_fraction,
             planned_queries=setup.queries[client],
+            canary_inputs=inputs,
+            canary_labels=labels,
         ),
     )
     held = canaries.held_by(client)

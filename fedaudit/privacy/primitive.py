@@ -210,6 +210,7 @@ class Query:
     noise_multiplier: float
     max_grad_norm: float
     expected_batch_size: float
+    model: nn.Module | None = None  # the module the gradients were taken of (at ``params``)
 
 
 class QueryRecorder(Protocol):
@@ -288,6 +289,7 @@ def dp_gradient(
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm,
                 expected_batch_size=expected_batch_size,
+                model=model,
             )
         )
     return DPGradient(grads=noisy, batch_size=int(x.shape[0]), per_sample_norms=norms)

@@ -256,18 +256,19 @@ def test_a_canary_run_resumes_byte_identical(tmp_path, monkeypatch):
         assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
 
 
-def test_input_canaries_audit_what_crossed_the_wire_and_the_final_model(tmp_path):
-    """Black-box and white-box views of one run; the bounds of both views hold together at 95%."""
+def test_input_canaries_audit_what_crossed_the_wire_the_final_model_and_every_query(tmp_path):
+    """Black-box, wire and query views of one run; the bounds of all four views hold together at 95%."""
     out = tmp_path / "run"
     args = (*CANARY_RUN[:-2], "--canaries", "300", "--canary-kind", "input", "--holdout-fraction", "0.3")
     assert invoke("train", *args, "--noise-multiplier", "3", "--out", out).exit_code == 0
     result = invoke("attack", out, "--method", "canary", "--no-progress")
     assert result.exit_code == 0, result.output
-    for folder in ("update-projection-canary", "loss-canary"):
+    views = ["update-projection-canary", "loss-canary", "query-sum-canary", "query-llr-canary"]
+    for folder in views:
         metrics = json.loads((out / "attacks" / folder / "metrics.json").read_text())
         audit = metrics["canary_audit"]
-        assert audit["canary_kind"] == "input" and audit["per_estimator_confidence"] == 1 - 0.05 / 4
-        assert audit["views"] == ["update-projection-canary", "loss-canary"]
+        assert audit["canary_kind"] == "input" and audit["per_estimator_confidence"] == 1 - 0.05 / 8
+        assert audit["views"] == views
         assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
     report = invoke("report", out, "--out", tmp_path / "report.md")
     assert report.exit_code == 0, report.output

@@ -110,3 +110,46 @@ def test_a_query_without_its_batch_is_refused():
     log = _audit(np.array([1], dtype=np.int64)).log(client=0, round_index=0, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="without its batch"):
         log.record(_queries(1, seed=2)[0][0])
+
+
+def test_input_canaries_are_projected_on_their_normalised_gradient_at_each_querys_point():
+    """The slow loop: for each query and canary, autograd of the canary's loss at the query's parameters, normalised,
+    dotted with the released sum, divided by C."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 7)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    ids = np.array([2, 5, 9], dtype=np.int64)
+    inputs, labels = torch.randn(3, 5), torch.tensor([1, 4, 6])
+    audit = QueryAudit(
+        seed=1, canaries=ids, held=ids[:1], shapes=shapes, keep_probability=0.0, planned_queries=10,
+        inputs=inputs, labels=labels,
+    )  # fmt: skip
+    log = audit.log(client=0, round_index=0, device=torch.device("cpu"))
+    rng = np.random.default_rng(3)
+    queries = []
+    for _ in range(10):
+        params = {name: torch.from_numpy(rng.normal(size=tuple(shape))).float() for name, shape in shapes.items()}
+        released = {name: torch.from_numpy(rng.normal(size=tuple(shape))).float() for name, shape in shapes.items()}
+        query = Query(
+            released=released, params=params, x=torch.zeros(0, 5), y=torch.zeros(0, dtype=torch.long), batch_size=0,
+            noise_multiplier=1.3, max_grad_norm=0.5, expected_batch_size=4.0, model=model,
+        )  # fmt: skip
+        log.batch(0, np.empty(0, dtype=np.int64), 0.1)
+        log.record(query)
+        queries.append(query)
+    arrays = log.arrays()
+    slow_sum, slow_llr = np.zeros(3), np.zeros(3)
+    for query in queries:
+        flat = np.concatenate([query.released[name].double().numpy().ravel() for name in shapes])
+        for i in range(3):
+            weight = query.params["weight"].clone().requires_grad_(True)
+            bias = query.params["bias"].clone().requires_grad_(True)
+            loss = torch.nn.functional.cross_entropy(inputs[i : i + 1] @ weight.T + bias, labels[i : i + 1])
+            g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, [weight, bias])]).double().numpy()
+            o = float(flat @ (g / np.linalg.norm(g))) / 0.5
+            slow_sum[i] += o
+            ratio = scipy.stats.norm.pdf(o, 1, 1.3) / scipy.stats.norm.pdf(o, 0, 1.3)
+            slow_llr[i] += math.log(0.9 + 0.1 * ratio)
+    np.testing.assert_allclose(arrays["sum"].numpy(), slow_sum, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(arrays["llr"].numpy(), slow_llr, rtol=1e-5, atol=1e-5)
+    assert list(model.parameters())[0].grad is None  # the audit leaves the model as it found it
