@@ -107,8 +107,13 @@ class LowFprRate:
         estimable = num_nonmembers is None or num_nonmembers >= needed
         return cls(target, entry.tpr if estimable else None, None, estimable, num_members, num_nonmembers, needed)
 
+    @property
+    def off_target(self) -> bool:
+        """Measured, but at an FPR whose interval lies above the target (``reason`` says which FPR)."""
+        return not self.estimable and self.reason is not None and self.tpr is not None
+
     def __str__(self) -> str:
-        if not self.estimable and self.reason is not None and self.tpr is not None:
+        if self.off_target:
             return f"not estimable ({self.reason})"
         if not self.estimable:
             return f"not estimable (n={self.num_nonmembers} non-members per half; needs {self.nonmembers_needed})"

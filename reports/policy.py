@@ -226,7 +226,7 @@ def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
 def _rate_verdict(rate: LowFprRate, limit: float, where: str) -> tuple[str, float | None, str]:
     """(verdict, value, detail) of one TPR at low FPR against ``limit``: INCONCLUSIVE when the sample cannot measure
     it, FAIL without an interval, else judged on its interval."""
-    if not rate.estimable and rate.reason is not None and rate.tpr is not None:
+    if rate.off_target:
         return INCONCLUSIVE, None, f"{where}: not estimable ({rate.reason})"
     if not rate.estimable:
         return (
