@@ -5,9 +5,14 @@ answers the log keeps:
 
 - the query's metadata: step, records drawn, canaries drawn, sigma, C, the expected batch size B and the sampling
   rate q the client used;
-- for each canary that belongs to the client (included or not), its projection on the released noisy sum,
-  o_i = <S + N, u_i> / C, where u_i is a gradient canary's direction, or an input canary's normalised gradient at
-  the query's point (computed there, one per query), reduced at once to two per-canary statistics of the round: the
+- for each canary that belongs to the client (included or not), its projection on what the released noisy sum
+  holds beyond the client's own records, o_i = <S + N - S_own, u_i> / C, where S_own is the clean clipped sum of
+  the records the query drew (the auditor knows every record and their batch, not which canaries were drawn: the
+  Poisson draws are independent, so this knowledge leaves each canary's guarantee as it was) and u_i is a gradient
+  canary's direction, or an input canary's normalised gradient at the query's point (computed there, one per
+  query). Without S_own, the records' gradients projected on the canaries' directions would drown the canaries'
+  signal wherever the model has many parameters. The projections are reduced at once to two per-canary
+  statistics of the round: the
   sum of o_i over the round's queries and the sum of the per-query log-likelihood ratio of the Poisson-subsampled
   Gaussian, log(1 - q + q exp((2 o_i - 1) / (2 sigma^2))) (the per-query projections themselves would take hundreds
   of MB on Fashion-MNIST: queries x canaries);
@@ -86,6 +91,12 @@ class QueryLog:
         """What the next query's Poisson batch drew: its number of records, the ids of the canaries drawn, the rate."""
         self._pending = (records, canaries, rate)
 
+    def own_rows(self) -> int:
+        """Rows of the next query's inputs that are the client's own records: the batch puts them first."""
+        if self._pending is None:
+            raise RuntimeError("A DP query was recorded without its batch: draw it with ClientData.dp_batch.")
+        return self._pending[0]
+
     def record(self, query: Query) -> None:
         """Take note of one answered query (the primitive calls this)."""
         if self._pending is None:
@@ -114,10 +125,13 @@ class QueryLog:
                     "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
                 }
             )
-        if len(self.audit.canaries) and self.audit.inputs is not None:
-            self._project_inputs(query, flat, rate)
-        elif len(self.audit.canaries):
-            self._buffer.append((flat, query.max_grad_norm, query.noise_multiplier, rate))
+        if not len(self.audit.canaries):
+            return
+        residual = flat - torch.cat([query.own_sum[name].detach().reshape(-1) for name in self.audit.shapes])
+        if self.audit.inputs is not None:
+            self._project_inputs(query, residual, rate)
+        else:
+            self._buffer.append((residual, query.max_grad_norm, query.noise_multiplier, rate))
             if len(self._buffer) >= _BUFFER:
                 self._flush()
 

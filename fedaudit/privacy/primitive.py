@@ -161,12 +161,19 @@ def clipped_sum(
             for layer in traces:
                 parts.update(layer_weighted_sums(layer, factors))
             summed = {name: parts[name] for name in params}
-    if extra is not None and len(next(iter(extra.values()))) > 0:
-        extra = {name: extra[name].to(summed[name].dtype) for name in params}
-        extra_summed, extra_norms = clip_and_sum(extra, max_grad_norm)
-        summed = {name: summed[name] + extra_summed[name] for name in params}
-        norms = torch.cat([norms, extra_norms.to(norms.dtype)])
-    return summed, norms
+    return _with_extra(summed, norms, extra, max_grad_norm)
+
+
+def _with_extra(
+    summed: TensorDict, norms: torch.Tensor, extra: Mapping[str, torch.Tensor] | None, max_grad_norm: float
+) -> tuple[TensorDict, torch.Tensor]:
+    """``summed`` plus the clipped sum of ``extra``'s per-example gradients, and ``norms`` followed by theirs."""
+    if extra is None or len(next(iter(extra.values()))) == 0:
+        return summed, norms
+    extra_summed, extra_norms = clip_and_sum(
+        {name: extra[name].to(summed[name].dtype) for name in summed}, max_grad_norm
+    )
+    return {name: summed[name] + extra_summed[name] for name in summed}, torch.cat([norms, extra_norms.to(norms.dtype)])
 
 
 def add_noise(
@@ -199,10 +206,13 @@ class Query:
     """One answered Sampled Gaussian Mechanism query, as the primitive released it (for a query recorder).
 
     ``released`` is the noisy clipped sum S + N before the division by B, in the order of ``params``: what an
-    auditor who sees every noisy query observes. ``params`` is the point the gradients were taken at.
+    auditor who sees every noisy query observes. ``own_sum`` is the part of S that the client's own records drew
+    (an auditor who knows every record but the canaries' membership, and the records' batch, can compute it).
+    ``params`` is the point the gradients were taken at.
     """
 
     released: TensorDict
+    own_sum: TensorDict  # the clean clipped sum of the client's own records drawn (canaries excluded)
     params: TensorDict
     x: torch.Tensor  # the batch's inputs as the gradients saw them (after any augmentation)
     y: torch.Tensor
@@ -215,6 +225,9 @@ class Query:
 
 class QueryRecorder(Protocol):
     """Something that wants to see every query the primitive answers (an audit's tap); it must not change them."""
+
+    def own_rows(self) -> int:
+        """How many leading rows of the next query's inputs are the client's own records (the rest are canaries)."""
 
     def record(self, query: Query) -> None:
         """Take note of one answered query."""
@@ -275,13 +288,19 @@ def dp_gradient(
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}.")
     params = dict(trainable_params(model) if params is None else params)
-    summed, norms = clipped_sum(model, x, y, max_grad_norm, params=params, loss_fn=loss_fn, extra=extra)
+    summed, norms = clipped_sum(model, x, y, max_grad_norm, params=params, loss_fn=loss_fn)
+    own_sum = summed
+    summed, norms = _with_extra(summed, norms, extra, max_grad_norm)
     released = noisy_sum(summed, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, generator=generator)
     noisy = {name: s / expected_batch_size for name, s in released.items()}
     if recorder is not None:
+        own = recorder.own_rows()
+        if own < x.shape[0]:
+            own_sum = clipped_sum(model, x[:own], y[:own], max_grad_norm, params=params, loss_fn=loss_fn)[0]
         recorder.record(
             Query(
                 released=released,
+                own_sum=own_sum,
                 params=params,
                 x=x,
                 y=y,

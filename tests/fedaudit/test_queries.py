@@ -11,7 +11,7 @@ import scipy.stats
 import torch
 
 from fedaudit.canaries import canary_directions
-from fedaudit.privacy.primitive import Query
+from fedaudit.privacy.primitive import Query, dp_gradient
 from fedaudit.queries import QueryAudit, subsampled_gaussian_llr
 
 SHAPES = {"w": torch.Size([7, 5]), "b": torch.Size([7])}
@@ -38,8 +38,10 @@ def _queries(count: int, seed: int) -> list[tuple[Query, float, np.ndarray]]:
         released = {
             name: torch.from_numpy(rng.normal(0, sigma * clip, tuple(shape))).float() for name, shape in SHAPES.items()
         }
+        own = {name: torch.from_numpy(rng.normal(0, clip, tuple(shape))).float() for name, shape in SHAPES.items()}
         query = Query(
             released=released,
+            own_sum=own,
             params={name: torch.zeros(shape) for name, shape in SHAPES.items()},
             x=torch.zeros(3, 2),
             y=torch.zeros(3, dtype=torch.long),
@@ -63,7 +65,9 @@ def test_the_logs_sums_and_likelihood_ratios_equal_a_slow_loop():
     directions = canary_directions(3, ids, SHAPES)
     slow_sum, slow_llr = np.zeros(len(ids)), np.zeros(len(ids))
     for query, rate, _ in queries:
-        flat = np.concatenate([query.released[name].double().numpy().ravel() for name in SHAPES])
+        flat = np.concatenate(
+            [(query.released[name] - query.own_sum[name]).double().numpy().ravel() for name in SHAPES]
+        )
         sigma, clip = query.noise_multiplier, query.max_grad_norm
         for i in range(len(ids)):
             u = np.concatenate([directions[name][i].double().numpy().ravel() for name in SHAPES])
@@ -130,8 +134,10 @@ def test_input_canaries_are_projected_on_their_normalised_gradient_at_each_query
     for _ in range(10):
         params = {name: torch.from_numpy(rng.normal(size=tuple(shape))).float() for name, shape in shapes.items()}
         released = {name: torch.from_numpy(rng.normal(size=tuple(shape))).float() for name, shape in shapes.items()}
+        own = {name: torch.from_numpy(rng.normal(size=tuple(shape))).float() for name, shape in shapes.items()}
         query = Query(
-            released=released, params=params, x=torch.zeros(0, 5), y=torch.zeros(0, dtype=torch.long), batch_size=0,
+            released=released, own_sum=own, params=params, x=torch.zeros(0, 5), y=torch.zeros(0, dtype=torch.long),
+            batch_size=0,
             noise_multiplier=1.3, max_grad_norm=0.5, expected_batch_size=4.0, model=model,
         )  # fmt: skip
         log.batch(0, np.empty(0, dtype=np.int64), 0.1)
@@ -140,7 +146,9 @@ def test_input_canaries_are_projected_on_their_normalised_gradient_at_each_query
     arrays = log.arrays()
     slow_sum, slow_llr = np.zeros(3), np.zeros(3)
     for query in queries:
-        flat = np.concatenate([query.released[name].double().numpy().ravel() for name in shapes])
+        flat = np.concatenate(
+            [(query.released[name] - query.own_sum[name]).double().numpy().ravel() for name in shapes]
+        )
         for i in range(3):
             weight = query.params["weight"].clone().requires_grad_(True)
             bias = query.params["bias"].clone().requires_grad_(True)
@@ -153,3 +161,55 @@ def test_input_canaries_are_projected_on_their_normalised_gradient_at_each_query
     np.testing.assert_allclose(arrays["sum"].numpy(), slow_sum, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(arrays["llr"].numpy(), slow_llr, rtol=1e-5, atol=1e-5)
     assert list(model.parameters())[0].grad is None  # the audit leaves the model as it found it
+
+
+class _Tap:
+    """A recorder that keeps what the primitive hands it."""
+
+    def __init__(self, own: int) -> None:
+        self.own, self.queries = own, []
+
+    def own_rows(self) -> int:
+        return self.own
+
+    def record(self, query: Query) -> None:
+        self.queries.append(query)
+
+
+@pytest.mark.parametrize("kind", ["input", "gradient"])
+def test_the_primitive_hands_over_the_clean_clipped_sum_of_the_clients_own_records_only(kind):
+    """A slow loop: each own record's gradient by autograd, clipped, summed; the canaries (rows after the own ones,
+    or gradients passed as extra) are left out, and the released sum is the own sum, the canaries' and the noise."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+    x, y = torch.randn(9, 6) * 3, torch.randint(0, 4, (9,))
+    clip, own = 0.3, 6 if kind == "input" else 9
+    extra = None
+    if kind == "gradient":
+        extra = {name: torch.randn(3, *p.shape) for name, p in model.named_parameters()}
+    tap = _Tap(own)
+    dp_gradient(
+        model, x, y, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=5.0,
+        generator=torch.Generator().manual_seed(0), extra=extra, recorder=tap,
+    )  # fmt: skip
+    (query,) = tap.queries
+    slow = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    everything = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for i in range(9):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
+        for name, g in grads.items():
+            everything[name] += g * min(1.0, clip / float(norm))
+            if i < own:
+                slow[name] += g * min(1.0, clip / float(norm))
+    if extra is not None:
+        for j in range(3):
+            norm = torch.sqrt(sum(g[j].pow(2).sum() for g in extra.values()))
+            for name, g in extra.items():
+                everything[name] += g[j] * min(1.0, clip / float(norm))
+    for name in slow:
+        torch.testing.assert_close(query.own_sum[name], slow[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(query.released[name], everything[name], rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(query.own_sum[name], everything[name])
