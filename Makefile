@@ -16,13 +16,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 # The main job on the bundled digits dataset: the same federated setup trained twice, without DP (FedAvg) and with
 # record-level DP-SGD (DP-FedAvg), both attacked (loss and gradient-norm membership inference), one report that
 # compares them. Settings chosen by measurement (README): the non-DP model leaks visibly, the DP one does not.
+# One torch thread: the README's figures are deterministic at a fixed thread count (float sums change order with
+# more), tests/cli/test_demo.py checks them, and on this small model one thread is also the fastest.
+DEMO_ENV = OMP_NUM_THREADS=1
 DEMO_SETUP = --algorithm fedavg --dataset digits --partition iid --num-clients 2 --holdout-fraction 0.8 \
 	--width 32 --rounds 15 --local-epochs 2 --lr 1.0
 demo: venv
-	$(BIN)/fedaudit train $(DEMO_SETUP) --out $(RUN)/fedavg --overwrite
-	$(BIN)/fedaudit train $(DEMO_SETUP) --dp --noise-multiplier 2 --max-grad-norm 1 --out $(RUN)/dp-fedavg --overwrite
-	$(BIN)/fedaudit attack $(RUN)/fedavg $(RUN)/dp-fedavg --signal loss --signal grad-norm --method threshold
-	$(BIN)/fedaudit report $(RUN)/fedavg $(RUN)/dp-fedavg --out $(RUN)/report --format html --format md
+	$(DEMO_ENV) $(BIN)/fedaudit train $(DEMO_SETUP) --out $(RUN)/fedavg --overwrite
+	$(DEMO_ENV) $(BIN)/fedaudit train $(DEMO_SETUP) --dp --noise-multiplier 2 --max-grad-norm 1 --out $(RUN)/dp-fedavg --overwrite
+	$(DEMO_ENV) $(BIN)/fedaudit attack $(RUN)/fedavg $(RUN)/dp-fedavg --signal loss --signal grad-norm --method threshold
+	$(DEMO_ENV) $(BIN)/fedaudit report $(RUN)/fedavg $(RUN)/dp-fedavg --out $(RUN)/report --format html --format md
 	@echo "Report: $(RUN)/report/report.html"
 
 # Format and lint first (ruff, configured in pyproject.toml), then the suite on two workers.

@@ -867,9 +867,9 @@ compare.params.extend(param for param in train.params if param.name in COMPARE_B
 @user_errors
 def datasets(data_dir: str | None) -> None:
     """List the datasets fedaudit reads, where each was found, and its size."""
-    from fedaudit.data import dataset_table
+    from fedaudit.data import dataset_table, dataset_text
 
-    click.echo(dataset_table(data_dir).to_string(index=False))
+    click.echo(dataset_text(dataset_table(data_dir)))
 
 
 for _command in main.commands.values():

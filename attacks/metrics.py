@@ -125,7 +125,7 @@ def rates_at_fpr(member: np.ndarray, score: np.ndarray, select: np.ndarray, targ
     }
     if fpr_ci[0] > target:
         reason = (
-            f"the test chosen for FPR {target:g} reached FPR {false_alarms / nonmembers.size:.3g} "
+            f"the test chosen for FPR {target:g} reached FPR {false_alarms / nonmembers.size:.3f} "
             f"[{fpr_ci[0]:.3f}, {fpr_ci[1]:.3f}] on the audit half: the scores do not resolve that FPR"
         )
         return {**base, "estimable": False, "reason": reason, **reached}

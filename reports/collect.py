@@ -119,9 +119,9 @@ class LowFprRate:
             return f"not estimable (n={self.num_nonmembers} non-members per half; needs {self.nonmembers_needed})"
         if self.tpr is None:
             return "not available"
-        text = f"{self.tpr:.3g}" + ("" if self.ci is None else f" [{self.ci[0]:.3f}, {self.ci[1]:.3f}]")
+        text = f"{self.tpr:.3f}" + ("" if self.ci is None else f" [{self.ci[0]:.3f}, {self.ci[1]:.3f}]")
         if self.fpr is not None and self.fpr_ci is not None:
-            text += f" at FPR {self.fpr:.2g} [{self.fpr_ci[0]:.3f}, {self.fpr_ci[1]:.3f}]"
+            text += f" at FPR {self.fpr:.3f} [{self.fpr_ci[0]:.3f}, {self.fpr_ci[1]:.3f}]"
         return text
 
 
@@ -275,6 +275,15 @@ class RunSummary:
     def canary_audits(self) -> tuple[AttackSummary, ...]:
         """The run's canary audits (their bounds are judged against the accountant's epsilon directly)."""
         return tuple(a for a in self.attacks if a.canary_audit is not None)
+
+    @property
+    def strongest_canary_audit(self) -> AttackSummary | None:
+        """The canary audit view with the highest 95% lower bound (the views' bounds hold simultaneously, so the
+        largest still holds at 95%), ties broken by the lower end of the AUC interval."""
+        audits = [a for a in self.canary_audits if a.epsilon_lower_bound is not None]
+        if not audits:
+            return None
+        return max(audits, key=lambda a: (a.epsilon_lower_bound, (a.auc_ci or (0.0, 0.0))[0]))
 
     @property
     def strongest_attack(self) -> AttackSummary | None:

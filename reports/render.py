@@ -18,6 +18,7 @@ from fedaudit.reports.summary import (
     attack_table,
     client_risk_table,
     comparison_table,
+    epsilon_cell,
     epsilon_table,
     exposed_table,
     fmt,
@@ -110,7 +111,7 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "privacy": privacy_table(run) if run.privacy.dp and run.privacy.epsilon_per_round else None,
         "epsilons": epsilon_table(run),
         "utility": run.utility.assign(**{c: run.utility[c].map(fmt) for c in run.utility.columns if c != "round"}),
-        "attacks": attack_table(run.attacks) if run.attacks else None,
+        "attacks": attack_table(run.attacks, run.privacy.dp) if run.attacks else None,
         "strongest": strongest,
         "canaries": run.canary_audits,
         "inverted": [a for a in run.attacks if a.inverted],
@@ -213,6 +214,7 @@ def _environment() -> Environment:
         keep_trailing_newline=True,
     )
     env.filters["fmt"] = fmt
+    env.filters["epsilon_cell"] = epsilon_cell
     env.filters["md_cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
     return env
 

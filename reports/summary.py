@@ -18,13 +18,29 @@ STRONGEST_RULE = (
 )
 
 
-def fmt(value: Any, digits: int = 4) -> str:
-    """A table cell: numbers to ``digits`` significant digits, missing values as "not available"."""
+NO_DP = "no DP"  # the epsilon (and delta) of a run trained without DP, in every table
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A table cell: a number with ``digits`` decimals (so that numbers side by side have the same precision; whole
+    numbers without, very small or large ones in scientific notation), missing values as "not available"."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return NOT_AVAILABLE
     if isinstance(value, float):
-        return "infinite" if math.isinf(value) else f"{value:.{digits}g}"
+        if math.isinf(value):
+            return "infinite"
+        if value.is_integer() and abs(value) < 1e6:
+            return str(int(value))
+        if 1e-3 <= abs(value) < 1e5:
+            return f"{value:.{digits}f}"
+        return f"{value:.{digits}g}"
     return str(value)
+
+
+def epsilon_cell(value: Any, dp: bool) -> str:
+    """An epsilon or delta cell: "no DP" for a run trained without DP (not "infinite" in one table and "not
+    available" in another)."""
+    return fmt(value) if dp else NO_DP
 
 
 def interval(ci: tuple[float, float] | None) -> str:
@@ -63,11 +79,11 @@ def privacy_table(run: RunSummary) -> pd.DataFrame:
 
 def epsilon_table(run: RunSummary) -> pd.DataFrame:
     eps = run.privacy.epsilon_per_round
-    return pd.DataFrame({"round": range(1, len(eps) + 1), "epsilon": [fmt(e, 6) for e in eps]})
+    return pd.DataFrame({"round": range(1, len(eps) + 1), "epsilon": [fmt(e) for e in eps]})
 
 
-def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
-    """One row per attack result: the numbers of its metrics.json."""
+def attack_table(attacks: tuple[AttackSummary, ...], dp: bool = True) -> pd.DataFrame:
+    """One row per attack result: the numbers of its metrics.json (``dp``: whether the run was trained with DP)."""
     return pd.DataFrame(
         [
             {
@@ -83,8 +99,8 @@ def attack_table(attacks: tuple[AttackSummary, ...]) -> pd.DataFrame:
                     if a.advantage_held_out_ci
                     else fmt(a.advantage_held_out)
                 ),
-                "epsilon lower bound (95%, this attack)": fmt(a.epsilon_lower_bound),
-                "accountant epsilon": fmt(a.accountant_epsilon),
+                "epsilon lower bound (95%, this attack alone)": fmt(a.epsilon_lower_bound),
+                "accountant epsilon": epsilon_cell(a.accountant_epsilon, dp),
             }
             for a in attacks
         ]
@@ -161,7 +177,7 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
     """One row per run with the headline numbers (summary.csv; also the side-by-side table)."""
     rows = []
     for run, group in zip(runs, group_names(runs)):
-        attack = run.strongest_attack
+        attack, canary = run.strongest_attack, run.strongest_canary_audit
         simultaneous = None if attack is None else attack.simultaneous_ci(run.attacks_compared)
         accuracy_ci = run.final_accuracy_ci
         bound, bound_attacks = run.epsilon_lower_bound()
@@ -202,13 +218,27 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
                 "attack_nonmembers": None if attack is None else attack.num_nonmembers,
                 "tpr_at_1pct_fpr": _tpr(attack, "tpr_at_1pct_fpr"),
                 "tpr_at_0_1pct_fpr": _tpr(attack, "tpr_at_0_1pct_fpr"),
-                "advantage": None if attack is None else attack.advantage,
+                "advantage_held_out": None if attack is None else attack.advantage_held_out,
+                "advantage_held_out_ci_low": _side(attack, "advantage_held_out_ci", 0),
+                "advantage_held_out_ci_high": _side(attack, "advantage_held_out_ci", 1),
                 "epsilon_lower_bound": bound,
                 "epsilon_lower_bound_attacks": bound_attacks,
+                "canary_view": None if canary is None else canary.signal,
+                "canary_epsilon_lower_bound": None if canary is None else canary.epsilon_lower_bound,
+                "canary_auc": None if canary is None else canary.auc,
+                "canary_auc_ci_low": _side(canary, "auc_ci", 0),
+                "canary_auc_ci_high": _side(canary, "auc_ci", 1),
+                "canary_exceeds_accountant": None if canary is None else canary.exceeds_accountant,
                 "policy": None if verdicts is None else overall(verdicts),
             }
         )
     return pd.DataFrame(rows)
+
+
+def _side(attack: AttackSummary | None, name: str, side: int) -> float | None:
+    """One end of an interval of ``attack`` (``name`` is the attribute), None where it is missing."""
+    ci = None if attack is None else getattr(attack, name)
+    return None if ci is None else ci[side]
 
 
 def _tpr(attack: AttackSummary | None, name: str) -> float | None:
@@ -224,6 +254,7 @@ GROUPED: dict[str, str] = {
     "attack_auc": "attack AUC",
     "tpr_at_0_1pct_fpr": "TPR at 0.1% FPR",
     "epsilon_lower_bound": "epsilon lower bound",
+    "canary_epsilon_lower_bound": "canary audit bound",
 }
 
 
@@ -276,7 +307,9 @@ def group_table(groups: pd.DataFrame) -> pd.DataFrame:
     )
     for column, title in GROUPED.items():
         table[title] = [
-            spread(row[f"{column}_mean"], row[f"{column}_std"], row[f"{column}_n"], row["runs"])
+            NO_DP
+            if column == "epsilon" and row["budget"] == NO_DP
+            else spread(row[f"{column}_mean"], row[f"{column}_std"], row[f"{column}_n"], row["runs"])
             for _, row in groups.iterrows()
         ]
     if groups["policy_checked"].any():
@@ -302,6 +335,20 @@ def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
             )
         ],
         records=[f"{fmt(m)} / {fmt(n)}" for m, n in zip(frame["attack_members"], frame["attack_nonmembers"])],
+        advantage_shown=[
+            f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
+            for a, lo, hi in zip(
+                frame["advantage_held_out"], frame["advantage_held_out_ci_low"], frame["advantage_held_out_ci_high"]
+            )
+        ],
+        canary_shown=[
+            f"{fmt(b, 3)} ({view})" if isinstance(view, str) else NOT_AVAILABLE
+            for b, view in zip(frame["canary_epsilon_lower_bound"], frame["canary_view"])
+        ],
+        canary_auc_shown=[
+            f"{fmt(a, 3)} {interval((lo, hi))}" if pd.notna(lo) else fmt(a)
+            for a, lo, hi in zip(frame["canary_auc"], frame["canary_auc_ci_low"], frame["canary_auc_ci_high"])
+        ],
     )
     columns = {
         "run": "run",
@@ -314,13 +361,20 @@ def comparison_table(frame: pd.DataFrame) -> pd.DataFrame:
         "attack": "strongest attack",
         "auc_shown": "AUC [95% simultaneous]",
         "records": "members / non-members",
-        "epsilon_lower_bound": "epsilon lower bound (95%, all final attacks)",
+        "advantage_shown": "advantage, held-out [95%]",
+        "epsilon_lower_bound": "epsilon lower bound (95%, simultaneous over the final attacks)",
+        "canary_shown": "canary audit bound (95%, simultaneous over its views) (view)",
+        "canary_auc_shown": "canary AUC [95%]",
         "policy": "policy",
     }
     if frame["policy"].isna().all():  # no policy was given
         del columns["policy"]
-    shown = frame[list(columns)].rename(columns=columns)
-    return shown.map(lambda v: fmt(v) if not isinstance(v, bool) else str(v))
+    if frame["canary_view"].isna().all():  # no run was audited with canaries
+        del columns["canary_shown"], columns["canary_auc_shown"]
+    shown = frame[list(columns)].map(lambda v: fmt(v) if not isinstance(v, bool) else str(v))
+    for column in ("epsilon", "delta"):
+        shown[column] = [epsilon_cell(v, bool(dp)) for v, dp in zip(frame[column], frame["dp"])]
+    return shown.rename(columns=columns)
 
 
 def _finite(value: Any) -> Any:

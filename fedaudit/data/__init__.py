@@ -7,6 +7,7 @@ from fedaudit.data.registry import (
     DataError,
     Dataset,
     dataset_table,
+    dataset_text,
     load_dataset,
     locate_dataset,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "Partition",
     "PartitionError",
     "dataset_table",
+    "dataset_text",
     "load_dataset",
     "locate_dataset",
     "partition_dataset",

@@ -452,3 +452,28 @@ def dataset_table(data_dir: str | None = None) -> pd.DataFrame:
         )
     table = pd.DataFrame(rows)
     return table.astype({"train": "Int64", "test": "Int64"})
+
+
+def dataset_text(table: pd.DataFrame) -> str:
+    """The dataset table for a terminal: one short row per dataset ("-" for what is unknown), and, for a dataset
+    that was not found or not readable, how to get it on its own line below."""
+    header = ("dataset", "train", "test", "shape", "classes", "found at")
+    rows = [
+        (
+            str(row.dataset),
+            "-" if pd.isna(row.train) else str(int(row.train)),
+            "-" if pd.isna(row.test) else str(int(row.test)),
+            str(row.shape),
+            str(row.classes),
+            row.found_at or "not found",
+        )
+        for row in table.itertuples()
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    numeric = (False, True, True, False, True, False)
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cells, widths, numeric)).rstrip()
+
+    notes = [f"{name}: {how}" for name, how in zip(table["dataset"], table["how_to_get"]) if how]
+    return "\n".join([line(header), *map(line, rows), *([""] + notes if notes else [])])

@@ -334,7 +334,7 @@ def test_several_runs_in_one_table(plain_run, dp_run, tmp_path, cli):
     assert re.search(rf"^\s*{re.escape(str(dp))}\s+3\s+loss\s+threshold", stdout, re.M)
     dp_row = next(line for line in stdout.splitlines() if line.lstrip().startswith(str(dp)))
     plain_row = next(line for line in stdout.splitlines() if line.lstrip().startswith(str(plain)))
-    assert plain_row.rstrip().endswith("-")  # no accountant epsilon without DP
+    assert plain_row.rstrip().endswith("no DP")  # no accountant epsilon without DP
     eps = read_json(dp / "privacy.json")["epsilon_per_round"][-1]
     assert dp_row.rstrip().endswith(f"{eps:.3f}")
 

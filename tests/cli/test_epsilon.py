@@ -151,16 +151,19 @@ def test_datasets_lists_where_each_dataset_was_found(tmp_path, cli):
         _write_idx(raw / f"{split}-labels-idx1-ubyte", np.zeros(n, dtype=np.uint8))
     result = cli("datasets", "--data-dir", tmp_path / "data")
     assert result.exit_code == 0, result.output
-    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    table, _, notes = result.stdout.partition("\n\n")
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
     assert {"digits", "fashion-mnist", "mnist", "cifar10"} <= set(rows)
     assert "scikit-learn (bundled)" in rows["digits"] and "1437" in rows["digits"]
     assert str(raw) in rows["fashion-mnist"]
     assert re.search(r"\b12\s+7\b", rows["fashion-mnist"])  # sizes read from the IDX headers
-    assert str(tmp_path) not in rows["mnist"] and "--data-dir" in rows["mnist"]  # not found: how to get it
+    assert str(tmp_path) not in rows["mnist"] and "not found" in rows["mnist"]
+    assert "--data-dir" in next(line for line in notes.splitlines() if line.startswith("mnist:"))  # how to get it
+    assert max(len(line) for line in table.splitlines()) <= 60 + len(str(raw)) and "<NA>" not in result.stdout
 
     empty = tmp_path / "empty"
     empty.mkdir()
     result = cli("datasets", "--data-dir", empty)
     assert result.exit_code == 0, result.output
     fashion = next(line for line in result.stdout.splitlines() if line.startswith("fashion-mnist"))
-    assert str(empty) not in fashion and "<NA>" in fashion
+    assert str(empty) not in fashion and "<NA>" not in fashion

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import invoke
+from helpers import FAST_ARGS, invoke
 from PIL import Image
 
 IN_CI = os.environ.get("CI") == "true"
@@ -305,8 +305,8 @@ def test_attack_results_of_format_1_or_with_missing_keys_are_tolerated(audited, 
     assert attack["epsilon_lower_bound"] is None  # not a valid bound: left out with a note
     markdown = (tmp_path / "out.md").read_text()
     assert (
-        "| loss/custom | not available | not available / not available | 0.61 | [0.550, 0.670] | 0.02 | not available |"
-        in markdown
+        "| loss/custom | not available | not available / not available | 0.610 | [0.550, 0.670] | 0.020 | "
+        "not available |" in markdown
     )
     assert "older fedaudit" in markdown
 
@@ -560,6 +560,43 @@ def test_a_leaky_client_fails_the_per_client_limit_and_a_fair_run_passes():
     # Seed 0's threshold, chosen on 1000 non-members, lands at FPR 0.026 [0.017, 0.038] on the other 1000: its TPR
     # is not a rate at 1% FPR, so the limit cannot be judged on it.
     (unresolved,) = check_run(policy, _run_with(_risky_attack(None, seed=0)))
-    assert unresolved.verdict == "INCONCLUSIVE" and "reached FPR 0.0259" in unresolved.detail
+    assert unresolved.verdict == "INCONCLUSIVE" and "reached FPR 0.026 " in unresolved.detail
     (missing,) = check_run(policy, _run_with(_attack("loss", 0.5, (0.48, 0.52))))
     assert missing.verdict == "FAIL" and "not available" in missing.detail
+
+
+def test_a_canary_audit_stands_in_the_comparison_and_every_number_says_what_it_is(audited, plain_run, tmp_path, cli):
+    """A canary-only run beside two attacked runs: its audit's bound and AUC interval are in the comparison table and
+    summary.csv; the one advantage shown is the held-out one with its interval; a run without DP reads "no DP" in
+    every epsilon and delta cell."""
+    canary = tmp_path / "canary"
+    assert cli("train", *FAST_ARGS, "--dp", "--rounds", "2", "--canaries", "300", "--out", canary).exit_code == 0
+    assert cli("attack", canary, "--method", "canary").exit_code == 0
+    result = cli("report", canary, audited, plain_run, "--out", tmp_path / "r", "--format", "md")
+    assert result.exit_code == 0, result.output
+    rows = pd.read_csv(tmp_path / "r" / "summary.csv")
+    audits = {m["signal"]: m for m in (read_json(p) for p in (canary / "attacks").glob("*-canary/metrics.json"))}
+    best = max(audits.values(), key=lambda m: (m["epsilon_lower_bound"], m["auc_ci95"][0]))
+    first = rows.iloc[0]
+    assert first["canary_view"] == best["signal"] and first["canary_epsilon_lower_bound"] == pytest.approx(
+        best["epsilon_lower_bound"]
+    )
+    assert (first["canary_auc_ci_low"], first["canary_auc_ci_high"]) == pytest.approx(tuple(best["auc_ci95"]))
+    assert rows["canary_view"][1:].isna().all()
+    assert "advantage" not in rows.columns  # only the held-out one, with its interval
+    strongest = read_json(tmp_path / "r" / "summary.json")["runs"][1]["strongest_attack"]
+    held_out = read_json(audited / "attacks" / strongest / "metrics.json")["advantage_held_out"]
+    second = rows.iloc[1]
+    assert second["advantage_held_out"] == pytest.approx(held_out["advantage"])
+    assert second["advantage_held_out_ci_low"] == pytest.approx(held_out["ci95"][0])
+    markdown = (tmp_path / "r" / "report.md").read_text()
+    table = markdown.split("## Comparison", 1)[1].split("\n## ", 1)[0]
+    header = next(line for line in table.splitlines() if line.startswith("| run"))
+    assert "canary audit bound" in header and "canary AUC [95%]" in header and "advantage, held-out [95%]" in header
+    canary_row = next(line for line in table.splitlines() if line.startswith("| canary |"))
+    assert (
+        f"({best['signal']})" in canary_row and f"[{best['auc_ci95'][0]:.3f}, {best['auc_ci95'][1]:.3f}]" in canary_row
+    )
+    plain_row = next(line for line in table.splitlines() if "| FedAvg | no DP |" in line)
+    assert plain_row.count("| no DP |") >= 2 and "infinite" not in plain_row  # epsilon and delta, one word
+    assert "infinite" not in markdown.split("## Run", 1)[0]
