@@ -767,8 +767,8 @@ COMPARE_BASE_OPTIONS = (
     "budgets",
     multiple=True,
     metavar="SPEC",
-    help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E), sigma:S, or none (no "
-    "DP); repeat for several. [default: sigma:1]",
+    help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E; eps:E is the same), "
+    "sigma:S (noise:S is the same), or none (no DP; also no-dp); repeat for several. [default: sigma:1]",
 )
 @click.option(
     "--seed",
@@ -819,6 +819,12 @@ COMPARE_BASE_OPTIONS = (
 @click.option(
     "--progress/--no-progress", default=None, help="Show progress over the whole study. [default: only on a terminal]"
 )
+@click.option(
+    "--yes",
+    is_flag=True,
+    help="Start even when the plan's estimated time passes 10 minutes (without it such a study is refused before "
+    "anything is written; in CI it always starts).",
+)
 @user_errors
 def compare(
     study_file: str | None,
@@ -835,12 +841,15 @@ def compare(
     policy: str | None,
     overwrite: bool,
     progress: bool | None,
+    yes: bool,
     **base: Any,
 ) -> None:
     """Run a whole study (algorithms x budgets x seeds): train, attack and report each, then one comparison report.
 
-    Running it again does only what is missing: finished runs and attacks are kept, interrupted runs resume. The
-    study directory's layout: docs/run-directory.md; equal data access: docs/algorithms.md.
+    It first prints its plan and an estimate of its time here (one first round of each algorithm is timed); a study
+    estimated to take more than 10 minutes starts only with --yes. Running it again does only what is missing:
+    finished runs and attacks are kept, interrupted runs resume. The study directory's layout:
+    docs/run-directory.md; equal data access: docs/algorithms.md.
     """
     from fedaudit.study import run_study, study_from_options
 
@@ -856,7 +865,7 @@ def compare(
         formats=formats,
         policy=policy,
     )
-    _finish_report(run_study(study, out, overwrite=overwrite, progress=show_progress(progress)))
+    _finish_report(run_study(study, out, overwrite=overwrite, progress=show_progress(progress), yes=yes))
 
 
 compare.params.extend(param for param in train.params if param.name in COMPARE_BASE_OPTIONS)

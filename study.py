@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -28,18 +30,19 @@ from tqdm.auto import tqdm
 from fedaudit.attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
 from fedaudit.config import ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
-from fedaudit.registry import ALGORITHMS
+from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.policy import load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
 from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
 from fedaudit.setup import Setup, data_access, prepare
-from fedaudit.training import resume, train_setup
+from fedaudit.training import resume, time_first_round, train_setup
 
 STUDY_FORMAT = "fedaudit-study"
 STUDY_FILE = "study.json"
 RUNS_DIR = "runs"
 DEFAULT_ALGORITHMS: tuple[str, ...] = ("fedavg", "fedprox", "fedlap")
+CONFIRM_SECONDS = 600  # a study estimated to take longer starts only with --yes (or in CI)
 # What a study file's "attack" section may set, and the AttackOptions field each one fills.
 ATTACK_KEYS: dict[str, str] = {
     "signals": "signals",
@@ -303,7 +306,13 @@ def _equal_data_access(run: PlannedRun) -> PlannedRun:
 
 
 def run_study(
-    study: Study, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
+    study: Study,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    echo: Echo = tqdm.write,
+    yes: bool = False,
 ) -> ReportOutcome:
     """Train, attack and report every run of ``study`` under ``out``, skipping what is already done (``fedaudit
     compare``).
@@ -318,7 +327,9 @@ def run_study(
         out: the study directory (study.json, runs/<name>/, the comparison report).
         overwrite: retrain runs whose stored configuration differs from the plan.
         progress: show a progress bar over the study.
-        echo: receives each run's lines, prefixed by the run's name.
+        echo: receives the plan with its estimated time, then each run's lines, prefixed by the run's name.
+        yes: start a study estimated to take longer than :data:`CONFIRM_SECONDS` (outside CI, where it always
+            starts, it is otherwise refused before anything is written).
 
     Returns:
         The comparison report's outcome (files written, policy verdict).
@@ -340,8 +351,17 @@ def run_study(
         raise StudyError(f"--target round:{target} asks for a round after the last one the study trains.")
     _check_folder(folder)
     actions = [_action(folder / RUNS_DIR / run.name, setup, overwrite) for run, setup in zip(planned, setups)]
-    _claim(folder, study, [run.name for run in planned])
     attack = replace(study.attack, device=study.base.device, progress=False)
+    expected = estimate_study(planned, setups, actions, folder, attack)
+    for line in expected.lines(len(planned), actions.count("keep")):
+        echo(line)
+    if expected.seconds > CONFIRM_SECONDS and not yes and not os.environ.get("CI"):
+        raise StudyError(
+            f"This study would take about {_duration(expected.seconds)} here, more than "
+            f"{CONFIRM_SECONDS // 60} minutes: run it again with --yes to start it, or make it smaller (fewer "
+            "algorithms, budgets, seeds or rounds)."
+        )
+    _claim(folder, study, [run.name for run in planned])
     directories = []
     with tqdm(total=2 * len(planned), desc="study", unit="step", disable=not progress) as bar:
         for index, (run, setup, action) in enumerate(zip(planned, setups, actions), start=1):
@@ -418,6 +438,93 @@ def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
             )
         return "retrain"
     return "keep" if done == setup.config.federated.rounds else "resume"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """How long a study's remaining work should take on this machine, and what that rests on."""
+
+    train_seconds: float
+    attack_seconds: float
+    round_seconds: dict[str, float]  # one measured first round, by algorithm label
+    to_train: int
+    rounds_left: int
+
+    @property
+    def seconds(self) -> float:
+        return self.train_seconds + self.attack_seconds
+
+    def lines(self, planned: int, kept: int) -> list[str]:
+        """The plan as the study prints it before it starts."""
+        measured = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.round_seconds.items())
+        lines = [
+            f"plan: {planned} run{'s' * (planned != 1)}, {self.to_train} to train or resume ({self.rounds_left} "
+            f"rounds in all), {kept} kept as they are"
+        ]
+        if self.seconds > 0:
+            lines.append(
+                f"estimated time here: about {_duration(self.seconds)} (training {_duration(self.train_seconds)}, "
+                f"attacks {_duration(self.attack_seconds)}; from one first round timed per algorithm"
+                + (f": {measured}" if measured else "")
+                + ")"
+            )
+        return lines
+
+
+def estimate_study(
+    planned: Sequence[PlannedRun], setups: Sequence[Setup], actions: Sequence[str], folder: Path, attack: AttackOptions
+) -> Estimate:
+    """Time one first round of each algorithm (with or without DP) that still has rounds to train, and the attacks'
+    signals on a few hundred records, and scale them to the study's remaining rounds and attacked records."""
+    per_round: dict[tuple[str, bool], float] = {}
+    labels: dict[str, float] = {}
+    train = attacks = 0.0
+    to_train = rounds_left = 0
+    signal_seconds: float | None = None
+    for run, setup, action in zip(planned, setups, actions):
+        directory = folder / RUNS_DIR / run.name
+        rounds = setup.config.federated.rounds
+        key = (setup.config.federated.algorithm, setup.config.privacy.dp)
+        left = 0 if action == "keep" else rounds
+        if action == "resume":
+            left = rounds - RunDirectory(directory).read_manifest().rounds_done
+        if left:
+            if key not in per_round:
+                per_round[key] = time_first_round(setup)
+                labels[algorithm_label(*key)] = per_round[key]
+            train += per_round[key] * left
+            to_train += 1
+            rounds_left += left
+        if left or not results_current(directory, attack):
+            if signal_seconds is None:
+                signal_seconds = _time_signals(setup, attack)
+            records = 2 * min(attack.max_records, sum(len(c) for c in setup.partition.clients))
+            attacks += signal_seconds * records
+            if any(m in ("rmia", "lira") for m in attack.methods):  # reference models: a run's training each
+                attacks += attack.references * per_round.get(key, 0.0) * rounds
+    return Estimate(train, attacks, labels, to_train, rounds_left)
+
+
+def _time_signals(setup: Setup, attack: AttackOptions) -> float:
+    """Seconds per record of the attacks' loss and gradient-norm signals with the run's model, on 256 records."""
+    from fedaudit.attacks.signals import compute_signals
+    from fedaudit.models import build_model
+
+    model = build_model(setup.spec).to(setup.device)
+    x, y = setup.dataset.train_x[:256], setup.dataset.train_y[:256]
+    signals = [name for name in ("loss", "grad-norm") if name in attack.signals] or ["loss"]
+    began = time.perf_counter()
+    compute_signals(model, x, y, signals, device=setup.device)
+    return (time.perf_counter() - began) / max(len(x), 1)
+
+
+def _duration(seconds: float) -> str:
+    """A duration in words: seconds under two minutes, minutes under two hours, else hours."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _train(directory: Path, setup: Setup, action: str, echo: Echo) -> str:

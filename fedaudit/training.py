@@ -31,7 +31,7 @@ from fedaudit.algorithms.base import (
     privacy_plan,
 )
 from fedaudit.config import RunConfig, option_field
-from fedaudit.engine import Engine, make_engine
+from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.runs import (
@@ -312,10 +312,24 @@ def _at_least(planned: list[SGMEvent], made: list[SGMEvent]) -> list[SGMEvent]:
     return compose(SGMEvent(noise_multiplier=s, sample_rate=q, steps=n) for (s, q), n in steps.items())
 
 
-class _RoundLoop:
-    """The rounds of one training session: the clients' data and the test split on the device, a scratch model."""
+def time_first_round(setup: Setup) -> float:
+    """Seconds the first round of ``setup`` takes on this machine (its clients on the local engine, the server
+    update, the evaluation), computed and thrown away: nothing is written. ``fedaudit compare`` estimates a study's
+    duration from it before it starts."""
+    repeatable(setup.device)
+    params = {name: p.to(setup.device) for name, p in _initial_params(setup).items()}
+    state = _TrainingState(params=params, ledger=_new_ledger(setup.config))
+    began = time.perf_counter()
+    with LocalEngine(progress=False, echo=None, parallel=setup.config.parallel_clients) as engine:
+        _RoundLoop(setup, None, engine).compute(0, state)
+    return time.perf_counter() - began
 
-    def __init__(self, setup: Setup, run: RunDirectory, engine: Engine) -> None:
+
+class _RoundLoop:
+    """The rounds of one training session: the clients' data and the test split on the device, a scratch model
+    (``run`` is None for a round that is timed and not kept)."""
+
+    def __init__(self, setup: Setup, run: RunDirectory | None, engine: Engine) -> None:
         self.setup, self.run, self.engine = setup, run, engine
         device, dataset = setup.device, setup.dataset
         self.clients = [client_data(setup, k) for k in range(len(setup.partition.clients))]
@@ -391,6 +405,7 @@ class _RoundLoop:
         """Write the round: checkpoint, client states, transmitted payloads, model, metrics, ledger, and the manifest
         last (the commit point a resume trusts)."""
         run, config, number = self.run, self.setup.config, outcome.round
+        assert run is not None, "a timed round is not committed"
         state.params, state.server_state, state.server_kept = outcome.params, outcome.server_state, outcome.server_kept
         state.rows.append(outcome.row)
         clients = [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in outcome.messages]

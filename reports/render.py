@@ -21,6 +21,7 @@ from fedaudit.reports.summary import (
     epsilon_cell,
     epsilon_table,
     exposed_table,
+    findings,
     fmt,
     group_rows,
     group_table,
@@ -243,6 +244,7 @@ def build_context(
         if draw and len(runs) > 1 and overlay
         else None,
         "groups": group_table(groups) if len(groups) < len(runs) else None,
+        "findings": findings(rows, groups) if len(runs) > 1 else [],
         "tradeoff": _b64(figures.privacy_utility(groups)) if draw and len(runs) > 1 else None,
         "tradeoff_caption": figures.spread_caption(groups),
     }

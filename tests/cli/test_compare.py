@@ -14,7 +14,7 @@ from helpers import assert_user_error, interrupt_in_round, invoke, tree_digest
 
 from fedaudit.config import RunConfig
 from fedaudit.errors import UserError
-from fedaudit.study import Budget, Study, StudyError, load_study, plan
+from fedaudit.study import Budget, Study, StudyError, _duration, load_study, plan
 
 # Small, fast settings: the MLP of the other CLI tests and a FedLAP with T = 1 * 2 * 2 = 4 queries per round.
 BASE = {
@@ -199,6 +199,8 @@ def test_every_run_is_trained_and_attacked(study):
         metrics = read_json(run / "attacks" / "loss-threshold" / "metrics.json")
         assert metrics["round"] == 2 and metrics["num_members"] == 200
     assert stdout.count("trained 2 rounds") == len(NAMES)
+    assert stdout.startswith("plan: 8 runs, 8 to train or resume (16 rounds in all), 0 kept as they are\n")
+    assert "estimated time here: about" in stdout and "FedLAP-DP" in stdout.splitlines()[1]
     assert f"Wrote {out / 'report.html'}" in stdout and (out / "report.md").is_file()
 
 
@@ -254,14 +256,17 @@ def test_running_the_study_again_recomputes_nothing(study, tmp_path):
     result = compare("--study", study_file, "--out", out)
     assert result.exit_code == 0, result.output
     assert tree_digest(out / "runs") == before
-    assert result.stdout.count("kept") == len(NAMES) and result.stdout.count("up to date") == len(NAMES)
+    assert result.stdout.count("), kept") == len(NAMES) and result.stdout.count("up to date") == len(NAMES)
+    assert result.stdout.startswith("plan: 8 runs, 0 to train or resume (0 rounds in all), 8 kept as they are\n")
 
 
 def test_an_interrupted_run_is_resumed_exactly_and_new_runs_are_added(study, tmp_path, monkeypatch):
     study_file, original, _ = study
     out = Path(shutil.copytree(original, tmp_path / "out"))
     shutil.rmtree(out / "runs" / "fedlap-eps20-seed1")
-    interrupt_in_round(monkeypatch, 2)  # in round 2 of the only run to train: the kept runs do not evaluate again
+    # in round 2 of the only run to train (the third evaluation: the plan's timed first round is the first; the kept
+    # runs do not evaluate again)
+    interrupt_in_round(monkeypatch, 3)
     result = compare("--study", study_file, "--out", out)
     assert result.exit_code == 1  # Ctrl-C
     assert read_json(out / "runs" / "fedlap-eps20-seed1" / "manifest.json")["status"] == "interrupted"
@@ -411,3 +416,40 @@ def test_a_study_can_ask_for_reference_model_attacks(tmp_path):
     bad = write_study(tmp_path, attack={**attack, "references": 3})
     with pytest.raises(UserError, match="even"):
         load_study(bad).attack.validate()  # what compare checks before it trains anything
+
+
+def test_the_plan_estimates_the_time_from_one_timed_round_and_a_long_study_needs_yes(tmp_path, monkeypatch):
+    """The estimate is the timed first round times the rounds left (FedAvg and FedLAP timed once each, with and
+    without DP); past the limit the study is refused before anything is written unless --yes, or in CI."""
+    import fedaudit.study as study_module
+
+    timed = []
+
+    def first_round(setup):
+        timed.append((setup.config.federated.algorithm, setup.config.privacy.dp))
+        return 3.0 if setup.config.federated.algorithm == "fedlap" else 1.0
+
+    monkeypatch.setattr(study_module, "time_first_round", first_round)
+    monkeypatch.setattr(study_module, "_time_signals", lambda setup, attack: 0.0)
+    monkeypatch.setattr(study_module, "CONFIRM_SECONDS", 30)
+    monkeypatch.delenv("CI", raising=False)
+    study = write_study(tmp_path)
+    result = compare("--study", study, "--out", tmp_path / "out")
+    assert sorted(timed) == [("fedavg", False), ("fedavg", True), ("fedlap", False), ("fedlap", True)]
+    # 2 seeds x 2 budgets x 2 rounds: FedAvg 8 rounds of 1 s, FedLAP 8 of 3 s
+    assert "about 32 s (training 32 s, attacks 0 s;" in result.stdout
+    assert_user_error(result, mentions="--yes")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("CI", "true")
+    small = ("--algorithm", "fedavg", "--seed", "0", "--no-equal-data-access")
+    result = compare("--study", study, "--out", tmp_path / "ci", *small)
+    assert result.exit_code == 0, result.output  # in CI a long study starts
+    monkeypatch.delenv("CI")
+    result = compare("--study", study, "--out", tmp_path / "yes", *small, "--yes")
+    assert result.exit_code == 0, result.output
+
+
+def test_durations_are_said_in_the_unit_a_reader_expects():
+    assert [_duration(s) for s in (0.4, 119, 120, 1630, 7199, 7200, 10080)] == [
+        "0 s", "119 s", "2 min", "27 min", "120 min", "2.0 h", "2.8 h",
+    ]  # fmt: skip

@@ -600,3 +600,66 @@ def test_a_canary_audit_stands_in_the_comparison_and_every_number_says_what_it_i
     plain_row = next(line for line in table.splitlines() if "| FedAvg | no DP |" in line)
     assert plain_row.count("| no DP |") >= 2 and "infinite" not in plain_row  # epsilon and delta, one word
     assert "infinite" not in markdown.split("## Run", 1)[0]
+
+
+def _groups(*entries):
+    """Groups as group_rows makes them: (algorithm, budget, runs, accuracies of its seeds, interval of one run)."""
+    rows = []
+    for algorithm, budget, accuracies, one in entries:
+        values = np.array(accuracies, dtype=float)
+        rows.append(
+            {
+                "algorithm": algorithm,
+                "budget": budget,
+                "runs": len(values),
+                "final_accuracy_mean": values.mean(),
+                "final_accuracy_std": values.std(ddof=1) if len(values) > 1 else np.nan,
+                "final_accuracy_n": len(values),
+                "final_accuracy_interval_low": one[0] if one else np.nan,
+                "final_accuracy_interval_high": one[1] if one else np.nan,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def test_the_comparison_states_the_ordering_with_intervals_and_when_it_is_not_the_papers():
+    from scipy.stats import t
+
+    from fedaudit.reports.summary import findings
+
+    no_attacks = pd.DataFrame({"dp": [True], "attack_auc": [np.nan]})
+    groups = _groups(
+        ("FedLAP-DP", "epsilon 2", [0.30, 0.34, 0.32], None),
+        ("DP-FedAvg", "epsilon 2", [0.77, 0.78, 0.79], None),
+        ("FedLAP-DP", "epsilon 8", [0.70], (0.60, 0.80)),
+        ("DP-FedAvg", "epsilon 8", [0.75], (0.65, 0.85)),
+    )
+    said = findings(no_attacks, groups)
+    half = t.ppf(0.975, 2) * 0.01 / math.sqrt(3)  # Student's t over three seeds, sd 0.01
+    first = next(s for s in said if s.startswith("Test accuracy at epsilon 2"))
+    assert f"DP-FedAvg 0.780 [{0.78 - half:.3f}, {0.78 + half:.3f}] > FedLAP-DP 0.320" in first
+    assert "every interval apart" in first
+    assert any("epsilon 2 FedLAP-DP is below DP-FedAvg, the opposite" in s for s in said)
+    eight = next(s for s in said if s.startswith("Test accuracy at epsilon 8"))
+    assert "DP-FedAvg 0.750 [0.650, 0.850] > FedLAP-DP 0.700 [0.600, 0.800]" in eight and "cannot order" in eight
+    assert not any("epsilon 8 FedLAP-DP is below" in s for s in said)  # overlapping intervals order nothing
+
+
+def test_a_study_that_cannot_tell_dp_from_no_dp_says_so_and_how_many_records_would():
+    from fedaudit.reports.summary import findings
+
+    rows = pd.DataFrame(
+        {
+            "dp": [True, False],
+            "attack_auc": [0.50, 0.52],
+            "attack_auc_simultaneous_ci_low": [0.45, 0.47],
+            "attack_members": [300, 300],
+            "attack_nonmembers": [300, 300],
+        }
+    )
+    groups = _groups(("DP-FedAvg", "epsilon 8", [0.7], (0.6, 0.8)), ("FedAvg", "no DP", [0.9], (0.85, 0.95)))
+    said = findings(rows, groups)
+    sentence = next(s for s in said if "cannot tell DP from no DP" in s)
+    assert f"about {math.ceil((1.96 / 0.02) ** 2 / 6)} members" in sentence and "(these attacks had 300)" in sentence
+    leaky = rows.assign(attack_auc_simultaneous_ci_low=[0.45, 0.51])
+    assert not any("cannot tell" in s for s in findings(leaky, groups))
