@@ -37,6 +37,18 @@ LIMITS: dict[str, str] = {
     "clipping, sampling, the ledger recomputed with dp-accounting)",
 }
 OPTIONS = ("delta",)
+# The values each key may take, as (low, high, low included, high included, the range in words): a limit outside
+# them cannot mean what it says (an AUC above 1 passes everything, an epsilon of -1 fails everything).
+RANGES: dict[str, tuple[float, float, bool, bool, str]] = {
+    "max_epsilon": (0.0, math.inf, False, False, "a positive number"),
+    "delta": (0.0, 1.0, False, False, "between 0 and 1, both excluded"),
+    "max_attack_auc": (0.5, 1.0, True, True, "between 0.5 (chance) and 1"),
+    "max_tpr_at_0_1pct_fpr": (0.0, 1.0, True, True, "a rate between 0 and 1"),
+    "max_tpr_at_1pct_fpr_per_client": (0.0, 1.0, True, True, "a rate between 0 and 1"),
+    "min_accuracy": (0.0, 1.0, True, True, "an accuracy between 0 and 1"),
+    "max_audit_ratio": (0.0, math.inf, True, False, "a non-negative ratio"),
+    "max_failed_conformance_checks": (0.0, math.inf, True, False, "a non-negative count"),
+}
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 # Exit codes of `fedaudit report` / `compare` with a policy (2 stays reserved for bad input).
@@ -111,6 +123,11 @@ def load_policy(path: str | Path) -> Policy:
             raise ReportError(f"The limit {key} in the policy file {file} must be a number, got {value!r}.") from None
         if math.isnan(number):
             raise ReportError(f"The limit {key} in the policy file {file} must be a number, got {value!r}.")
+        low, high, low_in, high_in, words = RANGES[key]
+        above = number > low or (low_in and number == low)
+        below = number < high or (high_in and number == high)
+        if not (above and below):
+            raise ReportError(f"The limit {key} in the policy file {file} must be {words}, got {value!r}.")
         values[key] = number
     if not any(key in LIMITS for key in values):
         raise ReportError(f"The policy file {file} sets no limit; use {', '.join(LIMITS)}.")

@@ -169,9 +169,9 @@ def test_html_opens_in_chromium_without_errors(report, tmp_path):
         ({"max_epsilon": 1.0, "min_accuracy": 0.0}, "FAIL"),
         ({"max_epsilon": 1000, "delta": 1e-6}, "FAIL"),
         ({"min_accuracy": 0.999}, "FAIL"),
-        ({"max_attack_auc": 0.01}, "FAIL"),
+        ({"max_attack_auc": 0.5}, "INCONCLUSIVE"),
         ({"max_epsilon": 1000, "max_tpr_at_0_1pct_fpr": 1.0}, "INCONCLUSIVE"),
-        ({"max_attack_auc": 0.01, "max_tpr_at_0_1pct_fpr": 1.0}, "FAIL"),
+        ({"min_accuracy": 0.999, "max_tpr_at_0_1pct_fpr": 1.0}, "FAIL"),
     ],
     ids=["all-pass", "epsilon", "smaller-delta", "accuracy", "auc", "tpr-unresolvable", "fail-beats-inconclusive"],
 )
@@ -313,8 +313,12 @@ def test_attack_results_of_format_1_or_with_missing_keys_are_tolerated(audited, 
 
 @pytest.mark.parametrize(
     "case",
-    ["not-a-run", "missing-run", "unknown-format", "missing-policy", "bad-yaml", "unknown-limit", "non-numeric-limit"],
-)
+    [
+        "not-a-run", "missing-run", "unknown-format", "missing-policy", "bad-yaml", "unknown-limit",
+        "non-numeric-limit", "auc-above-1", "auc-below-chance", "delta-1.5", "delta-0", "negative-epsilon",
+        "zero-epsilon", "rate-above-1", "negative-rate", "accuracy-above-1", "negative-ratio", "negative-count",
+    ],
+)  # fmt: skip
 def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(audited, tmp_path, cli, case):
     out = tmp_path / "out"
     policy = tmp_path / "policy.yaml"
@@ -323,6 +327,17 @@ def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(audited, tmp_path, 
             "bad-yaml": "max_epsilon: [1\n",
             "unknown-limit": "max_epsilom: 1\n",
             "non-numeric-limit": "max_epsilon: lots\n",
+            "auc-above-1": "max_attack_auc: 2\n",
+            "auc-below-chance": "max_attack_auc: 0.4\n",
+            "delta-1.5": "max_epsilon: 8\ndelta: 1.5\n",
+            "delta-0": "max_epsilon: 8\ndelta: 0\n",
+            "negative-epsilon": "max_epsilon: -1\n",
+            "zero-epsilon": "max_epsilon: 0\n",
+            "rate-above-1": "max_tpr_at_0_1pct_fpr: 1.2\n",
+            "negative-rate": "max_tpr_at_1pct_fpr_per_client: -0.1\n",
+            "accuracy-above-1": "min_accuracy: 95\n",
+            "negative-ratio": "max_audit_ratio: -0.5\n",
+            "negative-count": "max_failed_conformance_checks: -1\n",
         }.get(case, "max_epsilon: 8\n")
     )
     args = {
