@@ -42,6 +42,7 @@ TensorDict = dict[str, torch.Tensor]
 KEPT_PAIRS = 6  # whole queries kept per run, in pairs of consecutive queries, on average
 _BUFFER = 64  # released sums projected together (one matrix product instead of many)
 _DIRECTIONS_CHUNK = 1024  # canaries whose directions are held at once
+_NO_BATCH = "A DP query was recorded without its batch: draw it with ClientData.dp_batch."
 
 
 @dataclass(frozen=True)
@@ -94,13 +95,13 @@ class QueryLog:
     def own_rows(self) -> int:
         """Rows of the next query's inputs that are the client's own records: the batch puts them first."""
         if self._pending is None:
-            raise RuntimeError("A DP query was recorded without its batch: draw it with ClientData.dp_batch.")
+            raise RuntimeError(_NO_BATCH)
         return self._pending[0]
 
     def record(self, query: Query) -> None:
         """Take note of one answered query (the primitive calls this)."""
         if self._pending is None:
-            raise RuntimeError("A DP query was recorded without its batch: draw it with ClientData.dp_batch.")
+            raise RuntimeError(_NO_BATCH)
         records, canaries, rate = self._pending
         self._pending = None
         step = self.steps

@@ -18,7 +18,6 @@ from fedaudit.reports.summary import (
     attack_table,
     client_risk_table,
     comparison_table,
-    epsilon_cell,
     epsilon_table,
     exposed_table,
     findings,
@@ -215,7 +214,6 @@ def _environment() -> Environment:
         keep_trailing_newline=True,
     )
     env.filters["fmt"] = fmt
-    env.filters["epsilon_cell"] = epsilon_cell
     env.filters["md_cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
     return env
 
