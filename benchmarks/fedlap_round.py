@@ -107,10 +107,10 @@ def main() -> None:
         ).resolved()
 
         watch = Stopwatch()
-        originals = (fedlap_module.dp_gradient, FedLAP._image_step, FedLAP._train)
+        originals = (fedlap_module.dp_gradient, FedLAP._image_step, fedlap_module.fit_in_ball)
         fedlap_module.dp_gradient = watch.wrap("dp", originals[0])
         FedLAP._image_step = watch.wrap("matching", originals[1])
-        FedLAP._train = watch.wrap("training", originals[2])
+        fedlap_module.fit_in_ball = watch.wrap("training", originals[2])
         try:
             algorithm = get_algorithm(lap)
             ctx = RoundContext(round=0, rounds=1, config=lap, device=torch.device("cpu"))
@@ -122,7 +122,7 @@ def main() -> None:
             algorithm.server_update(model, params, [message] * 5, ctx, torch.Generator().manual_seed(2))
             server_seconds = time.perf_counter() - start
         finally:
-            fedlap_module.dp_gradient, FedLAP._image_step, FedLAP._train = originals
+            fedlap_module.dp_gradient, FedLAP._image_step, fedlap_module.fit_in_ball = originals
 
         fedavg = get_algorithm(avg)
         ctx = RoundContext(round=0, rounds=1, config=replace(avg), device=torch.device("cpu"))
