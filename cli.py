@@ -627,24 +627,78 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     show_default=True,
     help="Seed of the checks' own random choices (recorded in verification.json).",
 )
+@click.option(
+    "--public-key",
+    type=click.Path(dir_okay=False),
+    help="PEM Ed25519 public key: the run must carry a signature.json made with its private key ('fedaudit sign') "
+    "and still hold what was signed.",
+)
 @user_errors
-def verify(run_dirs: tuple[str, ...], seed: int) -> None:
-    """Check that a DP canary run's mechanism does what its ledger charges for; writes RUN_DIR/verification.json.
+def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None) -> None:
+    """Check runs: their files and ledger against the manifest's SHA-256 hashes, their signature (--public-key),
+    and that a DP canary run's mechanism does what its ledger charges for; writes RUN_DIR/verification.json.
 
     Independent recomputations of noise, clipping, sampling and the ledger (Google's dp-accounting), each a test at
     a family-wise level of 0.001: exit code 1 when a check fails. What each check computes: docs/audit.md.
     """
     from fedaudit.attacks.runner import verify_runs
+    from fedaudit.integrity import public_key_bytes
 
+    key = None if public_key is None else public_key_bytes(_read_key(public_key), public_key)
     failed = False
-    for path, verification in verify_runs(run_dirs, seed=seed):
-        click.echo(f"{path}: {'PASS' if verification.passed else 'FAIL'}")
-        for check in verification.checks:
+    for outcome in verify_runs(run_dirs, seed=seed, public_key=key):
+        click.echo(f"{outcome.path}: {'PASS' if outcome.passed else 'FAIL'}")
+        for problem in outcome.integrity:
+            click.echo(f"  FAIL integrity: {problem}.")
+        if not outcome.integrity:
+            click.echo("  PASS integrity: every file matches its SHA-256 in manifest.json; the ledger recomputes.")
+        if outcome.signature is not None:
+            for problem in outcome.signature:
+                click.echo(f"  FAIL signature: {problem}.")
+            if not outcome.signature:
+                click.echo("  PASS signature: signed with the given key; every signed file is unchanged.")
+            if outcome.unsigned:
+                click.echo(f"  not signed (written after signing): {', '.join(outcome.unsigned)}")
+        if outcome.skipped:
+            click.echo(f"  conformance not checked: {outcome.skipped}.")
+        for check in outcome.verification.checks if outcome.verification is not None else ():
             p_value = "" if check.p_value is None else f" (p = {check.p_value:.3g}, n = {check.n})"
             click.echo(f"  {'PASS' if check.passed else 'FAIL'} {check.name}{p_value}: {check.sentence}")
-        failed = failed or not verification.passed
+        failed = failed or not outcome.passed
     if failed:
         sys.exit(1)
+
+
+def _read_key(path: str) -> bytes:
+    """A key file's bytes; an unreadable one is one sentence."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UserError(f"Cannot read the key file {path}: {exc.strerror or exc}.") from exc
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--key",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="PEM Ed25519 private key (unencrypted), e.g. from 'openssl genpkey -algorithm ed25519 -out key.pem'.",
+)
+@user_errors
+def sign(run_dirs: tuple[str, ...], key: str) -> None:
+    """Sign runs: RUN_DIR/signature.json holds an Ed25519 signature over the manifest (every file's SHA-256), so an
+    auditor can tell who produced a run ('fedaudit verify --public-key'). A run whose files do not check is refused.
+    """
+    from fedaudit.runs import RunDirectory
+
+    pem = _read_key(key)
+    for path in run_dirs:
+        run = RunDirectory(path)
+        run.read_manifest()
+        with run.lock("fedaudit sign"):
+            run.sign(pem, key)
+        click.echo(f"Signed {run.signature_path}")
 
 
 @main.command()
@@ -690,7 +744,7 @@ def _finish_report(outcome: Any) -> None:
     for path in outcome.written:
         click.echo(f"Wrote {path}")
     for run, why in outcome.broken.items():
-        click.echo(f"{run}: the DP implementation does not keep its promise: {why}.")
+        click.echo(f"{run}: FAIL: {why}.")
     if outcome.verdict is None and outcome.broken:
         sys.exit(1)
     if outcome.verdict is not None:

@@ -548,8 +548,10 @@ def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
     expected = set(expected_results(run, options))
     folder = run.attacks_dir
     stale = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name not in expected) if folder.is_dir() else []
+    with run.staged():
+        run.remove([p for name in stale for p in (folder / name).rglob("*") if p.is_file()])
     for name in stale:
-        shutil.rmtree(folder / name)
+        shutil.rmtree(folder / name)  # what is left: empty folders, temporaries
     return stale
 
 

@@ -43,11 +43,11 @@ from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.runs import (
     RunDirectory,
     RunError,
-    atomic_write_bytes,
-    atomic_write_json,
     csv_bytes,
+    json_bytes,
     load_tensors,
     now_iso,
+    remove_stale_temporaries,
 )
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.setup import resolve_device
@@ -190,10 +190,19 @@ class AttackResult:
 def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     """Read and check a run directory, load its data and draw the evaluation set; writes nothing."""
     run = RunDirectory(path)
-    done = run.read_manifest().rounds_done
+    manifest = run.read_manifest()
+    run.check_integrity("attack")
+    done = manifest.rounds_done
     config = run.read_run_config()
     if done < 1:
         raise RunError(f"{run.path} has no completed round yet, so there is no model to attack.")
+    target = parse_target(options.target)
+    if manifest.status != "complete" and target == "final":
+        raise RunError(
+            f"{run.path} stopped after round {done} of {manifest.rounds} ({manifest.status}), so it has no final "
+            f"model yet; finish it with 'fedaudit train --resume {run.path}', or attack a finished round with "
+            f"--target round:{done}."
+        )
     partition = Partition.from_arrays(run.read_membership())
     dataset = load_dataset(config.data.dataset, config.data.data_dir, download=False)
     run.check_dataset(dataset)
@@ -203,7 +212,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
             f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records "
             f"of {config.data.dataset}."
         )
-    targets = attack_targets(run, parse_target(options.target), done)
+    targets = attack_targets(run, target, done)
     for target in targets:
         run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
     accountant = _accountant_epsilon(run, config, max(done, *(t.round for t in targets)))
@@ -637,9 +646,10 @@ def _same_references(stored: Mapping[str, Any] | None, options: AttackOptions) -
 def write_result(run: RunDirectory, result: AttackResult) -> Path:
     """Write one result directory atomically, metrics.json last; returns the directory."""
     directory = run.attacks_dir / result.name
-    atomic_write_bytes(directory / "scores.csv", csv_bytes(result.scores))
-    atomic_write_bytes(directory / "roc.csv", csv_bytes(result.roc))
-    atomic_write_json(directory / "metrics.json", result.metrics)
+    with run.staged():
+        run.put(directory / "scores.csv", csv_bytes(result.scores))
+        run.put(directory / "roc.csv", csv_bytes(result.roc))
+        run.put(directory / "metrics.json", json_bytes(result.metrics))
     return directory
 
 
@@ -659,6 +669,19 @@ def run_attacks(paths: Sequence[str | Path], options: AttackOptions, *, echo: Ec
     """
     options.validate()
     resolve_device(options.device)
+    locks = []
+    try:
+        for path in dict.fromkeys(Path(p) for p in paths):
+            RunDirectory(path).read_manifest()  # a directory that is not a run is told so before it is locked
+            locks.append(RunDirectory(path).lock("fedaudit attack"))
+            remove_stale_temporaries(Path(path), ("attacks",))  # what an interrupted attack left
+        return _attack_runs(paths, options, echo)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _attack_runs(paths: Sequence[str | Path], options: AttackOptions, echo: Echo) -> list[AttackResult]:
     prepared = [prepare_run(path, options) for path in paths]
     results: list[AttackResult] = []
     for run in prepared:
@@ -733,26 +756,65 @@ def _rate(entry: dict[str, Any]) -> str:
     return f"n/e (<{entry['nonmembers_needed']} non-members)"
 
 
-def verify_runs(run_dirs: Sequence[str | Path], *, seed: int) -> list[tuple[Path, Any]]:
-    """``fedaudit verify``: the conformance checks of every run, each written to its verification.json; every run is
-    read and checked before anything is written, so bad input leaves nothing behind."""
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What ``fedaudit verify`` found about one run: its files and ledger, its signature (when a key is given) and
+    the conformance of its mechanism (None when the run has nothing to check or its files failed)."""
+
+    path: Path
+    integrity: tuple[str, ...]
+    signature: tuple[str, ...] | None
+    unsigned: tuple[str, ...]  # files written after the run was signed (attack results): not covered, not failed
+    verification: Any
+    skipped: str | None = None  # why the conformance checks did not run
+
+    @property
+    def passed(self) -> bool:
+        conformance = self.verification is None or self.verification.passed
+        return not self.integrity and not self.signature and conformance
+
+
+def verify_runs(run_dirs: Sequence[str | Path], *, seed: int, public_key: bytes | None = None) -> list[VerifyOutcome]:
+    """``fedaudit verify``: every run's files and ledger against its manifest, its signature against ``public_key``,
+    then the conformance checks of its mechanism, written to its verification.json. Every run is read and checked
+    before anything is written, so bad input leaves nothing behind; a run whose files fail is not verified further
+    and nothing is written into it."""
     from fedaudit.attacks.conformance import verify
 
-    results = [(Path(path), verify(RunDirectory(path), seed=seed)) for path in run_dirs]
-    for path, verification in results:
-        write_verification(RunDirectory(path), verification, seed)
-    return results
+    outcomes = []
+    for path in run_dirs:
+        run = RunDirectory(path)
+        run.read_manifest()
+        with run.lock("fedaudit verify", shared=True):
+            problems = tuple(run.integrity_problems())
+            signature, unsigned = (None, ()) if public_key is None else run.signature_problems(public_key)
+            verification, skipped = None, None
+            if problems:
+                skipped = "its files are not those fedaudit wrote"
+            elif public_key is not None and not run.queries_dir.is_dir():
+                skipped = "it was trained without --canaries, so it has no query log to check"
+            else:
+                verification = verify(run, seed=seed)
+        outcomes.append(VerifyOutcome(Path(path), problems, signature, unsigned, verification, skipped))
+    for outcome in outcomes:
+        if outcome.verification is not None:
+            run = RunDirectory(outcome.path)
+            with run.lock("fedaudit verify"):
+                write_verification(run, outcome.verification, seed)
+    return outcomes
 
 
 def write_verification(run: RunDirectory, verification: Any, seed: int) -> None:
     """verification.json: the checks, the round they saw, the seed and the version."""
-    atomic_write_json(
+    run.put(
         run.verification_path,
-        {
-            **verification.to_dict(),
-            "rounds": run.read_manifest().rounds_done,
-            "seed": seed,
-            "fedaudit_version": fedaudit.__version__,
-            "created": now_iso(),
-        },
+        json_bytes(
+            {
+                **verification.to_dict(),
+                "rounds": run.read_manifest().rounds_done,
+                "seed": seed,
+                "fedaudit_version": fedaudit.__version__,
+                "created": now_iso(),
+            }
+        ),
     )

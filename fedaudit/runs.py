@@ -22,7 +22,8 @@ import platform
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +37,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 import fedaudit
+from fedaudit import integrity
 from fedaudit.config import ConfigError, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model
@@ -430,9 +432,14 @@ def remove_stale_temporaries(
     return stale
 
 
+def json_bytes(data: Any) -> bytes:
+    """Pretty-printed JSON, UTF-8, with a final newline."""
+    return (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8")
+
+
 def atomic_write_json(path: Path, data: Any) -> None:
     """Atomically write pretty-printed JSON."""
-    atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+    atomic_write_bytes(path, json_bytes(data))
 
 
 def csv_bytes(frame: pd.DataFrame) -> bytes:
@@ -440,11 +447,16 @@ def csv_bytes(frame: pd.DataFrame) -> bytes:
     return frame.to_csv(index=False, float_format=lambda value: repr(float(value))).encode("utf-8")
 
 
-def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Atomically write named arrays as a compressed .npz."""
+def arrays_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Named arrays as a compressed .npz."""
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Atomically write named arrays as a compressed .npz."""
+    atomic_write_bytes(path, arrays_bytes(arrays))
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
@@ -456,10 +468,15 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
         raise RunError(f"{path} is corrupt.") from exc
 
 
+def tensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Tensors as safetensors (contiguous CPU copies), byte-identical for equal inputs."""
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    return _canonical_header(save(cpu, metadata=dict(metadata or {})))
+
+
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
     """Atomically write tensors as safetensors (contiguous CPU copies), byte-identical for equal inputs."""
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    atomic_write_bytes(path, _canonical_header(save(cpu, metadata=dict(metadata or {}))))
+    atomic_write_bytes(path, tensors_bytes(tensors, metadata))
 
 
 def _canonical_header(data: bytes) -> bytes:
@@ -522,6 +539,10 @@ class RunDirectory:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._files: dict[str, str] | None = None  # committed hashes, loaded from manifest.json when first needed
+        self._staged: dict[Path, bytes | None] | None = None  # a commit being gathered (None: a deletion)
+        self._staged_manifest: Manifest | None = None
+        self.destination: Path | None = None  # where a run built under a temporary name goes once it has a round
 
     config_path = property(lambda self: self.path / "config.json")
     manifest_path = property(lambda self: self.path / "manifest.json")
@@ -562,28 +583,98 @@ class RunDirectory:
         """True if the directory holds a fedaudit manifest."""
         return self.manifest_path.is_file()
 
-    def prepare_new(self, overwrite: bool) -> None:
-        """Create an empty run directory; with ``overwrite``, an existing run there is removed first."""
-        if self.path.exists() and not self.path.is_dir():
-            raise RunError(f"--out {self.path} exists and is not a directory.")
-        if self.path.exists() and any(self.path.iterdir()):
+    def is_half_made(self) -> bool:
+        """A directory left by a start that was killed before its manifest existed (fedaudit before 0.2 built a run
+        in place): config.json, no manifest, and nothing but the files a start writes."""
+        if not self.path.is_dir() or self.is_run() or not self.config_path.is_file():
+            return False
+        start = {"config.json", "membership.npz", "canaries.npz", integrity.LOCK}
+        return all(
+            p.name in start or integrity.untracked(p.name) for p in self.path.iterdir() if p.is_file()
+        ) and not any(p.is_dir() for p in self.path.iterdir())
+
+    def lock(self, command: str, *, shared: bool = False) -> integrity.RunLock:
+        """The run's one-writer lock (``shared`` for a reader), taken now; a :class:`LockedError` names the holder."""
+        if not self.path.is_dir():
+            raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
+        return integrity.RunLock(self.path, command, shared).acquire()
+
+    @classmethod
+    def start_new(cls, out: str | Path, overwrite: bool) -> tuple[RunDirectory, list[integrity.RunLock]]:
+        """A new run, built under a temporary name beside ``out`` and locked; :meth:`publish` renames it into place
+        once its first round is committed, so a start that fails or is killed leaves nothing at ``out``.
+
+        Returns the new run and the locks it holds (with ``overwrite``, also the lock of the run it replaces).
+        """
+        target = cls(out)
+        path = target.path
+        if not str(out).strip():
+            raise RunError("--out must name a run directory, not an empty path.")
+        if path.exists() and not path.is_dir():
+            raise RunError(f"--out {path} exists and is not a directory.")
+        locks: list[integrity.RunLock] = []
+        if path.exists() and any(path.iterdir()):
+            half = target.is_half_made()
             if not overwrite:
+                if half:
+                    raise RunError(
+                        f"--out {path} holds a run whose start was interrupted (config.json but no manifest.json); "
+                        "pass --overwrite to replace it."
+                    )
                 raise RunError(
-                    f"--out {self.path} already exists; pass --resume {self.path} to continue it or --overwrite to "
-                    "replace it."
+                    f"--out {path} already exists; pass --resume {path} to continue it or --overwrite to replace it."
                 )
-            if not self.is_run():
+            if not target.is_run() and not half:
                 raise RunError(
-                    f"--out {self.path} is a non-empty directory that is not a fedaudit run; refusing to overwrite it."
+                    f"--out {path} is a non-empty directory that is not a fedaudit run; refusing to overwrite it."
                 )
-            shutil.rmtree(self.path)
+            locks.append(target.lock("fedaudit train --overwrite"))
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for leftover in sorted(path.parent.glob(f".{path.name}.partial-*")) + sorted(
+                path.parent.glob(f".{path.name}.replaced-*")
+            ):
+                if integrity.is_locked(leftover):
+                    raise integrity.LockedError(
+                        f"--out {path} is being created by another fedaudit command ({leftover.name} is locked)."
+                    )
+                shutil.rmtree(leftover, ignore_errors=True)
+            partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+            os.chmod(partial, 0o777 & ~_umask())
         except OSError as exc:
-            raise RunError(f"Cannot create the run directory {self.path}: {exc.strerror or exc}.") from exc
+            for held in locks:
+                held.release()
+            raise RunError(f"Cannot create the run directory {path}: {exc.strerror or exc}.") from exc
+        run = cls(partial)
+        run.destination = path
+        locks.append(run.lock("fedaudit train"))
+        return run, locks
+
+    def publish(self) -> None:
+        """Rename a run built by :meth:`start_new` into place, replacing (with its lock held) the run it overwrites."""
+        if self.destination is None:
+            return
+        target, aside = self.destination, None
+        if target.exists():
+            aside = target.parent / f".{target.name}.replaced-{os.getpid()}"
+            os.rename(target, aside)
+        try:
+            os.rename(self.path, target)
+        except OSError as exc:
+            if aside is not None:
+                os.rename(aside, target)
+            raise RunError(f"Cannot move the new run into {target}: {exc.strerror or exc}.") from exc
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        self.path, self.destination = target, None
+
+    def discard(self) -> None:
+        """Remove a run that :meth:`start_new` began and never published (its start failed or was interrupted)."""
+        if self.destination is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def write_config(self, config: dict[str, Any]) -> None:
-        atomic_write_json(self.config_path, config)
+        self.put(self.config_path, json_bytes(config))
 
     def read_json(self, path: Path) -> Any:
         """Read one of the run's JSON files; missing or malformed is a :class:`RunError`."""
@@ -603,6 +694,11 @@ class RunDirectory:
         """The manifest, checked to be a fedaudit run of a format this version reads, with every entry valid."""
         if not self.path.is_dir():
             raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
+        if not self.manifest_path.exists() and self.is_half_made():
+            raise RunError(
+                f"{self.path} is a run whose start was interrupted before its first round (config.json but no "
+                "manifest.json); start it again with 'fedaudit train --out PATH --overwrite'."
+            )
         manifest = self.read_json(self.manifest_path)
         if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT:
             raise RunError(
@@ -616,10 +712,157 @@ class RunDirectory:
         return Manifest.from_dict(manifest, str(self.manifest_path))
 
     def write_manifest(self, manifest: Manifest) -> None:
-        atomic_write_json(
-            self.manifest_path,
-            {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **manifest.to_dict(), "updated": now_iso()},
-        )
+        """Write the manifest with the hashes of every file committed so far; inside :meth:`staged`, last."""
+        if self._staged is not None:
+            self._staged_manifest = manifest
+            return
+        self._write_manifest_document(manifest.to_dict(), self._hashes(), None)
+
+    def _write_manifest_document(
+        self, entries: Mapping[str, Any], files: Mapping[str, str], pending: Mapping[str, str | None] | None
+    ) -> None:
+        document = {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **entries, "updated": now_iso()}
+        document["files"] = dict(sorted(files.items()))
+        if pending:
+            document["pending"] = dict(sorted(pending.items()))
+        atomic_write_json(self.manifest_path, document)
+
+    def _hashes(self) -> dict[str, str]:
+        """The committed hashes: this object's, or manifest.json's when it has not written any yet."""
+        if self._files is None:
+            self._files = {}
+            if self.manifest_path.is_file():
+                recorded = integrity.read_hashes(self.read_json(self.manifest_path))
+                self._files = recorded[0] if recorded else {}
+        return self._files
+
+    def _relative(self, path: Path) -> str:
+        return path.relative_to(self.path).as_posix()
+
+    def put(self, path: Path, data: bytes) -> None:
+        """Write one of the run's files (a path inside it) with its hash: gathered into the commit of
+        :meth:`staged`, else committed on its own."""
+        if self._staged is not None:
+            self._staged[path] = data
+        else:
+            self._commit({path: data})
+
+    def remove(self, paths: list[Path]) -> None:
+        """Delete files of the run and their hashes (in the commit of :meth:`staged`, else on their own)."""
+        if self._staged is not None:
+            self._staged.update(dict.fromkeys(paths))
+        else:
+            self._commit(dict.fromkeys(paths))
+
+    @contextmanager
+    def staged(self) -> Iterator[None]:
+        """Gather every file written (and the manifest) in the block into one commit, made when it ends: the
+        manifest first records the new hashes as pending, then the files are written, then the manifest commits them.
+        A crash at any moment leaves each file in its old or its new state, both of which check; an exception in the
+        block writes nothing."""
+        self._staged, self._staged_manifest = {}, None
+        try:
+            yield
+            staged, manifest = self._staged, self._staged_manifest
+        finally:
+            self._staged = self._staged_manifest = None
+        self._commit(staged, manifest)
+
+    def _commit(self, contents: Mapping[Path, bytes | None], manifest: Manifest | None = None) -> None:
+        if not contents and manifest is None:
+            return
+        files = self._hashes()
+        new = {self._relative(p): None if b is None else integrity.digest(b) for p, b in contents.items()}
+        exists = self.manifest_path.is_file()
+        entries: dict[str, Any] = {}
+        if exists:
+            current = self.read_json(self.manifest_path)
+            entries = {
+                k: v for k, v in current.items() if k not in ("format", "format_version", "updated", "files", "pending")
+            }
+            if new:
+                self._write_manifest_document(entries, files, new)
+        for path, data in contents.items():
+            if data is None:
+                path.unlink(missing_ok=True)
+            else:
+                atomic_write_bytes(path, data)
+        for relative, value in new.items():
+            if value is None:
+                files.pop(relative, None)
+            else:
+                files[relative] = value
+        if manifest is not None:
+            self._write_manifest_document(manifest.to_dict(), files, None)
+        elif exists:
+            self._write_manifest_document(entries, files, None)
+
+    def integrity_problems(self) -> list[str]:
+        """Every way the run differs from what fedaudit wrote: files changed, missing or added since their commit, a
+        privacy ledger that its own events or config.json contradict; one sentence each (none: the run checks)."""
+        document = self.read_json(self.manifest_path)
+        recorded = integrity.read_hashes(document) if isinstance(document, dict) else None
+        if recorded is None:
+            return ["manifest.json records no SHA-256 of the run's files (written before fedaudit 0.9, or edited)"]
+        problems = integrity.file_problems(self.path, *recorded)
+        if self.privacy_path.is_file() and not any(p.startswith("privacy.json ") for p in problems):
+            config = self.read_json(self.config_path) if self.config_path.is_file() else {}
+            privacy = config.get("privacy") if isinstance(config, dict) else None
+            ledger = self.read_json(self.privacy_path)
+            done = document.get("rounds_done") if isinstance(document.get("rounds_done"), int) else 0
+            if isinstance(ledger, dict):
+                problems += integrity.ledger_problems(ledger, privacy if isinstance(privacy, dict) else None, done)
+            else:
+                problems.append("privacy.json is not a ledger (not a JSON object)")
+        return problems
+
+    def check_integrity(self, action: str) -> None:
+        """Refuse to ``action`` a run whose files or ledger were changed: an :class:`IntegrityError` naming the
+        first problem (and how many more there are)."""
+        problems = self.integrity_problems()
+        if problems:
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise integrity.IntegrityError(f"Refusing to {action} {self.path}: {problems[0]}{more}.")
+
+    signature_path = property(lambda self: self.path / integrity.SIGNATURE)
+
+    def sign(self, key_pem: bytes, where: str) -> None:
+        """Write signature.json: an Ed25519 signature (key from PEM ``key_pem``, read from ``where``) over the
+        manifest, which holds every file's hash; a run whose files do not check is not signed."""
+        problems = self.integrity_problems()
+        if problems:
+            raise integrity.IntegrityError(f"Refusing to sign {self.path}: {problems[0]}.")
+        atomic_write_json(self.signature_path, integrity.sign(self.read_json(self.manifest_path), key_pem, where))
+
+    def signature_problems(self, public_key: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Whether the run was signed with ``public_key`` (raw Ed25519) and still holds what was signed: the problems,
+        and the files written since signing (attack results), which the signature does not cover."""
+        if not self.signature_path.is_file():
+            return (f"{integrity.SIGNATURE} is missing: the run was not signed ('fedaudit sign')",), ()
+        problems, signed = integrity.signature_problems(self.read_json(self.signature_path), public_key)
+        recorded = None if signed is None else integrity.read_hashes(signed)
+        if recorded is None:
+            return tuple(problems or [f"{integrity.SIGNATURE} holds no file hashes"]), ()
+        changed = []
+        for relative, expected in sorted(recorded[0].items()):
+            path = self.path / relative
+            if not path.is_file() or integrity.file_digest(path) != expected:
+                changed.append(f"{relative} changed after the run was signed")
+        unsigned = tuple(sorted(set(integrity.present_files(self.path)) - set(recorded[0])))
+        return tuple(changed), unsigned
+
+    def settle(self) -> None:
+        """After an interrupted commit whose files check, take every file as it now is as committed, before writing
+        again (a resume)."""
+        document = self.read_json(self.manifest_path)
+        recorded = integrity.read_hashes(document)
+        if recorded is None or not recorded[1]:
+            return
+        self._files = integrity.settled(self.path, *recorded)
+        entries = {
+            k: v for k, v in document.items() if k not in ("format", "format_version", "updated", "files", "pending")
+        }
+        self._write_manifest_document(entries, self._files, None)
 
     def read_run_config(self) -> RunConfig:
         """config.json as a checked :class:`RunConfig`; a malformed one or a bad value is a :class:`RunError`."""
@@ -639,7 +882,7 @@ class RunDirectory:
             )
 
     def write_membership(self, arrays: Mapping[str, np.ndarray]) -> None:
-        write_arrays(self.membership_path, arrays)
+        self.put(self.membership_path, arrays_bytes(arrays))
 
     def read_membership(self) -> dict[str, np.ndarray]:
         """The member/non-member index arrays (no pickled objects allowed)."""
@@ -648,7 +891,7 @@ class RunDirectory:
         return read_arrays(self.membership_path)
 
     def write_canaries(self, arrays: Mapping[str, np.ndarray]) -> None:
-        write_arrays(self.canaries_path, arrays)
+        self.put(self.canaries_path, arrays_bytes(arrays))
 
     def read_canaries(self) -> dict[str, np.ndarray] | None:
         """The canaries' arrays (no pickled objects), or None for a run trained without canaries."""
@@ -659,7 +902,7 @@ class RunDirectory:
         ordered = [c for c in METRIC_COLUMNS if c in frame.columns] + [
             c for c in frame.columns if c not in METRIC_COLUMNS
         ]
-        atomic_write_bytes(self.metrics_path, csv_bytes(frame[ordered]))
+        self.put(self.metrics_path, csv_bytes(frame[ordered]))
 
     def read_metrics(self) -> pd.DataFrame:
         if not self.metrics_path.is_file():
@@ -667,15 +910,15 @@ class RunDirectory:
         return pd.read_csv(self.metrics_path)
 
     def write_privacy(self, ledger: dict[str, Any]) -> None:
-        atomic_write_json(self.privacy_path, ledger)
+        self.put(self.privacy_path, json_bytes(ledger))
 
     def read_privacy(self) -> dict[str, Any] | None:
         """The privacy ledger, or None for a non-DP run."""
         return self.read_json(self.privacy_path) if self.privacy_path.is_file() else None
 
     def save_checkpoint(self, round_number: int, params: Mapping[str, torch.Tensor], state: dict[str, Any]) -> None:
-        save_tensors(self.checkpoint_path(round_number), params, {"round": str(round_number)})
-        atomic_write_json(self.checkpoint_state_path(round_number), state)
+        self.put(self.checkpoint_path(round_number), tensors_bytes(params, {"round": str(round_number)}))
+        self.put(self.checkpoint_state_path(round_number), json_bytes(state))
 
     def load_checkpoint(
         self, round_number: int, device: str | torch.device = "cpu"
@@ -689,7 +932,7 @@ class RunDirectory:
 
     def save_client_states(self, round_number: int, states: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
         flat = {f"client{k}/{name}": t for k, state in states.items() for name, t in state.items()}
-        save_tensors(self.client_states_path(round_number), flat, {"round": str(round_number)})
+        self.put(self.client_states_path(round_number), tensors_bytes(flat, {"round": str(round_number)}))
 
     def load_client_states(
         self, round_number: int, device: str | torch.device = "cpu"
@@ -710,7 +953,7 @@ class RunDirectory:
         return self.checkpoints_dir / f"round-{round_number:04d}-{suffix}.safetensors"
 
     def save_server_state(self, round_number: int, state: Mapping[str, torch.Tensor], *, kept: bool = False) -> None:
-        save_tensors(self.server_state_path(round_number, kept=kept), state, {"round": str(round_number)})
+        self.put(self.server_state_path(round_number, kept=kept), tensors_bytes(state, {"round": str(round_number)}))
 
     def load_server_state(
         self, round_number: int, device: str | torch.device = "cpu", *, kept: bool = False
@@ -721,7 +964,7 @@ class RunDirectory:
     def save_transmitted(self, round_number: int, client_id: int, payload: Mapping[str, torch.Tensor]) -> None:
         """What one client sent in one round, for audits of what crossed the wire."""
         path = self.transmitted_dir / f"round-{round_number:04d}" / f"client-{client_id:03d}.safetensors"
-        save_tensors(path, payload, {"round": str(round_number), "client": str(client_id)})
+        self.put(path, tensors_bytes(payload, {"round": str(round_number), "client": str(client_id)}))
 
     def queries_path(self, round_number: int) -> Path:
         return self.queries_dir / f"round-{round_number:04d}.safetensors"
@@ -729,7 +972,7 @@ class RunDirectory:
     def save_queries(self, round_number: int, logs: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
         """A canary run's query logs of one round (fedaudit.queries), by client, in one file."""
         flat = {f"client-{k:03d}/{name}": t for k, log in sorted(logs.items()) for name, t in log.items()}
-        save_tensors(self.queries_path(round_number), flat, {"round": str(round_number)})
+        self.put(self.queries_path(round_number), tensors_bytes(flat, {"round": str(round_number)}))
 
     def load_queries(self, round_number: int) -> dict[int, dict[str, torch.Tensor]]:
         """The query logs of one round by client; a round that wrote none is a :class:`RunError`."""
@@ -750,7 +993,7 @@ class RunDirectory:
         )
 
     def save_model(self, params: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-        save_tensors(self.model_path, params, metadata)
+        self.put(self.model_path, tensors_bytes(params, metadata))
 
     def model_spec(self) -> ModelSpec:
         """The architecture recorded in manifest.json's "model" entry, to rebuild the model without unpickling."""

@@ -86,16 +86,20 @@ def train_setup(
     setup: Setup, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
 ) -> TrainResult:
     """Train a new run from an already prepared (validated, calibrated) :class:`Setup`."""
-    run = RunDirectory(out)
-    run.prepare_new(overwrite)
-    run.write_config(setup.config.to_dict())
-    run.write_membership(setup.partition.to_arrays())
-    if setup.canaries is not None:
-        run.write_canaries(setup.canaries.to_arrays())
-    state = _TrainingState(params=_initial_params(setup), ledger=_new_ledger(setup.config))
-    manifest = _manifest(setup, rounds_done=0, created=now_iso())
-    run.write_manifest(manifest)
-    return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
+    run, locks = RunDirectory.start_new(out, overwrite)
+    try:
+        run.write_config(setup.config.to_dict())
+        run.write_membership(setup.partition.to_arrays())
+        if setup.canaries is not None:
+            run.write_canaries(setup.canaries.to_arrays())
+        state = _TrainingState(params=_initial_params(setup), ledger=_new_ledger(setup.config))
+        manifest = _manifest(setup, rounds_done=0, created=now_iso())
+        run.write_manifest(manifest)
+        return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
+    finally:
+        run.discard()  # a start that never committed a round leaves nothing
+        for lock in reversed(locks):
+            lock.release()
 
 
 def resume(
@@ -130,6 +134,23 @@ def resume(
         UserError: the directory is not a resumable run, or ``rounds`` cannot be honoured.
     """
     run = RunDirectory(run_dir)
+    run.read_manifest()  # a directory that is not a run is told so before it is locked
+    with run.lock("fedaudit train --resume"):
+        return _resume(run, rounds=rounds, device=device, settings=settings, progress=progress, echo=echo)
+
+
+def _resume(
+    run: RunDirectory,
+    *,
+    rounds: int | None,
+    device: str | None,
+    settings: Mapping[str, Any] | None,
+    progress: bool,
+    echo: Echo,
+) -> TrainResult:
+    remove_stale_temporaries(run.path)  # half-written files of the interrupted process
+    run.check_integrity("resume")
+    run.settle()
     manifest = run.read_manifest()
     config = run.read_run_config()
     done = manifest.rounds_done
@@ -152,7 +173,6 @@ def resume(
         raise RunError(
             f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed."
         )
-    remove_stale_temporaries(run.path)  # half-written files of the interrupted process
     run.write_config(setup.config.to_dict())
     state = _TrainingState(params=_initial_params(setup), ledger=_resumed_ledger(run, setup.config, done))
     if done > 0:
@@ -370,9 +390,10 @@ class _RoundLoop:
             state.states[k] = {**state.states.get(k, {}), **dealt}
         params = clone_params(result.params)
         if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+            kept = f"with {m} rounds kept" if m else "and nothing is kept"
             raise TrainingError(
                 f"Round {m + 1} diverged: the global model's weights are no longer finite (NaN or infinity), so "
-                f"training stops with {m} rounds kept; lower --lr (now {config.federated.client_lr:g}) or the local "
+                f"training stops {kept}; lower --lr (now {config.federated.client_lr:g}) or the local "
                 "epochs, then start again."
             )
         wall = time.perf_counter() - began
@@ -404,11 +425,20 @@ class _RoundLoop:
     def commit(self, outcome: _RoundOutcome, state: _TrainingState, manifest: Manifest) -> Manifest:
         """Write the round: checkpoint, client states, transmitted payloads, model, metrics, ledger, and the manifest
         last (the commit point a resume trusts)."""
-        run, config, number = self.run, self.setup.config, outcome.round
+        run = self.run
         assert run is not None, "a timed round is not committed"
         state.params, state.server_state, state.server_kept = outcome.params, outcome.server_state, outcome.server_kept
         state.rows.append(outcome.row)
         clients = [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in outcome.messages]
+        with run.staged():
+            manifest = self._write_round(outcome, state, manifest, clients)
+        return manifest
+
+    def _write_round(
+        self, outcome: _RoundOutcome, state: _TrainingState, manifest: Manifest, clients: list[dict[str, Any]]
+    ) -> Manifest:
+        run, config, number = self.run, self.setup.config, outcome.round
+        assert run is not None
         run.save_checkpoint(
             number,
             outcome.params,
@@ -457,6 +487,7 @@ def _run_rounds(
             ):
                 outcome = loop.compute(m, state)
                 manifest = loop.commit(outcome, state, manifest)
+                run.publish()  # a new run appears at --out with its first committed round
                 accuracy = outcome.row["test_accuracy"]
                 echo(_round_line(outcome.row, rounds, dp=state.ledger is not None, config=setup.config))
         except KeyboardInterrupt:

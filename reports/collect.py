@@ -240,6 +240,7 @@ class RunSummary:
     seedless_config: str = ""  # config.json without what differs between seeds of one setting (see group_key)
     test_records: int | None = None  # size of the test split the accuracy is measured on
     verification: Verification | None = None  # the conformance checks of `fedaudit verify`, if it ran
+    integrity: tuple[str, ...] = ()  # how the run's files or ledger differ from what fedaudit wrote (none: intact)
 
     @property
     def rounds_done(self) -> int:
@@ -358,6 +359,16 @@ def collect_run(path: Path) -> RunSummary:
     """Read one run directory: setup, utility, privacy ledger, attack results and transmitted synthetic sets."""
     run = RunDirectory(path)
     try:
+        run.read_manifest()
+        with run.lock("fedaudit report", shared=True):
+            return _collect_run(run, path)
+    except (RunError, AccountingError) as exc:
+        raise ReportError(f"{path}: {exc}" if isinstance(exc, AccountingError) else str(exc)) from exc
+
+
+def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
+    integrity = tuple(run.integrity_problems())
+    try:
         manifest = run.read_manifest()
         config = run.read_run_config()
         metrics = run.read_metrics()
@@ -397,6 +408,7 @@ def collect_run(path: Path) -> RunSummary:
         seedless_config(config.to_dict()),
         manifest.dataset.test_size,
         _verification(run, manifest.rounds_done),
+        integrity,
     )
 
 

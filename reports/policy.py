@@ -137,6 +137,10 @@ def load_policy(path: str | Path) -> Policy:
 def check_run(policy: Policy, run: RunSummary) -> list[Check]:
     """Check every limit of ``policy`` on ``run``; a value that is not available fails its limit."""
     checks = []
+    if run.integrity:
+        checks.append(
+            Check(run.name, "integrity", "the run's files are those fedaudit wrote", None, FAIL, run.integrity[0])
+        )
     for name, limit in policy.limits().items():
         requirement = LIMITS[name].format(
             limit=limit, delta="of the run" if policy.delta is None else f"{policy.delta:g}"

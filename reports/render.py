@@ -44,7 +44,7 @@ class ReportOutcome:
     written: tuple[Path, ...]
     checks: dict[str, list[Check]]
     verdict: str | None  # PASS, FAIL or INCONCLUSIVE (reports.policy.overall); None without a policy
-    broken: dict[str, str] = field(default_factory=dict)  # run -> why its DP implementation does not keep its promise
+    broken: dict[str, str] = field(default_factory=dict)  # run -> why it fails without a policy (files, DP promise)
 
 
 def output_paths(out: str | Path, formats: tuple[str, ...]) -> tuple[dict[str, Path], Path]:
@@ -272,10 +272,14 @@ def write_report(
         atomic_write_bytes(path, data)
     verdict = None if policy is None else overall([c for group in checks.values() for c in group])
     broken = {
-        run["run"].name: "; ".join(run["promise"]["failures"])
+        run["run"].name: "the DP implementation does not keep its promise: " + "; ".join(run["promise"]["failures"])
         for run in context["runs"]
         if run["promise"] is not None and run["promise"]["verdict"] == "FAIL"
     }
+    for run in context["runs"]:
+        if run["run"].integrity:
+            why = f"its files are not those fedaudit wrote: {'; '.join(run['run'].integrity)}"
+            broken[run["run"].name] = why + (f"; {broken[run['run'].name]}" if run["run"].name in broken else "")
     return ReportOutcome(tuple(rendered), checks, verdict, broken)
 
 

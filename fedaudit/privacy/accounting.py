@@ -708,6 +708,19 @@ class PrivacyLedger:
         """
         if rounds >= self.rounds:
             return self
+        return self._replay(rounds)
+
+    def replayed(self) -> PrivacyLedger:
+        """The ledger recomputed from its own history: every epsilon as the accountant gives it now (the stored ones
+        are kept as written by :meth:`from_dict`; an integrity check compares the two)."""
+        return self._replay(self.rounds)
+
+    @property
+    def client_epsilons(self) -> dict[int, float]:
+        """Epsilon spent by each client charged so far."""
+        return dict(self._client_epsilon)
+
+    def _replay(self, rounds: int) -> PrivacyLedger:
         replay = PrivacyLedger(
             accountant=self.accountant,
             delta=self.delta,

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_user_error, invoke, tree_digest
+from helpers import assert_user_error, invoke, rehash, tree_digest
 from sklearn.metrics import roc_auc_score
 
 from fedaudit.data import load_dataset
@@ -244,6 +244,11 @@ def _truncated_weights(run):
     (run / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
+def _rehashed(damage):
+    """The damage by a forger who also records the damaged files' hashes: the checks behind the hashes catch it."""
+    return lambda run: (damage(run), rehash(run))
+
+
 @pytest.mark.parametrize(
     ("damage", "mentions"),
     [
@@ -251,8 +256,10 @@ def _truncated_weights(run):
         (_remove("model.safetensors"), "model.safetensors"),
         (_remove("config.json"), "config.json"),
         (_format_version, "format"),
-        (_model_from_another_round, "resume"),
-        (_truncated_weights, "corrupt"),
+        (_model_from_another_round, "model.safetensors was changed"),
+        (_truncated_weights, "model.safetensors was changed"),
+        (_rehashed(_model_from_another_round), "resume"),
+        (_rehashed(_truncated_weights), "corrupt"),
         (_no_model_entry, '"model" entry'),
     ],
     ids=[
@@ -262,6 +269,8 @@ def _truncated_weights(run):
         "other-format",
         "model-ahead-of-manifest",
         "truncated-weights",
+        "model-ahead-of-manifest-rehashed",
+        "truncated-weights-rehashed",
         "no-model-entry",
     ],
 )
@@ -354,5 +363,7 @@ def test_a_model_with_nan_weights_is_refused_in_one_sentence(plain_run, tmp_path
     metadata = tensors_metadata(path)
     weights = {name: torch.full_like(t, float("nan")) for name, t in load_file(str(path)).items()}
     save_file(weights, str(path), metadata=metadata)
+    assert_user_error(cli("attack", run, "--no-progress"), mentions="model.safetensors was changed")
+    rehash(run)
     assert_user_error(cli("attack", run, "--no-progress"), mentions="non-finite")
     assert not (run / "attacks").exists()

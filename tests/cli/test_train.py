@@ -80,13 +80,16 @@ def test_resume_after_interrupt_between_the_round_files(tmp_path, monkeypatch, d
     assert read_json(out / "privacy.json") == read_json(dp_run / "privacy.json")
 
 
-def test_resume_interrupted_in_the_first_round(tmp_path, monkeypatch, plain_run, cli):
+def test_a_start_interrupted_in_the_first_round_leaves_nothing(tmp_path, monkeypatch, plain_run, cli):
+    """A new run appears at --out with its first committed round: interrupted before, it leaves nothing (not even
+    its temporary directory), so the same command again trains it from the start."""
     interrupt_in_round(monkeypatch, 1)
     out = tmp_path / "run"
     assert cli("train", *FAST_ARGS, "--rounds", "3", "--out", out).exit_code == 1
-    assert read_json(out / "manifest.json")["rounds_done"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert_user_error(cli("train", "--resume", out, "--no-progress"), mentions="not a directory")
     monkeypatch.undo()
-    assert cli("train", "--resume", out, "--no-progress").exit_code == 0
+    assert cli("train", *FAST_ARGS, "--rounds", "3", "--out", out).exit_code == 0
     assert (out / "model.safetensors").read_bytes() == (plain_run / "model.safetensors").read_bytes()
 
 
@@ -406,5 +409,8 @@ def test_a_diverging_run_stops_with_one_sentence_and_keeps_its_rounds(tmp_path, 
         cli("train", *FAST_ARGS, "--rounds", "3", "--lr", "1e20", "--out", out), mentions="diverged"
     )
     assert "--lr" in line
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "failed" and manifest["rounds_done"] < 3
+    if "nothing is kept" in line:  # diverged in its first round: a new run that never committed leaves nothing
+        assert list(tmp_path.iterdir()) == []
+    else:
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["status"] == "failed" and manifest["rounds_done"] < 3

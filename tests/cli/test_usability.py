@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import FAST_ARGS, tree_digest
+from helpers import FAST_ARGS, assert_user_error, tree_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,10 +111,13 @@ def test_resume_removes_temporary_files_left_by_a_kill(tmp_path, plain_run, cli)
     shutil.copytree(plain_run, out)
     before = tree_digest(out)
     stale = [out / ".model.safetensors.k1ll3d_x.tmp", out / "checkpoints" / ".round-0003.safetensors.x9abcdef.tmp"]
-    kept = [out / ".notes.tmp", out / "attacks" / "loss-threshold" / ".scores.csv.a1b2c3d4.tmp"]
+    kept = [out / "attacks" / "loss-threshold" / ".scores.csv.a1b2c3d4.tmp"]
     for path in stale + kept:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half a file")
+    (out / ".notes.tmp").write_text("not a temporary of fedaudit's, nor a file the run wrote")
+    assert_user_error(cli("train", "--resume", out, "--no-progress"), mentions=".notes.tmp was not written by fedaudit")
+    (out / ".notes.tmp").unlink()
     result = cli("train", "--resume", out, "--no-progress")
     assert result.exit_code == 0, result.output
     assert not any(path.exists() for path in stale)

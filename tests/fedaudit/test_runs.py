@@ -42,7 +42,7 @@ from fedaudit.runs import (
     tensors_metadata,
 )
 
-FILE_TAGS = ("format", "format_version", "updated")  # written by write_manifest around Manifest.to_dict()
+FILE_TAGS = ("format", "format_version", "updated", "files")  # written by write_manifest around Manifest.to_dict()
 
 
 def one_sentence(message: str) -> None:
