@@ -543,6 +543,7 @@ class RunDirectory:
         self._staged: dict[Path, bytes | None] | None = None  # a commit being gathered (None: a deletion)
         self._staged_manifest: Manifest | None = None
         self.destination: Path | None = None  # where a run built under a temporary name goes once it has a round
+        self._pending: dict[str, str | None] = {}  # hashes of a commit under way: kept if it is interrupted
 
     config_path = property(lambda self: self.path / "config.json")
     manifest_path = property(lambda self: self.path / "manifest.json")
@@ -716,7 +717,7 @@ class RunDirectory:
         if self._staged is not None:
             self._staged_manifest = manifest
             return
-        self._write_manifest_document(manifest.to_dict(), self._hashes(), None)
+        self._write_manifest_document(manifest.to_dict(), self._hashes(), self._pending)
 
     def _write_manifest_document(
         self, entries: Mapping[str, Any], files: Mapping[str, str], pending: Mapping[str, str | None] | None
@@ -728,12 +729,13 @@ class RunDirectory:
         atomic_write_json(self.manifest_path, document)
 
     def _hashes(self) -> dict[str, str]:
-        """The committed hashes: this object's, or manifest.json's when it has not written any yet."""
+        """The committed hashes: this object's, or manifest.json's when it has not written any yet, with an
+        interrupted commit's files taken as they are (every writer checks the run's integrity before it writes)."""
         if self._files is None:
             self._files = {}
             if self.manifest_path.is_file():
                 recorded = integrity.read_hashes(self.read_json(self.manifest_path))
-                self._files = recorded[0] if recorded else {}
+                self._files = integrity.settled(self.path, *recorded) if recorded else {}
         return self._files
 
     def _relative(self, path: Path) -> str:
@@ -780,8 +782,8 @@ class RunDirectory:
             entries = {
                 k: v for k, v in current.items() if k not in ("format", "format_version", "updated", "files", "pending")
             }
-            if new:
-                self._write_manifest_document(entries, files, new)
+            self._pending = {**self._pending, **new}
+            self._write_manifest_document(entries, files, self._pending)
         for path, data in contents.items():
             if data is None:
                 path.unlink(missing_ok=True)
@@ -792,6 +794,7 @@ class RunDirectory:
                 files.pop(relative, None)
             else:
                 files[relative] = value
+        self._pending = {}
         if manifest is not None:
             self._write_manifest_document(manifest.to_dict(), files, None)
         elif exists:

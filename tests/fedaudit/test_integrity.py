@@ -1,0 +1,324 @@
+"""Tamper evidence of a run directory: every file fedaudit wrote is hashed, every edit is caught and named, a ledger
+whose numbers contradict its events or its configuration is caught even when the forger re-records the hashes, and
+correct runs (complete, interrupted at any write, attacked, verified, extended) are never flagged.
+
+The hashes the tests re-record (``rehash``) and the edits they make are written here with hashlib, sharing nothing
+with fedaudit.integrity."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import FAST_ARGS, assert_user_error, invoke, read_json, rehash, tree_digest
+
+import fedaudit.runs as runs
+from fedaudit.runs import RunDirectory
+
+# A DP-FedAvg canary run that keeps what crossed the wire: every kind of file a run writes.
+FULL = ("--dp", "--rounds", "2", "--canaries", "200", "--save-transmitted")
+
+
+@pytest.fixture(scope="module")
+def full_run(trained) -> Path:
+    return trained(*FULL)
+
+
+def copy(run: Path, tmp_path: Path, name: str = "run") -> Path:
+    return Path(shutil.copytree(run, tmp_path / name))
+
+
+def written_files(run: Path) -> list[str]:
+    """Every file of the run but the manifest and the lock, relative."""
+    return sorted(
+        p.relative_to(run).as_posix()
+        for p in run.rglob("*")
+        if p.is_file() and p.name not in ("manifest.json", ".fedaudit.lock")
+    )
+
+
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_correct_run_checks_and_records_every_file(full_run):
+    manifest = read_json(full_run / "manifest.json")
+    assert sorted(manifest["files"]) == written_files(full_run)
+    assert "pending" not in manifest
+    assert RunDirectory(full_run).integrity_problems() == []
+    kinds = {name.split("/")[0] for name in manifest["files"]}
+    assert {"config.json", "privacy.json", "checkpoints", "transmitted", "queries", "canaries.npz"} <= kinds
+
+
+@pytest.mark.parametrize("edit", ["flip", "append", "truncate", "delete"])
+def test_every_file_edited_in_turn_is_caught_and_named(full_run, tmp_path, edit):
+    run = copy(full_run, tmp_path)
+    for name in written_files(full_run):
+        path = run / name
+        original = path.read_bytes()
+        if edit == "flip":
+            flip_middle_byte(path)
+        elif edit == "append":
+            path.write_bytes(original + b" ")
+        elif edit == "truncate":
+            path.write_bytes(original[: len(original) - 1])
+        else:
+            path.unlink()
+        problems = RunDirectory(run).integrity_problems()
+        assert problems and problems[0].startswith(name), (name, problems)
+        path.write_bytes(original)
+    assert RunDirectory(run).integrity_problems() == []
+
+
+def test_an_added_file_is_caught(full_run, tmp_path):
+    run = copy(full_run, tmp_path)
+    forged = run / "attacks" / "loss-threshold" / "metrics.json"
+    forged.parent.mkdir(parents=True)
+    forged.write_text(json.dumps({"auc": 0.5}))
+    assert RunDirectory(run).integrity_problems() == [
+        "attacks/loss-threshold/metrics.json was not written by fedaudit (manifest.json does not record it)"
+    ]
+
+
+def _edited_ledger(run: Path) -> None:
+    """The issue's forgery: the last epsilon of the ledger lowered to 0.2, its events left as they were."""
+    ledger = read_json(run / "privacy.json")
+    ledger["epsilon_per_round"][-1] = 0.2
+    (run / "privacy.json").write_text(json.dumps(ledger, indent=2))
+
+
+def _edited_sigma(run: Path) -> None:
+    config = read_json(run / "config.json")
+    config["privacy"]["noise_multiplier"] = 0.3
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _edited_client_epsilon(run: Path) -> None:
+    ledger = read_json(run / "privacy.json")
+    for entry in ledger["per_client"].values():
+        entry["epsilon"] = entry["epsilon"] / 3
+    (run / "privacy.json").write_text(json.dumps(ledger, indent=2))
+
+
+@pytest.mark.parametrize(
+    ("forge", "file", "what"),
+    [
+        (_edited_ledger, "privacy.json", "its own events give"),
+        (_edited_sigma, "config.json", "config.json says 0.3"),
+        (_edited_client_epsilon, "privacy.json", "its own events give"),
+    ],
+    ids=["epsilon-per-round", "config-sigma", "per-client-epsilon"],
+)
+@pytest.mark.parametrize("rehashed", [False, True], ids=["naive", "hashes-recorded"])
+def test_a_forged_ledger_fails_the_report_and_is_not_resumed(dp_run, tmp_path, forge, file, what, rehashed):
+    run = copy(dp_run, tmp_path)
+    forge(run)
+    if rehashed:
+        rehash(run)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_epsilon: 1000\n")
+    report = invoke("report", run, "--out", tmp_path / "report", "--format", "md", "--policy", policy)
+    assert report.exit_code == 1, report.output
+    assert "Policy: FAIL" in report.output and "integrity FAIL" in report.output
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "Are the files those fedaudit wrote? **FAIL**" in markdown
+    expected = what if rehashed else "was changed after fedaudit wrote it"
+    assert expected in markdown
+    before = tree_digest(run)
+    line = assert_user_error(invoke("train", "--resume", run, "--no-progress"), mentions=expected)
+    assert line.startswith(f"Error: Refusing to resume {run}: ")
+    assert_user_error(invoke("attack", run, "--no-progress"), mentions=expected)
+    assert tree_digest(run) == before
+    if not rehashed:
+        assert file in line
+
+
+def test_without_a_policy_a_tampered_run_fails_the_report(dp_run, tmp_path):
+    run = copy(dp_run, tmp_path)
+    _edited_ledger(run)
+    rehash(run)
+    result = invoke("report", run, "--out", tmp_path / "out.md")
+    assert result.exit_code == 1
+    assert "FAIL: its files are not those fedaudit wrote: privacy.json says epsilon 0.2 after round 3" in result.output
+
+
+def test_verify_fails_a_tampered_run_and_writes_nothing_into_it(full_run, tmp_path):
+    run = copy(full_run, tmp_path)
+    flip_middle_byte(run / "queries" / "round-0002.safetensors")
+    before = tree_digest(run)
+    result = invoke("verify", run)
+    assert result.exit_code == 1
+    assert "FAIL integrity: queries/round-0002.safetensors was changed after fedaudit wrote it" in result.output
+    assert "conformance not checked" in result.output
+    assert tree_digest(run) == before
+
+
+def test_attacking_verifying_and_extending_a_run_keep_it_checked(full_run, tmp_path):
+    run = copy(full_run, tmp_path)
+    assert invoke("attack", run, "--no-progress").exit_code == 0
+    assert invoke("verify", run).exit_code == 0
+    assert invoke("train", "--resume", run, "--rounds", "3", "--no-progress").exit_code == 0
+    assert RunDirectory(run).integrity_problems() == []
+    assert sorted(read_json(run / "manifest.json")["files"]) == written_files(run)
+
+
+class _Killed(BaseException):
+    """A crash inside a write: nothing after it runs (not even the interrupted-status write, as with kill -9)."""
+
+
+WRITES = 24  # a three-round DP run: config, membership and manifest at start-up, 7 per round (2 of them the manifest)
+
+
+@pytest.mark.parametrize("write", range(WRITES + 1))
+def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(trained, tmp_path, monkeypatch, write):
+    """Crash at the k-th file write of a run (files and manifests alike), then give the same command again (a new
+    run that never committed a round left nothing) or resume: the run checks at every point and ends byte for byte
+    like an uninterrupted one, with no stray file."""
+    reference = trained("--dp", "--rounds", "3")
+    run = tmp_path / "run"
+    real = runs.atomic_write_bytes
+    calls = {"n": 0}
+
+    def crashing(path: Path, data: bytes) -> None:
+        if calls["n"] == write:
+            raise _Killed
+        calls["n"] += 1
+        real(path, data)
+
+    monkeypatch.setattr(runs, "atomic_write_bytes", crashing)
+    if write == WRITES:  # no crash: every write of the run was a crash point above
+        assert invoke("train", *FAST_ARGS, "--dp", "--rounds", "3", "--out", run).exit_code == 0
+        assert calls["n"] == WRITES
+        return
+    with pytest.raises(_Killed):
+        invoke("train", *FAST_ARGS, "--dp", "--rounds", "3", "--out", run)
+    monkeypatch.undo()
+    if run.exists():
+        assert RunDirectory(run).integrity_problems() == []
+        result = invoke("train", "--resume", run, "--no-progress")
+    else:
+        result = invoke("train", *FAST_ARGS, "--dp", "--rounds", "3", "--out", run)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    for name in ("model.safetensors", "privacy.json", "checkpoints/round-0003.safetensors"):
+        assert (run / name).read_bytes() == (reference / name).read_bytes()
+    assert RunDirectory(run).integrity_problems() == []
+    assert not [p for p in run.rglob("*.tmp")]
+
+
+# ------------------------------------------------------------------------------------------------------ signing
+
+
+def _keys(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    private, public = tmp_path / f"{name}.pem", tmp_path / f"{name}.pub.pem"
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return private, public
+
+
+def test_a_signed_run_verifies_with_its_key_only_and_not_once_a_file_is_forged(plain_run, tmp_path):
+    run = copy(plain_run, tmp_path)
+    private, public = _keys(tmp_path, "site")
+    _, other = _keys(tmp_path, "other")
+    assert invoke("sign", run, "--key", private).exit_code == 0
+    ok = invoke("verify", run, "--public-key", public)
+    assert ok.exit_code == 0, ok.output
+    assert "PASS signature" in ok.output and "conformance not checked" in ok.output
+    wrong = invoke("verify", run, "--public-key", other)
+    assert wrong.exit_code == 1 and "made with another key" in wrong.output
+    assert invoke("attack", run, "--no-progress").exit_code == 0
+    later = invoke("verify", run, "--public-key", public)
+    assert later.exit_code == 0 and "not signed (written after signing): attacks/" in later.output
+    metrics = run / "metrics.csv"
+    metrics.write_text(metrics.read_text().replace("0.", "0.9", 1))
+    rehash(run)  # a forger who re-records the hashes cannot re-sign
+    forged = invoke("verify", run, "--public-key", public)
+    assert forged.exit_code == 1 and "FAIL signature: metrics.csv changed after the run was signed" in forged.output
+    signature = json.loads((run / "signature.json").read_text())
+    signature["manifest"]["rounds_done"] = 1
+    (run / "signature.json").write_text(json.dumps(signature))
+    assert "does not verify" in invoke("verify", run, "--public-key", public).output
+
+
+def test_signing_refuses_a_tampered_run_and_bad_keys(plain_run, tmp_path):
+    run = copy(plain_run, tmp_path)
+    (tmp_path / "junk.pem").write_text("not a key")
+    assert_user_error(invoke("sign", run, "--key", tmp_path / "junk.pem"), mentions="junk.pem")
+    assert_user_error(invoke("sign", run, "--key", tmp_path / "missing.pem"), mentions="missing.pem")
+    private, public = _keys(tmp_path, "site")
+    assert_user_error(invoke("verify", run, "--public-key", private), mentions="not a PEM public key")
+    flip_middle_byte(run / "model.safetensors")
+    assert_user_error(invoke("sign", run, "--key", private), mentions="model.safetensors was changed")
+    assert not (run / "signature.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- the one-writer lock
+
+
+def test_a_second_writer_is_told_who_holds_the_run(plain_run, tmp_path):
+    run = copy(plain_run, tmp_path)
+    held = RunDirectory(run).lock("fedaudit train --resume")
+    try:
+        before = tree_digest(run)
+        for args in (
+            ("train", "--resume", run, "--no-progress"),
+            ("attack", run, "--no-progress"),
+            ("verify", run),
+            ("report", run, "--out", tmp_path),
+        ):
+            line = assert_user_error(invoke(*args))
+            assert f"in use by pid {os.getpid()} (fedaudit train --resume)" in line, line
+        overwrite = invoke("train", *FAST_ARGS, "--out", run, "--overwrite")
+        assert f"in use by pid {os.getpid()}" in assert_user_error(overwrite)
+        assert tree_digest(run) == before
+    finally:
+        held.release()
+    assert invoke("attack", run, "--no-progress").exit_code == 0
+
+
+def test_an_unfinished_run_is_attacked_only_at_a_finished_round(plain_run, tmp_path):
+    run = copy(plain_run, tmp_path)
+    manifest = read_json(run / "manifest.json")
+    manifest.update(status="interrupted", rounds_done=2)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert_user_error(invoke("attack", run, "--no-progress"), mentions="--target round:2")
+
+
+# --------------------------------------------------------------------------------------------------- start-up
+
+
+def test_a_half_made_run_of_an_older_version_is_named_and_overwritten(plain_run, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(plain_run / "config.json", out / "config.json")
+    assert_user_error(invoke("train", *FAST_ARGS, "--rounds", "3", "--out", out), mentions="start was interrupted")
+    assert_user_error(invoke("train", "--resume", out, "--no-progress"), mentions="start was interrupted")
+    result = invoke("train", *FAST_ARGS, "--rounds", "3", "--out", out, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert (out / "model.safetensors").read_bytes() == (plain_run / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_leftovers_of_a_killed_start_are_cleared_by_the_next(plain_run, tmp_path):
+    out = tmp_path / "run"
+    leftover = tmp_path / ".run.partial-abc123"
+    leftover.mkdir()
+    (leftover / "config.json").write_text("{}")
+    (tmp_path / ".run.replaced-99").mkdir()
+    result = invoke("train", *FAST_ARGS, "--rounds", "3", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (out / "model.safetensors").read_bytes() == (plain_run / "model.safetensors").read_bytes()
