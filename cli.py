@@ -309,6 +309,11 @@ def main() -> None:
     help="Store what every client sent each round under transmitted/.",
 )
 @click.option(
+    "--keep-checkpoints",
+    type=int,
+    help="Keep only the last N rounds' checkpoints (resume stays exact from the last). [default: every round's]",
+)
+@click.option(
     "--equal-data-access",
     is_flag=True,
     help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.",
@@ -415,7 +420,7 @@ def train(
     else:
         if out is None and not equal_data_access:
             raise TrainingError("--out is required: the directory the run is written to.")
-        config = load_config_file(config_file) if config_file else RunConfig()
+        config = load_config_file(config_file, validate=False) if config_file else RunConfig()
         if config.privacy.calibrated:
             # A config.json of a --target-epsilon run: its sigma was calibrated for that run's rounds, rates and
             # budget. An explicit --noise-multiplier replaces the budget; otherwise sigma is calibrated afresh
@@ -423,6 +428,7 @@ def train(
             forget = {"target_epsilon": None} if "noise_multiplier" in given else {"noise_multiplier": None}
             config = replace(config, privacy=replace(config.privacy, calibrated=False, **forget))
         config = config.with_overrides({option_field(name): options[name] for name in options})
+        config.validate()  # the file and the options together: an option may complete what the file leaves open
         if equal_data_access:
             for line in data_access(config).lines():
                 click.echo(line)
@@ -725,15 +731,18 @@ def sign(run_dirs: tuple[str, ...], key: str) -> None:
     "min_accuracy, max_audit_ratio, max_failed_conformance_checks); exit code "
     "1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
 )
+@click.option("--overwrite", is_flag=True, help="Replace an existing report (and its summaries) at --out.")
 @user_errors
-def report(run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None) -> None:
+def report(
+    run_dirs: tuple[str, ...], out: str, formats: tuple[str, ...], policy_file: str | None, overwrite: bool
+) -> None:
     """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict.
 
     HTML, Markdown or PDF; how to read each number and how policies are judged: docs/audit.md.
     """
     from fedaudit.reports import build_report
 
-    _finish_report(build_report(run_dirs, out=out, formats=formats, policy_file=policy_file))
+    _finish_report(build_report(run_dirs, out=out, formats=formats, policy_file=policy_file, overwrite=overwrite))
 
 
 def _finish_report(outcome: Any) -> None:

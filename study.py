@@ -343,7 +343,7 @@ def run_study(
         raise StudyError(
             f"--out {folder} names a report file, but a study needs a directory (the report goes inside it)."
         )
-    output_paths(folder, study.formats)
+    output_paths(folder, study.formats, folder_only=True)
     policy = load_policy(study.policy) if study.policy else None
     setups = [prepare(run.config) for run in planned]
     target = parse_target(study.attack.target)
@@ -380,7 +380,7 @@ def run_study(
                 say(f"removed attack results the study no longer asks for: {', '.join(stale)}")
             bar.update()
             directories.append(directory)
-    return write_report(collect_runs(directories), folder, study.formats, policy)
+    return write_report(collect_runs(directories), folder, study.formats, policy, folder_only=True)
 
 
 def _say(echo: Echo, prefix: str, line: str) -> None:

@@ -248,6 +248,7 @@ class RunConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
     save_transmitted: bool = False
+    keep_checkpoints: int | None = None  # the last N rounds' checkpoints are kept; None: every round's
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/YAML serialisable)."""
@@ -494,6 +495,16 @@ class RunConfig:
             f"--depth must be a non-negative integer, got {m.depth!r}.",
         )
         _check(_is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
+        _check(f.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {f.rounds:,}.")
+        _check(
+            self.keep_checkpoints is None or (_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1),
+            f"--keep-checkpoints must be a positive integer, got {self.keep_checkpoints!r}.",
+        )
+        _check(
+            self.keep_checkpoints is None or not self.audit.canaries,
+            "--keep-checkpoints cannot be used with --canaries: the canary audit reads the model every round began "
+            "from.",
+        )
         _check(
             _is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
             f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.",
@@ -633,8 +644,9 @@ def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
     )
 
 
-def load_config_file(path: str | Path) -> RunConfig:
-    """Read a YAML or JSON configuration file (nested sections, as config.json writes them)."""
+def load_config_file(path: str | Path, *, validate: bool = True) -> RunConfig:
+    """Read a YAML or JSON configuration file (nested sections, as config.json writes them); with ``validate=False``
+    only its structure is checked, so that command-line overrides are applied before the values are judged."""
     path = Path(path)
     is_json = path.suffix.lower() == ".json"
     try:
@@ -650,7 +662,8 @@ def load_config_file(path: str | Path) -> RunConfig:
     if data is None:
         data = {}
     config = RunConfig.from_dict(data)
-    config.validate()
+    if validate:
+        config.validate()
     return config
 
 
@@ -692,6 +705,9 @@ def _host_port(address: Any) -> bool:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+MAX_ROUNDS = 100_000  # more is a typo, not a study: every round keeps a checkpoint unless --keep-checkpoints
 
 
 def _is_int(value: Any) -> bool:

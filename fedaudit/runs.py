@@ -929,6 +929,17 @@ class RunDirectory:
         params = load_tensors(self.checkpoint_path(round_number), device)
         return params, self.read_json(self.checkpoint_state_path(round_number))
 
+    def checkpoint_files(self, round_number: int) -> list[Path]:
+        """Every file of round ``round_number``'s checkpoint that exists (weights, state, clients', server's)."""
+        paths = [
+            self.checkpoint_path(round_number),
+            self.checkpoint_state_path(round_number),
+            self.client_states_path(round_number),
+            self.server_state_path(round_number),
+            self.server_state_path(round_number, kept=True),
+        ]
+        return [p for p in paths if p.is_file()]
+
     def client_states_path(self, round_number: int) -> Path:
         """What clients keep between rounds (e.g. FedLAP synthetic sets), saved with the checkpoint."""
         return self.checkpoints_dir / f"round-{round_number:04d}-clients.safetensors"
@@ -1027,6 +1038,12 @@ class RunDirectory:
         expected = model.state_dict()
         if set(tensors) != set(expected) or any(tensors[k].shape != v.shape for k, v in expected.items()):
             raise RunError(f"The weights in {path} do not fit the {spec.arch} model described in {self.manifest_path}.")
+        odd = next((k for k, v in expected.items() if tensors[k].dtype != v.dtype), None)
+        if odd is not None:
+            raise RunError(
+                f"The weights in {path} are {str(tensors[odd].dtype).removeprefix('torch.')} ({odd}) but fedaudit "
+                f"trains {str(expected[odd].dtype).removeprefix('torch.')} models; they were not written by fedaudit."
+            )
         model.load_state_dict(tensors)
         model.eval()
         return model

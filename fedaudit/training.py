@@ -455,6 +455,8 @@ class _RoundLoop:
                 run.save_transmitted(number, msg.client_id, msg.payload)
         if self.setup.canaries is not None:
             run.save_queries(number, {msg.client_id: msg.audit for msg in outcome.messages})
+        if config.keep_checkpoints is not None and number > config.keep_checkpoints:
+            run.remove(run.checkpoint_files(number - config.keep_checkpoints))
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         run.write_metrics(state.rows)
         if state.ledger is not None:

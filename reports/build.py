@@ -16,6 +16,7 @@ def build_report(
     out: str | Path,
     formats: Sequence[str] = (),
     policy_file: str | Path | None = None,
+    overwrite: bool = False,
 ) -> ReportOutcome:
     """Write the report of ``run_dirs`` to ``out`` (``fedaudit report``).
 
@@ -24,6 +25,7 @@ def build_report(
         out: a report file (.html, .md, .pdf) or a folder that receives ``report.<format>``.
         formats: html, md and/or pdf; by default the suffix of ``out``, else html.
         policy_file: YAML limits to judge every run against (docs/audit.md).
+        overwrite: replace an existing report and its summaries at ``out``.
 
     Returns:
         What was written, and the policy's checks and overall verdict (PASS, FAIL or INCONCLUSIVE).
@@ -32,7 +34,7 @@ def build_report(
         ReportError: bad input, raised before anything is written.
     """
     chosen = tuple(f.lower() for f in formats)
-    output_paths(out, chosen)
+    output_paths(out, chosen, overwrite=overwrite)
     policy = load_policy(policy_file) if policy_file is not None else None
     runs = collect_runs(list(run_dirs))
     return write_report(runs, out, chosen, policy)

@@ -240,8 +240,21 @@ def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
             )
         results.append((verdict, value, detail))
     if not results:
-        return None, FAIL, "not available: no attack results with an AUC interval"
+        return None, FAIL, "not available: no attack results with an AUC interval" + _stale(run)
     return _worst(results)
+
+
+def _stale(run: RunSummary) -> str:
+    """Why a run's attack results do not count, when they were made on an earlier final model (the run was attacked,
+    then trained further): the rounds they saw and the command that brings them up to date."""
+    earlier = sorted({a.round for a in run.attacks if a.round is not None and a.round < run.rounds_done})
+    if not earlier or run.final_attacks:
+        return ""
+    seen = ", ".join(map(str, earlier))
+    return (
+        f" on its final model: the results under attacks/ are of round {seen}, and the run has {run.rounds_done} "
+        f"rounds now; run `fedaudit attack {run.path}` again"
+    )
 
 
 def _rate_verdict(rate: LowFprRate, limit: float, where: str) -> tuple[str, float | None, str]:
@@ -266,7 +279,7 @@ def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
         _rate_verdict(a.tpr_at_0_1pct_fpr, limit, a.label) for a in run.final_attacks if a.tpr_at_0_1pct_fpr is not None
     ]
     if not results:
-        return None, FAIL, "not available: no attack results with TPR at 0.1% FPR"
+        return None, FAIL, "not available: no attack results with TPR at 0.1% FPR" + _stale(run)
     return _worst(results)
 
 
@@ -278,7 +291,7 @@ def _tpr_per_client(policy: Policy, run: RunSummary, limit: float) -> tuple[floa
         for client, rate in a.client_rates(0.01).items()
     ]
     if not results:
-        return None, FAIL, "not available: no attack results with per-client TPR (re-run fedaudit attack)"
+        return None, FAIL, "not available: no attack results with per-client TPR (re-run fedaudit attack)" + _stale(run)
     return _worst(results)
 
 

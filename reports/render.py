@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import pandas as pd
@@ -31,7 +31,7 @@ from fedaudit.reports.summary import (
     summary_json,
     summary_rows,
 )
-from fedaudit.runs import atomic_write_bytes, csv_bytes, now_iso
+from fedaudit.runs import RUN_FORMAT, atomic_write_bytes, csv_bytes, now_iso
 
 FORMATS = ("html", "md", "pdf")
 SUFFIXES = {f".{name}": name for name in FORMATS}
@@ -47,25 +47,65 @@ class ReportOutcome:
     broken: dict[str, str] = field(default_factory=dict)  # run -> why it fails without a policy (files, DP promise)
 
 
-def output_paths(out: str | Path, formats: tuple[str, ...]) -> tuple[dict[str, Path], Path]:
-    """Report files by format and the folder of summary.csv/json.
+SUMMARIES = ("summary.csv", "groups.csv", "summary.json")  # written beside every report
 
-    ``--out report.html`` names the report (other formats get the same stem beside it);
-    an ``--out`` without a report suffix is a folder that receives report.<format>.
+
+def output_paths(
+    out: str | Path, formats: tuple[str, ...], *, overwrite: bool = True, folder_only: bool = False
+) -> tuple[dict[str, Path], Path]:
+    """Report files by format and the folder of summary.csv/json, checked before anything is computed.
+
+    ``--out report.html`` names the report (other formats of ``--format`` get the same stem beside it; the suffix's
+    own format must be among them); an ``--out`` without a suffix, or an existing folder, is a folder that receives
+    report.<format>. Anything else (an empty path, another suffix, a folder inside a run directory, and without
+    ``overwrite`` an existing report or summary) is a :class:`ReportError`. With ``folder_only`` (a study's
+    directory), ``out`` is a folder whatever its name.
     """
+    if not str(out).strip():
+        raise ReportError("--out must name a report file (.html, .md or .pdf) or a folder, not an empty path.")
     path = Path(out)
     for name in formats:
         if name not in FORMATS:
             raise ReportError(f"Unknown --format {name!r}; choose from {', '.join(FORMATS)}.")
-    if path.suffix.lower() in SUFFIXES:
-        chosen = formats or (SUFFIXES[path.suffix.lower()],)
+    suffix = path.suffix.lower()
+    if folder_only:
+        suffix = ""
+    if suffix in SUFFIXES and not path.is_dir():
+        if formats and SUFFIXES[suffix] not in formats:
+            raise ReportError(
+                f"--out {out} names a {SUFFIXES[suffix]} report but --format asks for {', '.join(formats)}; give --out "
+                "a folder, or a file with one of those suffixes."
+            )
+        chosen = formats or (SUFFIXES[suffix],)
         folder, stem = path.parent, path.stem
+    elif suffix and not path.is_dir():
+        raise ReportError(f"--out {out} is neither a folder nor a report file ending in .html, .md or .pdf.")
     else:
         chosen = formats or ("html",)
         folder, stem = path, "report"
     if folder.exists() and not folder.is_dir():
         raise ReportError(f"--out {out}: {folder} exists and is not a directory.")
-    return {name: folder / f"{stem}.{name}" for name in dict.fromkeys(chosen)}, folder
+    run = _inside_run(folder)
+    if run is not None:
+        raise ReportError(f"--out {out} is inside the run directory {run}; write reports outside runs.")
+    targets = {name: folder / f"{stem}.{name}" for name in dict.fromkeys(chosen)}
+    existing = [p for p in (*targets.values(), *(folder / s for s in SUMMARIES)) if p.exists()]
+    if existing and not overwrite:
+        raise ReportError(f"--out {out}: {existing[0]} already exists; pass --overwrite to replace the report.")
+    return targets, folder
+
+
+def _inside_run(folder: Path) -> Path | None:
+    """The run directory that ``folder`` is or lies in, if any (its manifest.json carries fedaudit's format tag)."""
+    for candidate in (folder.resolve(), *folder.resolve().parents):
+        manifest = candidate / "manifest.json"
+        if manifest.is_file():
+            try:
+                if json.loads(manifest.read_text(encoding="utf-8")).get("format") == RUN_FORMAT:
+                    return candidate
+            except (OSError, ValueError, AttributeError):
+                continue
+    return None
 
 
 def _b64(data: bytes) -> str:
@@ -204,10 +244,21 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
     return {"verdict": verdict, "checks": checks, "views": views, "failures": failures, "unchecked": unchecked}
 
 
-def _environment() -> Environment:
+def md_text(value: Any) -> Any:
+    """A value as Markdown text that cannot open an HTML tag (a run named ``<script>`` stays text): ``<`` and ``>``
+    become entities, which Markdown shows as the characters. Idempotent, so a macro's output passes unchanged."""
+    if isinstance(value, PurePath):
+        value = str(value)
+    return value.replace("<", "&lt;").replace(">", "&gt;") if isinstance(value, str) else value
+
+
+def _environment(*, markdown: bool = False) -> Environment:
+    """The templates' environment: HTML autoescaped; Markdown (``markdown``) with every printed value through
+    :func:`md_text`."""
     env = Environment(
         loader=PackageLoader("fedaudit.reports", "templates"),
         autoescape=select_autoescape(["html", "txt"]),
+        finalize=md_text if markdown else None,
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -250,10 +301,15 @@ def build_context(
 
 
 def write_report(
-    runs: list[RunSummary], out: str | Path, formats: tuple[str, ...], policy: Policy | None
+    runs: list[RunSummary],
+    out: str | Path,
+    formats: tuple[str, ...],
+    policy: Policy | None,
+    *,
+    folder_only: bool = False,
 ) -> ReportOutcome:
     """Render and write the requested formats plus summary.csv, groups.csv and summary.json (each file atomically)."""
-    targets, folder = output_paths(out, formats)
+    targets, folder = output_paths(out, formats, folder_only=folder_only)  # overwrite: checked before runs were read
     created = now_iso()
     context, checks, rows, groups = build_context(runs, policy, created, draw=bool({"html", "pdf"} & set(targets)))
     env = _environment()
@@ -261,7 +317,7 @@ def write_report(
     rendered: dict[Path, bytes] = {}
     for name, path in targets.items():
         if name == "md":
-            rendered[path] = env.get_template("report.md").render(**context).encode("utf-8")
+            rendered[path] = _environment(markdown=True).get_template("report.md").render(**context).encode("utf-8")
         else:
             rendered[path] = html.encode("utf-8") if name == "html" else _pdf(html)
     rendered[folder / "summary.csv"] = csv_bytes(rows)

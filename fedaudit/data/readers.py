@@ -92,9 +92,24 @@ def _parse_idx_header(path: PathLike, head: bytes) -> tuple[np.dtype[Any], tuple
 
 
 def read_idx_shape(path: PathLike) -> tuple[int, ...]:
-    """Return the shape recorded in an IDX file's header without reading its data."""
+    """Return the shape recorded in an IDX file's header, checked against the size of its data (streamed, not kept),
+    so a truncated file is not reported with the size its header promises."""
     head = _read_all(path, limit=4 + 4 * 255)
-    return _parse_idx_header(path, head)[1]
+    dtype, shape, header_len = _parse_idx_header(path, head)
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    actual = -header_len
+    with open_maybe_gzip(path) as handle:
+        try:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                actual += len(chunk)
+        except _DECOMPRESS_ERRORS as exc:
+            raise DataError(f"{path} is not a valid gzip file ({exc}); delete it and get it again.") from exc
+    if actual != expected:
+        raise DataError(
+            f"{path} has the wrong size ({actual} data bytes where its header promises {expected}); "
+            "the file is truncated or corrupt, delete it and get it again."
+        )
+    return shape
 
 
 def read_idx(path: PathLike, *, ndim: int | None = None) -> np.ndarray:

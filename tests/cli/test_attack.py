@@ -244,6 +244,16 @@ def _truncated_weights(run):
     (run / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
+def _float64_weights(run):
+    from safetensors.torch import load_file, save_file
+
+    from fedaudit.runs import tensors_metadata
+
+    path = run / "model.safetensors"
+    metadata = tensors_metadata(path)
+    save_file({k: t.double() for k, t in load_file(str(path)).items()}, str(path), metadata=metadata)
+
+
 def _rehashed(damage):
     """The damage by a forger who also records the damaged files' hashes: the checks behind the hashes catch it."""
     return lambda run: (damage(run), rehash(run))
@@ -260,6 +270,7 @@ def _rehashed(damage):
         (_truncated_weights, "model.safetensors was changed"),
         (_rehashed(_model_from_another_round), "resume"),
         (_rehashed(_truncated_weights), "corrupt"),
+        (_rehashed(_float64_weights), "are float64"),
         (_no_model_entry, '"model" entry'),
     ],
     ids=[
@@ -271,6 +282,7 @@ def _rehashed(damage):
         "truncated-weights",
         "model-ahead-of-manifest-rehashed",
         "truncated-weights-rehashed",
+        "float64-weights-rehashed",
         "no-model-entry",
     ],
 )

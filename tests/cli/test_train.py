@@ -414,3 +414,13 @@ def test_a_diverging_run_stops_with_one_sentence_and_keeps_its_rounds(tmp_path, 
     else:
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["status"] == "failed" and manifest["rounds_done"] < 3
+
+
+def test_options_complete_a_configuration_file_before_it_is_validated(tmp_path, cli):
+    """A file that sets sigma and the option that turns DP on: valid together, so it trains (the file alone is not)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("privacy:\n  noise_multiplier: 2\n")
+    result = cli("train", *FAST_ARGS, "--rounds", "1", "--dp", "--config", config, "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert read_json(tmp_path / "run" / "config.json")["privacy"]["noise_multiplier"] == 2
+    assert_user_error(cli("train", *FAST_ARGS, "--config", config, "--out", tmp_path / "other"))

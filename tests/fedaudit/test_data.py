@@ -661,3 +661,14 @@ def test_classes_client_can_end_up_empty() -> None:
 
 def test_partition_errors_are_data_errors() -> None:
     assert issubclass(PartitionError, DataError) and issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
+def test_the_size_of_an_idx_file_is_checked_against_its_header(tmp_path: Path, gz: bool) -> None:
+    """A truncated file whose header promises a million records is not reported as a million records."""
+    images = write_idx(tmp_path / "images", np.zeros((10, 28, 28), dtype=np.uint8), gz=gz)
+    data = gzip.decompress(images.read_bytes()) if gz else images.read_bytes()
+    data = data[:4] + struct.pack(">I", 1_000_000) + data[8:]
+    images.write_bytes(gzip.compress(data) if gz else data)
+    with pytest.raises(DataError, match="header promises 784000000"):
+        read_idx_shape(images)

@@ -322,3 +322,30 @@ def test_leftovers_of_a_killed_start_are_cleared_by_the_next(plain_run, tmp_path
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert (out / "model.safetensors").read_bytes() == (plain_run / "model.safetensors").read_bytes()
+
+
+def test_keep_checkpoints_keeps_the_last_rounds_and_resumes_exactly(trained, tmp_path):
+    constant = ("--dp", "--lr-schedule", "constant")  # with the cosine schedule the horizon changes the steps
+    reference = trained(*constant, "--rounds", "3")
+    run = tmp_path / "run"
+    result = invoke("train", *FAST_ARGS, *constant, "--rounds", "2", "--keep-checkpoints", "1", "--out", run)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0002.json", "round-0002.safetensors"]
+    assert RunDirectory(run).integrity_problems() == []
+    assert invoke("train", "--resume", run, "--rounds", "3", "--no-progress").exit_code == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0003.json", "round-0003.safetensors"]
+    assert (run / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert RunDirectory(run).integrity_problems() == []
+    assert_user_error(invoke("attack", run, "--target", "round:2", "--no-progress"), mentions="saved rounds: 3")
+
+
+def test_results_of_an_earlier_final_model_are_named_when_a_policy_needs_them(trained, tmp_path):
+    run = copy(trained("--rounds", "2"), tmp_path)
+    assert invoke("attack", run, "--no-progress").exit_code == 0
+    assert invoke("train", "--resume", run, "--rounds", "3", "--no-progress").exit_code == 0
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_attack_auc: 0.9\n")
+    result = invoke("report", run, "--out", tmp_path / "report.md", "--policy", policy)
+    assert result.exit_code == 1
+    markdown = (tmp_path / "report.md").read_text()
+    assert "the results under attacks/ are of round 2, and the run has 3 rounds now" in markdown

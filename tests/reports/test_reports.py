@@ -684,3 +684,25 @@ def test_a_study_that_cannot_tell_dp_from_no_dp_says_so_and_how_many_records_wou
     assert f"about {math.ceil((1.96 / 0.02) ** 2 / 6)} members" in sentence and "(these attacks had 300)" in sentence
     leaky = rows.assign(attack_auc_simultaneous_ci_low=[0.45, 0.51])
     assert not any("cannot tell" in s for s in findings(leaky, groups))
+
+
+def test_a_report_is_replaced_only_with_overwrite(plain_run, tmp_path):
+    out = tmp_path / "r.md"
+    assert invoke("report", plain_run, "--out", out).exit_code == 0
+    out.write_text("kept")
+    result = invoke("report", plain_run, "--out", out)
+    assert result.exit_code == 2 and "pass --overwrite" in result.stderr
+    assert out.read_text() == "kept"
+    assert invoke("report", plain_run, "--out", out, "--overwrite").exit_code == 0
+    assert out.read_text().startswith("# ")
+
+
+def test_markup_in_names_and_sources_stays_text_in_markdown(plain_run, tmp_path):
+    """A run directory named with HTML, and a dataset source with a pipe and a tag, cannot inject markup or break a
+    table row of the Markdown report."""
+    run = tmp_path / "<img src=x onerror=alert(1)>"
+    shutil.copytree(plain_run, run)
+    out = tmp_path / "r.md"
+    assert invoke("report", run, "--out", out).exit_code == 0
+    markdown = out.read_text()
+    assert "<img" not in markdown and "&lt;img src=x onerror=alert(1)&gt;" in markdown

@@ -1,0 +1,275 @@
+"""Bad input, table-driven, through the real command line: every case must exit 2 with exactly one sentence on
+stderr (no traceback, no usage dump) and write nothing: neither into the working folder nor into the runs it names.
+
+The cases are what users get wrong: out-of-range and malformed option values for every command, contradictory
+options, damaged or foreign files where a run, a policy, a study, a configuration or a key is expected, and output
+paths that would overwrite or land inside a run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import FAST_ARGS, assert_user_error, invoke, tree_digest
+
+# train: option -> values that must be refused (each with the fast base arguments and a fresh --out)
+TRAIN_VALUES: dict[str, tuple[str, ...]] = {
+    "--rounds": ("0", "-1", "1.5", "abc", "100001"),
+    "--num-clients": ("0", "-3", "x", "1.5"),
+    "--client-fraction": ("0", "1.5", "-0.1", "nan", "x"),
+    "--local-epochs": ("0", "-1", "x"),
+    "--lr": ("-1", "0", "nan", "inf", "x"),
+    "--batch-size": ("0", "-1", "x"),
+    "--width": ("0", "-1", "x"),
+    "--depth": ("-1", "x"),
+    "--holdout-fraction": ("-0.1", "1", "1.5", "nan"),
+    "--seed": ("-1", "x", "1e3"),
+    "--server-lr": ("0", "-1", "nan"),
+    "--momentum": ("-0.5", "x"),
+    "--keep-checkpoints": ("0", "-1", "x"),
+    "--partition": ("classes:0", "dirichlet:-1", "foo", "classes:x", "dirichlet:"),
+    "--dataset": ("nope", "", "mnist2"),
+    "--model": ("resnet", ""),
+    "--algorithm": ("fedfoo", ""),
+    "--device": ("tpu", ""),
+    "--engine": ("spark",),
+    "--accountant": ("moments",),
+    "--parallel-clients": ("0", "-2"),
+    "--canaries": ("-1", "x"),
+}
+# train --dp: the mechanism's values
+DP_VALUES: dict[str, tuple[str, ...]] = {
+    "--noise-multiplier": ("-1", "nan", "x", "inf"),
+    "--max-grad-norm": ("0", "-1", "inf", "nan"),
+    "--delta": ("0", "1", "1.5", "-1", "nan"),
+    "--target-epsilon": ("0", "-1", "nan", "x"),
+}
+# FedLAP's own settings
+FEDLAP_VALUES: dict[str, tuple[str, ...]] = {
+    "--ipc": ("0", "-1"),
+    "--radius": ("0", "-1", "nan"),
+    "--image-lr": ("0", "-1"),
+    "--max-loops": ("0", "-1"),
+    "--real-batches": ("0",),
+    "--image-steps": ("0",),
+    "--server-batch-size": ("0",),
+    "--server-epochs": ("0",),
+}
+# the other algorithms' settings, each with its algorithm
+ALGORITHM_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("fedprox", "--mu"): ("-1", "nan", "x"),
+    ("feddm", "--dm-ipc"): ("0", "-1"),
+    ("feddm", "--dm-iterations"): ("0",),
+    ("feddm", "--dm-lr"): ("0", "-1"),
+    ("feddm", "--dm-batch"): ("0",),
+    ("fedgm", "--distill-ipc"): ("0",),
+    ("fedgm", "--distill-steps"): ("0",),
+    ("fedgm", "--distill-lr"): ("0", "-1"),
+    ("fedssyn", "--generator-epochs"): ("0", "-1"),
+    ("fedssyn", "--generator-lr"): ("0", "-1"),
+}
+TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
+    ("--canaries", "10"),  # canaries need --dp
+    ("--dp", "--canaries", "10", "--keep-checkpoints", "1"),
+    ("--dp", "--noise-multiplier", "1", "--target-epsilon", "2"),
+    ("--resume", "RUN", "--lr", "0.1"),
+    ("--resume", "RUN", "--out", "OTHER"),
+    ("--resume", "NOWHERE"),
+    ("--out", "RUN"),  # exists: --resume or --overwrite
+    ("--out", "FOREIGN", "--overwrite"),  # not a run
+    ("--out", "FILE"),  # a file, not a directory
+    ("--out", ""),
+    ("--config", "NOWHERE"),
+    ("--config", "BADYAML"),
+    ("--config", "UNKNOWNKEY"),
+    ("--config", "WRONGTYPE"),
+    ("--config", "TAGGED"),
+    ("--engine", "deployment"),  # no --superlink
+)
+ATTACK_CASES: tuple[tuple[str, ...], ...] = (
+    ("attack", "RUN", "--signal", "entropy"),
+    ("attack", "RUN", "--signal", ""),
+    ("attack", "RUN", "--method", "likelihood"),
+    ("attack", "RUN", "--target", "round:9"),
+    ("attack", "RUN", "--target", "round:0"),
+    ("attack", "RUN", "--target", "round:-1"),
+    ("attack", "RUN", "--target", "garbage"),
+    ("attack", "RUN", "--nonmembers", "train"),
+    ("attack", "RUN", "--max-records", "1"),
+    ("attack", "RUN", "--max-records", "-5"),
+    ("attack", "RUN", "--seed", "-1"),
+    ("attack", "RUN", "--bootstrap", "0"),
+    ("attack", "RUN", "--bootstrap", "-1"),
+    ("attack", "RUN", "--method", "canary"),  # a run without DP or canaries
+    ("attack", "RUN", "--method", "rmia", "--references", "0"),
+    ("attack", "RUN", "--method", "lira", "--references", "3", "--online"),
+    ("attack", "NOWHERE"),
+    ("attack", "FOREIGN"),
+    ("attack", "FILE"),
+    ("attack", "TAMPERED"),
+    ("attack", "FORGED_LEDGER"),
+    ("attack", "RUN", "--device", "tpu"),
+)
+REPORT_CASES: tuple[tuple[str, ...], ...] = (
+    ("report", "RUN", "--out", ""),
+    ("report", "RUN", "--out", "OUT/x.csv"),
+    ("report", "RUN", "--out", "RUN"),
+    ("report", "RUN", "--out", "RUN/reports"),
+    ("report", "RUN", "--out", "EXISTING/report.html"),
+    ("report", "RUN", "--out", "EXISTING"),
+    ("report", "RUN", "--out", "OUT/r.html", "--format", "pdf"),
+    ("report", "RUN", "--out", "OUT", "--format", "docx"),
+    ("report", "RUN", "--out", "FILE/r.html"),
+    ("report", "NOWHERE", "--out", "OUT"),
+    ("report", "FOREIGN", "--out", "OUT"),
+    ("report", "RUN", "--out", "OUT", "--policy", "NOWHERE"),
+    ("report", "RUN", "--out", "OUT", "--policy", "BADYAML"),
+)
+POLICIES: tuple[str, ...] = (
+    "max_attack_auc: 2",
+    "max_attack_auc: 0.4",
+    "max_attack_auc: x",
+    "delta: 1.5",
+    "delta: 0",
+    "max_epsilon: -1",
+    "max_epsilon: 0",
+    "max_epsilon: .nan",
+    "max_tpr_at_0_1pct_fpr: 1.5",
+    "max_tpr_at_1pct_fpr_per_client: -0.1",
+    "min_accuracy: 2",
+    "max_audit_ratio: -1",
+    "max_failed_conformance_checks: -1",
+    "unknown_limit: 1",
+    "delta: 0.00001",  # no limit at all
+    "[1, 2]",
+    "",
+    "max_epsilon: !!python/object/apply:os.system ['echo pwned']",
+)
+EPSILON_CASES: tuple[tuple[str, ...], ...] = (
+    ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0", "--steps", "10"),
+    ("epsilon", "--noise-multiplier", "1", "--sample-rate", "1.5", "--steps", "10"),
+    ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "0"),
+    ("epsilon", "--noise-multiplier", "-1", "--sample-rate", "0.1", "--steps", "10"),
+    ("epsilon", "--noise-multiplier", "1", "--sample-rate", "x", "--steps", "10"),
+    ("epsilon", "--noise-multiplier", "1", "--steps", "10"),
+    ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "10", "--delta", "1"),
+    ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "10", "--rounds", "0"),
+)
+OTHER_CASES: tuple[tuple[str, ...], ...] = (
+    ("verify", "NOWHERE"),
+    ("verify", "FOREIGN"),
+    ("verify", "RUN"),  # no DP, no canaries
+    ("verify", "RUN", "--public-key", "NOWHERE"),
+    ("verify", "RUN", "--public-key", "BADYAML"),
+    ("sign", "RUN", "--key", "NOWHERE"),
+    ("sign", "RUN", "--key", "BADYAML"),
+    ("sign", "TAMPERED", "--key", "KEY"),
+    ("sign", "NOWHERE", "--key", "KEY"),
+    ("compare", "--out", "OUT/s", "--budget", "eps:x"),
+    ("compare", "--out", "OUT/s", "--budget", "eps:-1"),
+    ("compare", "--out", "OUT/s", "--algorithm", "fedfoo"),
+    ("compare", "--out", "OUT/s", "--seeds", "0"),
+    ("compare", "--out", "OUT/s.html"),
+    ("compare", "--out", "FOREIGN"),
+    ("compare", "--study", "NOWHERE", "--out", "OUT/s"),
+    ("compare", "--study", "BADYAML", "--out", "OUT/s"),
+    ("datasets", "--data-dir", "FILE"),
+    ("nonsense-command",),
+    ("train", "--no-such-option"),
+)
+
+
+def _cases() -> list[tuple[str, ...]]:
+    cases: list[tuple[str, ...]] = []
+    for option, values in TRAIN_VALUES.items():
+        cases += [("train", *FAST_ARGS, option, value, "--out", "OUT/run") for value in values]
+    for option, values in DP_VALUES.items():
+        cases += [("train", *FAST_ARGS, "--dp", option, value, "--out", "OUT/run") for value in values]
+    for option, values in FEDLAP_VALUES.items():
+        cases += [("train", *FAST_ARGS, "--algorithm", "fedlap", option, v, "--out", "OUT/run") for v in values]
+    for (algorithm, option), values in ALGORITHM_VALUES.items():
+        cases += [("train", *FAST_ARGS, "--algorithm", algorithm, option, v, "--out", "OUT/run") for v in values]
+    cases += [("train", *FAST_ARGS, *args) if "--resume" not in args else ("train", *args) for args in TRAIN_CONFLICTS]
+    cases += [*ATTACK_CASES, *REPORT_CASES, *EPSILON_CASES, *OTHER_CASES]
+    cases += [("report", "RUN", "--out", "OUT", "--policy", f"POLICY{i}") for i in range(len(POLICIES))]
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_table_has_more_than_200_cases():
+    assert len(CASES) > 200
+
+
+@pytest.fixture(scope="module")
+def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
+    """Named paths the cases refer to: a run, a tampered copy, a forged ledger, foreign folders and files."""
+    import json
+
+    from helpers import rehash
+
+    root = tmp_path_factory.mktemp("bad")
+    run = Path(shutil.copytree(plain_run, root / "run"))
+    tampered = Path(shutil.copytree(plain_run, root / "tampered"))
+    (tampered / "metrics.csv").write_text("round,test_accuracy\n1,0.99\n")
+    dp = invoke("train", *FAST_ARGS, "--dp", "--rounds", "2", "--out", root / "forged")
+    assert dp.exit_code == 0, dp.output
+    ledger = json.loads((root / "forged" / "privacy.json").read_text())
+    ledger["epsilon_per_round"][-1] = 0.2
+    (root / "forged" / "privacy.json").write_text(json.dumps(ledger))
+    rehash(root / "forged")
+    foreign = root / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (root / "file").write_text("a file")
+    (root / "existing").mkdir()
+    (root / "existing" / "report.html").write_text("an earlier report")
+    (root / "bad.yaml").write_text("a: [unclosed")
+    (root / "unknown.yaml").write_text("no_such_section: 1\n")
+    (root / "wrongtype.yaml").write_text("federated:\n  rounds: many\n")
+    (root / "tagged.yaml").write_text("seed: !!python/object/apply:os.system ['echo pwned']\n")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    (root / "key.pem").write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    names = {
+        "RUN": run,
+        "TAMPERED": tampered,
+        "FORGED_LEDGER": root / "forged",
+        "FOREIGN": foreign,
+        "FILE": root / "file",
+        "EXISTING": root / "existing",
+        "BADYAML": root / "bad.yaml",
+        "UNKNOWNKEY": root / "unknown.yaml",
+        "WRONGTYPE": root / "wrongtype.yaml",
+        "TAGGED": root / "tagged.yaml",
+        "KEY": root / "key.pem",
+        "NOWHERE": root / "nowhere",
+        "OTHER": root / "other",
+        "OUT": root / "out",
+    }
+    for i, text in enumerate(POLICIES):
+        (root / f"policy{i}.yaml").write_text(text + "\n")
+        names[f"POLICY{i}"] = root / f"policy{i}.yaml"
+    return names
+
+
+def _resolve(arg: str, names: dict[str, Path]) -> str:
+    head, _, rest = arg.partition("/")
+    if head in names:
+        return str(names[head] / rest) if rest else str(names[head])
+    return arg
+
+
+@pytest.mark.parametrize("case", CASES, ids=[" ".join(c).replace(" ".join(FAST_ARGS), "FAST") for c in CASES])
+def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(workspace, case):
+    root = workspace["RUN"].parent
+    before = tree_digest(root)
+    assert_user_error(invoke(*(_resolve(a, workspace) for a in case)))
+    assert tree_digest(root) == before
