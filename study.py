@@ -30,11 +30,12 @@ from tqdm.auto import tqdm
 from fedaudit.attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
 from fedaudit.config import ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
+from fedaudit.integrity import RunLock
 from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.reports.collect import collect_runs
-from fedaudit.reports.policy import load_policy, read_yaml
+from fedaudit.reports.policy import Policy, load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
-from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso
+from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso, remove_stale_temporaries
 from fedaudit.setup import Setup, data_access, prepare
 from fedaudit.training import resume, time_first_round, train_setup
 
@@ -361,7 +362,29 @@ def run_study(
             f"{CONFIRM_SECONDS // 60} minutes: run it again with --yes to start it, or make it smaller (fewer "
             "algorithms, budgets, seeds or rounds)."
         )
-    _claim(folder, study, [run.name for run in planned])
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StudyError(f"Cannot create the study directory {folder}: {exc.strerror or exc}.") from exc
+    with RunLock(folder, "fedaudit compare"):
+        remove_stale_temporaries(folder, ("",))  # what an interrupted compare left beside study.json
+        _claim(folder, study, [run.name for run in planned])
+        return _carry_out(folder, study, planned, setups, actions, attack, policy, progress=progress, echo=echo)
+
+
+def _carry_out(
+    folder: Path,
+    study: Study,
+    planned: list[PlannedRun],
+    setups: list[Setup],
+    actions: list[str],
+    attack: AttackOptions,
+    policy: Policy | None,
+    *,
+    progress: bool,
+    echo: Echo,
+) -> ReportOutcome:
+    """Train, attack and report every run of a checked study (under the study's lock)."""
     directories = []
     with tqdm(total=2 * len(planned), desc="study", unit="step", disable=not progress) as bar:
         for index, (run, setup, action) in enumerate(zip(planned, setups, actions), start=1):

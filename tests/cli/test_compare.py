@@ -453,3 +453,18 @@ def test_durations_are_said_in_the_unit_a_reader_expects():
     assert [_duration(s) for s in (0.4, 119, 120, 1630, 7199, 7200, 10080)] == [
         "0 s", "119 s", "2 min", "27 min", "120 min", "2.0 h", "2.8 h",
     ]  # fmt: skip
+
+
+def test_a_study_being_run_refuses_a_second_compare_naming_its_pid(study, tmp_path):
+    import os
+
+    from fedaudit.integrity import RunLock
+
+    study_file, original, _ = study
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    (out / ".study.json.abcd1234.tmp").write_text("half of study.json")  # what an interrupted compare leaves
+    with RunLock(out, "fedaudit compare"):
+        line = assert_user_error(compare("--study", study_file, "--out", out))
+        assert f"in use by pid {os.getpid()} (fedaudit compare)" in line
+    assert compare("--study", study_file, "--out", out).exit_code == 0
+    assert not list(out.glob("*.tmp"))

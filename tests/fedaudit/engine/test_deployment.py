@@ -89,6 +89,8 @@ def test_missing_sites_and_bad_connections_are_one_sentence(tmp_path, cli, feder
     other = make_tls_files(wrong_ca)["ca"]
     bad = (*BASE, "--engine", "flower", "--superlink", federation.address, "--root-certificates", str(other))
     assert "Cannot use the SuperLink" in assert_user_error(cli("train", *bad, "--out", tmp_path / "b"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # a failed deployment creates nothing
+    assert not list(tmp_path.glob(".*.partial-*"))
 
 
 @pytest.mark.parametrize(
