@@ -141,7 +141,13 @@ def main() -> None:
 @click.option(
     "--accountant", type=click.Choice(list(ACCOUNTANTS)), help=f"{ACCOUNTANT_HELP}. [default: {DEFAULT_ACCOUNTANT}]"
 )
-@click.option("--dataset", help="digits, mnist, fashion-mnist or cifar10. [default: digits]")
+@click.option(
+    "--dataset",
+    help="digits, mnist, fashion-mnist, cifar10, or your own data: npz:PATH (arrays x, y [, x_test, y_test]), "
+    "csv:PATH (with --label-column) or folder:DIR (a sub-folder of images per class). [default: digits]",
+)
+@click.option("--label-column", help="--dataset csv:PATH: the column holding each record's class.")
+@click.option("--image-size", type=int, help="--dataset folder:DIR: square size images are resized to. [default: 32]")
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False),
@@ -935,13 +941,24 @@ compare.params.extend(param for param in train.params if param.name in COMPARE_B
 
 
 @main.command()
+@click.argument("own", nargs=-1, metavar="[npz:PATH | csv:PATH | folder:DIR]...")
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Also look in this directory.")
+@click.option("--label-column", help="csv:PATH: the column holding each record's class.")
+@click.option("--image-size", type=int, help="folder:DIR: square size images are resized to. [default: 32]")
 @user_errors
-def datasets(data_dir: str | None) -> None:
-    """List the datasets fedaudit reads, where each was found, and its size."""
+def datasets(own: tuple[str, ...], data_dir: str | None, label_column: str | None, image_size: int | None) -> None:
+    """List the datasets fedaudit reads, where each was found, and its size; with your own data (npz:, csv:,
+    folder:), read it as train would and show its sizes, shape, classes and fingerprint."""
     from fedaudit.data import dataset_table, dataset_text
+    from fedaudit.data.user import user_dataset_row
 
-    click.echo(dataset_text(dataset_table(data_dir)))
+    table = dataset_table(data_dir)
+    if own:
+        import pandas as pd
+
+        rows = [user_dataset_row(name, label_column=label_column, image_size=image_size) for name in own]
+        table = pd.concat([table, pd.DataFrame(rows)], ignore_index=True).astype({"train": "Int64", "test": "Int64"})
+    click.echo(dataset_text(table))
 
 
 for _command in main.commands.values():

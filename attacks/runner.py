@@ -204,7 +204,13 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
             f"--target round:{done}."
         )
     partition = Partition.from_arrays(run.read_membership())
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=False)
+    dataset = load_dataset(
+        config.data.dataset,
+        config.data.data_dir,
+        download=False,
+        label_column=config.data.label_column,
+        image_size=config.data.image_size,
+    )
     run.check_dataset(dataset)
     largest = max(int(idx.max(initial=-1)) for idx in (*partition.clients, partition.holdout))
     if largest >= len(dataset.train_y):

@@ -49,6 +49,8 @@ class DataConfig:
     partition: str = "classes:2"
     num_clients: int = 5
     holdout_fraction: float = 0.1
+    label_column: str | None = None  # --dataset csv:PATH: the column holding each record's class
+    image_size: int | None = None  # --dataset folder:DIR: images are resized to this square size (default 32)
 
 
 @dataclass(frozen=True)
@@ -482,6 +484,14 @@ class RunConfig:
         for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
         _check(d.data_dir is None or isinstance(d.data_dir, str), f"--data-dir must be a path, got {d.data_dir!r}.")
+        _check(
+            d.label_column is None or (isinstance(d.label_column, str) and d.label_column != ""),
+            f"--label-column must name a column, got {d.label_column!r}.",
+        )
+        _check(
+            d.image_size is None or (_is_int(d.image_size) and 1 <= d.image_size <= 512),
+            f"--image-size must be an integer from 1 to 512, got {d.image_size!r}.",
+        )
         _check(
             _is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}."
         )

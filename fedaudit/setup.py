@@ -86,7 +86,13 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
     if missing:
         raise TrainingError(missing)
     if dataset is None:
-        dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
+        dataset = load_dataset(
+            config.data.dataset,
+            config.data.data_dir,
+            download=config.data.download,
+            label_column=config.data.label_column,
+            image_size=config.data.image_size,
+        )
     partition = _partition(config, dataset)
     if config.model.depth is None:
         config = replace(
@@ -249,7 +255,13 @@ def data_access(config: RunConfig, *, algorithm: str | None = None) -> DataAcces
     if algorithm is not None and algorithm != config.federated.algorithm:
         config = replace(config, federated=replace(config.federated, algorithm=algorithm, local_steps=None))
     config = config.resolved()
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, download=config.data.download)
+    dataset = load_dataset(
+        config.data.dataset,
+        config.data.data_dir,
+        download=config.data.download,
+        label_column=config.data.label_column,
+        image_size=config.data.image_size,
+    )
     partition = _partition(config, dataset)
     sizes = [len(idx) for idx in partition.clients]
     built = get_algorithm(config)

@@ -299,7 +299,7 @@ def _download(spec: _Spec, data_dir: str | os.PathLike[str] | None) -> None:
         ) from exc
 
 
-def _fingerprint(arrays: list[np.ndarray]) -> str:
+def fingerprint_arrays(arrays: list[np.ndarray]) -> str:
     """SHA-256 of the raw arrays in a machine-independent encoding (dtype, shape, little-endian bytes)."""
     digest = hashlib.sha256()
     for array in arrays:
@@ -367,11 +367,19 @@ def _read_cifar10(spec: _Spec, directory: Path) -> tuple[np.ndarray, np.ndarray,
     return train_x, train_y, test_x, test_y, str(directory)
 
 
-def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:
+def load_dataset(
+    name: str,
+    data_dir: str | None = None,
+    download: bool = False,
+    *,
+    label_column: str | None = None,
+    image_size: int | None = None,
+) -> Dataset:
     """Load a dataset by name, normalised, with its fixed train/test split.
 
     Args:
-        name: one of :data:`DATASET_NAMES`.
+        name: one of :data:`DATASET_NAMES`, or the user's own data: ``npz:PATH``, ``csv:PATH`` or ``folder:DIR``
+            (:mod:`fedaudit.data.user`; ``label_column`` and ``image_size`` are theirs).
         data_dir: where to look (see :func:`locate_dataset`); also where
             ``download`` puts files.
         download: if the files are not found, fetch them with torchvision
@@ -385,6 +393,29 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
         >>> ds.input_shape, ds.num_classes
         ((1, 8, 8), 10)
     """
+    from fedaudit.data.user import is_user_dataset, read_user_dataset, standardise
+
+    if is_user_dataset(name):
+        if data_dir is not None or download:
+            raise DataError(
+                "--data-dir and --download are for the built-in datasets, not --dataset npz:, csv:, folder:."
+            )
+        train_x, train_y, test_x, test_y, source, fingerprint = read_user_dataset(
+            name, label_column=label_column, image_size=image_size
+        )
+        train, test = standardise(train_x, test_x)
+        return Dataset(
+            name=str(name).strip(),
+            train_x=train,
+            train_y=torch.from_numpy(train_y),
+            test_x=test,
+            test_y=torch.from_numpy(test_y),
+            num_classes=int(train_y.max()) + 1,
+            source=source,
+            fingerprint=fingerprint,
+        )
+    if label_column is not None or image_size is not None:
+        raise DataError("--label-column and --image-size are for --dataset csv:PATH and folder:DIR only.")
     spec = _spec(name)
     if not spec.files:
         raw = _read_digits()
@@ -406,7 +437,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
         test_y=torch.from_numpy(np.ascontiguousarray(test_y, dtype=np.int64)),
         num_classes=spec.num_classes,
         source=source,
-        fingerprint=_fingerprint([train_x, train_y, test_x, test_y]),
+        fingerprint=fingerprint_arrays([train_x, train_y, test_x, test_y]),
     )
 
 

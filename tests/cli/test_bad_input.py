@@ -87,6 +87,28 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--config", "TAGGED"),
     ("--engine", "deployment"),  # no --superlink
 )
+# your own data: --dataset KIND:NAME with a malformed file
+OWN_DATA: tuple[tuple[str, ...], ...] = (
+    ("--dataset", "npz:PICKLED"),
+    ("--dataset", "npz:RAGGED"),
+    ("--dataset", "npz:NOWHERE"),
+    ("--dataset", "npz:FILE"),
+    ("--dataset", "npz:NO_Y"),
+    ("--dataset", "npz:FRACTIONAL_LABELS"),
+    ("--dataset", "csv:CSV"),  # no --label-column
+    ("--dataset", "csv:CSV", "--label-column", "nope"),
+    ("--dataset", "csv:TEXT_CSV", "--label-column", "label"),
+    ("--dataset", "csv:NOWHERE", "--label-column", "label"),
+    ("--dataset", "folder:EMPTY_CLASS"),
+    ("--dataset", "folder:BROKEN_IMAGE"),
+    ("--dataset", "folder:NOWHERE"),
+    ("--dataset", "folder:FOREIGN"),
+    ("--dataset", "npz:"),
+    ("--dataset", "npz:GOOD", "--label-column", "label"),
+    ("--dataset", "npz:GOOD", "--image-size", "16"),
+    ("--dataset", "folder:EMPTY_CLASS", "--image-size", "0"),
+    ("--dataset", "npz:GOOD", "--data-dir", "FOREIGN"),
+)
 ATTACK_CASES: tuple[tuple[str, ...], ...] = (
     ("attack", "RUN", "--signal", "entropy"),
     ("attack", "RUN", "--signal", ""),
@@ -191,6 +213,9 @@ def _cases() -> list[tuple[str, ...]]:
     for (algorithm, option), values in ALGORITHM_VALUES.items():
         cases += [("train", *FAST_ARGS, "--algorithm", algorithm, option, v, "--out", "OUT/run") for v in values]
     cases += [("train", *FAST_ARGS, *args) if "--resume" not in args else ("train", *args) for args in TRAIN_CONFLICTS]
+    own = [a for a in FAST_ARGS if a not in ("--dataset", "digits")]
+    cases += [("train", *own, *args, "--out", "OUT/run") for args in OWN_DATA]
+    cases += [("datasets", *(a for a in args if a != "--data-dir" and a != "FOREIGN")) for args in OWN_DATA[:6]]
     cases += [*ATTACK_CASES, *REPORT_CASES, *EPSILON_CASES, *OTHER_CASES]
     cases += [("report", "RUN", "--out", "OUT", "--policy", f"POLICY{i}") for i in range(len(POLICIES))]
     return cases
@@ -238,7 +263,36 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
     )
+    import numpy as np
+    from PIL import Image
+
+    evil = np.empty(2, dtype=object)
+    evil[:] = [{"a": 1}, {"b": 2}]
+    np.savez(root / "pickled.npz", x=evil, y=np.array([0, 1]))
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.zeros(3), np.zeros(4)]
+    np.savez(root / "ragged.npz", x=ragged, y=np.array([0, 1]))
+    np.savez(root / "no_y.npz", x=np.zeros((20, 4)))
+    np.savez(root / "fractional.npz", x=np.zeros((20, 4)), y=np.full(20, 0.5))
+    np.savez(root / "good.npz", x=np.random.default_rng(0).random((60, 4)), y=np.arange(60) % 2)
+    (root / "records.csv").write_text("a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(40)))
+    (root / "text.csv").write_text("a,b,label\n" + "".join(f"x{i},{i},{i % 2}\n" for i in range(40)))
+    for folder, broken in (("empty_class", False), ("broken_image", True)):
+        for name in ("cat", "dog"):
+            (root / folder / name).mkdir(parents=True)
+        Image.fromarray(np.zeros((4, 4), dtype=np.uint8)).save(root / folder / "cat" / "0.png")
+        if broken:
+            (root / folder / "dog" / "0.png").write_bytes(b"not a png")
     names = {
+        "PICKLED": root / "pickled.npz",
+        "RAGGED": root / "ragged.npz",
+        "NO_Y": root / "no_y.npz",
+        "FRACTIONAL_LABELS": root / "fractional.npz",
+        "GOOD": root / "good.npz",
+        "CSV": root / "records.csv",
+        "TEXT_CSV": root / "text.csv",
+        "EMPTY_CLASS": root / "empty_class",
+        "BROKEN_IMAGE": root / "broken_image",
         "RUN": run,
         "TAMPERED": tampered,
         "FORGED_LEDGER": root / "forged",
@@ -261,6 +315,9 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
 
 
 def _resolve(arg: str, names: dict[str, Path]) -> str:
+    kind, colon, name = arg.partition(":")
+    if colon and kind in ("npz", "csv", "folder"):
+        return f"{kind}:{_resolve(name, names)}" if name else arg
     head, _, rest = arg.partition("/")
     if head in names:
         return str(names[head] / rest) if rest else str(names[head])

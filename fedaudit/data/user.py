@@ -1,0 +1,266 @@
+"""Your own data: ``npz:PATH``, ``csv:PATH`` (with a label column) and ``folder:DIR`` (one sub-folder of images per
+class), read into the same :class:`~fedaudit.data.registry.Dataset` as the built-in datasets.
+
+- ``npz:PATH``: arrays ``x`` and ``y`` and, optionally, ``x_test`` and ``y_test``, read with ``allow_pickle=False``
+  (a pickled or object array is refused, never loaded). ``x`` is images ``[N, C, H, W]`` or ``[N, H, W]`` or tabular
+  records ``[N, F]``.
+- ``csv:PATH``: numeric tabular records, one per row, with a header; ``--label-column`` names the label column,
+  every other column is a feature.
+- ``folder:DIR``: ``DIR/<class>/<image>`` PNG or JPEG images, read with Pillow, converted to grey (when every image
+  is grey) or RGB and resized to ``--image-size``; classes are the sub-folders in sorted order.
+
+Labels must be integers (a folder's are its sub-folders); the distinct labels of the training split, sorted, become
+classes 0..K-1. Without a test split, a stratified 20% of the records is held out for testing with a fixed seed (as
+for digits). Features are standardised with the training split's own mean and standard deviation (per channel for
+images, per column for tabular records). The fingerprint is a hash of the raw arrays, so a run records exactly which
+data it was trained on. Every problem is one sentence naming the file (docs/your-data.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedaudit.data.readers import DataError
+
+KINDS = ("npz", "csv", "folder")
+TEST_FRACTION = 0.2
+SPLIT_SEED = 0
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+DEFAULT_IMAGE_SIZE = 32
+MAX_IMAGE_SIZE = 512
+
+
+def is_user_dataset(name: str) -> bool:
+    """Whether ``name`` names the user's own data (``npz:``, ``csv:`` or ``folder:``)."""
+    kind, sep, _ = str(name).partition(":")
+    return bool(sep) and kind.strip().lower() in KINDS
+
+
+def parse(name: str) -> tuple[str, Path]:
+    """``(kind, path)`` of a ``KIND:PATH`` dataset name."""
+    kind, _, rest = str(name).partition(":")
+    kind = kind.strip().lower()
+    if kind not in KINDS or not rest.strip():
+        raise DataError(f"--dataset {name!r} must be npz:PATH, csv:PATH or folder:DIR.")
+    return kind, Path(rest.strip()).expanduser()
+
+
+def read_user_dataset(
+    name: str, *, label_column: str | None = None, image_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str, str]:
+    """The raw arrays (train x, y, test x, y), the source and the fingerprint of a user dataset; x is float32
+    ``[N, C, H, W]`` before standardisation (tabular records are ``[N, 1, 1, F]``), y int64 classes 0..K-1."""
+    kind, path = parse(name)
+    if kind == "csv":
+        x, y, x_test, y_test = _read_csv(path, label_column)
+    elif label_column is not None:
+        raise DataError("--label-column is for --dataset csv:PATH only.")
+    elif kind == "npz":
+        x, y, x_test, y_test = _read_npz(path)
+    else:
+        x, y, x_test, y_test = _read_folder(path, DEFAULT_IMAGE_SIZE if image_size is None else image_size)
+    if kind != "folder" and image_size is not None:
+        raise DataError("--image-size is for --dataset folder:DIR only.")
+    from fedaudit.data.registry import fingerprint_arrays
+
+    fingerprint = fingerprint_arrays([x, y] + ([x_test, y_test] if x_test is not None else []))
+    x, y, x_test, y_test = _split(path, x, y, x_test, y_test)
+    y, y_test = _classes(path, y, y_test)
+    return x, y, x_test, y_test, str(path.absolute()), fingerprint
+
+
+def standardise(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both splits standardised with the training split's mean and standard deviation per channel (images) or per
+    feature (tabular records, ``H = W = 1``); a constant channel is only centred."""
+    axes = (0, 1, 2) if train.shape[1] == train.shape[2] == 1 else (0, 2, 3)
+    mean = train.mean(axis=axes, keepdims=True, dtype=np.float64)
+    std = train.std(axis=axes, keepdims=True, dtype=np.float64)
+    std[std == 0] = 1.0
+    return tuple(torch.from_numpy(((a - mean) / std).astype(np.float32)) for a in (train, test))  # type: ignore[return-value]
+
+
+def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    if not path.is_file():
+        raise DataError(f"--dataset npz:{path}: the file does not exist.")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+    except ValueError as exc:
+        if "pickle" in str(exc).lower():
+            raise DataError(
+                f"{path} holds a pickled (object) array, which fedaudit never loads; save plain numeric arrays "
+                "(ragged lists become object arrays: pad or stack them first)."
+            ) from exc
+        raise DataError(f"{path} is not a readable .npz file ({exc}).") from exc
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path} is not a readable .npz file ({exc}).") from exc
+    missing = [key for key in ("x", "y") if key not in arrays]
+    if missing:
+        raise DataError(f"{path} has no array {missing[0]!r}; it needs x and y (and may hold x_test and y_test).")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise DataError(f"{path} holds only one of x_test and y_test; give both or neither.")
+    x = _images(path, "x", arrays["x"])
+    y = _labels(path, "y", arrays["y"], len(x))
+    if "x_test" not in arrays:
+        return x, y, None, None
+    x_test = _images(path, "x_test", arrays["x_test"])
+    if x_test.shape[1:] != x.shape[1:]:
+        raise DataError(f"{path}: x_test's records have shape {x_test.shape[1:]} but x's have {x.shape[1:]}.")
+    return x, y, x_test, _labels(path, "y_test", arrays["y_test"], len(x_test))
+
+
+def _images(path: Path, key: str, array: np.ndarray) -> np.ndarray:
+    """An npz array of records as float32 [N, C, H, W]."""
+    if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_) or np.iscomplexobj(array):
+        raise DataError(f"{path}: {key} holds {array.dtype} values; fedaudit needs real numbers.")
+    if array.ndim == 2:
+        array = array[:, None, None, :]
+    elif array.ndim == 3:
+        array = array[:, None, :, :]
+    elif array.ndim != 4:
+        raise DataError(
+            f"{path}: {key} has shape {array.shape}; expected [N, F] records or [N, H, W] / [N, C, H, W] images."
+        )
+    if array.shape[0] == 0 or 0 in array.shape[1:]:
+        raise DataError(f"{path}: {key} is empty (shape {array.shape}).")
+    values = array.astype(np.float32)
+    if not np.isfinite(values).all():
+        raise DataError(f"{path}: {key} holds NaN or infinite values.")
+    return values
+
+
+def _labels(path: Path, key: str, array: np.ndarray, count: int) -> np.ndarray:
+    """Integral labels, one per record."""
+    array = np.asarray(array)
+    if array.ndim != 1 or array.shape[0] != count:
+        raise DataError(f"{path}: {key} has shape {array.shape} but there are {count} records; one label each.")
+    if array.dtype == np.bool_:
+        return array.astype(np.int64)
+    if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
+        raise DataError(f"{path}: {key} holds {array.dtype} values; labels must be integers.")
+    if not np.isfinite(array).all() or not np.array_equal(array, np.round(array)):
+        raise DataError(f"{path}: {key} holds labels that are not integers.")
+    return array.astype(np.int64)
+
+
+def _read_csv(
+    path: Path, label_column: str | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    import pandas as pd
+
+    if label_column is None:
+        raise DataError(f"--dataset csv:{path} needs --label-column NAME, the column holding each record's class.")
+    if not path.is_file():
+        raise DataError(f"--dataset csv:{path}: the file does not exist.")
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
+        raise DataError(f"{path} is not a readable CSV file ({str(exc).splitlines()[0]}).") from exc
+    if label_column not in frame.columns:
+        shown = ", ".join(map(str, frame.columns[:8])) + (", ..." if len(frame.columns) > 8 else "")
+        raise DataError(f"{path} has no column {label_column!r} (--label-column); its columns: {shown}.")
+    features = frame.drop(columns=[label_column])
+    if features.shape[1] == 0 or len(frame) == 0:
+        raise DataError(f"{path} has no feature columns or no rows besides the label {label_column!r}.")
+    for column in features.columns:
+        if not pd.api.types.is_numeric_dtype(features[column]) or pd.api.types.is_bool_dtype(features[column]):
+            if not pd.api.types.is_bool_dtype(features[column]):
+                raise DataError(f"{path}: column {column!r} is not numeric; encode it as numbers first.")
+    labels = frame[label_column]
+    if not pd.api.types.is_numeric_dtype(labels):
+        raise DataError(f"{path}: the label column {label_column!r} is not numeric; labels must be integers.")
+    if labels.isna().any() or features.isna().to_numpy().any():
+        raise DataError(f"{path} has empty cells; fill or drop them first.")
+    x = _images(path, "the features", features.to_numpy(dtype=np.float64))
+    return x, _labels(path, f"the label column {label_column!r}", labels.to_numpy(), len(x)), None, None
+
+
+def _read_folder(path: Path, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_IMAGE_SIZE:
+        raise DataError(f"--image-size must be an integer from 1 to {MAX_IMAGE_SIZE}, got {size!r}.")
+    if not path.is_dir():
+        raise DataError(f"--dataset folder:{path}: the folder does not exist.")
+    classes = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(classes) < 2:
+        raise DataError(f"{path} must hold one sub-folder of images per class, at least two; found {len(classes)}.")
+    files: list[tuple[Path, int]] = []
+    for label, folder in enumerate(classes):
+        images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        if not images:
+            raise DataError(f"The class folder {folder} holds no PNG or JPEG image.")
+        files += [(image, label) for image in images]
+    pictures = []
+    for file, _ in files:
+        try:
+            with Image.open(file) as image:
+                image.load()
+                pictures.append(image.copy())
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise DataError(f"{file} is not a readable image ({type(exc).__name__}).") from exc
+    grey = all(p.mode in ("L", "1", "I", "I;16", "F") for p in pictures)
+    mode, channels = ("L", 1) if grey else ("RGB", 3)
+    x = np.empty((len(pictures), channels, size, size), dtype=np.float32)
+    for i, picture in enumerate(pictures):
+        resized = picture.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+        pixels = np.asarray(resized, dtype=np.float32) / 255.0
+        x[i] = pixels[None] if grey else pixels.transpose(2, 0, 1)
+    return x, np.array([label for _, label in files], dtype=np.int64), None, None
+
+
+def _split(
+    path: Path, x: np.ndarray, y: np.ndarray, x_test: np.ndarray | None, y_test: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The given test split, or a stratified 20% of the records (fixed seed)."""
+    if x_test is not None and y_test is not None:
+        return x, y, x_test, y_test
+    from sklearn.model_selection import train_test_split
+
+    _, counts = np.unique(y, return_counts=True)
+    if len(y) < 10 or counts.min() < 2:
+        raise DataError(
+            f"{path} has too few records to hold out a test split ({len(y)} records, a class with "
+            f"{counts.min()}); give x_test and y_test, or more records (at least 2 per class)."
+        )
+    train_x, test_x, train_y, test_y = train_test_split(
+        x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED
+    )
+    return train_x, train_y, test_x, test_y
+
+
+def _classes(path: Path, y: np.ndarray, y_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Labels as classes 0..K-1 in the sorted order of the training split's distinct labels."""
+    values = np.unique(y)
+    if len(values) < 2:
+        raise DataError(f"{path} has a single class in its training records; membership needs at least two.")
+    unknown = np.setdiff1d(np.unique(y_test), values)
+    if unknown.size:
+        raise DataError(f"{path}: the test split has label {unknown[0]}, which no training record has.")
+    return np.searchsorted(values, y).astype(np.int64), np.searchsorted(values, y_test).astype(np.int64)
+
+
+def user_dataset_row(name: str, *, label_column: str | None = None, image_size: int | None = None) -> dict[str, Any]:
+    """A row of ``fedaudit datasets`` for the user's own data, read as ``train`` reads it (``label_column`` applies to
+    a csv: dataset only, ``image_size`` to a folder: one)."""
+    from fedaudit.data.registry import load_dataset
+
+    kind, _ = parse(name)
+    dataset = load_dataset(
+        name,
+        label_column=label_column if kind == "csv" else None,
+        image_size=image_size if kind == "folder" else None,
+    )
+    return {
+        "dataset": dataset.name,
+        "found_at": f"{dataset.source} (fingerprint {dataset.fingerprint[:12]})",
+        "train": len(dataset.train_y),
+        "test": len(dataset.test_y),
+        "shape": "x".join(str(d) for d in dataset.input_shape),
+        "classes": dataset.num_classes,
+        "how_to_get": "",
+    }

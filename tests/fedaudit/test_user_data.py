@@ -1,0 +1,187 @@
+"""The user's own data (npz:, csv:, folder:): read into the same Dataset as the built-in ones, split, standardised and
+fingerprinted; malformed files are one sentence naming the file, and nothing is ever unpickled."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from helpers import FAST_ARGS, assert_user_error, invoke
+from PIL import Image
+
+from fedaudit.data import DataError, load_dataset
+
+RNG = np.random.default_rng(0)
+
+
+def npz(tmp_path: Path, name: str = "data.npz", **arrays: np.ndarray) -> Path:
+    path = tmp_path / name
+    np.savez(path, **arrays)
+    return path
+
+
+def images(n: int = 200, classes: int = 3, shape: tuple[int, ...] = (1, 8, 8)) -> dict[str, np.ndarray]:
+    return {"x": RNG.random((n, *shape)).astype(np.float32), "y": np.arange(n) % classes}
+
+
+def test_an_npz_with_its_own_test_split_is_read_as_given(tmp_path):
+    arrays = images(60, 3)
+    test = images(30, 3)
+    path = npz(tmp_path, x=arrays["x"], y=arrays["y"] + 5, x_test=test["x"], y_test=test["y"] + 5)
+    dataset = load_dataset(f"npz:{path}")
+    assert (len(dataset.train_y), len(dataset.test_y), dataset.num_classes) == (60, 30, 3)
+    assert dataset.train_y.tolist() == (arrays["y"]).tolist()  # labels 5, 6, 7 become classes 0, 1, 2
+    assert dataset.input_shape == (1, 8, 8)
+    mean, std = dataset.train_x.mean().item(), dataset.train_x.std().item()
+    assert abs(mean) < 1e-5 and abs(std - 1) < 1e-2  # standardised with the training split's statistics
+    expected = (test["x"] - arrays["x"].mean()) / arrays["x"].std()
+    assert np.allclose(dataset.test_x.numpy(), expected, atol=1e-5)
+    assert load_dataset(f"npz:{path}").fingerprint == dataset.fingerprint
+    np.savez(path, x=arrays["x"], y=arrays["y"] + 5, x_test=test["x"], y_test=(test["y"] + 1) % 3 + 5)
+    assert load_dataset(f"npz:{path}").fingerprint != dataset.fingerprint
+
+
+def test_without_a_test_split_a_stratified_fifth_is_held_out(tmp_path):
+    path = npz(tmp_path, **images(200, 4, (12,)))  # tabular records [N, F]
+    dataset = load_dataset(f"npz:{path}")
+    assert (len(dataset.train_y), len(dataset.test_y), dataset.input_shape) == (160, 40, (1, 1, 12))
+    assert np.bincount(dataset.test_y.numpy()).tolist() == [10, 10, 10, 10]
+    per_feature = dataset.train_x.reshape(160, 12)
+    assert np.allclose(per_feature.mean(0).numpy(), 0, atol=1e-5)
+    assert np.allclose(per_feature.std(0, unbiased=False).numpy(), 1, atol=1e-4)
+
+
+class _Payload:
+    """A pickle that would leave a file behind if it were ever loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def test_a_pickled_or_ragged_array_is_refused_and_never_loaded(tmp_path):
+    marker = tmp_path / "marker"
+    payload = np.empty(2, dtype=object)
+    payload[:] = [_Payload(marker), _Payload(marker)]
+    path = npz(tmp_path, "evil.npz", x=payload, y=np.array([0, 1]))
+    with pytest.raises(DataError, match=r"evil\.npz holds a pickled \(object\) array"):
+        load_dataset(f"npz:{path}")
+    assert not marker.exists()
+    pickle.dumps(payload)  # the payload is a real pickle: the refusal is what kept it from running
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.zeros(3), np.zeros(4)]
+    path = npz(tmp_path, "ragged.npz", x=ragged, y=np.array([0, 1]))
+    with pytest.raises(DataError, match="ragged lists become object arrays"):
+        load_dataset(f"npz:{path}")
+
+
+@pytest.mark.parametrize(
+    ("arrays", "mentions"),
+    [
+        ({"y": np.zeros(10)}, "no array 'x'"),
+        ({"x": np.zeros((10, 4))}, "no array 'y'"),
+        ({"x": np.zeros((10, 4)), "y": np.zeros(9)}, "one label each"),
+        ({"x": np.zeros((10, 4)), "y": np.full(10, 0.5)}, "not integers"),
+        ({"x": np.full((10, 4), np.nan), "y": np.arange(10) % 2}, "NaN"),
+        ({"x": np.zeros((10, 2, 2, 2, 2)), "y": np.arange(10) % 2}, "expected [N, F]"),
+        ({"x": np.array(["a"] * 10), "y": np.arange(10) % 2}, "real numbers"),
+        ({"x": np.zeros((10, 4)), "y": np.zeros(10)}, "a single class"),
+        ({"x": np.zeros((3, 4)), "y": np.arange(3)}, "too few records"),
+        ({"x": np.zeros((10, 4)), "y": np.arange(10) % 2, "x_test": np.zeros((4, 4))}, "only one of x_test"),
+        (
+            {"x": np.zeros((10, 4)), "y": np.arange(10) % 2, "x_test": np.zeros((4, 3)), "y_test": np.zeros(4)},
+            "x_test's records have shape",
+        ),
+        (
+            {"x": np.zeros((10, 4)), "y": np.arange(10) % 2, "x_test": np.zeros((4, 4)), "y_test": np.full(4, 7)},
+            "label 7, which no training record has",
+        ),
+    ],
+)
+def test_malformed_npz_files_are_one_sentence_naming_the_file(tmp_path, arrays, mentions):
+    path = npz(tmp_path, "bad.npz", **arrays)
+    with pytest.raises(DataError, match=None) as caught:
+        load_dataset(f"npz:{path}")
+    assert str(path) in str(caught.value) and mentions in str(caught.value), caught.value
+
+
+def test_a_csv_reads_its_feature_columns_and_label_column(tmp_path):
+    frame = pd.DataFrame(RNG.normal(size=(100, 3)), columns=["age", "dose", "weight"])
+    frame.insert(1, "outcome", np.arange(100) % 2)
+    path = tmp_path / "records.csv"
+    frame.to_csv(path, index=False)
+    dataset = load_dataset(f"csv:{path}", label_column="outcome")
+    assert (len(dataset.train_y), dataset.input_shape, dataset.num_classes) == (80, (1, 1, 3), 2)
+    with pytest.raises(DataError, match="needs --label-column"):
+        load_dataset(f"csv:{path}")
+    with pytest.raises(DataError, match="no column 'label'"):
+        load_dataset(f"csv:{path}", label_column="label")
+    frame["age"] = frame["age"].astype(str) + "y"
+    frame.to_csv(path, index=False)
+    with pytest.raises(DataError, match="column 'age' is not numeric"):
+        load_dataset(f"csv:{path}", label_column="outcome")
+    frame["age"] = 1.0
+    frame["outcome"] = frame["outcome"] + 0.5
+    frame.to_csv(path, index=False)
+    with pytest.raises(DataError, match="not integers"):
+        load_dataset(f"csv:{path}", label_column="outcome")
+    frame["outcome"] = np.arange(100) % 2
+    frame.loc[3, "dose"] = None
+    frame.to_csv(path, index=False)
+    with pytest.raises(DataError, match="empty cells"):
+        load_dataset(f"csv:{path}", label_column="outcome")
+
+
+def _image_folder(root: Path, classes: dict[str, int], mode: str = "RGB") -> Path:
+    for name, count in classes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            pixels = (RNG.random((10, 14, 3) if mode == "RGB" else (10, 14)) * 255).astype(np.uint8)
+            Image.fromarray(pixels, mode=mode).save(root / name / f"{i}.{'png' if i % 2 else 'jpg'}")
+    return root
+
+
+def test_a_folder_of_images_is_one_class_per_sub_folder_resized(tmp_path):
+    root = _image_folder(tmp_path / "pets", {"cat": 10, "dog": 15})
+    dataset = load_dataset(f"folder:{root}", image_size=12)
+    assert (dataset.input_shape, dataset.num_classes, len(dataset.train_y) + len(dataset.test_y)) == (
+        (3, 12, 12),
+        2,
+        25,
+    )
+    grey = _image_folder(tmp_path / "scans", {"a": 10, "b": 10}, mode="L")
+    assert load_dataset(f"folder:{grey}").input_shape == (1, 32, 32)
+
+
+def test_malformed_image_folders_name_what_is_wrong(tmp_path):
+    root = _image_folder(tmp_path / "pets", {"cat": 10, "dog": 10})
+    with pytest.raises(DataError, match="--image-size"):
+        load_dataset(f"folder:{root}", image_size=0)
+    (root / "bird").mkdir()
+    with pytest.raises(DataError, match="bird holds no PNG or JPEG image"):
+        load_dataset(f"folder:{root}")
+    (root / "bird" / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(DataError, match="broken.png is not a readable image"):
+        load_dataset(f"folder:{root}")
+    with pytest.raises(DataError, match="at least two"):
+        load_dataset(f"folder:{_image_folder(tmp_path / 'one', {'only': 5})}")
+
+
+def test_own_data_trains_attacks_and_reports_through_the_command_line(tmp_path):
+    path = npz(tmp_path, **images(300, 3))
+    args = [a for a in FAST_ARGS if a not in ("--dataset", "digits")]
+    run = tmp_path / "run"
+    result = invoke("train", "--dataset", f"npz:{path}", *args, "--dp", "--rounds", "2", "--out", run)
+    assert result.exit_code == 0, result.output
+    assert invoke("attack", run, "--no-progress").exit_code == 0
+    assert invoke("report", run, "--out", tmp_path / "r.md").exit_code == 0
+    assert f"| dataset source | {path} |" in (tmp_path / "r.md").read_text()
+    listed = invoke("datasets", f"npz:{path}")
+    assert listed.exit_code == 0 and f"npz:{path}" in listed.output and "1x8x8" in listed.output
+    np.savez(path, **images(300, 3))  # other records under the same name: the run's fingerprint no longer matches
+    assert_user_error(invoke("attack", run, "--no-progress"), mentions="fingerprint")
