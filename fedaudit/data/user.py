@@ -80,7 +80,8 @@ def standardise(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torc
     mean = train.mean(axis=axes, keepdims=True, dtype=np.float64)
     std = train.std(axis=axes, keepdims=True, dtype=np.float64)
     std[std == 0] = 1.0
-    return tuple(torch.from_numpy(((a - mean) / std).astype(np.float32)) for a in (train, test))  # type: ignore[return-value]
+    mean, std = mean.astype(np.float32), std.astype(np.float32)
+    return torch.from_numpy((train - mean) / std), torch.from_numpy((test - mean) / std)
 
 
 def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
