@@ -808,7 +808,8 @@ class RunDirectory:
         if recorded is None:
             return ["manifest.json records no SHA-256 of the run's files (written before fedaudit 0.9, or edited)"]
         problems = integrity.file_problems(self.path, *recorded)
-        if self.privacy_path.is_file() and not any(p.startswith("privacy.json ") for p in problems):
+        unreadable = any(p.startswith(("privacy.json ", "config.json ")) for p in problems)
+        if self.privacy_path.is_file() and not unreadable:
             config = self.read_json(self.config_path) if self.config_path.is_file() else {}
             privacy = config.get("privacy") if isinstance(config, dict) else None
             ledger = self.read_json(self.privacy_path)

@@ -81,7 +81,7 @@ def test_the_query_views_with_shuffled_inclusion_bits_prove_nothing(correct):
 def policy_verdict(run: Path, folder: Path) -> tuple[int, str]:
     """Exit code and verdict of `fedaudit report` with the policy max_audit_ratio: 1."""
     (folder / "policy.yaml").write_text("max_audit_ratio: 1\n")
-    result = invoke("report", run, "--out", folder / "report.md", "--policy", folder / "policy.yaml")
+    result = invoke("report", run, "--out", folder / "report.md", "--policy", folder / "policy.yaml", "--overwrite")
     return result.exit_code, json.loads((folder / "summary.json").read_text())["verdict"]
 
 

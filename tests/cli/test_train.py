@@ -228,7 +228,10 @@ BAD_TRAIN = {
     "unknown-key": (["--config", "FILE:c.yaml:federated:\n  learning_rate: 0.1\n"], "learning_rate"),
     "not-a-mapping": (["--config", "FILE:c.yaml:- 1\n- 2\n"], "mapping"),
     "section-not-a-mapping": (["--config", "FILE:c.yaml:data: digits\n"], "data"),
-    "bad-value-in-config": (["--config", 'FILE:c.json:{"federated": {"rounds": "ten"}}'], "--rounds"),
+    "bad-value-in-config": (
+        ["--config", 'FILE:c.json:{"federated": {"client_fraction": "half"}}'],
+        "--client-fraction",
+    ),
     "out-missing": (["--out", "NONE"], "--out"),
 }
 

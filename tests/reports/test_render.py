@@ -39,7 +39,7 @@ def test_formats_are_html_md_and_pdf():
         ("audit.pdf", (), {"pdf": "audit.pdf"}),
         ("Audit.HTML", (), {"html": "Audit.html"}),  # the suffix is read case-insensitively
         ("audit.html", ("html", "md"), {"html": "audit.html", "md": "audit.md"}),  # other formats beside it
-        ("audit.md", ("pdf", "html", "pdf"), {"pdf": "audit.pdf", "html": "audit.html"}),  # each format once
+        ("audit.md", ("pdf", "md", "pdf"), {"pdf": "audit.pdf", "md": "audit.md"}),  # each format once
     ],
 )
 def test_a_report_file_names_the_report_and_its_folder_gets_the_summaries(tmp_path, name, formats, expected):
@@ -54,8 +54,7 @@ def test_a_report_file_names_the_report_and_its_folder_gets_the_summaries(tmp_pa
     [
         ("out", (), {"html": "report.html"}),  # html by default
         ("out", ("md", "pdf"), {"md": "report.md", "pdf": "report.pdf"}),
-        ("results.v2", (), {"html": "report.html"}),  # a dot that is no report suffix: still a folder
-        ("report.txt", ("md",), {"md": "report.md"}),
+        ("reports", ("md",), {"md": "report.md"}),
     ],
 )
 def test_a_path_without_a_report_suffix_is_a_folder(tmp_path, name, formats, expected):
@@ -68,14 +67,21 @@ def test_a_path_without_a_report_suffix_is_a_folder(tmp_path, name, formats, exp
 def test_existing_folder_is_used(tmp_path):
     (tmp_path / "out").mkdir()
     assert output_paths(tmp_path / "out", ()) == ({"html": tmp_path / "out" / "report.html"}, tmp_path / "out")
+    (tmp_path / "results.v2").mkdir()  # a folder whose name has a dot that is no report suffix
+    assert output_paths(tmp_path / "results.v2", ())[1] == tmp_path / "results.v2"
 
 
-def test_format_overrides_the_suffix_of_out(tmp_path):
-    """--out audit.html --format md: --format decides what is written ([default: the suffix of --out]); the suffix
-    only names the stem and folder, so no audit.html is written."""
-    targets, folder = output_paths(tmp_path / "audit.html", ("md",))
-    assert targets == {"md": tmp_path / "audit.md"}
-    assert folder == tmp_path
+@pytest.mark.parametrize("name", ["x.csv", "results.v2", "report.txt"])
+def test_a_new_path_with_another_suffix_is_refused_not_made_a_folder(tmp_path, name):
+    with pytest.raises(ReportError, match="neither a folder nor a report file"):
+        output_paths(tmp_path / name, ())
+    assert not (tmp_path / name).exists()
+
+
+def test_a_format_that_contradicts_the_suffix_of_out_is_refused(tmp_path):
+    """--out audit.html --format md: the file named would not be written; say so instead of writing audit.md."""
+    with pytest.raises(ReportError, match="names a html report but --format asks for md"):
+        output_paths(tmp_path / "audit.html", ("md",))
 
 
 @pytest.mark.parametrize("formats", [("docx",), ("html", "xlsx"), ("",)])

@@ -216,7 +216,7 @@ def test_an_auc_interval_that_straddles_the_limit_is_inconclusive(audited, tmp_p
     (check,) = read_json(tmp_path / "summary.json")["runs"][0]["policy"]
     assert check["verdict"] == "INCONCLUSIVE" and "per side would resolve it" in check["detail"]
     policy.write_text(f"max_attack_auc: {high + 0.001}\n")
-    assert cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy).exit_code == 0
+    assert cli("report", audited, "--out", tmp_path / "r.md", "--policy", policy, "--overwrite").exit_code == 0
     assert read_json(tmp_path / "summary.json")["verdict"] == "PASS"
     (run,) = collect_runs([audited])  # below the interval: a limit no policy file may set here, judged directly
     assert {c.verdict for c in check_run(Policy(max_attack_auc=low - 0.001), run)} == {"FAIL"}

@@ -110,7 +110,7 @@ def test_a_fedgm_run_keeps_only_what_was_sent_and_resumes_to_the_same_bytes(tmp_
     assert report.exit_code == 0, report.output
     text = (tmp_path / "report.md").read_text()
     assert "label DP, epsilon 2 (rr-with-prior)" in text and "not protected" in text and "not comparable" in text
-    assert cli("report", full, "--out", tmp_path / "report.html").exit_code == 0
+    assert cli("report", full, "--out", tmp_path / "report.html", "--overwrite").exit_code == 0  # summaries beside
     html = (tmp_path / "report.html").read_text()
     assert "Round 1: the synthetic sets of every client" in html and "Round 2: the synthetic sets" in html
 
