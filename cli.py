@@ -163,7 +163,11 @@ def main() -> None:
     type=float,
     help="Fraction of the training split held out as non-members for auditing. [default: 0.1]",
 )
-@click.option("--model", type=click.Choice(["convnet", "mlp"]), help="Architecture. [default: convnet]")
+@click.option(
+    "--model",
+    help="convnet, mlp, or your own: package.module:factory, called with (input_shape, num_classes) and returning "
+    "a torch.nn.Module (importable here and where the run is attacked). [default: convnet]",
+)
 @click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128]")
 @click.option(
     "--depth",

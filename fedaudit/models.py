@@ -1,12 +1,16 @@
-"""Models: the paper's ConvNet and an MLP for small inputs.
+"""Models: the paper's ConvNet, an MLP for small inputs, and the user's own (``--model package.module:factory``).
 
-Both are plain ``nn.Module``s without in-place state (no BatchNorm), so that
-per-sample gradients (vmap over functional_call) and double backward work.
+All are plain ``nn.Module``s without in-place state (no BatchNorm), so that per-sample gradients (vmap over
+functional_call) and double backward work. A user's factory is called with ``(input_shape, num_classes)``; the
+module is imported by name when a run is trained and again when it is attacked, so it must be importable there
+(docs/your-data.md).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +20,7 @@ from fedaudit.errors import UserError
 from fedaudit.seeding import Stream, derive_seed
 
 ARCHITECTURES = ("convnet", "mlp")
+_FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class ModelError(UserError):
@@ -112,7 +117,51 @@ def build_model(spec: ModelSpec) -> nn.Module:
         return ConvNet(spec.input_shape, spec.num_classes, width=spec.width, depth=spec.depth)
     if spec.arch == "mlp":
         return MLP(spec.input_shape, spec.num_classes, width=spec.width, depth=spec.depth)
-    raise ModelError(f"Unknown model '{spec.arch}'; choose one of: {', '.join(ARCHITECTURES)}.")
+    if ":" in spec.arch:
+        return _user_model(spec)
+    known = ", ".join(ARCHITECTURES)
+    raise ModelError(f"Unknown model '{spec.arch}'; choose one of: {known}, or your own as package.module:factory.")
+
+
+def is_user_model(arch: str) -> bool:
+    """Whether ``arch`` names a user's factory (``package.module:factory``)."""
+    return ":" in arch
+
+
+def _user_model(spec: ModelSpec) -> nn.Module:
+    """The model the user's factory returns for the spec's input shape and classes, checked to be trainable here."""
+    arch = spec.arch
+    if not _FACTORY.match(arch):
+        raise ModelError(f"--model {arch!r} must be package.module:factory (a Python module path and a function).")
+    module_name, factory_name = arch.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(
+            f"--model {arch}: cannot import {module_name} ({exc}); put the folder that holds it on PYTHONPATH."
+        ) from exc
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ModelError(f"--model {arch}: {module_name} has no function {factory_name}.")
+    try:
+        model = factory(tuple(spec.input_shape), spec.num_classes)
+    except Exception as exc:  # the user's code: any failure is theirs to fix, said in one sentence
+        raise ModelError(f"--model {arch}: the factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"--model {arch}: the factory returned a {type(model).__name__}, not a torch.nn.Module.")
+    for name, layer in model.named_modules():
+        tracks = isinstance(layer, nn.modules.batchnorm._BatchNorm) or (
+            isinstance(layer, nn.modules.instancenorm._InstanceNorm) and layer.track_running_stats
+        )
+        if tracks:
+            raise ModelError(
+                f"--model {arch}: layer {name!r} ({type(layer).__name__}) mixes the records of a batch and keeps "
+                "running statistics that are not federated, so one record's gradient cannot be bounded; replace it "
+                "with nn.GroupNorm (as Opacus' ModuleValidator.fix does)."
+            )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelError(f"--model {arch}: the factory's model has no trainable parameters.")
+    return model
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -34,6 +34,7 @@ from fedaudit.config import RunConfig, option_field
 from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
+from fedaudit.privacy.layers import fallback_layers
 from fedaudit.runs import (
     ClientsRecord,
     DatasetRecord,
@@ -86,6 +87,7 @@ def train_setup(
     setup: Setup, out: str | Path, *, overwrite: bool = False, progress: bool = True, echo: Echo = tqdm.write
 ) -> TrainResult:
     """Train a new run from an already prepared (validated, calibrated) :class:`Setup`."""
+    _say_fallback_layers(setup, echo)
     run, locks = RunDirectory.start_new(out, overwrite)
     try:
         run.write_config(setup.config.to_dict())
@@ -100,6 +102,18 @@ def train_setup(
         run.discard()  # a start that never committed a round leaves nothing
         for lock in reversed(locks):
             lock.release()
+
+
+def _say_fallback_layers(setup: Setup, echo: Echo) -> None:
+    """Once per run: which layers of a DP run's model the layer-wise query cannot compute in closed form."""
+    if not setup.config.privacy.dp:
+        return
+    slow = fallback_layers(build_model(setup.spec))
+    if slow:
+        echo(
+            f"DP: per-example gradients of {', '.join(slow)} are computed one example at a time (vmap); Linear, Conv2d "
+            "and GroupNorm layers get them in closed form, faster and in less memory."
+        )
 
 
 def resume(

@@ -232,6 +232,22 @@ def _outer_sum_sq_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def fallback_layers(model: nn.Module) -> list[str]:
+    """The parameterised layers of ``model`` that the layer-wise query does not compute in closed form (anything but
+    Linear, zero-padded Conv2d and GroupNorm), as "name (Type)": their per-example gradients are materialised one
+    example at a time (vmap), which costs memory and time in proportion to their parameters times the batch size."""
+    found = []
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        native = isinstance(module, (nn.Linear, nn.GroupNorm)) or (
+            isinstance(module, nn.Conv2d) and _plain_conv(module)
+        )
+        if not native:
+            found.append(f"{name or 'the model'!r} ({type(module).__name__})")
+    return found
+
+
 def _plain_conv(module: nn.Conv2d) -> bool:
     return module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
