@@ -31,6 +31,7 @@ from fedaudit.reports.summary import (
     summary_json,
     summary_rows,
 )
+from fedaudit.reports.verdict import run_verdict
 from fedaudit.runs import RUN_FORMAT, atomic_write_bytes, csv_bytes, now_iso
 
 FORMATS = ("html", "md", "pdf")
@@ -282,9 +283,11 @@ def build_context(
         for run in runs
         if run.strongest_attack is not None and run.strongest_attack.roc is not None
     ]
+    sections = [_run_context(run, checks.get(run.name) if policy else None, draw) for run in runs]
     context = {
         "created": created,
-        "runs": [_run_context(run, checks.get(run.name) if policy else None, draw) for run in runs],
+        "runs": sections,
+        "verdicts": [run_verdict(s["run"], s["promise"], s["exceeds"], s["verdict"]) for s in sections],
         "policy": policy,
         "all_checks": policy_table([c for group in checks.values() for c in group]) if policy else None,
         "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),
