@@ -241,6 +241,7 @@ class RunSummary:
     test_records: int | None = None  # size of the test split the accuracy is measured on
     verification: Verification | None = None  # the conformance checks of `fedaudit verify`, if it ran
     integrity: tuple[str, ...] = ()  # how the run's files or ledger differ from what fedaudit wrote (none: intact)
+    records: int | None = None  # training records held by the clients (n of "delta against 1/n")
 
     @property
     def rounds_done(self) -> int:
@@ -409,6 +410,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         manifest.dataset.test_size,
         _verification(run, manifest.rounds_done),
         integrity,
+        sum(manifest.clients.num_examples),
     )
 
 

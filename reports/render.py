@@ -13,6 +13,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 
 from fedaudit.reports import figures
 from fedaudit.reports.collect import ReportError, RunSummary
+from fedaudit.reports.guarantee import coverage_table, guarantee_table
 from fedaudit.reports.policy import Check, Policy, check_run, overall
 from fedaudit.reports.summary import (
     attack_table,
@@ -166,6 +167,8 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "bound": run.epsilon_lower_bound(),
         "exceeds": _exceeds(run),
         "promise": promise(run),
+        "guarantee": guarantee_table(run),
+        "coverage": coverage_table(run),
         "figures": figs,
         "checks": policy_table(checks) if checks else None,
         "verdict": None if checks is None else overall(checks),

@@ -1,0 +1,147 @@
+"""Two tables of a run's report that a privacy reviewer signs against: the privacy guarantee laid out as NIST SP
+800-226 (Guidelines for Evaluating Differential Privacy Guarantees) asks for it, and the attack families of the
+EDPB's Opinion 28/2024 that were tried, not tried, or do not apply (docs/audit.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from fedaudit.reports.collect import RunSummary
+from fedaudit.reports.summary import fmt
+
+RUN, NOT_RUN, NOT_APPLICABLE = "run", "not run", "not applicable"
+_ACCOUNTANTS = {
+    "rdp": "Renyi DP of the subsampled Gaussian",
+    "prv": "the privacy random variable of the subsampled Gaussian, numerically composed",
+}
+
+
+def guarantee_table(run: RunSummary) -> pd.DataFrame:
+    """The run's guarantee, one row per aspect NIST SP 800-226 asks an evaluator to state."""
+    privacy, setup = run.privacy, run.setup
+    budget = str(setup.get("privacy budget", ""))
+    rows: list[tuple[str, str]] = []
+    if privacy.dp and privacy.epsilon_per_round:
+        rows.append(("unit of privacy", "one training record of one client (record-level DP), not a whole client"))
+        rows.append(("privacy loss", f"epsilon {fmt(privacy.epsilon)} at delta {fmt(privacy.delta)}"))
+        rows.append(("delta against 1/n", _delta(privacy.delta, run.records)))
+        rows.append(
+            (
+                "mechanism",
+                f"the Sampled Gaussian Mechanism at every DP-SGD step: each record's gradient clipped to C = "
+                f"{fmt(privacy.max_grad_norm)}, Gaussian noise of standard deviation sigma C with sigma = "
+                f"{fmt(privacy.noise_multiplier)}, on Poisson batches"
+                + ("" if privacy.sample_rate is None else f" of rate q = {fmt(privacy.sample_rate)} (worst client)"),
+            )
+        )
+        steps = "" if privacy.queries_per_round is None else f"{privacy.queries_per_round} steps per round, "
+        rows.append(
+            (
+                "composition and conversion",
+                f"{steps}{privacy.worst_client_rounds} rounds taken part in by the worst client, composed by the "
+                f"{privacy.accountant} accountant ({_ACCOUNTANTS.get(str(privacy.accountant), 'its own method')}) "
+                "and converted to (epsilon, delta); every round a client takes part in is charged in full, with no "
+                f"amplification by client sampling (p = {fmt(privacy.client_fraction)})",
+            )
+        )
+    elif "label DP" in budget:
+        rows.append(
+            ("unit of privacy", f"the label of one training record ({budget}); the records' features are not protected")
+        )
+    else:
+        rows.append(("unit of privacy", "none: trained without differential privacy, so no record is protected"))
+    rows.append(("trust model", _trust(run)))
+    rows.append(
+        (
+            "not counted",
+            "hyperparameters tuned on the same records (each run is accounted alone), other runs on the same records, "
+            "and side channels (timing, message sizes, memory), which no attack here audits",
+        )
+    )
+    return pd.DataFrame(rows, columns=["aspect", "what this run guarantees"])
+
+
+def _delta(delta: float | None, records: int | None) -> str:
+    if delta is None or not records:
+        return "not available"
+    ratio = (1 / records) / delta
+    verdict = (
+        f"delta is {ratio:.0f} times smaller, as a meaningful guarantee needs"
+        if ratio >= 10
+        else "delta is not much smaller than 1/n: a mechanism could reveal a few records outright within it"
+    )
+    return f"delta {fmt(delta)}; 1/n = {fmt(1 / records)} for the n = {records} training records; {verdict}"
+
+
+def _trust(run: RunSummary) -> str:
+    config = json.loads(run.seedless_config) if run.seedless_config else {}
+    deployment = bool((config.get("flower") or {}).get("superlink"))
+    noise = "adds its noise before sending, so the guarantee holds against the server, the network and anyone who "
+    if deployment:
+        return (
+            "a Flower deployment: each client trains at its own site (a SuperNode) and "
+            + noise
+            + "sees the final model; each site is trusted with its records (in this version every site holds the "
+            "whole dataset and trains its partition)"
+        )
+    engine = str(run.setup.get("engine", "local"))
+    return (
+        f"clients run on this machine (engine {engine}): each client "
+        + noise
+        + "sees the final model, but not against this machine's operator, who holds every client's records"
+    )
+
+
+def coverage_table(run: RunSummary) -> pd.DataFrame:
+    """Which attack families were tried on the run: run, not run (with how to run it), or not applicable."""
+    final = run.final_attacks
+    attack = f"fedaudit attack {run.path}"
+    rows = [
+        (
+            "membership inference, black-box (loss, confidence)",
+            *_tried(
+                [a.label for a in final if a.signal != "grad-norm" and not a.references],
+                f"no black-box result on the final model: `{attack}`",
+            ),
+        ),
+        (
+            "membership inference, white-box (gradient norm)",
+            *_tried([a.label for a in final if a.signal == "grad-norm"], f"`{attack} --signal grad-norm`"),
+        ),
+        (
+            "membership inference with reference models (LiRA, RMIA)",
+            *_tried([a.label for a in final if a.references], f"`{attack} --method rmia`"),
+        ),
+    ]
+    if run.privacy.dp:
+        rows.append(
+            (
+                "canary audit of the DP mechanism (one-run epsilon bound)",
+                *_tried(
+                    [a.name for a in run.canary_audits], "train with --dp --canaries N, attack with --method canary"
+                ),
+            )
+        )
+        verified = run.verification is not None
+        rows.append(
+            (
+                "conformance of the mechanism (fedaudit verify)",
+                RUN if verified else NOT_RUN,
+                f"{len(run.verification.checks)} checks"
+                if verified
+                else f"`fedaudit verify {run.path}` on a canary run",
+            )
+        )
+    else:
+        rows.append(("canary audit and conformance of the DP mechanism", NOT_APPLICABLE, "the run has no DP mechanism"))
+    rows.append(
+        ("reconstruction of records (gradient inversion)", NOT_RUN, "fedaudit has no reconstruction attack yet")
+    )
+    rows.append(("attribute inference", NOT_RUN, "fedaudit has no attribute inference attack"))
+    return pd.DataFrame(rows, columns=["attack family", "status", "which, or how to run it"])
+
+
+def _tried(labels: list[str], how: str) -> tuple[str, str]:
+    return (RUN, ", ".join(sorted(set(labels)))) if labels else (NOT_RUN, how)

@@ -1,0 +1,56 @@
+"""The privacy guarantee as NIST SP 800-226 asks for it, and the attack families tried (EDPB Opinion 28/2024)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from helpers import invoke, read_json
+
+from fedaudit.reports.collect import collect_runs
+from fedaudit.reports.guarantee import NOT_APPLICABLE, NOT_RUN, RUN, coverage_table, guarantee_table
+
+
+def _rows(frame) -> dict[str, list[str]]:
+    return {row[0]: list(row[1:]) for row in frame.itertuples(index=False)}
+
+
+def test_a_dp_runs_guarantee_states_every_parameter_and_delta_against_one_over_n(dp_run):
+    (run,) = collect_runs([dp_run])
+    rows = _rows(guarantee_table(run))
+    ledger = read_json(dp_run / "privacy.json")
+    records = sum(read_json(dp_run / "manifest.json")["clients"]["num_examples"])
+    assert rows["unit of privacy"][0].startswith("one training record of one client")
+    assert f"at delta {ledger['delta']:g}" in rows["privacy loss"][0]
+    assert (
+        f"n = {records} training records; delta is {(1 / records) / ledger['delta']:.0f} times smaller"
+        in rows["delta against 1/n"][0]
+    )
+    assert "clipped to C = 1," in rows["mechanism"][0] and "sigma = 1," in rows["mechanism"][0]
+    assert "3 rounds taken part in by the worst client" in rows["composition and conversion"][0]
+    assert "this machine's operator" in rows["trust model"][0]
+    deployed = replace(run, seedless_config=json.dumps({"flower": {"superlink": "127.0.0.1:9093"}}))
+    assert rows != _rows(guarantee_table(deployed))
+    assert "at its own site (a SuperNode)" in _rows(guarantee_table(deployed))["trust model"][0]
+
+
+def test_a_large_delta_is_called_out(dp_run):
+    (run,) = collect_runs([dp_run])
+    loose = replace(run, privacy=replace(run.privacy, delta=0.5 / run.records))
+    assert "not much smaller than 1/n" in _rows(guarantee_table(loose))["delta against 1/n"][0]
+
+
+def test_the_coverage_matrix_marks_what_was_run_not_run_or_not_applicable(plain_run, dp_run, tmp_path):
+    attacked = Path(shutil.copytree(dp_run, tmp_path / "dp"))
+    assert invoke("attack", attacked, "--no-progress", "--signal", "loss").exit_code == 0
+    plain, dp = collect_runs([plain_run, attacked])
+    dp_rows = _rows(coverage_table(dp))
+    assert dp_rows["membership inference, black-box (loss, confidence)"] == [RUN, "loss/classifier, loss/threshold"]
+    assert dp_rows["membership inference, white-box (gradient norm)"][0] == NOT_RUN
+    assert dp_rows["canary audit of the DP mechanism (one-run epsilon bound)"][0] == NOT_RUN
+    plain_rows = _rows(coverage_table(plain))
+    assert plain_rows["canary audit and conformance of the DP mechanism"][0] == NOT_APPLICABLE
+    assert plain_rows["membership inference, black-box (loss, confidence)"][0] == NOT_RUN
+    assert all(status in (RUN, NOT_RUN, NOT_APPLICABLE) for status, _ in plain_rows.values())
