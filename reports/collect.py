@@ -475,7 +475,9 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
         "rounds": federated.rounds,
         "rounds done": manifest.rounds_done,
         "status": manifest.status,
-        "model": f"{model.arch} (width {model.width}, depth {model.depth}, {manifest.model.num_parameters} parameters)",
+        "model": f"{model.arch} ({manifest.model.num_parameters} parameters, built by the user's factory)"
+        if ":" in model.arch
+        else f"{model.arch} (width {model.width}, depth {model.depth}, {manifest.model.num_parameters} parameters)",
         "batch size": federated.batch_size,
         "local epochs": federated.local_epochs,
         "seed": config.seed,

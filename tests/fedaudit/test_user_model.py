@@ -89,7 +89,7 @@ def test_a_users_model_trains_with_dp_is_attacked_and_reported(models, tmp_path)
     assert read_json(run / "manifest.json")["model"]["num_parameters"] == 64 + 64 * 16 + 16 + 16 * 10 + 10
     assert invoke("attack", run, "--no-progress").exit_code == 0
     assert invoke("report", run, "--out", tmp_path / "r.md").exit_code == 0
-    assert "mymodels:tiny" in (tmp_path / "r.md").read_text()
+    assert "| model | mymodels:tiny (1274 parameters, built by the user's factory) |" in (tmp_path / "r.md").read_text()
     assert RunDirectory(run).integrity_problems() == []
     grouped = invoke("train", *BASE, "--model", "mymodels:grouped", "--dp", "--rounds", "1", "--out", tmp_path / "g")
     assert grouped.exit_code == 0 and "one example at a time" not in grouped.output  # closed forms only
