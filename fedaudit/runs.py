@@ -416,17 +416,24 @@ _TEMPORARY_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX
 
 
 def remove_stale_temporaries(
-    directory: Path, folders: tuple[str, ...] = ("", "checkpoints", "transmitted")
+    directory: Path, folders: tuple[str, ...] = ("", "checkpoints", "transmitted"), *, names: list[str] | None = None
 ) -> list[Path]:
     """Delete the temporary files that an interrupted :func:`atomic_write_bytes` of training left in ``directory``
-    and its training ``folders`` (each folder and what is below it); nothing else, and nothing under attacks/."""
+    and its training ``folders`` (each folder and what is below it); nothing else, and nothing under attacks/.
+    With ``names``, only the temporaries of files of those names."""
     stale: list[Path] = []
     for name in folders:
         folder = directory / name
         if not folder.is_dir():
             continue
         candidates = folder.glob("*") if not name else folder.rglob("*")
-        stale += [p for p in candidates if p.is_file() and _TEMPORARY_NAME.match(p.name)]
+        stale += [
+            p
+            for p in candidates
+            if p.is_file()
+            and _TEMPORARY_NAME.match(p.name)
+            and (names is None or any(p.name.startswith(f".{name}.") for name in names))
+        ]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

@@ -33,7 +33,14 @@ from fedaudit.reports.summary import (
     summary_rows,
 )
 from fedaudit.reports.verdict import run_verdict
-from fedaudit.runs import RUN_FORMAT, atomic_write_bytes, csv_bytes, now_iso
+from fedaudit.runs import (
+    RUN_FORMAT,
+    atomic_write_bytes,
+    atomic_write_json,
+    csv_bytes,
+    now_iso,
+    remove_stale_temporaries,
+)
 
 FORMATS = ("html", "md", "pdf")
 SUFFIXES = {f".{name}": name for name in FORMATS}
@@ -91,10 +98,24 @@ def output_paths(
     if run is not None:
         raise ReportError(f"--out {out} is inside the run directory {run}; write reports outside runs.")
     targets = {name: folder / f"{stem}.{name}" for name in dict.fromkeys(chosen)}
-    existing = [p for p in (*targets.values(), *(folder / s for s in SUMMARIES)) if p.exists()]
+    unfinished = _unfinished(folder)
+    existing = [p for p in (*targets.values(), *(folder / s for s in SUMMARIES)) if p.exists() and p not in unfinished]
     if existing and not overwrite:
         raise ReportError(f"--out {out}: {existing[0]} already exists; pass --overwrite to replace the report.")
     return targets, folder
+
+
+PARTIAL = ".fedaudit-report.partial"  # beside a report being written: the files it writes; removed when done
+
+
+def _unfinished(folder: Path) -> set[Path]:
+    """The files a report that was killed while writing into ``folder`` left (its marker lists them): the next
+    report may replace them without --overwrite, as the same command given again."""
+    try:
+        names = json.loads((folder / PARTIAL).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {folder / str(name) for name in names if isinstance(name, str) and "/" not in name}
 
 
 def _inside_run(folder: Path) -> Path | None:
@@ -330,8 +351,13 @@ def write_report(
     rendered[folder / "groups.csv"] = csv_bytes(groups)
     summary = summary_json(runs, checks, policy, created, groups)
     rendered[folder / "summary.json"] = (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    marker = folder / PARTIAL
+    names = [path.name for path in rendered]
+    remove_stale_temporaries(folder, ("",), names=names)  # what a killed report left half-written
+    atomic_write_json(marker, {"files": names})
     for path, data in rendered.items():
         atomic_write_bytes(path, data)
+    marker.unlink()
     verdict = None if policy is None else overall([c for group in checks.values() for c in group])
     broken = {
         run["run"].name: "the DP implementation does not keep its promise: " + "; ".join(run["promise"]["failures"])

@@ -349,3 +349,62 @@ def test_results_of_an_earlier_final_model_are_named_when_a_policy_needs_them(tr
     assert result.exit_code == 1
     markdown = (tmp_path / "report.md").read_text()
     assert "the results under attacks/ are of round 2, and the run has 3 rounds now" in markdown
+
+
+def _without_times(path: Path) -> str:
+    """A file's text without the lines that hold a clock time ("created") or the run's own path ("run")."""
+    volatile = ("created", "Created", '"run":')
+    return "\n".join(line for line in path.read_text().splitlines() if not any(v in line for v in volatile))
+
+
+@pytest.mark.parametrize("write", range(0, 20, 3))
+def test_an_attack_crashed_at_any_write_gives_the_same_results_when_given_again(
+    plain_run, tmp_path, monkeypatch, write
+):
+    reference = copy(plain_run, tmp_path, "reference")
+    assert invoke("attack", reference, "--no-progress").exit_code == 0
+    run = copy(plain_run, tmp_path)
+    real, calls = runs.atomic_write_bytes, {"n": 0}
+
+    def crashing(path: Path, data: bytes) -> None:
+        if calls["n"] == write:
+            raise _Killed
+        calls["n"] += 1
+        real(path, data)
+
+    monkeypatch.setattr(runs, "atomic_write_bytes", crashing)
+    with pytest.raises(_Killed):
+        invoke("attack", run, "--no-progress")
+    monkeypatch.undo()
+    assert RunDirectory(run).integrity_problems() == []
+    assert invoke("attack", run, "--no-progress").exit_code == 0
+    for result in sorted((reference / "attacks").glob("*/*")):
+        relative = result.relative_to(reference)
+        assert _without_times(run / relative) == _without_times(result), relative
+    assert not list(run.rglob("*.tmp")) and RunDirectory(run).integrity_problems() == []
+
+
+@pytest.mark.parametrize("write", range(5))  # the marker, the report, summary.csv, groups.csv, summary.json
+def test_a_report_crashed_at_any_write_is_written_whole_by_the_same_command(dp_run, tmp_path, monkeypatch, write):
+    import fedaudit.reports.render as render
+
+    assert invoke("report", dp_run, "--out", tmp_path / "reference" / "r.md").exit_code == 0
+    real, calls = render.atomic_write_bytes, {"n": 0}
+
+    def crashing(path: Path, data: bytes) -> None:
+        if calls["n"] == write:
+            raise _Killed
+        calls["n"] += 1
+        real(path, data)
+
+    monkeypatch.setattr(render, "atomic_write_bytes", crashing)
+    monkeypatch.setattr(runs, "atomic_write_bytes", crashing)  # the marker, written through atomic_write_json
+    with pytest.raises(_Killed):
+        invoke("report", dp_run, "--out", tmp_path / "out" / "r.md")
+    monkeypatch.undo()
+    assert invoke("report", dp_run, "--out", tmp_path / "out" / "r.md").exit_code == 0
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "reference").iterdir())  # no marker, no temporary
+    for name in names:
+        assert _without_times(tmp_path / "out" / name) == _without_times(tmp_path / "reference" / name), name
+    assert invoke("report", dp_run, "--out", tmp_path / "out" / "r.md").exit_code == 2  # a whole report: refused
