@@ -13,7 +13,7 @@ with the norms taken from ``grad_sample``. The ratios (their time / our time,
 three are checked to agree. "floor" is one forward and one backward pass of each
 batch's summed loss, with no per-sample work at all: what any method must pay.
 
-    python benchmarks/attack_signals.py [--examples 10000] [--batch 256] [--threads 1] [--device cpu]
+    python benchmarks/attack_signals.py [--examples 10000] [--batch 256] [--threads 1] [--device cpu] [--smoke]
 """
 
 from __future__ import annotations
@@ -84,7 +84,12 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest sizes (seconds): 64 examples, batches of 32, width 8"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.examples, args.batch, args.widths = 64, 32, [8]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")

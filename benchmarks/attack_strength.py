@@ -9,7 +9,7 @@ and 0.1% FPR with their intervals, and the seconds it took; then RMIA's TPR at 1
 (the target: at least 2 with 4 references) and RMIA against LiRA at equal K (the paper's ordering).
 
     python benchmarks/attack_strength.py [--datasets digits fashion-mnist] [--references 1 2 4 8]
-                                         [--out studies/attack-strength] [--threads 1]
+                                         [--out studies/attack-strength] [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +32,11 @@ LEAKY = {
     "fashion-mnist": "--model mlp --width 512 --depth 2 --num-clients 5 --partition iid --rounds 60 --local-epochs 2 "
     "--batch-size 16 --lr 0.1 --lr-schedule constant --holdout-fraction 0.99",
 }
+# --smoke: the same recipe at its smallest (it need not leak), on digits.
+SMOKE = (
+    "--model mlp --width 8 --depth 1 --num-clients 2 --partition iid --rounds 1 --local-epochs 1 --batch-size 16 "
+    "--lr 0.1 --lr-schedule constant --holdout-fraction 0.9"
+)
 
 
 def fedaudit_command() -> list[str]:
@@ -77,19 +83,35 @@ def main() -> None:
     parser.add_argument("--references", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--epsilon", type=float, default=4.0, help="the DP run's target epsilon (delta 1e-5)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("studies/attack-strength"))
+    parser.add_argument(
+        "--out", type=Path, help="where the runs go [default: studies/attack-strength; with --smoke a temporary folder]"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits only, the DP run only, K=1, an MLP of width 8 on 2 clients for 1 round",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.datasets, args.references = ["digits"], [1]
+    with tempfile.TemporaryDirectory(prefix="attack-strength-") as scratch:
+        study(args, args.out or (Path(scratch) if args.smoke else Path("studies/attack-strength")))
+
+
+def study(args: argparse.Namespace, out: Path) -> None:
+    """Train, attack and print every dataset's runs (without and with DP; with --smoke only DP) under ``out``."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     print(f"CPU, {args.threads} thread(s); attacks on the final model, offline references")
     for dataset in args.datasets:
-        for dp in (False, True):
-            run = args.out / f"{dataset}-{'dp' if dp else 'nodp'}"
+        recipe = SMOKE if args.smoke else LEAKY[dataset]
+        for dp in (True,) if args.smoke else (False, True):
+            run = out / f"{dataset}-{'dp' if dp else 'nodp'}"
             privacy = ["--dp", "--target-epsilon", f"{args.epsilon:g}"] if dp else []
-            train = ["train", "--dataset", dataset, *LEAKY[dataset].split(), *privacy, "--device", "cpu"]
+            train = ["train", "--dataset", dataset, *recipe.split(), *privacy, "--device", "cpu"]
             seconds = call([*train, "--no-progress", "--out", str(run), "--overwrite"], env)
             accuracy = (run / "metrics.csv").read_text().splitlines()[-1].split(",")[1]
             label = f"DP-FedAvg at epsilon {args.epsilon:g}" if dp else "FedAvg without DP"
-            print(f"{dataset}, {label}: {LEAKY[dataset]} (trained in {seconds:.0f} s, test accuracy {accuracy})")
+            print(f"{dataset}, {label}: {recipe} (trained in {seconds:.0f} s, test accuracy {accuracy})")
             base = ["attack", str(run), "--no-progress", "--device", "cpu"]
             seconds = call([*base, "--signal", "loss", "--method", "threshold", "--method", "population"], env)
             threshold = row(run, "loss-threshold", "loss threshold", seconds)

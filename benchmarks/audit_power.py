@@ -14,7 +14,7 @@ are held-out records, so their count is capped by the held-out pool (``--holdout
     python benchmarks/audit_power.py [--datasets digits fashion-mnist] [--algorithms fedavg fedlap]
                                      [--kinds gradient input] [--epsilons 2 4 8] [--canaries 5000]
                                      [--input-canaries 500] [--holdout-fraction 0.4] [--rounds 10]
-                                     [--local-epochs 3] [--width 32] [--out studies/audit-power]
+                                     [--local-epochs 3] [--width 32] [--out studies/audit-power] [--smoke]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,8 +50,26 @@ def main() -> None:
     parser.add_argument("--model", default="convnet")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--extra", default="", help="further train options, for example '--real-batches 5'")
-    parser.add_argument("--out", type=Path, default=Path("studies/audit-power"))
+    parser.add_argument(
+        "--out", type=Path, help="where the runs go [default: studies/audit-power; with --smoke a temporary folder]"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits, FedAvg, gradient canaries, epsilon 8 only; 100 canaries, 1 round of "
+        "1 local epoch, width 8",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.datasets, args.algorithms, args.kinds, args.epsilons = ["digits"], ["fedavg"], ["gradient"], [8.0]
+        args.canaries, args.input_canaries, args.rounds, args.local_epochs, args.width = 100, 20, 1, 1, 8
+    with tempfile.TemporaryDirectory(prefix="audit-power-") as scratch:
+        args.out = args.out or (Path(scratch) if args.smoke else Path("studies/audit-power"))
+        study(args)
+
+
+def study(args: argparse.Namespace) -> None:
+    """Print the table's header, then train and audit every run."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     print(
         f"5 clients x 2 classes, {args.model} width {args.width}, {args.rounds} rounds (FedAvg: {args.local_epochs} "

@@ -26,7 +26,7 @@ is not measured for the simulation, whose Ray workers are not processes the trai
 of every engine are checked against local's.
 
     python benchmarks/engine_overhead.py [--datasets digits fashion-mnist] [--algorithms fedlap-dp] \
-        [--rounds 2] [--cores 0]
+        [--rounds 2] [--cores 0] [--width 32] [--smoke]
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-from federation import Federation  # noqa: E402  (the test suite's launcher of a TLS SuperLink and SuperNodes)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # for federation (deployment)
 
 BIN = Path(sys.executable).parent
 ALGORITHMS = {
@@ -53,13 +52,14 @@ ALGORITHMS = {
     "dp-fedavg": ("--algorithm", "fedavg", "--dp"),
 }
 DATASETS = {
-    "digits": ("--dataset", "digits", "--width", "32"),
-    "fashion-mnist": ("--dataset", "fashion-mnist", "--width", "32", "--partition", "classes:2"),
+    "digits": ("--dataset", "digits"),
+    "fashion-mnist": ("--dataset", "fashion-mnist", "--partition", "classes:2"),
 }
 
 
 def _pinned(cores: str, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", cores, *argv]
+    """``argv`` pinned to ``cores``; unpinned where there is no taskset (only --smoke gets this far without it)."""
+    return ["taskset", "-c", cores, *argv] if shutil.which("taskset") else argv
 
 
 def _count(cores: str) -> int:
@@ -132,6 +132,7 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
         str(BIN / "fedaudit"),
         "train",
         *DATASETS[dataset],
+        *("--width", str(args.width)),
         *ALGORITHMS[algorithm],
         *("--num-clients", str(args.clients), "--rounds", str(args.rounds), "--seed", "0"),
         *("--device", "cpu", "--no-progress"),
@@ -148,6 +149,8 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
             wall, _ = _train(argv, args.cores, env)
             rows.append(_row(engine, out, (wall, float("nan"))))  # Ray's workers are not children it reaps
         else:  # deployment, deployment-window
+            from federation import Federation  # the test suite's launcher of a TLS SuperLink and SuperNodes
+
             window = ("--parallel-clients", str(cores)) if engine == "deployment-window" else ()
             federation = Federation(work / f"federation-{dataset}-{algorithm}", task_poll_seconds=None)
             try:
@@ -157,7 +160,8 @@ def measure(dataset: str, algorithm: str, args: argparse.Namespace, work: Path) 
                     federation.start_supernode(client)
                 federation_up = time.perf_counter() - began
                 for process in federation.processes.values():  # the whole federation on the same cores
-                    subprocess.run(["taskset", "-a", "-p", "-c", args.cores, str(process.pid)], capture_output=True)
+                    if shutil.which("taskset"):
+                        subprocess.run(["taskset", "-a", "-p", "-c", args.cores, str(process.pid)], capture_output=True)
                 argv = [
                     *base,
                     *("--engine", "flower", "--superlink", federation.address),
@@ -187,22 +191,37 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         nargs="+",
-        default=["local", "simulation", "deployment", "deployment-window"],
         choices=["local", "simulation", "deployment", "deployment-window"],
+        help="[default: all four; with --smoke local only]",
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", type=int, default=5)
-    parser.add_argument("--cores", default="0", help="taskset core list every process is pinned to")
+    parser.add_argument("--width", type=int, default=32, help="ConvNet width")
+    parser.add_argument(
+        "--cores",
+        help="taskset core list every process is pinned to [default: 0; with --smoke the first core this process may "
+        "use]",
+    )
     parser.add_argument("--keep", help="keep the run directories here instead of a temporary directory")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits, DP-FedAvg, 2 clients, 1 round, width 8, the local engine only unless "
+        "--engines names more (a Flower engine takes about 30 s), unpinned where there is no taskset",
+    )
     args = parser.parse_args()
-    if shutil.which("taskset") is None:
+    if args.smoke:
+        args.datasets, args.algorithms, args.clients, args.rounds, args.width = ["digits"], ["dp-fedavg"], 2, 1, 8
+        args.engines = args.engines or ["local"]
+        args.cores = args.cores or str(min(os.sched_getaffinity(0)))
+    args.engines = args.engines or ["local", "simulation", "deployment", "deployment-window"]
+    args.cores = args.cores or "0"
+    if shutil.which("taskset") is None and not args.smoke:
         raise SystemExit("taskset (util-linux) is needed to give every engine the same cores")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="engine-overhead-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(
-        f"cores {args.cores} for every process, 1 torch thread each, {args.clients} clients, {args.rounds} rounds",
-        flush=True,
-    )
+    pinning = f"cores {args.cores} for every process" if shutil.which("taskset") else "no taskset: unpinned"
+    print(f"{pinning}, 1 torch thread each, {args.clients} clients, {args.rounds} rounds", flush=True)
     try:
         for dataset in args.datasets:
             for algorithm in args.algorithms:

@@ -3,11 +3,12 @@
 Both clients make the same number of DP queries (T = R_i * L * R_b; DP-FedAvg runs
 ``--local-steps T``) with the same sigma, batch size and data (one client of the
 paper's Fashion-MNIST split, 5 clients x 2 classes; random 28x28 data of the same
-size if Fashion-MNIST is not installed). The FedLAP-DP time is split into the DP
-queries (per-sample gradients, clip, noise), the second-order matching steps, the
-model training on the synthetic set, and the server's training on the union.
+size if Fashion-MNIST is not installed; digits with --smoke). The FedLAP-DP time
+is split into the DP queries (per-sample gradients, clip, noise), the second-order
+matching steps, the model training on the synthetic set, and the server's
+training on the union.
 
-    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--augment] [--threads 1]
+    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--augment] [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import DataConfig, FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError, load_dataset, partition_dataset
-from fedaudit.models import ModelSpec, build_model
+from fedaudit.models import ModelSpec, build_model, default_depth
 
 
-def _client_data() -> tuple[ClientData, str]:
+def _client_data(name: str = "fashion-mnist") -> tuple[ClientData, str]:
+    """Client 0 of ``name`` (5 clients x 2 classes) and its description; random data if Fashion-MNIST is missing."""
     try:
-        dataset = load_dataset("fashion-mnist")
+        dataset = load_dataset(name)
         partition = partition_dataset(
             dataset.train_y.numpy(), num_clients=5, scheme="classes:2", seed=0, holdout_fraction=0.1
         )
         idx = torch.from_numpy(partition.clients[0].copy())
-        return ClientData(0, dataset.train_x[idx], dataset.train_y[idx]), "Fashion-MNIST client 0"
+        title = {"fashion-mnist": "Fashion-MNIST"}.get(name, name)
+        return ClientData(0, dataset.train_x[idx], dataset.train_y[idx]), f"{title} client 0"
     except DataError:
+        if name != "fashion-mnist":
+            raise
         generator = torch.Generator().manual_seed(0)
         n = 10800
         x = torch.randn(n, 1, 28, 28, generator=generator)
@@ -73,9 +78,16 @@ def main() -> None:
         help="DSA augmentation of real and synthetic batches, as the authors' code does",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits (8x8, ConvNet depth 2) instead of Fashion-MNIST, width 8, R_i=1",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.widths, args.trajectories = [8], 1
     torch.set_num_threads(args.threads)
-    data, source = _client_data()
+    data, source = _client_data("digits" if args.smoke else "fashion-mnist")
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
     print(
         f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "
@@ -87,7 +99,8 @@ def main() -> None:
     )
     print(header)
     for width in args.widths:
-        spec = ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3)
+        shape = tuple(data.x.shape[1:])
+        spec = ModelSpec("convnet", shape, 10, width=width, depth=default_depth("convnet", shape))
         torch.manual_seed(0)
         model = build_model(spec)
         params = {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -7,7 +7,7 @@ trains on those for 10 epochs, and, as the reference measured in the same run, a
 records; both are tested on the real test set. The ratio of the two accuracies is the figure: "classification
 accuracy score" (Ravuri and Vinyals, 2019), a classifier-based stand-in for FID that needs no Inception network.
 
-    python benchmarks/generator.py [--datasets digits fashion-mnist] [--records 1000 9000] [--threads 1]
+    python benchmarks/generator.py [--datasets digits fashion-mnist] [--records 1000 9000] [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ def main() -> None:
     parser.add_argument("--records", nargs="+", type=int, default=[1000, 9000])
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier of the DP run (0: no DP run)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes (seconds): digits only, 100 records")
     args = parser.parse_args()
+    if args.smoke:
+        args.datasets, args.records = ["digits"], [100]
     torch.set_num_threads(args.threads)
     defaults = FedssynConfig()
     print(

@@ -21,7 +21,7 @@ on a 2-core machine. A run already complete in --out is reused, an
 interrupted one resumed; the attacks are always recomputed.
 
     python benchmarks/leakage.py [--rounds 3] [--fedlap-rounds 1] [--width 32] [--epsilon 10]
-                                 [--max-records 10000] [--out studies/leakage] [--threads 1]
+                                 [--max-records 10000] [--out studies/leakage] [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +39,11 @@ import pandas as pd
 
 SIGNALS = ("loss", "grad-norm")
 METHODS = ("threshold", "classifier")
+# --smoke: FedLAP's loops at their smallest (R_i = L = R_b = J = 1, 1 image per class, 1 server epoch).
+SMOKE_FEDLAP = [
+    *("--trajectories", "1", "--max-loops", "1", "--real-batches", "1", "--image-steps", "1"),
+    *("--ipc", "1", "--server-epochs", "1"),
+]
 
 
 def fedaudit_command() -> list[str]:
@@ -124,12 +130,30 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-records", type=int, default=10000)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="studies/leakage")
+    parser.add_argument(
+        "--out", help="where the runs and the report go [default: studies/leakage; with --smoke a temporary folder]"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits instead of Fashion-MNIST, 1 round each, width 8, FedLAP's loops at 1 "
+        "(1 image per class), 100 records attacked",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.fedlap_rounds, args.width, args.max_records = 1, 1, 8, 100
+    with tempfile.TemporaryDirectory(prefix="leakage-") as scratch:
+        args.out = args.out or (scratch if args.smoke else "studies/leakage")
+        study(args)
+
+
+def study(args: argparse.Namespace) -> None:
+    """Train (or reuse) the four runs under ``args.out``, attack them, report, and print the table and the claims."""
+    dataset = "digits" if args.smoke else "fashion-mnist"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     common = [
         "--dataset",
-        "fashion-mnist",
+        dataset,
         "--partition",
         "classes:2",
         "--num-clients",
@@ -143,17 +167,18 @@ def main() -> None:
     ]
     dp = ["--dp", "--target-epsilon", f"{args.epsilon:g}"]
     eps = f"eps{args.epsilon:g}"
+    lap = SMOKE_FEDLAP if args.smoke else []
     plan = {
         f"fedavg-nodp-seed{args.seed}": ["--algorithm", "fedavg", "--rounds", str(args.rounds)],
         f"fedavg-{eps}-seed{args.seed}": ["--algorithm", "fedavg", "--rounds", str(args.rounds), *dp],
-        f"fedlap-nodp-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.fedlap_rounds)],
-        f"fedlap-{eps}-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.rounds), *dp],
+        f"fedlap-nodp-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.fedlap_rounds), *lap],
+        f"fedlap-{eps}-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.rounds), *dp, *lap],
     }
     print(
-        f"Fashion-MNIST, 5 clients x 2 classes, ConvNet width {args.width}, {args.rounds} rounds "
-        f"({args.fedlap_rounds} for non-DP FedLAP), DP runs at epsilon {args.epsilon:g} (delta 1e-5), seed "
-        f"{args.seed}, up to {args.max_records} members and as many non-members attacked, {args.threads} torch "
-        f"thread(s), CPU",
+        f"{'digits' if args.smoke else 'Fashion-MNIST'}, 5 clients x 2 classes, ConvNet width {args.width}, "
+        f"{args.rounds} rounds ({args.fedlap_rounds} for non-DP FedLAP), DP runs at epsilon {args.epsilon:g} "
+        f"(delta 1e-5), seed {args.seed}, up to {args.max_records} members and as many non-members attacked, "
+        f"{args.threads} torch thread(s), CPU",
         flush=True,
     )
     directories = []
@@ -189,6 +214,7 @@ def main() -> None:
             "html",
             "--format",
             "md",
+            "--overwrite",  # the runs are reused from an earlier study; their report is rebuilt
         ],
         env,
     )

@@ -12,7 +12,7 @@ Peak memory (CPU, Linux): each DP step runs in a fresh process after one warm-up
 is reset just before the measured step (/proc/self/clear_refs), and its growth over the size before the step is
 printed (``--memory``).
 
-    python benchmarks/per_sample_grads.py [--threads 1] [--repeats 5] [--device cpu] [--memory]
+    python benchmarks/per_sample_grads.py [--threads 1] [--repeats 5] [--device cpu] [--memory] [--smoke]
 """
 
 from __future__ import annotations
@@ -50,7 +50,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--memory", action="store_true", help="also measure each DP step's peak memory (CPU)")
     parser.add_argument("--child", choices=["ours", "previous", "fgc", "ghost"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): a batch of 8, width 8, 1 repeat (with --memory: 4 child processes, about 3 s "
+        "each)",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.widths, args.repeats = 8, [8], 1
     torch.set_num_threads(args.threads)
     if args.child:
         warnings.filterwarnings("ignore")

@@ -14,8 +14,9 @@ same client generator, so both do the same training; the script checks that both
 the median seconds of each, their ratio (with / without) and the overhead in percent.
 
     python benchmarks/query_recording.py [--dataset fashion-mnist] [--client 0] [--canaries 5000] [--width 32]
-                                         [--local-epochs 1] [--repeats 5] [--threads 1]
+                                         [--local-epochs 1] [--repeats 5] [--threads 1] [--smoke]
     python benchmarks/query_recording.py --dataset digits --repeats 1   # a quick check
+    python benchmarks/query_recording.py --smoke                        # the quickest check
 """
 
 from __future__ import annotations
@@ -82,7 +83,14 @@ def main() -> None:
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds of each path")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits, 100 canaries, width 8, 1 local epoch, 1 repeat",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.dataset, args.canaries, args.width, args.local_epochs, args.repeats = "digits", 100, 8, 1, 1
     torch.set_num_threads(args.threads)
     setup, note = set_up(args)
     recording = client_data(setup, args.client)

@@ -14,11 +14,13 @@ and Fedssyn's rounds to FedAvg's final accuracy against FedAvg's (its generation
 ``--algorithms`` trains a subset (run two processes on two cores); the table covers every run under ``--out``.
 
     python benchmarks/utility.py [--study dp|others] [--rounds 3] [--width 16] [--out runs/utility] [--threads 1]
+                                 [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +65,26 @@ OTHERS = {
     },
 }
 ONE_SHOT = {name: 2 for name in OTHERS if name.startswith("FedGM")}  # FedGM's stages: the paper's T = 2
+TITLES = {"fashion-mnist": "Fashion-MNIST", "digits": "digits"}
+# --smoke: each algorithm's own loops at their smallest.
+SMOKE = {
+    "fedlap": {
+        "fedlap.trajectories": 1,
+        "fedlap.max_loops": 1,
+        "fedlap.real_batches": 1,
+        "fedlap.image_steps": 1,
+        "fedlap.ipc": 1,
+        "fedlap.server_epochs": 1,
+    },
+    "feddm": {"feddm.dm_iterations": 2},
+    "fedgm": {"fedgm.distill_iterations": 2, "fedgm.server_steps": 5},
+    "fedssyn": {"fedssyn.generator_epochs": 1},
+}
+
+
+def smallest(config: RunConfig, smoke: bool) -> RunConfig:
+    """``config`` with its algorithm's loops at their smallest (:data:`SMOKE`) under --smoke, else unchanged."""
+    return config.with_overrides(SMOKE.get(config.federated.algorithm, {})) if smoke else config
 
 
 def others(args: argparse.Namespace) -> None:
@@ -70,18 +92,19 @@ def others(args: argparse.Namespace) -> None:
     base = RunConfig(
         seed=args.seed,
         device="cpu",
-        data=DataConfig(dataset="fashion-mnist", partition="classes:2", num_clients=5),
+        data=DataConfig(dataset=args.dataset, partition="classes:2", num_clients=5),
         model=ModelConfig(width=args.width),
     )
     print(
-        f"torch {torch.__version__}, threads={torch.get_num_threads()}, CPU; Fashion-MNIST, 5 clients x 2 classes, "
-        f"ConvNet width {args.width}, {args.local_epochs} local epoch(s), seed {args.seed}, no DP"
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, CPU; {TITLES[args.dataset]}, 5 clients x 2 "
+        f"classes, ConvNet width {args.width}, {args.local_epochs} local epoch(s), seed {args.seed}, no DP"
     )
     for name in list(OTHERS) if args.algorithms is None else args.algorithms:
         rounds = ONE_SHOT.get(name, args.rounds + (1 if name == "Fedssyn" else 0))
         config = base.with_overrides(
             {**OTHERS[name], "federated.rounds": rounds, "federated.local_epochs": args.local_epochs}
         )
+        config = smallest(config, args.smoke)
         started = time.perf_counter()
         train(
             config,
@@ -143,20 +166,37 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="runs/utility")
+    parser.add_argument("--out", help="where the runs go [default: runs/utility; with --smoke a temporary folder]")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits instead of Fashion-MNIST, 1 round, width 8, 1 local epoch, every "
+        "algorithm's own loops at their smallest (FedLAP: 1 of each, 1 image per class)",
+    )
     args = parser.parse_args()
+    args.dataset = "digits" if args.smoke else "fashion-mnist"
+    if args.smoke:
+        args.rounds, args.width, args.local_epochs = 1, 8, 1
     torch.set_num_threads(args.threads)
-    if args.study == "others":
-        others(args)
-        return
+    with tempfile.TemporaryDirectory(prefix="utility-") as scratch:
+        args.out = args.out or (scratch if args.smoke else "runs/utility")
+        if args.study == "others":
+            others(args)
+        else:
+            dp(args)
+
+
+def dp(args: argparse.Namespace) -> None:
+    """FedLAP-DP, DP-FedAvg and DP-FedProx at equal data access, beside the paper's Table 2."""
     base = RunConfig(
         seed=args.seed,
         device="cpu",
-        data=DataConfig(dataset="fashion-mnist", partition="classes:2", num_clients=5),
+        data=DataConfig(dataset=args.dataset, partition="classes:2", num_clients=5),
         model=ModelConfig(width=args.width),
         privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
     )
     lap = base.with_overrides({"federated": FederatedConfig(algorithm="fedlap", rounds=args.rounds)})
+    lap = smallest(lap, args.smoke)
     queries = max(prepare(lap).queries.values())
     configs = {
         "FedLAP-DP": lap,
@@ -168,8 +208,9 @@ def main() -> None:
         ),
     }
     print(
-        f"torch {torch.__version__}, threads={torch.get_num_threads()}; Fashion-MNIST, 5 clients x 2 classes, "
-        f"ConvNet width {args.width}, sigma 1, B 256, T = {queries} DP queries per client per round, seed {args.seed}"
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}; {TITLES[args.dataset]}, 5 clients x 2 "
+        f"classes, ConvNet width {args.width}, sigma 1, B {lap.resolved().federated.batch_size}, T = {queries} DP "
+        f"queries per client per round, seed {args.seed}"
     )
     columns = {}
     for name, config in configs.items():

@@ -1,0 +1,60 @@
+"""Every script under benchmarks/ runs end to end with ``--smoke`` (the smallest sizes) and prints its table.
+
+Each script runs as its own process from an empty working directory, with ``--out`` inside it where the script has
+that option, so that a smoke run leaves nothing in the repository.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
+
+# Each script's table: text its header line holds, and a pattern (re.MULTILINE) one of the lines after it matches.
+# A new script needs an entry here.
+TABLES: dict[str, tuple[str, str]] = {
+    "attack_signals.py": ("previous/ours", r"^\s+8\s+\d"),
+    "attack_strength.py": ("attacks on the final model", r"^\s+RMIA offline, K=1\s+AUC \d"),
+    "audit_power.py": ("verify (s)", r"^digits\s+fedavg\s+gradient\s+\S+\s+\d"),
+    "engine_overhead.py": ("s_per_round", r"^digits dp-fedavg\s+local\s+\d"),
+    "fedlap_round.py": ("FedLAP-DP (s)", r"^\s+8\s+\d+\s+\d"),
+    "generator.py": ("generated-trained acc", r"^digits \| 100 \| no DP \|"),
+    "integrity.py": ("reference", r"^commit one round"),
+    "leakage.py": ("AUC 95% interval", r"^\s*fedavg-nodp-seed0\s+1\s"),
+    "own_data.py": ("load_dataset", r"^folder: 100 PNG"),
+    "per_sample_grads.py": ("GSM/ours", r"^\s+8\s+\d"),
+    "query_recording.py": ("median (s)", r"^with recording\s+\d"),
+    "twins.py": ("max rel. diff", r"^\s+8\s+\d+\s+8\s"),
+    "utility.py": ("DP-FedAvg acc %", r"^1\s+\d"),
+}
+
+
+def test_every_script_has_a_table() -> None:
+    """A new benchmark script is smoke-tested only once its table is described in TABLES."""
+    assert SCRIPTS
+    assert {script.name for script in SCRIPTS} == set(TABLES)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.name)
+def test_smoke(script: Path, tmp_path: Path) -> None:
+    """``python SCRIPT --smoke`` exits 0, prints its table, and writes only into --out under the working directory."""
+    assert script.name in TABLES, f"describe the table of {script.name} in TABLES"
+    header, row = TABLES[script.name]
+    argv = [sys.executable, str(script), "--smoke"]
+    if re.search(r'add_argument\(\s*"--out"', script.read_text()):
+        argv += ["--out", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    lines = done.stdout.splitlines()
+    at = next((i for i, line in enumerate(lines) if header in line), None)
+    assert at is not None, f"no header line with {header!r}:\n{done.stdout}"
+    assert re.search(row, "\n".join(lines[at + 1 :]), re.MULTILINE), f"no row matching {row!r}:\n{done.stdout}"
+    assert {p.name for p in tmp_path.iterdir()} <= {"out"}, "wrote into the working directory"
