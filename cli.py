@@ -954,7 +954,7 @@ def datasets(own: tuple[str, ...], data_dir: str | None, label_column: str | Non
     """List the datasets fedaudit reads, where each was found, and its size; with your own data (npz:, csv:,
     folder:), read it as train would and show its sizes, shape, classes and fingerprint."""
     from fedaudit.data import dataset_table, dataset_text
-    from fedaudit.data.user import user_dataset_row
+    from fedaudit.data.registry import user_dataset_row
 
     table = dataset_table(data_dir)
     if own:

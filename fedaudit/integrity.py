@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"
 LOCK = ".fedaudit.lock"
 CACHES = ("references",)  # attack caches, rebuilt when their key differs; results derived from them are hashed
+UNNAMED_WAIT = 10.0  # seconds a writer waits for a lock whose holder did not name itself
+_UNNAMED = "another fedaudit command (reading it)"
 LEDGER_RTOL = 1e-6  # the same accountant replayed on the same events gives the same epsilon, up to rounding
 # What an interrupted atomic write leaves (runs.atomic_write_bytes): "." + name + "." + 8 characters + ".tmp".
 _TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
@@ -267,8 +270,11 @@ class RunLock:
     _fd: int | None = None
 
     def acquire(self) -> RunLock:
-        """Take the lock now or raise :class:`LockedError` naming the holder; never waits."""
-        for _ in range(10):
+        """Take the lock now or raise :class:`LockedError` naming the holder. A writer that named itself is refused at
+        once; a lock held without a name (readers, or a process that is exiting and has not yet closed its copy of
+        the file) is waited for up to :data:`UNNAMED_WAIT` seconds."""
+        deadline = time.monotonic() + UNNAMED_WAIT
+        for _ in range(1000):
             path = self.directory / LOCK
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -281,6 +287,9 @@ class RunLock:
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
+                if holder == _UNNAMED and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
                 raise LockedError(f"{self.directory} is in use by {holder}; try again when it has finished.") from None
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(path))
@@ -316,7 +325,7 @@ def _holder(fd: int) -> str:
         text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
     except OSError:
         text = ""
-    return text or "another fedaudit command (reading it)"
+    return text or _UNNAMED
 
 
 def is_locked(directory: Path) -> bool:

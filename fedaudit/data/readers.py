@@ -10,6 +10,7 @@ tampered batch cannot run code.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import os
 import pickle
@@ -26,6 +27,7 @@ __all__ = [
     "open_maybe_gzip",
     "read_idx",
     "read_idx_shape",
+    "fingerprint_arrays",
     "read_cifar10_batch",
 ]
 
@@ -226,3 +228,13 @@ def read_cifar10_batch(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
     if label_array.size and (label_array.min() < 0 or label_array.max() > 9):
         raise DataError(f"{path} has labels outside 0..9; delete it and get it again.")
     return np.ascontiguousarray(data.reshape(-1, 3, 32, 32)), label_array
+
+
+def fingerprint_arrays(arrays: list[np.ndarray]) -> str:
+    """SHA-256 of the raw arrays in a machine-independent encoding (dtype, shape, little-endian bytes)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        canonical = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        digest.update(f"{canonical.dtype.str}{canonical.shape};".encode())
+        digest.update(canonical.reshape(-1).view(np.uint8))  # the same bytes as tobytes(), without a copy
+    return digest.hexdigest()

@@ -10,17 +10,18 @@ downloaded unless the caller asks for it, and then only through torchvision.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from fedaudit.data.readers import DataError, read_cifar10_batch, read_idx, read_idx_shape
+from fedaudit.data.readers import DataError, fingerprint_arrays, read_cifar10_batch, read_idx, read_idx_shape
+from fedaudit.data.user import is_user_dataset, parse, read_user_dataset, standardise
 
 __all__ = [
     "DATASET_NAMES",
@@ -299,16 +300,6 @@ def _download(spec: _Spec, data_dir: str | os.PathLike[str] | None) -> None:
         ) from exc
 
 
-def fingerprint_arrays(arrays: list[np.ndarray]) -> str:
-    """SHA-256 of the raw arrays in a machine-independent encoding (dtype, shape, little-endian bytes)."""
-    digest = hashlib.sha256()
-    for array in arrays:
-        canonical = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        digest.update(f"{canonical.dtype.str}{canonical.shape};".encode())
-        digest.update(canonical.reshape(-1).view(np.uint8))  # the same bytes as tobytes(), without a copy
-    return digest.hexdigest()
-
-
 def _normalise(raw: np.ndarray, spec: _Spec) -> torch.Tensor:
     """Scale raw pixels to [0, 1], then standardise each channel with the dataset's constants."""
     images = torch.from_numpy(raw).to(torch.float32).div_(spec.pixel_scale)
@@ -393,8 +384,6 @@ def load_dataset(
         >>> ds.input_shape, ds.num_classes
         ((1, 8, 8), 10)
     """
-    from fedaudit.data.user import is_user_dataset, read_user_dataset, standardise
-
     if is_user_dataset(name):
         if data_dir is not None or download:
             raise DataError(
@@ -508,3 +497,23 @@ def dataset_text(table: pd.DataFrame) -> str:
 
     notes = [f"{name}: {how}" for name, how in zip(table["dataset"], table["how_to_get"]) if how]
     return "\n".join([line(header), *map(line, rows), *([""] + notes if notes else [])])
+
+
+def user_dataset_row(name: str, *, label_column: str | None = None, image_size: int | None = None) -> dict[str, Any]:
+    """A row of ``fedaudit datasets`` for the user's own data, read as ``train`` reads it (``label_column`` applies to
+    a csv: dataset only, ``image_size`` to a folder: one)."""
+    kind, _ = parse(name)
+    dataset = load_dataset(
+        name,
+        label_column=label_column if kind == "csv" else None,
+        image_size=image_size if kind == "folder" else None,
+    )
+    return {
+        "dataset": dataset.name,
+        "found_at": f"{dataset.source} (fingerprint {dataset.fingerprint[:12]})",
+        "train": len(dataset.train_y),
+        "test": len(dataset.test_y),
+        "shape": "x".join(str(d) for d in dataset.input_shape),
+        "classes": dataset.num_classes,
+        "how_to_get": "",
+    }

@@ -19,12 +19,11 @@ data it was trained on. Every problem is one sentence naming the file (docs/your
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from fedaudit.data.readers import DataError
+from fedaudit.data.readers import DataError, fingerprint_arrays
 
 KINDS = ("npz", "csv", "folder")
 TEST_FRACTION = 0.2
@@ -65,8 +64,6 @@ def read_user_dataset(
         x, y, x_test, y_test = _read_folder(path, DEFAULT_IMAGE_SIZE if image_size is None else image_size)
     if kind != "folder" and image_size is not None:
         raise DataError("--image-size is for --dataset folder:DIR only.")
-    from fedaudit.data.registry import fingerprint_arrays
-
     fingerprint = fingerprint_arrays([x, y] + ([x_test, y_test] if x_test is not None else []))
     x, y, x_test, y_test = _split(path, x, y, x_test, y_test)
     y, y_test = _classes(path, y, y_test)
@@ -243,25 +240,3 @@ def _classes(path: Path, y: np.ndarray, y_test: np.ndarray) -> tuple[np.ndarray,
     if unknown.size:
         raise DataError(f"{path}: the test split has label {unknown[0]}, which no training record has.")
     return np.searchsorted(values, y).astype(np.int64), np.searchsorted(values, y_test).astype(np.int64)
-
-
-def user_dataset_row(name: str, *, label_column: str | None = None, image_size: int | None = None) -> dict[str, Any]:
-    """A row of ``fedaudit datasets`` for the user's own data, read as ``train`` reads it (``label_column`` applies to
-    a csv: dataset only, ``image_size`` to a folder: one)."""
-    from fedaudit.data.registry import load_dataset
-
-    kind, _ = parse(name)
-    dataset = load_dataset(
-        name,
-        label_column=label_column if kind == "csv" else None,
-        image_size=image_size if kind == "folder" else None,
-    )
-    return {
-        "dataset": dataset.name,
-        "found_at": f"{dataset.source} (fingerprint {dataset.fingerprint[:12]})",
-        "train": len(dataset.train_y),
-        "test": len(dataset.test_y),
-        "shape": "x".join(str(d) for d in dataset.input_shape),
-        "classes": dataset.num_classes,
-        "how_to_get": "",
-    }

@@ -56,7 +56,10 @@ def test_config_json_holds_the_resolved_configuration(request, which):
         "partition": "classes:2",
         "num_clients": 5,
         "holdout_fraction": 0.1,
+        "label_column": None,
+        "image_size": None,
     }
+    assert stored["keep_checkpoints"] is None
     assert stored["federated"]["rounds"] == 3
     assert stored["model"] == {"arch": "mlp", "width": 16, "depth": 1}
     assert stored["seed"] == 0
