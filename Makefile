@@ -25,13 +25,14 @@ demo: venv
 	$(DEMO_ENV) $(BIN)/fedaudit train $(DEMO_SETUP) --out $(RUN)/fedavg --overwrite
 	$(DEMO_ENV) $(BIN)/fedaudit train $(DEMO_SETUP) --dp --noise-multiplier 2 --max-grad-norm 1 --out $(RUN)/dp-fedavg --overwrite
 	$(DEMO_ENV) $(BIN)/fedaudit attack $(RUN)/fedavg $(RUN)/dp-fedavg --signal loss --signal grad-norm --method threshold
-	$(DEMO_ENV) $(BIN)/fedaudit report $(RUN)/fedavg $(RUN)/dp-fedavg --out $(RUN)/report --format html --format md
+	$(DEMO_ENV) $(BIN)/fedaudit report $(RUN)/fedavg $(RUN)/dp-fedavg --out $(RUN)/report --format html --format md --overwrite
 	@echo "Report: $(RUN)/report/report.html"
 
 # Format and lint first (ruff, configured in pyproject.toml), then the suite on two workers.
 test: venv
 	$(BIN)/ruff format --check --quiet .
 	$(BIN)/ruff check --quiet .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q
 
 clean:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup, escape
 
 from fedaudit.reports import figures
 from fedaudit.reports.collect import ReportError, RunSummary
@@ -269,6 +270,14 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
     return {"verdict": verdict, "checks": checks, "views": views, "failures": failures, "unchecked": unchecked}
 
 
+def code_spans(text: str) -> Markup:
+    """HTML of a sentence whose `backticked` parts are commands: each becomes <code>, everything escaped."""
+    parts = str(text).split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: plain text
+        return Markup(escape(str(text)))
+    return Markup("".join(f"<code>{escape(p)}</code>" if i % 2 else str(escape(p)) for i, p in enumerate(parts)))
+
+
 def md_text(value: Any) -> Any:
     """A value as Markdown text that cannot open an HTML tag (a run named ``<script>`` stays text): ``<`` and ``>``
     become entities, which Markdown shows as the characters. Idempotent, so a macro's output passes unchanged."""
@@ -290,6 +299,7 @@ def _environment(*, markdown: bool = False) -> Environment:
         keep_trailing_newline=True,
     )
     env.filters["fmt"] = fmt
+    env.filters["code_spans"] = code_spans
     env.filters["md_cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
     return env
 
