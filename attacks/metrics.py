@@ -27,6 +27,7 @@ than chance gives no bound (0).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -225,6 +226,40 @@ def bootstrap(
         w0 = rng.multinomial(n0, np.full(n0, 1.0 / n0), size=size)
         aucs[start : start + size] = weighted_auc(positives, negatives, w1, w0)
     return Bootstrap(auc=aucs)
+
+
+def bootstrap_groups(
+    negatives: np.ndarray,
+    positives: Sequence[np.ndarray],
+    *,
+    rng: np.random.Generator,
+    resamples: int = DEFAULT_RESAMPLES,
+) -> list[Bootstrap]:
+    """:func:`bootstrap` of many positive sets against one negative set (a federation's clients against the
+    non-members of their classes), with the negatives' resamples drawn once and shared: each resample's cumulative
+    negative counts are computed once, and every set of positives needs only its own counts and a lookup. Each
+    interval is a valid bootstrap of its own AUC; those of different sets share their negative draws.
+
+    A set's resample r is positives counted ``Multinomial(n1, 1/n1)`` times against negatives counted
+    ``Multinomial(n0, 1/n0)`` times (the latter common to every set), as in :func:`bootstrap`.
+    """
+    n0 = negatives.size
+    order = np.argsort(negatives, kind="stable")
+    sorted_negatives = negatives[order]
+    aucs = [np.empty(resamples) for _ in positives]
+    chunk = max(1, _BOOTSTRAP_CELLS // max(n0, 1))
+    for start in range(0, resamples, chunk):
+        size = min(chunk, resamples - start)
+        w0 = rng.multinomial(n0, np.full(n0, 1.0 / n0), size=size)[:, order]
+        cumulative = np.concatenate([np.zeros((size, 1)), np.cumsum(w0, axis=1)], axis=1)
+        for auc, pos in zip(aucs, positives):
+            n1 = pos.size
+            w1 = rng.multinomial(n1, np.full(n1, 1.0 / n1), size=size)
+            below = np.searchsorted(sorted_negatives, pos, side="left")
+            at_or_below = np.searchsorted(sorted_negatives, pos, side="right")
+            wins = 0.5 * (cumulative[:, below] + cumulative[:, at_or_below])
+            auc[start : start + size] = (w1 * wins).sum(axis=1) / (n1 * n0)
+    return [Bootstrap(auc=a) for a in aucs]
 
 
 def weighted_auc(positives: np.ndarray, negatives: np.ndarray, w_pos: np.ndarray, w_neg: np.ndarray) -> np.ndarray:

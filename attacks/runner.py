@@ -24,7 +24,7 @@ from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, read_canaries, run_views
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
-from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap, risk, summarize
+from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap_groups, risk, summarize
 from fedaudit.attacks.references import MAX_REFERENCES, reference_signals, references
 from fedaudit.attacks.signals import (
     DEFAULT_SIGNALS,
@@ -557,22 +557,25 @@ def _per_client(
     client's classes."""
     table: dict[str, dict[str, Any]] = {}
     nonmember = audit & (ev.member == 0)
-    for k, classes in ev.client_classes.items():
-        members = audit & (ev.client == k)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, classes in ev.client_classes.items():  # clients of the same classes share their non-members
+        groups.setdefault(tuple(sorted(int(c) for c in classes)), []).append(k)
+    for classes, clients in groups.items():
         others = nonmember & np.isin(ev.label, classes)
-        auc, interval = None, None
-        if members.any() and others.any():
-            both = members | others
-            auc = float(roc_auc_score(ev.member[both], scores[both]))
-            boot = bootstrap(ev.member[both], scores[both], rng=rng, resamples=resamples)
-            interval = list(boot.interval(boot.auc))
-        table[str(k)] = {
-            "auc": auc,
-            "auc_ci95": interval,
-            "num_members": int(members.sum()),
-            "num_nonmembers": int(others.sum()),
-        }
-    return table
+        members = {k: audit & (ev.client == k) for k in clients}
+        scored = [k for k in clients if members[k].any() and others.any()]
+        boots = bootstrap_groups(scores[others], [scores[members[k]] for k in scored], rng=rng, resamples=resamples)
+        intervals = {k: list(boot.interval(boot.auc)) for k, boot in zip(scored, boots)}
+        for k in clients:
+            both = members[k] | others
+            auc = float(roc_auc_score(ev.member[both], scores[both])) if k in intervals else None
+            table[str(k)] = {
+                "auc": auc,
+                "auc_ci95": intervals.get(k),
+                "num_members": int(members[k].sum()),
+                "num_nonmembers": int(others.sum()),
+            }
+    return dict(sorted(table.items(), key=lambda item: int(item[0])))
 
 
 CANARY_NAMES = tuple(view.name for view in VIEWS)

@@ -13,6 +13,7 @@ from sklearn.metrics import roc_auc_score
 from fedaudit.attacks.metrics import (
     Bootstrap,
     bootstrap,
+    bootstrap_groups,
     clopper_pearson_lower,
     clopper_pearson_upper,
     difference_interval,
@@ -399,3 +400,28 @@ def test_risk_equals_a_slow_loop_over_clients_classes_and_records():
         assert row["exposure_fpr"] == sum(o >= score[i] for o in outs) / len(outs)
         assert row["client"] == client[i] and row["label"] == label[i] and row["source"] == "test"
     assert table["most_exposed"][0]["client"] == 2
+
+
+def test_bootstrap_groups_is_each_sets_resampled_auc_with_shared_negative_draws() -> None:
+    """A slow loop: the same multinomial draws, in the same order, turned into repeated records and scored by
+    scikit-learn, give every resample's AUC of every set of positives."""
+    rng = np.random.default_rng(5)
+    negatives = np.round(rng.normal(0, 1, 50), 1)
+    sets = [np.round(rng.normal(0.5, 1, n), 1) for n in (1, 3, 8)]
+    boots = bootstrap_groups(negatives, sets, rng=np.random.default_rng(6), resamples=4)
+    replay = np.random.default_rng(6)
+    w0 = replay.multinomial(negatives.size, np.full(negatives.size, 1 / negatives.size), size=4)
+    for positives, boot in zip(sets, boots):
+        w1 = replay.multinomial(positives.size, np.full(positives.size, 1 / positives.size), size=4)
+        for r in range(4):
+            p, n = np.repeat(positives, w1[r]), np.repeat(negatives, w0[r])
+            assert boot.auc[r] == pytest.approx(roc_auc_score(labels(p.size, n.size), np.concatenate([p, n])))
+
+
+def test_bootstrap_groups_interval_matches_the_single_set_bootstrap() -> None:
+    rng = np.random.default_rng(7)
+    negatives, positives = rng.normal(0, 1, 400), rng.normal(0.3, 1, 60)
+    (shared,) = bootstrap_groups(negatives, [positives], rng=np.random.default_rng(8), resamples=4000)
+    member = labels(60, 400)
+    single = bootstrap(member, np.concatenate([positives, negatives]), rng=np.random.default_rng(9), resamples=4000)
+    assert np.allclose(Bootstrap.interval(shared.auc), Bootstrap.interval(single.auc), atol=0.01)

@@ -29,6 +29,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "integrity.py": ("reference", r"^commit one round"),
     "leakage.py": ("AUC 95% interval", r"^\s*fedavg-nodp-seed0\s+1\s"),
     "own_data.py": ("load_dataset", r"^folder: 100 PNG"),
+    "per_client_intervals.py": ("per client (s)", r"^\s+20\s+\d"),
     "per_sample_grads.py": ("GSM/ours", r"^\s+8\s+\d"),
     "query_recording.py": ("median (s)", r"^with recording\s+\d"),
     "twins.py": ("max rel. diff", r"^\s+8\s+\d+\s+8\s"),
