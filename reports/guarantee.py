@@ -12,6 +12,15 @@ from fedaudit.reports.collect import RunSummary
 from fedaudit.reports.summary import fmt
 
 RUN, NOT_RUN, NOT_APPLICABLE = "run", "not run", "not applicable"
+ASPECTS = (
+    "unit of privacy",
+    "privacy loss",
+    "delta against 1/n",
+    "mechanism",
+    "composition and conversion",
+    "trust model",
+    "not counted",
+)
 _ACCOUNTANTS = {
     "rdp": "Renyi DP of the subsampled Gaussian",
     "prv": "the privacy random variable of the subsampled Gaussian, numerically composed",
@@ -63,6 +72,23 @@ def guarantee_table(run: RunSummary) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["aspect", "what this run guarantees"])
 
 
+def guarantees_table(runs: list[RunSummary]) -> pd.DataFrame:
+    """Every run's guarantee in one table for the top of a report: one row per aspect and group of runs that
+    guarantee the same ("every run" when all do), aspects in the order of :func:`guarantee_table`."""
+    names = [run.name for run in runs]
+    groups: dict[str, dict[str, list[str]]] = {}
+    for run in runs:
+        for aspect, text in guarantee_table(run).itertuples(index=False):
+            groups.setdefault(aspect, {}).setdefault(text, []).append(run.name)
+    order = {aspect: i for i, aspect in enumerate(ASPECTS)}
+    rows = [
+        (aspect, "every run" if len(runs) > 1 and members == names else ", ".join(members), text)
+        for aspect in sorted(groups, key=lambda a: order.get(a, len(order)))
+        for text, members in groups[aspect].items()
+    ]
+    return pd.DataFrame(rows, columns=["aspect", "runs", "what is guaranteed"])
+
+
 def _delta(delta: float | None, records: int | None) -> str:
     if delta is None or not records:
         return "not available"
@@ -72,25 +98,32 @@ def _delta(delta: float | None, records: int | None) -> str:
         if ratio >= 10
         else "delta is not much smaller than 1/n: a mechanism could reveal a few records outright within it"
     )
-    return f"delta {fmt(delta)}; 1/n = {fmt(1 / records)} for the n = {records} training records; {verdict}"
+    return f"delta {fmt(delta)}; 1/n = {1 / records:.3g} for the n = {records} training records; {verdict}"
 
 
 def _trust(run: RunSummary) -> str:
     config = json.loads(run.seedless_config) if run.seedless_config else {}
     deployment = bool((config.get("flower") or {}).get("superlink"))
-    noise = "adds its noise before sending, so the guarantee holds against the server, the network and anyone who "
-    if deployment:
+    protected = run.privacy.dp and bool(run.privacy.epsilon_per_round)
+    where = (
+        "a Flower deployment: each client trains at its own site (a SuperNode)"
+        if deployment
+        else f"clients run on this machine (engine {run.setup.get('engine', 'local')})"
+    )
+    if not protected:
         return (
-            "a Flower deployment: each client trains at its own site (a SuperNode) and "
-            + noise
-            + "sees the final model; each site is trusted with its records (in this version every site holds the "
-            "whole dataset and trains its partition)"
+            f"{where}; each client sends its update without DP noise, so nothing protects a record against the "
+            "server, the network or anyone who sees the final model"
         )
-    engine = str(run.setup.get("engine", "local"))
+    held = (
+        "each site is trusted with its records (in this version every site holds the whole dataset and trains its "
+        "partition)"
+        if deployment
+        else "but not against this machine's operator, who holds every client's records"
+    )
     return (
-        f"clients run on this machine (engine {engine}): each client "
-        + noise
-        + "sees the final model, but not against this machine's operator, who holds every client's records"
+        f"{where}: each client adds its noise before sending, so the guarantee holds against the server, the network "
+        f"and anyone who sees the final model; {held}"
     )
 
 

@@ -14,7 +14,7 @@ from markupsafe import Markup, escape
 
 from fedaudit.reports import figures
 from fedaudit.reports.collect import ReportError, RunSummary
-from fedaudit.reports.guarantee import coverage_table, guarantee_table
+from fedaudit.reports.guarantee import coverage_table, guarantees_table
 from fedaudit.reports.policy import Check, Policy, check_run, overall
 from fedaudit.reports.summary import (
     attack_table,
@@ -189,7 +189,6 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "bound": run.epsilon_lower_bound(),
         "exceeds": _exceeds(run),
         "promise": promise(run),
-        "guarantee": guarantee_table(run),
         "coverage": coverage_table(run),
         "figures": figs,
         "checks": policy_table(checks) if checks else None,
@@ -322,6 +321,7 @@ def build_context(
         "created": created,
         "runs": sections,
         "verdicts": [run_verdict(s["run"], s["promise"], s["exceeds"], s["verdict"]) for s in sections],
+        "guarantee": guarantees_table(runs),
         "policy": policy,
         "all_checks": policy_table([c for group in checks.values() for c in group]) if policy else None,
         "verdict": None if policy is None else overall([c for group in checks.values() for c in group]),

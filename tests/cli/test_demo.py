@@ -1,8 +1,11 @@
 """The README's demo table is what `make demo` prints: the demo's commands (read from the Makefile, so that the two
-cannot drift apart) are run as they stand, and every figure of the README's table is recomputed from the runs."""
+cannot drift apart) are run as they stand, and every figure of the README's table is recomputed from the runs. The
+demo's HTML report, laid out by a real browser (headless Chromium), opens with the verdict and the privacy guarantee,
+above the first table of results."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -11,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import CHROMIUM_FLAGS, binary
+from PIL import Image
 
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.summary import fmt, interval
@@ -42,15 +47,22 @@ def _demo_commands(run: Path) -> list[str]:
     return commands
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="the demo is defined in the Makefile")
-def test_the_readme_demo_table_is_what_the_demo_computes(tmp_path):
-    commands = _demo_commands(tmp_path / "demo")
-    for command in commands:
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """The demo's runs and report, made by the Makefile's own commands."""
+    if shutil.which("make") is None:
+        pytest.skip("the demo is defined in the Makefile")
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    for command in _demo_commands(out):
         done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, f"{shlex.split(command)[:3]}: {done.stderr[-2000:]}"
+    return out
+
+
+def test_the_readme_demo_table_is_what_the_demo_computes(demo):
     readme = _readme_rows()
     assert set(readme) == set(ROWS), "the README's demo table lost a row"
-    runs = {run.name: run for run in collect_runs([tmp_path / "demo" / name for name in ROWS.values()])}
+    runs = {run.name: run for run in collect_runs([demo / name for name in ROWS.values()])}
     for label, name in ROWS.items():
         run = runs[name]
         attacks = {a.signal: a for a in run.final_attacks}
@@ -69,7 +81,7 @@ def test_the_readme_demo_table_is_what_the_demo_computes(tmp_path):
         ]
         assert readme[label] == expected, f"README demo row {label!r} is stale"
         assert len(bounds) == 2
-    report = (tmp_path / "demo" / "report" / "report.md").read_text()
+    report = (demo / "report" / "report.md").read_text()
     plain, dp = report.split("## Run fedavg", 1)[1].split("## Run dp-fedavg", 1)
     sentence = next(line for line in plain.splitlines() if line.startswith("Strongest of the 2 attacks"))
     assert f"simultaneous over the 2 final-model attacks: {fmt(runs['fedavg'].epsilon_lower_bound()[0])}" in sentence
@@ -77,3 +89,50 @@ def test_the_readme_demo_table_is_what_the_demo_computes(tmp_path):
     sentence = next(line for line in dp.splitlines() if line.startswith("Strongest of the 2 attacks"))
     assert "lower bound, simultaneous over the 2 final-model attacks: 0 against" in sentence
     assert "better than chance" not in sentence or "though no single threshold" in sentence
+
+
+# Measures, in the laid-out page, where the verdict, the guarantee and the first table after them begin and end,
+# and writes it into the title, which --dump-dom prints. Added to a copy: the report itself carries no script.
+_MEASURE = """<script>
+const box = (element) => { const r = element.getBoundingClientRect(); return [r.top, r.bottom]; };
+const verdict = document.getElementById("verdict"), guarantee = document.getElementById("guarantee");
+const first = [...document.querySelectorAll("table")].find((t) => !verdict.contains(t) && !guarantee.contains(t));
+document.title = JSON.stringify({verdict: box(verdict), guarantee: box(guarantee), table: box(first),
+  heading: first.closest("section, body").querySelector("h2").textContent});
+</script>"""
+HEIGHT = 1800  # the screenshot: one tall screen of a laptop's browser at 1280 px width
+
+
+def test_the_demo_report_opens_with_the_verdict_and_the_guarantee_above_the_first_table(demo, tmp_path):
+    chromium = binary("chromium")
+    html = (demo / "report" / "report.html").read_text(encoding="utf-8")
+    assert "<script" not in html
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
+    common = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--window-size=1280,{HEIGHT}"]
+    dom = subprocess.run(
+        [*common, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    title = re.search(r"<title>(.*?)</title>", dom.stdout, re.DOTALL)
+    assert title is not None, dom.stdout[:2000]
+    layout = json.loads(title.group(1).replace("&quot;", '"'))
+    (v_top, v_bottom), (g_top, g_bottom), (t_top, _) = layout["verdict"], layout["guarantee"], layout["table"]
+    assert 0 <= v_top < v_bottom <= g_top < g_bottom <= t_top, layout
+    assert g_bottom <= HEIGHT, f"the guarantee ends at {g_bottom:.0f} px, below the first screen ({HEIGHT} px)"
+    assert layout["heading"] != "Privacy guarantee"
+    shot = tmp_path / "shot.png"
+    done = subprocess.run(
+        [*common, f"--screenshot={shot}", (demo / "report" / "report.html").as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1280, HEIGHT)
+    top = image.crop((0, int(v_top), 1280, int(g_bottom))).getcolors(1 << 20)
+    assert top is not None and len(top) > 16  # text and tables were drawn there, not a blank page

@@ -10,7 +10,15 @@ from pathlib import Path
 from helpers import invoke, read_json
 
 from fedaudit.reports.collect import collect_runs
-from fedaudit.reports.guarantee import NOT_APPLICABLE, NOT_RUN, RUN, coverage_table, guarantee_table
+from fedaudit.reports.guarantee import (
+    ASPECTS,
+    NOT_APPLICABLE,
+    NOT_RUN,
+    RUN,
+    coverage_table,
+    guarantee_table,
+    guarantees_table,
+)
 
 
 def _rows(frame) -> dict[str, list[str]]:
@@ -54,3 +62,21 @@ def test_the_coverage_matrix_marks_what_was_run_not_run_or_not_applicable(plain_
     assert plain_rows["canary audit and conformance of the DP mechanism"][0] == NOT_APPLICABLE
     assert plain_rows["membership inference, black-box (loss, confidence)"][0] == NOT_RUN
     assert all(status in (RUN, NOT_RUN, NOT_APPLICABLE) for status, _ in plain_rows.values())
+
+
+def test_the_reports_guarantee_table_holds_every_runs_guarantee_once_and_merges_what_runs_share(plain_run, dp_run):
+    plain, dp = collect_runs([plain_run, dp_run])
+    names = [plain.name, dp.name]
+    assert len(set(names)) == 2
+    merged = list(guarantees_table([plain, dp]).itertuples(index=False))
+    expanded: dict[tuple[str, str], str] = {}
+    for aspect, runs, text in merged:
+        for name in names if runs == "every run" else runs.split(", "):
+            assert (aspect, name) not in expanded, (aspect, name)
+            expanded[(aspect, name)] = text
+    own = {(a, run.name): t for run in (plain, dp) for a, t in guarantee_table(run).itertuples(index=False)}
+    assert expanded == own
+    assert [aspect for aspect, runs, _ in merged if runs == "every run"] == ["not counted"]
+    assert [aspect for aspect, *_ in merged] == sorted((a for a, *_ in merged), key=ASPECTS.index)
+    assert {runs for aspect, runs, _ in merged if aspect == "privacy loss"} == {dp.name}
+    assert "nothing protects a record" in own[("trust model", plain.name)]

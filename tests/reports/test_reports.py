@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -15,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import FAST_ARGS, invoke, rehash
+from helpers import CHROMIUM_FLAGS, FAST_ARGS, binary, invoke, rehash
 from PIL import Image
 
-IN_CI = os.environ.get("CI") == "true"
 LAP_ARGS = tuple(
     (
         "--algorithm fedlap --dp --ipc 1 --trajectories 1 --max-loops 1 --real-batches 1 --image-steps 1 "
@@ -29,22 +27,6 @@ ATTACK_ARGS = tuple(
     "--target all --signal loss --method threshold --max-records 200 --bootstrap 50 --device cpu --no-progress".split()
 )
 SECTIONS = ("Setup", "Threat model", "Utility", "Privacy accounting", "Membership inference attacks")
-CHROMIUM_FLAGS = tuple(
-    (
-        "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking "
-        "--disable-component-update --disable-sync"
-    ).split()
-)
-
-
-def binary(name: str) -> str:
-    """Path of a tool the test needs: skipped when absent, except in CI (CI=true), where that fails."""
-    found = shutil.which(name)
-    if found is None:
-        if IN_CI:
-            pytest.fail(f"{name} is required in CI (.ci/run installs it)")
-        pytest.skip(f"{name} is not installed")
-    return found
 
 
 def read_json(path: Path) -> dict:

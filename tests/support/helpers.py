@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file
+
+IN_CI = os.environ.get("CI") == "true"
+CHROMIUM_FLAGS = tuple(
+    (
+        "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking "
+        "--disable-component-update --disable-sync"
+    ).split()
+)
 
 # Options that keep a run small and quick; tests add --rounds, --dp, ... to these.
 FAST_ARGS: tuple[str, ...] = tuple(
@@ -17,6 +28,16 @@ FAST_ARGS: tuple[str, ...] = tuple(
         "--dataset digits --model mlp --width 16 --depth 1 --batch-size 32 --local-epochs 1 --device cpu --no-progress"
     ).split()
 )
+
+
+def binary(name: str) -> str:
+    """Path of a tool the test needs: skipped when absent, except in CI (CI=true), where that fails."""
+    found = shutil.which(name)
+    if found is None:
+        if IN_CI:
+            pytest.fail(f"{name} is required in CI (.ci/run installs it)")
+        pytest.skip(f"{name} is not installed")
+    return found
 
 
 def invoke(*args: str) -> Result:
