@@ -398,7 +398,8 @@ def train(
 ) -> None:
     """Train a federated model and write a run directory (config, membership, metrics, ledger, weights).
 
-    What each algorithm computes: docs/algorithms.md; every file of the run directory: docs/run-directory.md.
+    Options and examples: docs/train.md; what each algorithm computes: docs/algorithms.md; every file of the run
+    directory: docs/run-directory.md.
     """
     from fedaudit import training
     from fedaudit.config import RunConfig, load_config_file
@@ -618,7 +619,7 @@ def epsilon(
 def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
     """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/.
 
-    Signals, methods, intervals and the epsilon lower bound: docs/audit.md.
+    Options and examples: docs/attack.md; signals, methods, intervals and the epsilon lower bound: docs/audit.md.
     """
     from fedaudit.attacks.methods import DEFAULT_METHODS
     from fedaudit.attacks.runner import AttackOptions, results_table, run_attacks
@@ -651,8 +652,10 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
 )
 @user_errors
 def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None) -> None:
-    """Check runs: their files and ledger against the manifest's SHA-256 hashes, their signature (--public-key),
-    and that a DP canary run's mechanism does what its ledger charges for; writes RUN_DIR/verification.json.
+    """Check runs: their files, their signature, and that a DP canary run's mechanism does what it charges for.
+
+    Files and ledger against the manifest's SHA-256 hashes, the signature (--public-key), and the recorded DP queries;
+    writes RUN_DIR/verification.json.
 
     Independent recomputations of noise, clipping, sampling and the ledger (Google's dp-accounting), each a test at
     a family-wise level of 0.001: exit code 1 when a check fails. What each check computes: docs/audit.md.
@@ -703,8 +706,10 @@ def _read_key(path: str) -> bytes:
 )
 @user_errors
 def sign(run_dirs: tuple[str, ...], key: str) -> None:
-    """Sign runs: RUN_DIR/signature.json holds an Ed25519 signature over the manifest (every file's SHA-256), so an
-    auditor can tell who produced a run ('fedaudit verify --public-key'). A run whose files do not check is refused.
+    """Sign runs with an Ed25519 key, so that an auditor can tell who produced them.
+
+    RUN_DIR/signature.json holds the signature over the manifest (every file's SHA-256); 'fedaudit verify
+    --public-key' checks it. A run whose files do not check is refused. See docs/run-directory.md (tamper evidence).
     """
     from fedaudit.runs import RunDirectory
 
@@ -748,7 +753,8 @@ def report(
 ) -> None:
     """Privacy report of runs: setup, utility, epsilon ledger, attack ROC/AUC and a policy verdict.
 
-    HTML, Markdown or PDF; how to read each number and how policies are judged: docs/audit.md.
+    HTML, Markdown or PDF; the sections and how policies are judged: docs/report.md; what each number means:
+    docs/audit.md.
     """
     from fedaudit.reports import build_report
 
@@ -922,7 +928,7 @@ def compare(
     It first prints its plan and an estimate of its time here (one first round of each algorithm is timed); a study
     estimated to take more than 10 minutes starts only with --yes. Running it again does only what is missing:
     finished runs and attacks are kept, interrupted runs resume. The study directory's layout:
-    docs/run-directory.md; equal data access: docs/algorithms.md.
+    docs/run-directory.md; equal data access: docs/algorithms.md; study files and examples: docs/compare.md.
     """
     from fedaudit.study import run_study, study_from_options
 
@@ -951,8 +957,11 @@ compare.params.extend(param for param in train.params if param.name in COMPARE_B
 @click.option("--image-size", type=int, help="folder:DIR: square size images are resized to. [default: 32]")
 @user_errors
 def datasets(own: tuple[str, ...], data_dir: str | None, label_column: str | None, image_size: int | None) -> None:
-    """List the datasets fedaudit reads, where each was found, and its size; with your own data (npz:, csv:,
-    folder:), read it as train would and show its sizes, shape, classes and fingerprint."""
+    """List the datasets fedaudit reads, where each was found, and its size.
+
+    With your own data (npz:, csv:, folder:), read it as train would and show its sizes, shape, classes and
+    fingerprint: docs/your-data.md.
+    """
     from fedaudit.data import dataset_table, dataset_text
     from fedaudit.data.registry import user_dataset_row
 
