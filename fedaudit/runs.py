@@ -602,10 +602,16 @@ class RunDirectory:
         ) and not any(p.is_dir() for p in self.path.iterdir())
 
     def lock(self, command: str, *, shared: bool = False) -> integrity.RunLock:
-        """The run's one-writer lock (``shared`` for a reader), taken now; a :class:`LockedError` names the holder."""
+        """The run's one-writer lock (``shared`` for a reader), taken now; a :class:`LockedError` names the holder.
+
+        A writer that takes it also clears the temporaries that a killed writer left beside the run's own files
+        (a half-written manifest.json, say): while the lock is held no other writer runs, so they are stale."""
         if not self.path.is_dir():
             raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
-        return integrity.RunLock(self.path, command, shared).acquire()
+        lock = integrity.RunLock(self.path, command, shared).acquire()
+        if not shared:
+            remove_stale_temporaries(self.path, ("",))
+        return lock
 
     @classmethod
     def start_new(cls, out: str | Path, overwrite: bool) -> tuple[RunDirectory, list[integrity.RunLock]]:

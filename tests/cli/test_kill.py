@@ -1,12 +1,15 @@
-"""Real processes: ``fedaudit train`` killed with SIGKILL at several moments of its start and its rounds, then the
-same command again (or ``--resume``), must end byte for byte like an uninterrupted run with no stray file; and a
-second writer of a run that another process is training is refused with the holder's pid. Every process a test
-starts is killed by its pid in a ``finally``."""
+"""Real processes: ``fedaudit train``, ``attack``, ``report`` and ``compare`` killed with SIGKILL at several moments,
+then the same command again (or ``--resume``), must end like an uninterrupted command (byte for byte, up to times and
+paths) with no stray file; and a second writer of a run that another process is training is refused with the
+holder's pid. Every process a test starts is killed by its pid in a ``finally``."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +17,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import yaml
 from helpers import FAST_ARGS, assert_user_error, invoke
 
+from fedaudit.integrity import LOCK
+from fedaudit.reports.render import PARTIAL
 from fedaudit.runs import RunDirectory
 
 SLOW = (*FAST_ARGS, "--rounds", "4", "--local-epochs", "4")  # long enough to be caught in its rounds
@@ -114,3 +121,139 @@ def test_a_run_being_trained_refuses_a_second_writer_naming_its_pid(reference, t
             process.wait()
     assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# ---------------------------------------------------------------------------- attack, report and compare
+
+_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(\+00:00|Z)?")
+_VOLATILE = {"manifest.json", LOCK}  # hashes of files that hold times, and the lock's holder: checked otherwise
+
+
+def _pending(run: Path) -> bool:
+    """A commit of ``run`` is under way: its manifest lists the hashes of files not written yet."""
+    try:
+        return bool(json.loads((run / "manifest.json").read_text()).get("pending"))
+    except (OSError, ValueError):
+        return False
+
+
+def normalised(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by relative name, with what may differ between two equal computations taken out:
+    the folder's own path, times, and metrics.csv's wall-clock seconds. Locks and manifests are left out (their
+    integrity is checked apart)."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or path.name in _VOLATILE:
+            continue
+        name = str(path.relative_to(folder))
+        if path.suffix in (".safetensors", ".npz", ".png", ".pdf"):
+            found[name] = path.read_bytes().hex()
+            continue
+        text = _TIME.sub("<TIME>", path.read_text(encoding="utf-8").replace(str(folder), "<OUT>"))
+        if path.name == "metrics.csv":
+            text = pd.read_csv(io.StringIO(text)).drop(columns="wall_seconds").to_csv(index=False)
+        found[name] = text
+    return found
+
+
+def assert_same_tree(done: Path, reference: Path) -> None:
+    """``done`` holds exactly the files of ``reference`` with the same contents, and every run in it checks."""
+    ours, theirs = normalised(done), normalised(reference)
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name] == theirs[name], name
+    for manifest in done.rglob("manifest.json"):
+        assert RunDirectory(manifest.parent).integrity_problems() == [], manifest.parent
+
+
+def killed_then_again(tmp_path: Path, args: tuple[str | Path, ...], ready: Callable[[], bool], moment: str) -> None:
+    """Start ``fedaudit ARGS``, SIGKILL it when ``ready()`` holds, then give the same command again in-process."""
+    process = spawn(*args)
+    try:
+        if not kill_when(process, ready):
+            pytest.skip(f"the command finished before {moment}")
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+
+
+ATTACK = ("--target", "all", "--signal", "loss", "--signal", "grad-norm", "--method", "threshold")
+ATTACK += ("--max-records", "200", "--bootstrap", "200", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def attacked(reference, tmp_path_factory) -> Path:
+    """The reference run attacked without interruption, in a folder of its own."""
+    run = tmp_path_factory.mktemp("attacked") / "run"
+    shutil.copytree(reference, run)
+    assert invoke("attack", run, *ATTACK).exit_code == 0
+    return run
+
+
+ATTACK_MOMENTS: dict[str, Callable[[Path], bool]] = {
+    "a result's commit under way": lambda run: _pending(run) and (run / "attacks").is_dir(),
+    "two results committed": lambda run: len(list(run.glob("attacks/*/metrics.json"))) >= 2,
+}
+
+
+@pytest.mark.parametrize("moment", list(ATTACK_MOMENTS))
+def test_attack_killed_at_any_moment_then_given_again_writes_the_same_results(attacked, reference, tmp_path, moment):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    killed_then_again(tmp_path, ("attack", run, *ATTACK), lambda: ATTACK_MOMENTS[moment](run), moment)
+    assert_same_tree(run.parent, attacked.parent)
+
+
+def test_report_killed_while_writing_then_given_again_writes_the_same_report(attacked, tmp_path):
+    reports = tmp_path / "reports"
+    args = ("report", attacked, "--out", reports / "out", "--format", "html", "--format", "md", "--format", "pdf")
+    assert invoke(*args[:3], reports / "reference", *args[4:]).exit_code == 0
+    killed_then_again(tmp_path, args, lambda: (reports / "out" / PARTIAL).exists(), "the report's marker")
+    ours, theirs = normalised(reports / "out"), normalised(reports / "reference")
+    assert sorted(ours) == sorted(theirs)
+    for name in ("report.md", "summary.csv", "groups.csv", "summary.json"):
+        assert ours[name].replace("<OUT>", "") == theirs[name].replace("<OUT>", ""), name
+
+
+STUDY = {
+    "algorithms": ["fedavg"],
+    "budgets": ["epsilon:20", "none"],
+    "seeds": [0],
+    "base": {
+        "data": {"dataset": "digits"},
+        "model": {"arch": "mlp", "width": 16, "depth": 1},
+        "federated": {"rounds": 3, "batch_size": 32},
+        "device": "cpu",
+    },
+    "attack": {"signals": ["loss"], "methods": ["threshold"], "max_records": 200, "bootstrap": 50},
+    "report": {"formats": ["html", "md"]},
+}
+STUDY_MOMENTS: dict[str, Callable[[Path], bool]] = {
+    "a run being trained": lambda out: any(_rounds_done(run) >= 1 for run in out.glob("runs/*")),
+    "an attack being written": lambda out: any(
+        _pending(run) and (run / "attacks").is_dir() for run in out.glob("runs/*")
+    ),
+    "the report being written": lambda out: (out / PARTIAL).exists(),
+}
+
+
+@pytest.fixture(scope="module")
+def studied(tmp_path_factory) -> tuple[Path, Path]:
+    """The study file and its directory after one uninterrupted `fedaudit compare`."""
+    folder = tmp_path_factory.mktemp("studied")
+    (folder / "study.yaml").write_text(yaml.safe_dump(STUDY))
+    assert invoke("compare", "--study", folder / "study.yaml", "--out", folder / "out", "--no-progress").exit_code == 0
+    return folder / "study.yaml", folder / "out"
+
+
+@pytest.mark.parametrize("moment", list(STUDY_MOMENTS))
+def test_compare_killed_at_any_moment_then_given_again_ends_as_an_uninterrupted_study(studied, tmp_path, moment):
+    study, reference = studied
+    out = tmp_path / "out"
+    args = ("compare", "--study", study, "--out", out, "--no-progress")
+    killed_then_again(tmp_path, args, lambda: STUDY_MOMENTS[moment](out), moment)
+    assert_same_tree(out, reference)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
