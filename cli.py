@@ -548,8 +548,9 @@ def epsilon(
     "methods",
     multiple=True,
     metavar="NAME",
-    help="threshold, classifier, population, rmia or lira (with reference models), or canary (the run's canaries); "
-    "repeat for several. [default: threshold and classifier]",
+    help="threshold, classifier, population, rmia or lira (with reference models), canary (the run's canaries), or "
+    "reconstruction (rebuild a client's records from what it sent: runs kept with --save-transmitted); repeat for "
+    "several. [default: threshold and classifier]",
 )
 @click.option(
     "--references",
@@ -567,9 +568,26 @@ def epsilon(
 )
 @click.option(
     "--target",
-    default="final",
+    help="final (model.safetensors), round:N (its checkpoint) or all (every saved round); for reconstruction, what "
+    "the clients sent in those rounds, or round:N:client:K one client's. [default: final; reconstruction: every "
+    "client of the first and the final round]",
+)
+@click.option(
+    "--iterations",
+    type=int,
+    default=250,
     show_default=True,
-    help="final (model.safetensors), round:N (its checkpoint) or all (every saved round).",
+    help="reconstruction: optimisation steps of each random start.",
+)
+@click.option(
+    "--restarts", type=int, default=4, show_default=True, help="reconstruction: random starts (the best is kept)."
+)
+@click.option(
+    "--psnr-threshold",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="reconstruction: a record counts as recovered at this PSNR (dB) or more.",
 )
 @click.option(
     "--nonmembers",
@@ -617,22 +635,35 @@ def epsilon(
 )
 @user_errors
 def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
-    """Membership inference attacks on runs; results go to RUN_DIR/attacks/<signal>-<method>[-round-N]/.
+    """Membership inference and reconstruction attacks on runs; results go to
+    RUN_DIR/attacks/<signal>-<method>[-round-N]/ and RUN_DIR/attacks/reconstruction-round-N-client-K/.
 
     Options and examples: docs/attack.md; signals, methods, intervals and the epsilon lower bound: docs/audit.md.
     """
     from fedaudit.attacks.methods import DEFAULT_METHODS
+    from fedaudit.attacks.reconstruction import ReconstructionOptions, console_table
     from fedaudit.attacks.runner import AttackOptions, results_table, run_attacks
     from fedaudit.attacks.signals import DEFAULT_SIGNALS
 
     options["progress"] = show_progress(options["progress"])
+    reconstruction = ReconstructionOptions(
+        iterations=options.pop("iterations"),
+        restarts=options.pop("restarts"),
+        psnr_threshold=options.pop("psnr_threshold"),
+    )
     chosen = AttackOptions(
         signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
         methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)),
+        reconstruction=reconstruction,
         **options,
     )
     results = run_attacks(run_dirs, chosen, echo=click.echo)
-    click.echo(results_table(results).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    membership = results_table(results)
+    if not membership.empty:
+        click.echo(membership.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    rebuilt = [r.metrics for r in results if r.metrics.get("method") == "reconstruction"]
+    if rebuilt:
+        click.echo(console_table(rebuilt).to_string(index=False))
 
 
 @main.command()
@@ -743,7 +774,7 @@ def sign(run_dirs: tuple[str, ...], key: str) -> None:
     "policy_file",
     type=click.Path(),
     help="YAML limits (max_epsilon with delta, max_attack_auc, max_tpr_at_0_1pct_fpr, max_tpr_at_1pct_fpr_per_client, "
-    "min_accuracy, max_audit_ratio, max_failed_conformance_checks); exit code "
+    "min_accuracy, max_audit_ratio, max_failed_conformance_checks, max_reconstruction_psnr); exit code "
     "1 when a run fails one, 3 when the sample cannot decide one (INCONCLUSIVE).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing report (and its summaries) at --out.")
@@ -884,6 +915,14 @@ COMPARE_BASE_OPTIONS = (
 )
 @click.option("--target", help="Attacked models, as for attack --target. [default: final]")
 @click.option(
+    "--attack",
+    "audits",
+    multiple=True,
+    type=click.Choice(["reconstruction"]),
+    help="An audit beside the membership attacks: reconstruction (rebuild each client's records from what it sent, "
+    "as for attack --method reconstruction; the runs keep what crossed the wire).",
+)
+@click.option(
     "--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]"
 )
 @click.option(
@@ -916,6 +955,7 @@ def compare(
     signals: tuple[str, ...],
     methods: tuple[str, ...],
     target: str | None,
+    audits: tuple[str, ...],
     formats: tuple[str, ...],
     policy: str | None,
     overwrite: bool,
@@ -943,6 +983,7 @@ def compare(
         attack_overrides={"signals": signals, "methods": methods, "target": target},
         formats=formats,
         policy=policy,
+        audits=audits,
     )
     _finish_report(run_study(study, out, overwrite=overwrite, progress=show_progress(progress), yes=yes))
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.attacks.runner import AttackOptions, expected_results, parse_target, results_current, run_attacks
+from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
+from fedaudit.attacks.runner import AttackOptions, expected_results, results_current, run_attacks, target_round
 from fedaudit.config import ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
 from fedaudit.integrity import RunLock
@@ -277,6 +278,8 @@ def plan(study: Study) -> list[PlannedRun]:
                 if any(run.name == name for run in runs):
                     continue  # the same run given twice (sigma:1 and sigma:1.0, none and no-dp, ...)
                 base = replace(study.base, seed=seed, federated=replace(study.base.federated, algorithm=algorithm))
+                if RECONSTRUCTION in study.attack.methods:  # the audit reads what crossed the wire
+                    base = replace(base, save_transmitted=True)
                 config = own.apply(_own_sections(base, algorithm))
                 runs.append(PlannedRun(name, algorithm, own, seed, config))
     if study.equal_data_access:
@@ -347,8 +350,8 @@ def run_study(
     output_paths(folder, study.formats, folder_only=True)
     policy = load_policy(study.policy) if study.policy else None
     setups = [prepare(run.config) for run in planned]
-    target = parse_target(study.attack.target)
-    if isinstance(target, int) and any(target > setup.config.federated.rounds for setup in setups):
+    target = target_round(study.attack)
+    if target is not None and any(target > setup.config.federated.rounds for setup in setups):
         raise StudyError(f"--target round:{target} asks for a round after the last one the study trains.")
     _check_folder(folder)
     actions = [_action(folder / RUNS_DIR / run.name, setup, overwrite) for run, setup in zip(planned, setups)]
@@ -601,13 +604,19 @@ def study_from_options(
     attack_overrides: Mapping[str, Any],
     formats: Sequence[str],
     policy: str | None,
+    audits: Sequence[str] = (),
 ) -> Study:
-    """The study of ``fedaudit compare``: the study file (or the defaults) with the command line's options on top."""
+    """The study of ``fedaudit compare``: the study file (or the defaults) with the command line's options on top;
+    ``audits`` (``--attack reconstruction``) join the attack methods."""
     study = load_study(study_file) if study_file else Study()
     base = load_config_file(config_file) if config_file else study.base
     base = base.with_overrides(base_overrides)
     known = {f.name for f in fields(AttackOptions)}
     attack = replace(study.attack, **{k: v for k, v in attack_overrides.items() if k in known and v not in (None, ())})
+    for audit in audits:
+        if audit != RECONSTRUCTION:
+            raise StudyError(f"Unknown --attack {audit!r}; choose {RECONSTRUCTION}.")
+    attack = replace(attack, methods=tuple(dict.fromkeys((*attack.methods, *audits))))
     return replace(
         study,
         algorithms=tuple(dict.fromkeys(algorithms)) or study.algorithms,

@@ -25,3 +25,4 @@ class Draw(enum.IntEnum):
     CANARY_SPLIT = 6  # the halves of the canaries that choose and judge a threshold
     REFERENCES = 7  # the reference models' seeds and training records
     POPULATION = 8  # the population records RMIA compares with
+    RECONSTRUCTION = 9  # the dummy records, their restarts and the nulls of a reconstruction audit

@@ -25,6 +25,15 @@ from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, read_canaries, 
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap_groups, risk, summarize
+from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
+from fedaudit.attacks.reconstruction import (
+    ReconstructionOptions,
+    ReconstructionPlan,
+    plan_targets,
+    reconstruct,
+    result_files,
+)
+from fedaudit.attacks.reconstruction import parse_target as reconstruction_target
 from fedaudit.attacks.references import MAX_REFERENCES, reference_signals, references
 from fedaudit.attacks.signals import (
     DEFAULT_SIGNALS,
@@ -66,7 +75,7 @@ class AttackOptions:
 
     signals: tuple[str, ...] = DEFAULT_SIGNALS
     methods: tuple[str, ...] = DEFAULT_METHODS
-    target: str = "final"
+    target: str | None = None  # None: final for membership, the first and the final round for reconstruction
     seed: int | None = None  # None: the run's own seed
     device: str = "auto"
     nonmembers: str = "both"
@@ -77,19 +86,34 @@ class AttackOptions:
     progress: bool = False
     references: int = DEFAULT_REFERENCES  # reference models of rmia and lira
     online: bool = False  # online references: each audited record in half of them
+    reconstruction: ReconstructionOptions = field(default_factory=ReconstructionOptions)
+
+    @property
+    def membership_target(self) -> str:
+        """The models the membership attacks and canary audits attack: ``--target``, final by default."""
+        return "final" if self.target is None else self.target
+
+    @property
+    def membership(self) -> bool:
+        """Whether a membership attack or a canary audit is asked for (anything but a reconstruction)."""
+        return any(m != RECONSTRUCTION for m in self.methods)
 
     def validate(self) -> None:
         """Raise :class:`AttackError` with one sentence for the first invalid option."""
-        known_methods = (*METHODS, *REFERENCE_METHODS, METHOD)
+        known_methods = (*METHODS, *REFERENCE_METHODS, METHOD, RECONSTRUCTION)
         for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, known_methods)):
             if not given:
                 raise AttackError(f"Give at least one --{kind}; choose from {', '.join(known)}.")
             for name in given:
                 if name not in known:
                     raise AttackError(f"Unknown --{kind} {name!r}; choose from {', '.join(known)}.")
-        if not isinstance(self.target, str):
+        if self.target is not None and not isinstance(self.target, str):
             raise AttackError(f"--target must be final, all or round:N, got {self.target!r}.")
-        parse_target(self.target)
+        if RECONSTRUCTION in self.methods:
+            reconstruction_target(self.target)
+            self.reconstruction.validate()
+        if self.membership:
+            parse_target(self.membership_target)
         if self.nonmembers not in NONMEMBER_SOURCES:
             raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
         for option, value, least in (
@@ -112,7 +136,7 @@ class AttackOptions:
                     f"--online needs an even number of --references (each audited record in half), got "
                     f"{self.references}."
                 )
-            if parse_target(self.target) != "final":
+            if parse_target(self.membership_target) != "final":
                 raise AttackError(
                     "--method rmia and lira attack the final model (--target final), whose recipe the "
                     "reference models repeat."
@@ -136,7 +160,21 @@ def parse_target(text: str) -> str | int:
     kind, _, number = value.partition(":")
     if kind == "round" and number.isdigit() and int(number) >= 1:
         return int(number)
+    if value.startswith("round:") and ":client:" in value:
+        raise AttackError(
+            f"--target {text!r} names a client, which only --method {RECONSTRUCTION} attacks; give the membership "
+            "attacks final, all or round:N."
+        )
     raise AttackError(f"--target {text!r} is not understood; use final, all or round:N with a round number N >= 1.")
+
+
+def target_round(options: AttackOptions) -> int | None:
+    """The round number ``--target`` names (round:N, round:N:client:K), if any."""
+    if RECONSTRUCTION in options.methods and not options.membership:
+        rounds, _ = reconstruction_target(options.target)
+        return rounds if isinstance(rounds, int) else None
+    rounds = parse_target(options.membership_target)
+    return rounds if isinstance(rounds, int) else None
 
 
 @dataclass(frozen=True)
@@ -166,6 +204,8 @@ class PreparedRun:
     targets: tuple[Target, ...]
     seed: int
     accountant_epsilon: tuple[float, ...] | None  # per round, None for a non-DP run
+    partition: Partition | None = None
+    reconstruction: ReconstructionPlan | None = None  # --method reconstruction: its targets, checked
 
     def records(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Images and labels of the evaluation set, in its order."""
@@ -182,9 +222,10 @@ class AttackResult:
     """One attack on one model: what goes into its result directory."""
 
     name: str
-    scores: pd.DataFrame
-    roc: pd.DataFrame
+    scores: pd.DataFrame | None
+    roc: pd.DataFrame | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)  # a reconstruction's records.csv and images.safetensors
 
 
 def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
@@ -196,7 +237,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     config = run.read_run_config()
     if done < 1:
         raise RunError(f"{run.path} has no completed round yet, so there is no model to attack.")
-    target = parse_target(options.target)
+    target = parse_target(options.membership_target) if options.membership else None
     if manifest.status != "complete" and target == "final":
         raise RunError(
             f"{run.path} stopped after round {done} of {manifest.rounds} ({manifest.status}), so it has no final "
@@ -218,10 +259,11 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
             f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records "
             f"of {config.data.dataset}."
         )
-    targets = attack_targets(run, target, done)
+    targets = attack_targets(run, target, done) if target is not None else ()
     for target in targets:
         run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
-    accountant = _accountant_epsilon(run, config, max(done, *(t.round for t in targets)))
+    plan = plan_targets(run, config, manifest, options.target) if RECONSTRUCTION in options.methods else None
+    accountant = _accountant_epsilon(run, config, max([done, *(t.round for t in targets)]))
     if METHOD in options.methods:
         if not config.privacy.dp:
             raise AttackError(
@@ -251,6 +293,8 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
         targets=targets,
         seed=seed,
         accountant_epsilon=accountant,
+        partition=partition,
+        reconstruction=plan,
     )
 
 
@@ -332,6 +376,41 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
             results += _reference_attacks(prepared, target, model, (x, y), signals, with_references, options, device)
     if METHOD in options.methods:
         results += _canary(prepared)
+    if prepared.reconstruction is not None:
+        results += _reconstructions(prepared, options)
+    return results
+
+
+def _reconstructions(prepared: PreparedRun, options: AttackOptions) -> list[AttackResult]:
+    """The reconstruction audit of every planned (round, client): one result directory each."""
+    run, plan = prepared.run, prepared.reconstruction
+    manifest = run.read_manifest()
+    results = []
+    for target in plan.targets:
+        accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[target.round - 1]
+        outcome = reconstruct(
+            run,
+            prepared.config,
+            manifest,
+            prepared.dataset,
+            prepared.partition,
+            target,
+            plan.kinds[target.round],
+            seed=prepared.seed,
+            options=options.reconstruction,
+            accountant_epsilon=accountant,
+        )
+        metrics = {
+            "format": RESULT_FORMAT,
+            "format_version": RESULT_FORMAT_VERSION,
+            "run": str(run.path),
+            **outcome.metrics,
+            "fedaudit_version": fedaudit.__version__,
+            "created": now_iso(),
+        }
+        results.append(
+            AttackResult(name=outcome.name, scores=None, roc=None, metrics=metrics, files=result_files(outcome))
+        )
     return results
 
 
@@ -585,7 +664,17 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
     """The result directories ``options`` would write for ``run`` as it stands, each with the round it attacks
     (empty when the run cannot be attacked)."""
     try:
-        targets = attack_targets(run, parse_target(options.target), run.read_manifest().rounds_done)
+        manifest = run.read_manifest()
+        targets = (
+            attack_targets(run, parse_target(options.membership_target), manifest.rounds_done)
+            if options.membership
+            else ()
+        )
+        planned = (
+            plan_targets(run, run.read_run_config(), manifest, options.target).targets
+            if RECONSTRUCTION in options.methods
+            else ()
+        )
     except (RunError, AttackError):
         return {}
     expected = {
@@ -593,7 +682,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         for target in targets
         for signal in options.signals
         for method in options.methods
-        if method != METHOD
+        if method not in (METHOD, RECONSTRUCTION)
         and (method not in REFERENCE_METHODS or target.final)
         and (method != "rmia" or signal in OUTPUT_SIGNALS)
         and (method not in REFERENCE_METHODS or signal != SYNTHETIC_SIGNAL)
@@ -604,6 +693,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         except (RunError, AttackError):
             return {}
         expected.update({view.name: run.read_manifest().rounds_done for view in views})
+    expected.update({target.name: target.round for target in planned})
     return expected
 
 
@@ -628,6 +718,10 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
         "per_layer": options.per_layer,
     }
     for name, round_number in names.items():
+        if name.startswith(f"{RECONSTRUCTION}-"):
+            if not _reconstruction_current(run, name, round_number, seed, options):
+                return False
+            continue
         try:
             record = run.read_attack(name)
         except RunError:
@@ -646,6 +740,23 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
     return bool(names)
 
 
+def _reconstruction_current(run: RunDirectory, name: str, round_number: int, seed: int, options: AttackOptions) -> bool:
+    """Whether a reconstruction result is of the current format, round, seed and attack settings."""
+    try:
+        stored = run.read_json(run.attacks_dir / name / "metrics.json")
+    except RunError:
+        return False
+    wanted = options.reconstruction
+    settings = stored.get("settings") if isinstance(stored, dict) else None
+    return (
+        isinstance(settings, dict)
+        and stored.get("format_version") == RESULT_FORMAT_VERSION
+        and stored.get("round") == round_number
+        and stored.get("seed") == seed
+        and all(settings.get(key) == getattr(wanted, key) for key in ("iterations", "restarts", "psnr_threshold"))
+    )
+
+
 def _same_references(stored: Mapping[str, Any] | None, options: AttackOptions) -> bool:
     """Whether a LiRA or RMIA result used the references ``options`` asks for (count and mode)."""
     mode = "online" if options.online else "offline"
@@ -656,8 +767,12 @@ def write_result(run: RunDirectory, result: AttackResult) -> Path:
     """Write one result directory atomically, metrics.json last; returns the directory."""
     directory = run.attacks_dir / result.name
     with run.staged():
-        run.put(directory / "scores.csv", csv_bytes(result.scores))
-        run.put(directory / "roc.csv", csv_bytes(result.roc))
+        if result.scores is not None:
+            run.put(directory / "scores.csv", csv_bytes(result.scores))
+        if result.roc is not None:
+            run.put(directory / "roc.csv", csv_bytes(result.roc))
+        for name, data in result.files.items():
+            run.put(directory / name, data)
         run.put(directory / "metrics.json", json_bytes(result.metrics))
     return directory
 
@@ -726,6 +841,8 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
     rows = []
     for result in results:
         m = result.metrics
+        if m.get("method") == RECONSTRUCTION:
+            continue
         rows.append(
             {
                 "run": m["run"],

@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from scipy.stats import norm
 
+from fedaudit.attacks.image_quality import quality_summary
 from fedaudit.attacks.metrics import rate_interval, threshold_bounds
 from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError
@@ -226,6 +227,92 @@ class SyntheticSet:
 
 
 @dataclass(frozen=True)
+class ReconstructionSummary:
+    """One reconstruction result (attacks/reconstruction-round-N-client-K/): what the attack rebuilt from one client's
+    transmission, record by record, and the same for its null."""
+
+    name: str
+    round: int
+    client: int
+    view: str  # update-inversion (a model update) or synthetic-nearest (a synthetic set)
+    null_kind: str  # random-update or held-out
+    threshold: float  # dB at which a record counts as recovered
+    accountant_epsilon: float | None
+    psnr: np.ndarray = field(repr=False)  # of each reconstructed record
+    ssim: np.ndarray = field(repr=False)
+    null_psnr: np.ndarray = field(repr=False)
+    null_ssim: np.ndarray = field(repr=False)
+    labels_right: int | None = None  # recovered labels that are right (as a multiset), of len(psnr)
+    images: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def quality(self) -> dict[str, Any]:
+        """PSNR, SSIM and the recovered fraction, each with its interval and n."""
+        return quality_summary(self.psnr, self.ssim, self.threshold)
+
+    @property
+    def null_quality(self) -> dict[str, Any]:
+        return quality_summary(self.null_psnr, self.null_ssim, self.threshold)
+
+
+@dataclass(frozen=True)
+class ReconstructionRound:
+    """The reconstructions of one round of a run, every attacked client's records pooled: the unit a policy and the
+    report judge (a record is a record, whichever client held it)."""
+
+    round: int
+    view: str
+    null_kind: str
+    clients: tuple[int, ...]
+    threshold: float
+    accountant_epsilon: float | None
+    quality: dict[str, Any]
+    null_quality: dict[str, Any]
+    labels_right: int | None
+    labels_n: int
+
+    @property
+    def no_better_than_null(self) -> bool | None:
+        """Whether the mean PSNR's interval reaches down to the null's mean (None without an interval)."""
+        psnr, null = self.quality["psnr"], self.null_quality["psnr"]
+        if psnr["ci95"] is None or null["mean"] is None:
+            return None
+        return psnr["ci95"][0] <= null["mean"]
+
+
+def pool_reconstructions(results: tuple[ReconstructionSummary, ...]) -> tuple[ReconstructionRound, ...]:
+    """One :class:`ReconstructionRound` per attacked round (and view), in round order."""
+    rounds: dict[tuple[int, str], list[ReconstructionSummary]] = {}
+    for result in results:
+        rounds.setdefault((result.round, result.view), []).append(result)
+    pooled = []
+    for (number, view), parts in sorted(rounds.items()):
+        threshold = parts[0].threshold
+        labelled = [p for p in parts if p.labels_right is not None]
+        pooled.append(
+            ReconstructionRound(
+                round=number,
+                view=view,
+                null_kind=parts[0].null_kind,
+                clients=tuple(sorted(p.client for p in parts)),
+                threshold=threshold,
+                accountant_epsilon=parts[0].accountant_epsilon,
+                quality=quality_summary(
+                    np.concatenate([p.psnr for p in parts]), np.concatenate([p.ssim for p in parts]), threshold
+                ),
+                null_quality=quality_summary(
+                    np.concatenate([p.null_psnr for p in parts]),
+                    np.concatenate([p.null_ssim for p in parts]),
+                    threshold,
+                ),
+                labels_right=sum(p.labels_right for p in labelled) if labelled else None,
+                labels_n=sum(len(p.psnr) for p in labelled),
+            )
+        )
+    return tuple(pooled)
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """Everything a report shows about one run."""
 
@@ -242,6 +329,12 @@ class RunSummary:
     verification: Verification | None = None  # the conformance checks of `fedaudit verify`, if it ran
     integrity: tuple[str, ...] = ()  # how the run's files or ledger differ from what fedaudit wrote (none: intact)
     records: int | None = None  # training records held by the clients (n of "delta against 1/n")
+    reconstructions: tuple[ReconstructionSummary, ...] = ()  # attack --method reconstruction, by round and client
+
+    @property
+    def reconstruction_rounds(self) -> tuple[ReconstructionRound, ...]:
+        """The reconstruction results pooled per attacked round."""
+        return pool_reconstructions(self.reconstructions)
 
     @property
     def rounds_done(self) -> int:
@@ -380,6 +473,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
     notes: list[Note] = []
     try:
         attacks = _attacks(path, notes)
+        reconstructions = _reconstructions(run, notes)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise ReportError(f"{path} holds malformed attack files ({type(exc).__name__}: {exc}).") from exc
     privacy = _privacy(config, manifest, ledger, path, notes)
@@ -411,6 +505,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         _verification(run, manifest.rounds_done),
         integrity,
         sum(manifest.clients.num_examples),
+        reconstructions,
     )
 
 
@@ -601,7 +696,7 @@ def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
                 Note(f"The attack result {name} is unreadable and is left out.", ATTACK_HINT.format(path=path))
             )
             continue
-        if record is not None:
+        if record is not None and record.method != RECONSTRUCTION:
             results.append(_attack(run, record, notes))
     if not results:
         notes.append(
@@ -665,6 +760,70 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         risk=None if record.risk is None else dict(record.risk),
         references=None if record.references is None else dict(record.references),
     )
+
+
+RECONSTRUCTION = "reconstruction"  # the method of attack --method reconstruction's results
+
+
+def _reconstructions(run: RunDirectory, notes: list[Note]) -> tuple[ReconstructionSummary, ...]:
+    """Every reconstruction result of the run (records.csv for the per-record numbers, images.safetensors for the
+    grid); a result whose files cannot be read is left out with a note."""
+    found = []
+    for name in run.attack_names():
+        if not name.startswith(f"{RECONSTRUCTION}-"):
+            continue
+        folder = run.attacks_dir / name
+        try:
+            metrics = run.read_json(folder / "metrics.json")
+            records = pd.read_csv(folder / "records.csv")
+        except (RunError, OSError, ValueError, pd.errors.ParserError):
+            metrics = None
+        if not isinstance(metrics, dict) or metrics.get("method") != RECONSTRUCTION:
+            notes.append(
+                Note(
+                    f"The reconstruction result {name} is unreadable and is left out.",
+                    f"re-run `fedaudit attack {run.path} --method reconstruction`",
+                )
+            )
+            continue
+        view, null = str(metrics["signal"]), str(metrics["null"]["kind"])
+        attack, baseline = records[records["kind"] == view], records[records["kind"] == null]
+        labels = metrics.get("label_accuracy")
+        found.append(
+            ReconstructionSummary(
+                name=name,
+                round=int(metrics["round"]),
+                client=int(metrics["client"]),
+                view=view,
+                null_kind=null,
+                threshold=float(metrics["recovered"]["threshold_db"]),
+                accountant_epsilon=_finite_number(metrics.get("accountant_epsilon")),
+                psnr=attack["psnr"].to_numpy(float),
+                ssim=attack["ssim"].to_numpy(float),
+                null_psnr=baseline["psnr"].to_numpy(float),
+                null_ssim=baseline["ssim"].to_numpy(float),
+                labels_right=int(labels["right"]) if isinstance(labels, dict) else None,
+                images=_reconstructed_images(folder),
+            )
+        )
+    return tuple(sorted(found, key=lambda r: (r.round, r.client)))
+
+
+def _finite_number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _reconstructed_images(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(reconstructed, original, PSNR) of a result's best reconstructions, or None when images.safetensors is
+    missing or malformed."""
+    try:
+        tensors = load_file(str(folder / "images.safetensors"))
+    except (SafetensorError, OSError, ValueError):
+        return None
+    shown = tensors.get("reconstructed"), tensors.get("original"), tensors.get("psnr")
+    if any(t is None for t in shown) or shown[0].ndim != 4 or shown[0].shape != shown[1].shape:
+        return None
+    return shown
 
 
 SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm", "fedssyn")  # their clients send synthetic sets, shown by the report

@@ -30,7 +30,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter  # noqa:
 
 from fedaudit.attacks.metrics import clopper_pearson_lower, clopper_pearson_upper  # noqa: E402
 from fedaudit.registry import ALGORITHMS  # noqa: E402
-from fedaudit.reports.collect import AttackSummary, RunSummary, SyntheticSet  # noqa: E402
+from fedaudit.reports.collect import AttackSummary, ReconstructionSummary, RunSummary, SyntheticSet  # noqa: E402
 
 DPI = 100
 MIN_AUC_SPAN = 0.1
@@ -291,6 +291,122 @@ def synthetic_grid(sets: Sequence[SyntheticSet], title: str) -> bytes:
         row[0].set_ylabel(f"client {synthetic.client}", fontsize=8)
     fig.suptitle(title, fontsize=9)
     return png(fig)
+
+
+GRID_PAIRS = 8  # originals beside their reconstructions in a report's grid
+
+
+def reconstruction_grid(results: Sequence[ReconstructionSummary], title: str) -> bytes:
+    """The best reconstructions of a run (:func:`draw_reconstruction_grid`) as PNG."""
+    return png(draw_reconstruction_grid(results, title))
+
+
+def draw_reconstruction_grid(results: Sequence[ReconstructionSummary], title: str) -> Figure:
+    """Originals (top row) above their reconstructions (bottom row), the worst case for privacy first: the
+    :data:`GRID_PAIRS` reconstructions of highest PSNR over every result given, each titled with its round, client
+    and PSNR. Images are in pixel space [0, 1], shown as they are (not rescaled)."""
+    pairs = [
+        (float(psnr), result.round, result.client, original, rebuilt)
+        for result in results
+        if result.images is not None
+        for rebuilt, original, psnr in zip(*result.images)
+    ]
+    pairs.sort(key=lambda pair: -pair[0])
+    pairs = pairs[:GRID_PAIRS]
+    fig, axes = plt.subplots(2, max(len(pairs), 1), figsize=(1.3 * max(len(pairs), 1) + 0.8, 3.2), squeeze=False)
+    for column in range(axes.shape[1]):
+        for row in range(2):
+            ax = axes[row, column]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if column >= len(pairs):
+                ax.axis("off")
+                continue
+            psnr, number, client, original, rebuilt = pairs[column]
+            image = np.clip((original, rebuilt)[row].astype(np.float32), 0.0, 1.0)
+            if image.shape[0] == 1:
+                ax.imshow(image[0], cmap="gray", vmin=0, vmax=1)
+            else:
+                ax.imshow(np.transpose(image[:3], (1, 2, 0)))
+            if row == 0:
+                ax.set_title(f"r{number} c{client}", fontsize=7)
+            else:
+                ax.set_xlabel("inf dB" if math.isinf(psnr) else f"{psnr:.1f} dB", fontsize=7)
+    axes[0, 0].set_ylabel("original", fontsize=8)
+    axes[1, 0].set_ylabel("rebuilt", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def reconstruction_epsilon(points: pd.DataFrame) -> bytes:
+    """Reconstruction quality against epsilon (:func:`draw_reconstruction_epsilon`) as PNG."""
+    return png(draw_reconstruction_epsilon(points))
+
+
+def draw_reconstruction_epsilon(points: pd.DataFrame) -> Figure:
+    """Mean PSNR of the reconstructed records against the accountant's epsilon of the attacked round, one point per
+    run and attacked round (columns: algorithm, epsilon, psnr, psnr_low, psnr_high, null_psnr, threshold), in the
+    algorithm's colour with its 95% interval over the records; the null's mean (a random update of the same norm, or
+    held-out records) as a grey cross beside it, and the recovery threshold as a dashed line. Runs without DP stand
+    in a panel of their own at the right, as in :func:`draw_privacy_utility`."""
+    epsilon = points["epsilon"].to_numpy(float)
+    algorithms = points["algorithm"].astype(str).to_numpy()
+    dp, no_dp = np.isfinite(epsilon), np.isposinf(epsilon)
+    log = bool(dp.any() and epsilon[dp].min() > 0 and epsilon[dp].max() >= LOG_EPSILON_SPAN * epsilon[dp].min())
+    x = np.full(epsilon.shape, np.nan)
+    x[dp] = _dodged(epsilon[dp], algorithms[dp], log)
+    x[no_dp] = _side_by_side(algorithms[no_dp])
+    fig = plt.figure(figsize=(6, 3.8), layout="constrained")
+    cell = fig.add_gridspec(1, 1)[0]
+    eps_ax, apart_ax = _epsilon_axes(fig, cell, bool(dp.any() or not no_dp.any()), bool(no_dp.any()))
+    for ax, rows in ((eps_ax, dp), (apart_ax, no_dp)):
+        if ax is None:
+            continue
+        for algorithm in dict.fromkeys(algorithms[rows]):
+            chosen = rows & (algorithms == algorithm)
+            mean = points["psnr"].to_numpy(float)[chosen]
+            low = points["psnr_low"].to_numpy(float)[chosen]
+            high = points["psnr_high"].to_numpy(float)[chosen]
+            below, above = np.nan_to_num(mean - low), np.nan_to_num(high - mean)
+            ax.errorbar(
+                x[chosen],
+                mean,
+                yerr=[below, above],
+                marker="o",
+                ls="none",
+                capsize=3,
+                color=algorithm_colour(algorithm),
+                label=algorithm,
+            )
+        ax.scatter(
+            x[rows],
+            points["null_psnr"].to_numpy(float)[rows],
+            marker="x",
+            s=60,
+            zorder=3,
+            color="tab:gray",
+            label="null",
+        )
+        for threshold in points["threshold"].dropna().unique():
+            ax.axhline(float(threshold), color="k", ls="--", lw=0.8, label="recovered at or above")
+    first = eps_ax if eps_ax is not None else apart_ax
+    first.set(ylabel="mean PSNR of the records (dB)", title="Reconstruction vs epsilon")
+    first.set_ylim(bottom=0)
+    if eps_ax is not None:
+        eps_ax.set_xlabel("epsilon of the attacked round")
+        if log:
+            _log_epsilon_axis(eps_ax, epsilon[dp])
+        eps_ax.grid(alpha=0.3)
+    if apart_ax is not None:
+        apart_ax.set_xlim(-1.0, 1.0)
+        apart_ax.set_xticks([0.0], labels=[NO_DP])
+        apart_ax.grid(alpha=0.3, axis="y")
+    handles: dict[str, Any] = {}
+    for ax in (eps_ax, apart_ax):
+        if ax is not None:
+            handles.update({name: handle for handle, name in zip(*ax.get_legend_handles_labels())})
+    first.legend(list(handles.values()), list(handles), fontsize=7)
+    return fig
 
 
 def privacy_utility(groups: pd.DataFrame) -> bytes:

@@ -170,7 +170,13 @@ def coverage_table(run: RunSummary) -> pd.DataFrame:
     else:
         rows.append(("canary audit and conformance of the DP mechanism", NOT_APPLICABLE, "the run has no DP mechanism"))
     rows.append(
-        ("reconstruction of records (gradient inversion)", NOT_RUN, "fedaudit has no reconstruction attack yet")
+        (
+            "reconstruction of records from what crossed the wire (gradient inversion, synthetic sets)",
+            *_tried(
+                [f"round {r.round} ({len(r.clients)} client(s))" for r in run.reconstruction_rounds],
+                f"`{attack} --method reconstruction` on a run trained with --save-transmitted",
+            ),
+        )
     )
     rows.append(("attribute inference", NOT_RUN, "fedaudit has no attribute inference attack"))
     return pd.DataFrame(rows, columns=["attack family", "status", "which, or how to run it"])

@@ -35,6 +35,8 @@ LIMITS: dict[str, str] = {
     "at 95%; above 1, the DP implementation or its accounting is broken)",
     "max_failed_conformance_checks": "conformance checks of `fedaudit verify` that fail <= {limit:g} (noise, "
     "clipping, sampling, the ledger recomputed with dp-accounting)",
+    "max_reconstruction_psnr": "mean PSNR of the records reconstructed from what crossed the wire in every attacked "
+    "round <= {limit:g} dB (judged on its 95% interval over the round's records)",
 }
 OPTIONS = ("delta",)
 # The values each key may take, as (low, high, low included, high included, the range in words): a limit outside
@@ -48,6 +50,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, str]] = {
     "min_accuracy": (0.0, 1.0, True, True, "an accuracy between 0 and 1"),
     "max_audit_ratio": (0.0, math.inf, True, False, "a non-negative ratio"),
     "max_failed_conformance_checks": (0.0, math.inf, True, False, "a non-negative count"),
+    "max_reconstruction_psnr": (0.0, math.inf, False, False, "a positive number of dB"),
 }
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -67,6 +70,7 @@ class Policy:
     min_accuracy: float | None = None
     max_audit_ratio: float | None = None
     max_failed_conformance_checks: float | None = None
+    max_reconstruction_psnr: float | None = None
     source: str = ""
 
     def limits(self) -> dict[str, float]:
@@ -339,6 +343,44 @@ def _conformance(policy: Policy, run: RunSummary, limit: float) -> tuple[float |
     return float(failed), PASS if failed <= limit else FAIL, f"{failed} of {len(verification.checks)} failed: {names}"
 
 
+def _reconstruction(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
+    """Each attacked round's mean PSNR, its clients' records pooled, judged on its 95% interval: the worst verdict
+    over the rounds. One record has no interval, so it cannot decide (INCONCLUSIVE)."""
+    rounds = run.reconstruction_rounds
+    if not rounds:
+        return (
+            None,
+            FAIL,
+            f"not available: no reconstruction results (run `fedaudit attack {run.path} --method reconstruction` on "
+            "a run trained with --save-transmitted)",
+        )
+    results = []
+    for r in rounds:
+        psnr = r.quality["psnr"]
+        where = f"round {r.round} ({len(r.clients)} client{'s' * (len(r.clients) != 1)})"
+        if psnr["ci95"] is None:
+            results.append(
+                (
+                    INCONCLUSIVE,
+                    psnr["mean"],
+                    f"{where}: PSNR {psnr['mean']:.2f} dB from one record, which has no interval",
+                )
+            )
+            continue
+        low, high = psnr["ci95"]
+        results.append(
+            _judged(
+                psnr["mean"],
+                (low, high),
+                limit,
+                psnr["n"],
+                f"{where}: PSNR {psnr['mean']:.2f} dB [{low:.2f}, {high:.2f}], n={psnr['n']} records",
+                unit="records",
+            )
+        )
+    return _worst(results)
+
+
 _CHECKS = {
     "max_epsilon": _epsilon,
     "max_tpr_at_1pct_fpr_per_client": _tpr_per_client,
@@ -347,4 +389,5 @@ _CHECKS = {
     "min_accuracy": _accuracy,
     "max_audit_ratio": _audit,
     "max_failed_conformance_checks": _conformance,
+    "max_reconstruction_psnr": _reconstruction,
 }

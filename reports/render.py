@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -29,6 +30,8 @@ from fedaudit.reports.summary import (
     interval,
     policy_table,
     privacy_table,
+    reconstruction_client_table,
+    reconstruction_table,
     setup_table,
     summary_json,
     summary_rows,
@@ -163,6 +166,13 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
                 )
                 for number in sorted({s.round for s in run.synthetic})
             ],
+            "reconstruction": _b64(
+                figures.reconstruction_grid(
+                    run.reconstructions, "Originals (top) and what the attack rebuilt (bottom), closest first"
+                )
+            )
+            if any(r.images is not None for r in run.reconstructions)
+            else None,
         }
         if draw
         else {}
@@ -190,10 +200,37 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "exceeds": _exceeds(run),
         "promise": promise(run),
         "coverage": coverage_table(run),
+        "reconstruction": reconstruction_table(run.reconstruction_rounds, run.privacy.dp)
+        if run.reconstructions
+        else None,
+        "reconstruction_clients": reconstruction_client_table(run) if len(run.reconstructions) > 1 else None,
+        "reconstruction_rounds": run.reconstruction_rounds,
         "figures": figs,
         "checks": policy_table(checks) if checks else None,
         "verdict": None if checks is None else overall(checks),
     }
+
+
+def _reconstruction_epsilon(runs: list[RunSummary]) -> str | None:
+    """The figure of reconstruction quality against epsilon: one point per run and attacked round (None when fewer
+    than two points, or no run was attacked so)."""
+    points = [
+        {
+            "algorithm": run.setup["algorithm"],
+            "epsilon": math.inf if not run.privacy.dp else r.accountant_epsilon,
+            "psnr": r.quality["psnr"]["mean"],
+            "psnr_low": (r.quality["psnr"]["ci95"] or [math.nan])[0],
+            "psnr_high": (r.quality["psnr"]["ci95"] or [math.nan, math.nan])[1],
+            "null_psnr": r.null_quality["psnr"]["mean"],
+            "threshold": r.threshold,
+        }
+        for run in runs
+        for r in run.reconstruction_rounds
+        if (r.accountant_epsilon is not None or not run.privacy.dp) and r.quality["psnr"]["mean"] is not None
+    ]
+    if len(points) < 2:
+        return None
+    return _b64(figures.reconstruction_epsilon(pd.DataFrame(points)))
 
 
 def _exceeds(run: RunSummary) -> dict[str, Any] | None:
@@ -332,6 +369,7 @@ def build_context(
         "groups": group_table(groups) if len(groups) < len(runs) else None,
         "findings": findings(rows, groups) if len(runs) > 1 else [],
         "tradeoff": _b64(figures.privacy_utility(groups)) if draw and len(runs) > 1 else None,
+        "reconstruction_epsilon": _reconstruction_epsilon(runs) if draw and len(runs) > 1 else None,
         "tradeoff_caption": figures.spread_caption(groups),
     }
     return context, checks, rows, groups

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import scipy.stats
 
-from fedaudit.reports.collect import AttackSummary, LowFprRate, RunSummary
+from fedaudit.reports.collect import AttackSummary, LowFprRate, ReconstructionRound, RunSummary
 from fedaudit.reports.policy import Check, Policy, overall
 
 NOT_AVAILABLE = "not available"
@@ -108,6 +108,67 @@ def attack_table(attacks: tuple[AttackSummary, ...], dp: bool = True) -> pd.Data
     )
 
 
+VIEWS = {"update-inversion": "model update", "synthetic-nearest": "synthetic set"}
+NULLS = {"random-update": "random update of the same norm", "held-out": "held-out real records"}
+
+
+def mean_ci(summary: dict[str, Any], digits: int = 2) -> str:
+    """ "mean [low, high] (n=N)" of an image-quality summary; without an interval (one record), the mean and n."""
+    if summary.get("mean") is None:
+        return NOT_AVAILABLE
+    ci = summary.get("ci95")
+    shown = f"{summary['mean']:.{digits}f}" + (f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else "")
+    return f"{shown} (n={summary['n']})"
+
+
+def recovered_cell(recovered: dict[str, Any]) -> str:
+    """ "k/n = fraction [low, high]" of the records recovered at the threshold."""
+    if not recovered.get("n"):
+        return NOT_AVAILABLE
+    ci = recovered["ci95"]
+    return f"{recovered['recovered']}/{recovered['n']} = {recovered['fraction']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def reconstruction_table(rounds: tuple[ReconstructionRound, ...], dp: bool) -> pd.DataFrame:
+    """One row per attacked round, every attacked client's records pooled: how close the reconstructions came, how
+    many were recovered, and the same for the null that carries no record."""
+    return pd.DataFrame(
+        [
+            {
+                "round": r.round,
+                "what crossed the wire": VIEWS.get(r.view, r.view),
+                "clients": ", ".join(map(str, r.clients)),
+                "PSNR dB [95%]": mean_ci(r.quality["psnr"]),
+                "SSIM [95%]": mean_ci(r.quality["ssim"], 3),
+                f"recovered (PSNR >= {r.threshold:g} dB) [95%]": recovered_cell(r.quality["recovered"]),
+                "null": NULLS.get(r.null_kind, r.null_kind),
+                "null PSNR dB [95%]": mean_ci(r.null_quality["psnr"]),
+                "null recovered [95%]": recovered_cell(r.null_quality["recovered"]),
+                "labels right": NOT_AVAILABLE if r.labels_right is None else f"{r.labels_right}/{r.labels_n}",
+                "accountant epsilon": epsilon_cell(r.accountant_epsilon, dp),
+            }
+            for r in rounds
+        ]
+    )
+
+
+def reconstruction_client_table(run: RunSummary) -> pd.DataFrame:
+    """One row per attacked (round, client): the same numbers for each client's own records."""
+    return pd.DataFrame(
+        [
+            {
+                "round": r.round,
+                "client": r.client,
+                "PSNR dB [95%]": mean_ci(r.quality["psnr"]),
+                "SSIM [95%]": mean_ci(r.quality["ssim"], 3),
+                "recovered [95%]": recovered_cell(r.quality["recovered"]),
+                "null PSNR dB [95%]": mean_ci(r.null_quality["psnr"]),
+            }
+            for r in run.reconstructions
+        ]
+    )
+
+
 def client_risk_table(attack: AttackSummary) -> pd.DataFrame | None:
     """TPR at 1% and 0.1% FPR of each client's members under ``attack``'s own threshold, or None without them."""
     low, lower = attack.client_rates(0.01), attack.client_rates(0.001)
@@ -184,6 +245,7 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
         bound, bound_attacks = run.epsilon_lower_bound()
         p = run.privacy
         verdicts = checks.get(run.name)
+        rebuilt = run.reconstruction_rounds[-1] if run.reconstruction_rounds else None
         rows.append(
             {
                 "run": run.name,
@@ -230,10 +292,39 @@ def summary_rows(runs: list[RunSummary], checks: dict[str, list[Check]]) -> pd.D
                 "canary_auc_ci_low": _side(canary, "auc_ci", 0),
                 "canary_auc_ci_high": _side(canary, "auc_ci", 1),
                 "canary_exceeds_accountant": None if canary is None else canary.exceeds_accountant,
+                **reconstruction_columns(rebuilt),
                 "policy": None if verdicts is None else overall(verdicts),
             }
         )
     return pd.DataFrame(rows)
+
+
+def reconstruction_columns(rebuilt: ReconstructionRound | None) -> dict[str, Any]:
+    """summary.csv's reconstruction columns: the last attacked round's pooled numbers (None without a result)."""
+    quality = None if rebuilt is None else rebuilt.quality
+    null = None if rebuilt is None else rebuilt.null_quality
+
+    def side(summary: dict[str, Any] | None, key: str, end: int) -> float | None:
+        ci = None if summary is None else summary[key]["ci95"]
+        return None if ci is None else ci[end]
+
+    return {
+        "reconstruction_round": None if rebuilt is None else rebuilt.round,
+        "reconstruction_view": None if rebuilt is None else rebuilt.view,
+        "reconstruction_records": None if quality is None else quality["psnr"]["n"],
+        "reconstruction_psnr": None if quality is None else quality["psnr"]["mean"],
+        "reconstruction_psnr_ci_low": side(quality, "psnr", 0),
+        "reconstruction_psnr_ci_high": side(quality, "psnr", 1),
+        "reconstruction_ssim": None if quality is None else quality["ssim"]["mean"],
+        "reconstruction_recovered": None if quality is None else quality["recovered"]["fraction"],
+        "reconstruction_recovered_ci_low": side(quality, "recovered", 0),
+        "reconstruction_recovered_ci_high": side(quality, "recovered", 1),
+        "reconstruction_threshold_db": None if rebuilt is None else rebuilt.threshold,
+        "reconstruction_null_psnr": None if null is None else null["psnr"]["mean"],
+        "reconstruction_null_psnr_ci_low": side(null, "psnr", 0),
+        "reconstruction_null_psnr_ci_high": side(null, "psnr", 1),
+        "reconstruction_epsilon": None if rebuilt is None else rebuilt.accountant_epsilon,
+    }
 
 
 def _side(attack: AttackSummary | None, name: str, side: int) -> float | None:
@@ -420,6 +511,15 @@ def summary_json(
                         "epsilon_infinite": math.isinf(run.privacy.epsilon),
                     },
                     "attacks": [{key: value for key, value in asdict(a).items() if key != "roc"} for a in run.attacks],
+                    "reconstructions": [
+                        {
+                            **{k: v for k, v in asdict(r).items() if k not in ("quality", "null_quality")},
+                            "quality": r.quality,
+                            "null_quality": r.null_quality,
+                            "no_better_than_null": r.no_better_than_null,
+                        }
+                        for r in run.reconstruction_rounds
+                    ],
                     "strongest_attack": None if run.strongest_attack is None else run.strongest_attack.name,
                     "strongest_attack_rule": STRONGEST_RULE.format(compared=run.attacks_compared),
                     "missing": [asdict(note) for note in run.notes],

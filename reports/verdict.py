@@ -37,6 +37,8 @@ def run_verdict(
     broken = bool(run.integrity) or exceeds is not None or (promise is not None and promise["verdict"] == "FAIL")
     parts = [f"{run.setup['algorithm']} {_promises(run)}"]
     parts.append(_attacks(run, exceeds, not_shown))
+    if run.reconstruction_rounds:
+        parts.append(_reconstruction(run))
     if promise is not None:
         parts.append(_implementation(promise, not_shown))
     sentence = "; ".join(parts) + "."
@@ -86,6 +88,21 @@ def _attacks(run: RunSummary, exceeds: dict[str, Any] | None, not_shown: list[st
     if bound is not None:
         pieces.append(f"the attacks prove epsilon ≥ {fmt(bound)} (95% over {count})")
     return "no attack showed more than the accountant: " + ", ".join(pieces)
+
+
+def _reconstruction(run: RunSummary) -> str:
+    """What the reconstruction audit rebuilt, in the round where it came closest."""
+    worst = max(run.reconstruction_rounds, key=lambda r: r.quality["psnr"]["mean"] or 0.0)
+    recovered, psnr = worst.quality["recovered"], worst.quality["psnr"]
+    ci = "" if psnr["ci95"] is None else f" [{fmt(psnr['ci95'][0], 2)}, {fmt(psnr['ci95'][1], 2)}]"
+    null = "no better than its null" if worst.no_better_than_null else "better than its null"
+    if worst.no_better_than_null is None:
+        null = f"against {fmt(worst.null_quality['psnr']['mean'], 2)} dB for its null"
+    return (
+        f"from what crossed the wire in round {worst.round} the server could rebuild {recovered['recovered']} of "
+        f"{recovered['n']} records at {fmt(worst.threshold)} dB or more (mean PSNR {fmt(psnr['mean'], 2)} dB{ci}, "
+        f"{null})"
+    )
 
 
 def _implementation(promise: dict[str, Any], not_shown: list[str]) -> str:
