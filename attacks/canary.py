@@ -163,11 +163,19 @@ def _input_directions(
 
 
 def wire_scores(
-    run: RunDirectory, canaries: Canaries, dataset: Dataset, spec: ModelSpec, rounds: int, run_seed: int
+    run: RunDirectory,
+    canaries: Canaries,
+    dataset: Dataset,
+    spec: ModelSpec,
+    rounds: int,
+    run_seed: int,
+    *,
+    updates_only: bool = False,
 ) -> np.ndarray:
     """score_i = sum over the rounds 1..``rounds`` that client k_i took part in of <v_k^t, d_i^t>: v what the client
     sent (see :func:`_sent_vector`), d_i^t canary i's direction (u_i, or its normalised loss gradient at the
-    round's global model)."""
+    round's global model). With ``updates_only``, what is not a model update is left out (Fedssyn's generated
+    records: they were not made to match the model's gradients)."""
     shapes = _shapes(spec)
     model = build_model(spec)
     scores = np.zeros(canaries.count)
@@ -177,6 +185,8 @@ def wire_scores(
         params = _round_start(run, spec, round_number, run_seed)
         params = {name: params[name] for name in shapes}
         for client, tensors in clients.items():
+            if updates_only and "images" in tensors:
+                continue
             sent = _sent_vector(run, model, params, tensors, f"round {round_number}, client {client}")
             if fixed:  # the projection is linear: sum the rounds first
                 totals[client] = totals.get(client, 0) + sent
@@ -197,7 +207,8 @@ def query_scores(run: RunDirectory, canaries: Canaries, rounds: int) -> tuple[np
     """The query view's two scores of every canary and which canaries were informative (their client answered at
     least one query): the sum of its projections over its client's queries, divided by sigma sqrt(T_i) so that
     canaries of clients with different numbers of queries T_i share one scale (an excluded canary's is about
-    N(0, 1), an included one's mean is about q sqrt(T_i) / sigma), and the summed log-likelihood ratio."""
+    N(0, 1), an included one's mean is about q sqrt(T_i) / sigma), and the summed log-likelihood ratio. Queries
+    logged with their metadata only (``projected`` 0: Fedssyn's class counts) add nothing to either."""
     total, llr = np.zeros(canaries.count), np.zeros(canaries.count)
     queries, variance = np.zeros(canaries.count), np.zeros(canaries.count)
     for round_number in range(1, rounds + 1):
@@ -212,10 +223,11 @@ def query_scores(run: RunDirectory, canaries: Canaries, rounds: int) -> tuple[np
                 raise AttackError(
                     f"{run.queries_path(round_number)} logs canaries for client {client} that are not its own."
                 )
+            projected = log["projected"].numpy() > 0 if "projected" in log else np.ones(len(log["rate"]), dtype=bool)
             total[ids] += log["sum"].numpy()
             llr[ids] += log["llr"].numpy()
-            queries[ids] += len(log["rate"])
-            variance[ids] += float((log["noise_multiplier"].numpy() ** 2).sum())
+            queries[ids] += int(projected.sum())
+            variance[ids] += float((log["noise_multiplier"].numpy()[projected] ** 2).sum())
     informative = queries > 0
     scale = np.sqrt(np.where(informative, variance, 1.0))
     return np.where(informative, total / np.where(scale > 0, scale, 1.0), 0.0), llr, informative
@@ -280,7 +292,7 @@ def canary_audit(
             scores = queried[0] if view is QUERY_SUM else queried[1]
             informative = queried[2]
         else:
-            scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed)
+            scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed, updates_only=algorithm == "fedssyn")
             informative = np.isin(canaries.client, sorted(_senders(run, rounds)))
         inside, outside = scores[informative & (included == 1)], scores[informative & (included == 0)]
         if not len(inside) or not len(outside):

@@ -12,9 +12,11 @@ with the code it checks (no import of ``fedaudit.privacy``; its own per-example 
   independence between queries (a noise draw reused across steps correlates their residuals).
 - **clipping**: the residual has no component along the clipped-away part of the gradient (the sum of unclipped
   per-example gradients minus the clipped ones); a query that does not clip is shifted by its norm.
-- **sampling**: the records (and canaries) drawn per query are Binomial(N_k, q) at the rate the ledger charges
-  (mean and dispersion: a fixed batch size has almost none), the recorded rate is that rate, and each round's
-  participants are ceil(p K) clients chosen uniformly.
+- **sampling**: the records (and canaries) drawn per query are Binomial(N, q) at the rate the ledger charges that
+  query (its round's events, in order), from the records it samples (N_k, computed here from the run; for Fedssyn
+  floor(rho N_k) in the generation round and N_k + n~ after it), in mean and dispersion (a fixed batch size has
+  almost none); the recorded rate is that rate; and each round's participants are ceil(p K) clients chosen
+  uniformly.
 - **ledger**: what each client's recorded queries spend, with no amplification by client sampling (the server sees
   who took part), must not exceed what the ledger says: exact RDP at dp-accounting's orders for an RDP ledger, and
   dp-accounting's PLD (optimistic, a lower bound) for any ledger (see :class:`Spend`). Every round's recorded
@@ -251,6 +253,17 @@ class _Run:
     rounds: int
     selected: int  # ceil(p K): clients per round
     fraction: float  # ceil(p K) / K
+    fedssyn: tuple[float, int] | None = None  # Fedssyn's rho and n~: its queries sample other populations
+
+    def populations(self, round_number: int, client: int, events: int) -> list[int]:
+        """The number of records each of a round's ``events`` samples from: the client's own N_k; for Fedssyn the
+        floor(rho N_k) records its generator is given in round 1 (class counts and generator steps alike), and its
+        records plus its dealt share after that."""
+        own = self.sizes[client]
+        if self.fedssyn is None:
+            return [own] * events
+        rho, dealt = self.fedssyn
+        return [max(1, int(rho * own)) if round_number == 1 else own + dealt] * events
 
 
 @dataclass(frozen=True)
@@ -343,6 +356,12 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
     selected = max(1, math.ceil(round(config.federated.client_fraction * num_clients, 9)))
     selected = min(selected, num_clients)
     held = np.array([int(((client == k) & (included == 1)).sum()) for k in range(num_clients)], dtype=np.int64)
+    fs = config.fedssyn
+    fedssyn = None
+    if config.federated.algorithm == "fedssyn":
+        if fs.synthetic_per_client is None:
+            raise AttackError(f"{run.config_path} does not say how many records Fedssyn dealt each client.")
+        fedssyn = (float(fs.generator_fraction), int(fs.synthetic_per_client))
     facts = _Run(
         seed=int(config.seed),
         model=model,
@@ -358,6 +377,7 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
         rounds=manifest.rounds_done,
         selected=selected,
         fraction=selected / num_clients,
+        fedssyn=fedssyn,
     )
     return facts, _read_ledger(privacy, str(run.privacy_path))
 
@@ -437,8 +457,10 @@ def _read_logs(run: RunDirectory, facts: _Run) -> _Logs:
 def _meta(tensors: Mapping[str, torch.Tensor], where: str) -> tuple[dict[str, np.ndarray], str | None]:
     """The per-query arrays of one log, or the first inconsistency found in them."""
     meta: dict[str, np.ndarray] = {}
-    for key in _META:
+    for key in (*_META, "projected"):
         if key not in tensors:
+            if key == "projected":  # logs of earlier versions projected every query
+                continue
             return meta, f"{where} has no {key!r} array"
         tensor = tensors[key]
         if tensor.dim() != 1 or tensor.is_complex():
@@ -455,6 +477,8 @@ def _meta(tensors: Mapping[str, torch.Tensor], where: str) -> tuple[dict[str, np
         values = meta[key]
         if (values < 0).any() or (values != np.round(values)).any():
             return meta, f"{where} has {key} counts that are not non-negative integers"
+    if "projected" in meta and not np.isin(meta["projected"], (0.0, 1.0)).all():
+        return meta, f"{where} marks queries as projected with values other than 0 and 1"
     if ((meta["rate"] <= 0) | (meta["rate"] > 1)).any():
         return meta, f"{where} has sampling rates outside (0, 1]"
     if (meta["noise_multiplier"] < 0).any() or (meta["max_grad_norm"] <= 0).any() or (meta["batch"] <= 0).any():
@@ -877,23 +901,28 @@ def _sampling_check(read: _Logs, facts: _Run, ledger: _Ledger, level: float) -> 
     mismatched: list[str] = []
     uncharged: list[int] = []
     for log in read.logs:
-        entry = ledger.per_client.get(log.client)
-        if entry is None or not entry[1]:
+        row = ledger.rounds[log.round - 1] if log.round <= len(ledger.rounds) else {}
+        events = row.get(log.client, [])
+        if not events or log.client not in ledger.per_client:
             uncharged.append(log.client)
             continue
-        charged = max(q for _, q, _ in entry[1])
+        # the rate and population of each query: its round's events in order (a query past them: the last event's)
+        populations = facts.populations(log.round, log.client, len(events))
+        index = np.repeat(np.arange(len(events)), [n for _, _, n in events])[: log.queries]
+        index = np.concatenate([index, np.full(log.queries - len(index), len(events) - 1, dtype=int)])
+        charged = np.array([q for _, q, _ in events])[index]
         rate = log.meta["rate"]
         if np.any(np.abs(rate - charged) > RATE_RTOL * charged):
-            worst = float(rate[int(np.argmax(np.abs(rate - charged)))])
+            at = int(np.argmax(np.abs(rate - charged)))
             mismatched.append(
-                f"client {log.client} sampled at rate {worst:.6g} in round {log.round} but the ledger charges "
-                f"{charged:.6g}"
+                f"client {log.client} sampled at rate {float(rate[at]):.6g} in round {log.round} (query {at + 1}) "
+                f"but the ledger charges {float(charged[at]):.6g}"
             )
         records.append(log.meta["records"])
         canaries.append(log.meta["canaries"])
-        sizes.append(np.full(log.queries, facts.sizes[log.client], dtype=float))
+        sizes.append(np.array(populations, dtype=float)[index])
         held.append(np.full(log.queries, facts.held[log.client], dtype=float))
-        rates.append(np.full(log.queries, charged))
+        rates.append(charged)
     if uncharged:
         clients = ", ".join(map(str, sorted(set(uncharged))))
         tests.append(

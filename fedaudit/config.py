@@ -383,11 +383,6 @@ class RunConfig:
             "Fedssyn's first round makes and deals the synthetic records and the inner algorithm trains from the "
             "second on: give --rounds 2 or more.",
         )
-        _check(
-            not self.audit.canaries,
-            "--canaries is not available with Fedssyn: its generation round sends generated records, not the "
-            "gradient steps a canary audit measures.",
-        )
 
     def _validate_fedgm(self) -> None:
         """FedGM's section, and what FedGM cannot do; its options with another algorithm."""

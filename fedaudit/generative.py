@@ -14,20 +14,31 @@ the module's forward returns each record's own loss, with the latent noise of th
 in with the record, so each record's gradient depends on that record alone and is clipped and noised like a
 classifier's. The class frequencies that the generated labels follow are a DP query of the same primitive too
 (:func:`class_counts`: one-hot per-record gradients of norm 1, so the clipped sum is the histogram).
+
+In a canary run the generator's queries carry the client's canaries too: an input canary is a record of the
+generator's data like any other (and is counted), a gradient canary's per-record gradient is ten times the
+clipping norm along a fixed random direction in :data:`CANARY_PARAMETERS` (zero in every other parameter, and in
+the class counts), and every query is logged where it is released (:mod:`fedaudit.queries`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.primitive import dp_gradient, poisson_sample
+from fedaudit.privacy.primitive import QueryRecorder, TensorDict, dp_gradient, poisson_sample
 
 BETA = 1.0  # weight of the KL term; the reconstruction term is the squared error of the normalised pixels
+# The generator's parameters a gradient canary's direction spans: the encoder's output layer, 12,800 weights and 32
+# biases whatever the image size (the whole generator has up to 650,000, too many to hold a direction per canary).
+CANARY_PARAMETERS = ("enc_out.weight", "enc_out.bias")
+# A DP batch: (inputs, labels, per-record gradients of the gradient canaries drawn) for a sampling rate.
+BatchDraw = Callable[[float, torch.Generator], tuple[torch.Tensor, torch.Tensor, TensorDict | None]]
 
 
 class ConditionalVAE(nn.Module):
@@ -87,10 +98,15 @@ def train_generator(
     generator: torch.Generator,
     noise_multiplier: float | None = None,
     max_grad_norm: float = 1.0,
+    draw: BatchDraw | None = None,
+    recorder: QueryRecorder | None = None,
 ) -> tuple[list[SGMEvent], dict[str, float]]:
     """Train ``model`` on (x, y) with Adam: shuffled minibatches, or, with ``noise_multiplier``, DP-SGD steps on
     Poisson batches of rate B / n (epochs * floor(n / B) queries). Returns the DP events and the first and last
-    epoch's mean loss."""
+    epoch's mean loss.
+
+    ``draw`` replaces the Poisson sampling of (x, y) under DP with a draw that adds a canary run's canaries to the
+    batch (records and rate unchanged), and ``recorder`` logs each query."""
     n = int(y.shape[0])
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
@@ -99,16 +115,16 @@ def train_generator(
     for _ in range(epochs):
         losses = []
         if noise_multiplier is None:
-            batches = torch.randperm(n, generator=generator, device=generator.device).to(x.device).split(batch_size)
+            order = torch.randperm(n, generator=generator, device=generator.device).to(x.device)
+            batches = [(x[idx], y[idx], None) for idx in order.split(batch_size)]
         else:
-            batches = [
-                poisson_sample(n, batch_size / n, generator=generator).to(x.device) for _ in range(steps_per_epoch)
-            ]
-        for idx in batches:
+            # drawn one at a time, each just before its query, so that a query log sees each batch with its query
+            batches = (_dp_batch(x, y, batch_size / n, generator, draw) for _ in range(steps_per_epoch))
+        for xb, yb, extra in batches:
             noise = torch.randn(
-                (len(idx), model.latent), generator=generator, device=generator.device, dtype=x.dtype
+                (len(yb), model.latent), generator=generator, device=generator.device, dtype=x.dtype
             ).to(x.device)
-            packed = model.pack(x[idx], y[idx], noise)
+            packed = model.pack(xb, yb, noise)
             optimizer.zero_grad(set_to_none=False)
             if noise_multiplier is None:
                 loss = model(packed).mean()
@@ -118,16 +134,18 @@ def train_generator(
                 result = dp_gradient(
                     model,
                     packed,
-                    y[idx],
+                    yb,
                     noise_multiplier=noise_multiplier,
                     max_grad_norm=max_grad_norm,
                     expected_batch_size=batch_size,
                     generator=generator,
                     loss_fn=mean_loss,
+                    extra=extra,
+                    recorder=recorder,
                 )
                 for name, p in model.named_parameters():
                     p.grad = result.grads[name]
-                if len(idx):
+                if len(yb):
                     with torch.no_grad():
                         losses.append(model(packed).mean())
             optimizer.step()
@@ -139,6 +157,16 @@ def train_generator(
     )
     metrics = {"generator_loss_first": epoch_losses[0], "generator_loss_last": epoch_losses[-1]} if epochs else {}
     return events, metrics
+
+
+def _dp_batch(
+    x: torch.Tensor, y: torch.Tensor, rate: float, generator: torch.Generator, draw: BatchDraw | None
+) -> tuple[torch.Tensor, torch.Tensor, TensorDict | None]:
+    """One Poisson batch of the generator's data at ``rate`` (through ``draw`` when a canary run gives one)."""
+    if draw is not None:
+        return draw(rate, generator)
+    idx = poisson_sample(len(y), rate, generator=generator).to(x.device)
+    return x[idx], y[idx], None
 
 
 class _Counter(nn.Module):
@@ -157,11 +185,16 @@ def _own_class(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def class_counts(
-    y: torch.Tensor, num_classes: int, *, generator: torch.Generator, noise_multiplier: float | None = None
+    y: torch.Tensor,
+    num_classes: int,
+    *,
+    generator: torch.Generator,
+    noise_multiplier: float | None = None,
+    recorder: QueryRecorder | None = None,
 ) -> tuple[torch.Tensor, list[SGMEvent]]:
     """The number of records of each class (float64 [num_classes]): exact, or, with ``noise_multiplier``, one query of
     the DP primitive over all records (sampling rate 1; each record's contribution is its one-hot label, norm 1, so
-    the noise is N(0, sigma^2) per class). Returns the counts and the DP events."""
+    the noise is N(0, sigma^2) per class). Returns the counts and the DP events; ``recorder`` logs the query."""
     counter = _Counter(num_classes).to(y.device)
     ones = torch.ones((int(y.shape[0]), 1), device=y.device)
     result = dp_gradient(
@@ -173,6 +206,7 @@ def class_counts(
         expected_batch_size=1.0,
         generator=generator,
         loss_fn=_own_class,
+        recorder=recorder,
     )
     counts = result.grads["weight.weight"].flatten().to(torch.float64)  # the noisy sum: divided by 1
     if noise_multiplier is None:

@@ -21,6 +21,13 @@ answers the log keeps:
   the gradient canaries drawn, and the released sum. ``fedaudit verify`` recomputes their clean clipped sums with an
   independent loop.
 
+A client whose queries are not all gradients of the model (Fedssyn's generation round: a class-count query, then
+the generator's DP-SGD steps) switches the log to another :class:`Space` first: the generator's steps are projected
+on canary directions in the generator's parameters (input canaries: on their normalised gradients of the generator's
+loss), and a query whose space is None is recorded with its metadata only (``projected`` 0): the class counts live
+in ten numbers that every canary of a class shares, so no canary's projection there could tell it apart. Whole
+queries are kept in the model's own space only, where ``fedaudit verify`` can recompute them.
+
 The log never touches the training's generator or tensors, so a run records the same training with or without it.
 The round's arrays travel with the client's message (:attr:`ClientMessage.audit`) and the training core writes
 them to ``queries/round-NNNN.safetensors``. docs/audit.md (the query view) says how they are read.
@@ -32,9 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fedaudit.canaries import canary_directions
-from fedaudit.privacy.primitive import Query, per_sample_gradients
+from fedaudit.privacy.primitive import LossFn, Query, per_sample_gradients
 from fedaudit.seeding import Stream, make_generator
 
 TensorDict = dict[str, torch.Tensor]
@@ -43,6 +51,18 @@ KEPT_PAIRS = 6  # whole queries kept per run, in pairs of consecutive queries, o
 _BUFFER = 64  # released sums projected together (one matrix product instead of many)
 _DIRECTIONS_CHUNK = 1024  # canaries whose directions are held at once
 _NO_BATCH = "A DP query was recorded without its batch: draw it with ClientData.dp_batch."
+
+
+@dataclass(frozen=True)
+class Space:
+    """Where the log projects the queries that follow :meth:`QueryLog.enter`: the parameters the canaries'
+    directions span (by name; a subset of the queried model's), and for input canaries their rows as that model
+    takes them, their labels and the loss its queries differentiate."""
+
+    shapes: dict[str, torch.Size]
+    inputs: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    loss_fn: LossFn = F.cross_entropy
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,11 @@ class QueryAudit:
         """A fresh log for one round of ``client``."""
         return QueryLog(self, client, round_index, device)
 
+    @property
+    def space(self) -> Space:
+        """The model's own space: where a log starts and where whole queries are kept."""
+        return Space(self.shapes, self.inputs, self.labels)
+
 
 class QueryLog:
     """The recorder of one client's round (see the module docstring); :meth:`arrays` is what it gathered."""
@@ -74,8 +99,10 @@ class QueryLog:
         self.kept_steps = {int(torch.randint(span, (1,), generator=chooser).item())} if keep else set()
         self.kept_steps |= {step + 1 for step in self.kept_steps}
         self.meta: dict[str, list[float]] = {
-            key: [] for key in ("records", "canaries", "noise_multiplier", "max_grad_norm", "batch", "rate")
+            key: []
+            for key in ("records", "canaries", "noise_multiplier", "max_grad_norm", "batch", "rate", "projected")
         }
+        self._space: Space | None = audit.space
         count = len(audit.canaries)
         self.sum = torch.zeros(count, dtype=torch.float64, device=device)
         self.llr = torch.zeros(count, dtype=torch.float64, device=device)
@@ -87,6 +114,11 @@ class QueryLog:
     @property
     def steps(self) -> int:
         return len(self.meta["rate"])
+
+    def enter(self, space: Space | None) -> None:
+        """Project the queries that follow in ``space`` (None: record their metadata only)."""
+        self._flush()
+        self._space, self._directions = space, None
 
     def batch(self, records: int, canaries: np.ndarray, rate: float) -> None:
         """What the next query's Poisson batch drew: its number of records, the ids of the canaries drawn, the rate."""
@@ -104,7 +136,8 @@ class QueryLog:
             raise RuntimeError(_NO_BATCH)
         records, canaries, rate = self._pending
         self._pending = None
-        step = self.steps
+        step, space = self.steps, self._space
+        projected = space is not None and len(self.audit.canaries) > 0
         for key, value in (
             ("records", records),
             ("canaries", len(canaries)),
@@ -112,10 +145,13 @@ class QueryLog:
             ("max_grad_norm", query.max_grad_norm),
             ("batch", query.expected_batch_size),
             ("rate", rate),
+            ("projected", projected),
         ):
             self.meta[key].append(float(value))
-        flat = torch.cat([query.released[name].detach().reshape(-1) for name in self.audit.shapes])
-        if step in self.kept_steps:
+        if space is None:
+            return
+        flat = torch.cat([query.released[name].detach().reshape(-1) for name in space.shapes])
+        if step in self.kept_steps and space.shapes == self.audit.shapes:
             self.kept.append(
                 {
                     "step": torch.tensor([step]),
@@ -126,25 +162,30 @@ class QueryLog:
                     "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
                 }
             )
-        if not len(self.audit.canaries):
+        if not projected:
             return
-        residual = flat - torch.cat([query.own_sum[name].detach().reshape(-1) for name in self.audit.shapes])
-        if self.audit.inputs is not None:
-            self._project_inputs(query, residual, rate)
+        residual = flat - torch.cat([query.own_sum[name].detach().reshape(-1) for name in space.shapes])
+        if space.inputs is not None:
+            self._project_inputs(query, space, residual, rate)
         else:
             self._buffer.append((residual, query.max_grad_norm, query.noise_multiplier, rate))
             if len(self._buffer) >= _BUFFER:
                 self._flush()
 
-    def _project_inputs(self, query: Query, flat: torch.Tensor, rate: float) -> None:
+    def _project_inputs(self, query: Query, space: Space, flat: torch.Tensor, rate: float) -> None:
         """Input canaries: each one's gradient at the query's point, normalised, is its direction for this query."""
         if query.model is None:
             raise RuntimeError("An input canary's query view needs the model the query's gradients were taken of.")
-        assert self.audit.labels is not None
+        assert space.inputs is not None and space.labels is not None
         grads = per_sample_gradients(
-            query.model, self.audit.inputs, self.audit.labels, params={n: query.params[n] for n in self.audit.shapes}
+            query.model,
+            space.inputs,
+            space.labels,
+            params={n: query.params[n] for n in space.shapes},
+            frozen=query.params,
+            loss_fn=space.loss_fn,
         )
-        rows = torch.cat([grads[name].detach().reshape(len(self.audit.canaries), -1) for name in self.audit.shapes], 1)
+        rows = torch.cat([grads[name].detach().reshape(len(self.audit.canaries), -1) for name in space.shapes], 1)
         rows = rows.to(torch.float64)
         norms = rows.norm(dim=1, keepdim=True)
         directions = torch.where(norms > 0, rows / norms.clamp_min(1e-30), torch.zeros_like(rows))
@@ -158,9 +199,10 @@ class QueryLog:
         if not self._buffer:
             return
         if self._directions is None:
-            ids = self.audit.canaries
+            assert self._space is not None
+            ids, shapes = self.audit.canaries, self._space.shapes
             self._directions = [
-                _flat_directions(self.audit, chunk).to(self.device)
+                _flat_directions(self.audit.seed, chunk, shapes).to(self.device)
                 for chunk in (ids[i : i + _DIRECTIONS_CHUNK] for i in range(0, len(ids), _DIRECTIONS_CHUNK))
             ]
         released = torch.stack([flat for flat, *_ in self._buffer], dim=1).to(torch.float32)  # [d, k]
@@ -188,10 +230,10 @@ class QueryLog:
         return out
 
 
-def _flat_directions(audit: QueryAudit, chunk: np.ndarray) -> torch.Tensor:
-    """The unit directions u_i of the canaries ``chunk``, one row each, parameters in the model's order."""
-    split = canary_directions(audit.seed, chunk, audit.shapes)
-    return torch.cat([split[name].reshape(len(chunk), -1) for name in audit.shapes], dim=1)
+def _flat_directions(seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size]) -> torch.Tensor:
+    """The unit directions u_i of the canaries ``chunk`` in the parameters ``shapes``, one row each, in their order."""
+    split = canary_directions(seed, chunk, shapes)
+    return torch.cat([split[name].reshape(len(chunk), -1) for name in shapes], dim=1)
 
 
 def subsampled_gaussian_llr(o: torch.Tensor, rate: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,12 @@ records, so their costs add (sequential composition) in the one ledger:
 - later rounds: the inner algorithm's DP-SGD on own plus dealt records, sampled together at rate
   B / (N_k + n~) (the dealt records are DP outputs already: post-processing).
 What the other clients receive (the shuffled records) is covered by the generation round's share of the budget.
+
+Canaries (``--dp --canaries N``) take part in both phases as records of their client: in the class counts (an input
+canary with its label; a gradient canary contributes nothing there), in every step of the generator (never left out
+by the draw of rho: every record is charged as if drawn), and in every later round's steps at rate B / (N_k + n~).
+Every one of these queries is logged (:mod:`fedaudit.queries`): the generator's in its own parameters
+(:data:`fedaudit.generative.CANARY_PARAMETERS`), the class counts with their metadata only.
 """
 
 from __future__ import annotations
@@ -40,10 +46,20 @@ from fedaudit.algorithms.base import (
     clone_params,
     num_classes,
 )
+from fedaudit.canaries import GRADIENT_CANARY_NORM, canary_directions
 from fedaudit.config import RunConfig
-from fedaudit.generative import ConditionalVAE, allocate, class_counts, sample, train_generator
+from fedaudit.generative import (
+    CANARY_PARAMETERS,
+    ConditionalVAE,
+    allocate,
+    class_counts,
+    mean_loss,
+    sample,
+    train_generator,
+)
 from fedaudit.models import fresh_params
 from fedaudit.privacy.accounting import SGMEvent, round_events
+from fedaudit.queries import Space
 from fedaudit.registry import algorithm as algorithm_entry
 
 SYNTHETIC = "synthetic/"  # prefix of the dealt share in a client's kept state
@@ -111,7 +127,7 @@ class Fedssyn:
         x = torch.cat([data.x, share[f"{SYNTHETIC}images"].to(data.x.device, data.x.dtype)])
         y = torch.cat([data.y, share[f"{SYNTHETIC}labels"].to(data.y.device)])
         steps = self.inner.queries_per_round(ctx.config, data.num_examples)
-        union = ClientData(client_id=data.client_id, x=x, y=y)
+        union = replace(data, x=x, y=y)  # its canaries, query audit and log included
         message = self.inner.client_update(model, global_params, union, self._inner_ctx(ctx, steps), generator, state)
         message.state = {**message.state, **share}
         message.metrics = {**message.metrics, "synthetic_records": float(len(y) - data.num_examples)}
@@ -133,11 +149,17 @@ class Fedssyn:
         drawn = torch.randperm(data.num_examples, generator=generator, device=generator.device)[:m].to(device)
         x, y = data.x[drawn], data.y[drawn]
         classes = num_classes(model, global_params, data.x)
-        counts, events = class_counts(y, classes, generator=generator, noise_multiplier=sigma)
+        log = data.recorder
+        if log is not None and data.audit is not None:
+            log.enter(None)  # the class counts: metadata only
+            log.batch(m, data.audit.held, 1.0)  # every record drawn and every canary held is counted
+        counted = y if data.canary_y is None else torch.cat([y, data.canary_y])
+        counts, events = class_counts(counted, classes, generator=generator, noise_multiplier=sigma, recorder=log)
         vae = ConditionalVAE(tuple(data.x.shape[1:]), classes).to(device)
         with torch.no_grad():
             for name, p in fresh_params(vae, dict(vae.named_parameters()), generator).items():
                 vae.get_parameter(name).copy_(p)
+        pool = self._generator_pool(vae, replace(data, x=x, y=y), fs.generator_clip)
         steps, metrics = train_generator(
             vae,
             x,
@@ -148,7 +170,11 @@ class Fedssyn:
             generator=generator,
             noise_multiplier=sigma,
             max_grad_norm=fs.generator_clip,
+            draw=None if pool is None else pool.dp_batch,
+            recorder=log,
         )
+        if log is not None and data.audit is not None:
+            log.enter(data.audit.space)
         labels = allocate(counts, fs.synthetic_per_client).to(device)
         images = sample(vae, labels, generator).to(data.x.dtype)
         return ClientMessage(
@@ -158,6 +184,27 @@ class Fedssyn:
             metrics={**metrics, "generator_records": float(m), "images_sent": float(len(labels))},
             privacy_events=[*events, *steps],
         )
+
+    @staticmethod
+    def _generator_pool(vae: ConditionalVAE, pool: ClientData, clip: float) -> ClientData | None:
+        """In a canary run, the generator's data with the client's canaries (None otherwise): input canaries stay
+        records; a gradient canary's gradient becomes 10 ``clip`` u_i, u_i its direction in the generator's
+        :data:`CANARY_PARAMETERS`. The log is switched to the generator's space."""
+        audit = pool.audit
+        if audit is None:
+            return None
+        shapes = {name: vae.get_parameter(name).shape for name in CANARY_PARAMETERS}
+        device = pool.x.device
+        inputs = labels = None
+        if audit.inputs is not None and audit.labels is not None:  # input canaries, rows as the generator takes them
+            zeros = torch.zeros((len(audit.labels), vae.latent), dtype=audit.inputs.dtype, device=device)
+            inputs, labels = vae.pack(audit.inputs.to(device), audit.labels.to(device), zeros), audit.labels
+        if pool.recorder is not None:
+            pool.recorder.enter(Space(shapes, inputs, labels, mean_loss))
+        if pool.canary_grads is None:
+            return pool
+        directions = canary_directions(audit.seed, audit.held, shapes, device)
+        return replace(pool, canary_grads={name: GRADIENT_CANARY_NORM * clip * u for name, u in directions.items()})
 
     def server_update(
         self,

@@ -50,14 +50,16 @@ def per_sample_gradients(
     params: Mapping[str, torch.Tensor] | None = None,
     loss_fn: LossFn = F.cross_entropy,
     chunk_size: int | None = None,
+    frozen: Mapping[str, torch.Tensor] | None = None,
 ) -> TensorDict:
     """Gradient of ``loss_fn(model(x_i), y_i)`` for every example i: each value has shape [B, *param.shape].
 
     ``params`` defaults to the model's current trainable parameters; buffers are
-    taken from the model. ``chunk_size`` bounds the memory of vmap for large batches.
+    taken from the model. ``frozen`` holds parameters to use as they are, without a gradient (the others of the
+    point, when only some are wanted). ``chunk_size`` bounds the memory of vmap for large batches.
     """
     params = dict(trainable_params(model) if params is None else params)
-    buffers = dict(model.named_buffers())
+    buffers = {**dict(model.named_buffers()), **{k: v for k, v in (frozen or {}).items() if k not in params}}
 
     def sample_loss(p: TensorDict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
@@ -167,13 +169,15 @@ def clipped_sum(
 def _with_extra(
     summed: TensorDict, norms: torch.Tensor, extra: Mapping[str, torch.Tensor] | None, max_grad_norm: float
 ) -> tuple[TensorDict, torch.Tensor]:
-    """``summed`` plus the clipped sum of ``extra``'s per-example gradients, and ``norms`` followed by theirs."""
+    """``summed`` plus the clipped sum of ``extra``'s per-example gradients, and ``norms`` followed by theirs. A
+    parameter that ``extra`` leaves out is one its gradients are zero in."""
     if extra is None or len(next(iter(extra.values()))) == 0:
         return summed, norms
     extra_summed, extra_norms = clip_and_sum(
-        {name: extra[name].to(summed[name].dtype) for name in summed}, max_grad_norm
+        {name: extra[name].to(summed[name].dtype) for name in summed if name in extra}, max_grad_norm
     )
-    return {name: summed[name] + extra_summed[name] for name in summed}, torch.cat([norms, extra_norms.to(norms.dtype)])
+    total = {name: summed[name] + extra_summed[name] if name in extra_summed else summed[name] for name in summed}
+    return total, torch.cat([norms, extra_norms.to(norms.dtype)])
 
 
 def add_noise(

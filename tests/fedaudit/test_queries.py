@@ -12,7 +12,7 @@ import torch
 
 from fedaudit.canaries import canary_directions
 from fedaudit.privacy.primitive import Query, dp_gradient
-from fedaudit.queries import QueryAudit, subsampled_gaussian_llr
+from fedaudit.queries import QueryAudit, Space, subsampled_gaussian_llr
 
 SHAPES = {"w": torch.Size([7, 5]), "b": torch.Size([7])}
 DIMENSION = 42
@@ -213,3 +213,74 @@ def test_the_primitive_hands_over_the_clean_clipped_sum_of_the_clients_own_recor
         torch.testing.assert_close(query.own_sum[name], slow[name], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(query.released[name], everything[name], rtol=1e-4, atol=1e-6)
         assert not torch.allclose(query.own_sum[name], everything[name])
+
+
+def test_queries_in_another_space_project_on_directions_there_and_metadata_only_queries_project_nothing():
+    """Fedssyn's generation round: a class-count query (metadata only), then queries of another model, projected on
+    the canaries' directions in a subset of that model's parameters; then back in the model's space. The slow loop
+    projects each query on directions drawn for exactly the parameters of its space; whole queries are kept only in
+    the model's space."""
+    ids = np.array([3, 8, 21], dtype=np.int64)
+    log = _audit(ids, keep=1.0, planned=10).log(client=4, round_index=0, device=torch.device("cpu"))
+    chosen = set(log.kept_steps)
+    other = {"enc.weight": torch.Size([4, 6]), "enc.bias": torch.Size([4]), "dec.weight": torch.Size([9, 4])}
+    span = {name: other[name] for name in ("enc.weight", "enc.bias")}
+    rng = np.random.default_rng(5)
+
+    def query(shapes: dict[str, torch.Size], sigma: float, clip: float) -> Query:
+        def draw() -> dict[str, torch.Tensor]:
+            return {name: torch.from_numpy(rng.normal(size=tuple(shape))).float() for name, shape in shapes.items()}
+
+        return Query(
+            released=draw(), own_sum=draw(), params=draw(), x=torch.zeros(2, 3), y=torch.zeros(2, dtype=torch.long),
+            batch_size=2, noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=2.0,
+        )  # fmt: skip
+
+    plan = [(None, 1.0, 1.0, 1.0)] + [(span, 0.7, 2.0, 0.3)] * 5 + [(SHAPES, 1.1, 0.5, 0.2)] * 4
+    recorded = []
+    for space, sigma, clip, rate in plan:
+        log.enter(None if space is None else Space(span) if space is span else _audit(ids).space)
+        q = query(other if space in (None, span) else SHAPES, sigma, clip)
+        log.batch(2, ids[:1], rate)
+        log.record(q)
+        recorded.append((space, q, rate))
+    arrays = log.arrays()
+    assert arrays["projected"].tolist() == [0.0] + [1.0] * 9
+    slow_sum, slow_llr = np.zeros(len(ids)), np.zeros(len(ids))
+    for space, q, rate in recorded:
+        if space is None:
+            continue
+        directions = canary_directions(3, ids, space)
+        flat = np.concatenate([(q.released[n] - q.own_sum[n]).double().numpy().ravel() for n in space])
+        for i in range(len(ids)):
+            u = np.concatenate([directions[n][i].double().numpy().ravel() for n in space])
+            o = float(flat @ u) / q.max_grad_norm
+            slow_sum[i] += o
+            sigma = q.noise_multiplier
+            ratio = scipy.stats.norm.pdf(o, 1, sigma) / scipy.stats.norm.pdf(o, 0, sigma)
+            slow_llr[i] += math.log((1 - rate) + rate * ratio)
+    np.testing.assert_allclose(arrays["sum"].numpy(), slow_sum, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(arrays["llr"].numpy(), slow_llr, rtol=1e-5, atol=1e-4)
+    kept = sorted(int(arrays[name]) for name in arrays if name.endswith("/step"))
+    assert kept == sorted(step for step in chosen if step >= 6)  # never a query of the other model
+    assert chosen == {5, 6}  # this seed chose a pair that starts among the other model's queries
+
+
+def test_a_canary_gradient_in_some_parameters_only_is_zero_in_the_others():
+    """Gradient canaries of a generator span a few of its parameters: the primitive clips and adds them there and
+    leaves the other parameters' sums as the records made them."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+    x, y = torch.randn(5, 6), torch.randint(0, 4, (5,))
+    extra = {"2.weight": torch.randn(2, 4, 5) * 10, "2.bias": torch.randn(2, 4) * 10}
+    common = dict(noise_multiplier=0.0, max_grad_norm=0.7, expected_batch_size=1.0)
+    with_extra = dp_gradient(model, x, y, **common, generator=torch.Generator().manual_seed(0), extra=extra)
+    without = dp_gradient(model, x, y, **common, generator=torch.Generator().manual_seed(0))
+    for name in ("0.weight", "0.bias"):
+        torch.testing.assert_close(with_extra.grads[name], without.grads[name])
+    for j in range(2):
+        norm = float(torch.sqrt(extra["2.weight"][j].pow(2).sum() + extra["2.bias"][j].pow(2).sum()))
+        assert with_extra.per_sample_norms[5 + j].item() == pytest.approx(norm, rel=1e-5)
+    for name in extra:
+        added = sum(extra[name][j] * min(1.0, 0.7 / float(with_extra.per_sample_norms[5 + j])) for j in range(2))
+        torch.testing.assert_close(with_extra.grads[name] - without.grads[name], added, rtol=1e-4, atol=1e-6)

@@ -170,7 +170,7 @@ def test_a_client_that_reports_more_steps_than_planned_is_charged_them() -> None
     [
         (("--algorithm", "fedavg", "--generator-epochs", "3"), "--algorithm fedssyn"),
         (("--algorithm", "fedssyn", "--rounds", "1"), "--rounds 2"),
-        (("--algorithm", "fedssyn", "--dp", "--canaries", "4"), "--canaries"),
+        (("--algorithm", "fedssyn", "--canaries", "4"), "--canaries needs --dp"),
         (("--algorithm", "fedssyn", "--generator-fraction", "0"), "--generator-fraction"),
         (("--algorithm", "fedssyn", "--synthetic-per-client", "0"), "--synthetic-per-client"),
         (("--algorithm", "fedssyn", "--generator-batch", "100000"), "--generator-batch"),
