@@ -533,7 +533,13 @@ def epsilon(
 
 
 @main.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.argument("run_dirs", nargs=-1, type=click.Path())
+@click.option(
+    "--flower-log",
+    help="Audit a Flower app's canary log (fedaudit.flower.CanaryClients) instead of runs; takes --out, --seed and "
+    "--bootstrap only (docs/flower-apps.md).",
+)
+@click.option("--out", help="--flower-log: the results folder. [default: beside the log, named LOG-audit]")
 @click.option(
     "--signal",
     "signals",
@@ -640,6 +646,12 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
 
     Options and examples: docs/attack.md; signals, methods, intervals and the epsilon lower bound: docs/audit.md.
     """
+    flower_log, out = options.pop("flower_log"), options.pop("out")
+    if flower_log is not None or out is not None:
+        _attack_flower_log(run_dirs, signals, methods, flower_log, out, options)
+        return
+    if not run_dirs:
+        raise UserError("Give at least one run directory, or --flower-log LOG.")
     from fedaudit.attacks.methods import DEFAULT_METHODS
     from fedaudit.attacks.reconstruction import ReconstructionOptions, console_table
     from fedaudit.attacks.runner import AttackOptions, results_table, run_attacks
@@ -664,6 +676,43 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     rebuilt = [r.metrics for r in results if r.metrics.get("method") == "reconstruction"]
     if rebuilt:
         click.echo(console_table(rebuilt).to_string(index=False))
+
+
+def _attack_flower_log(
+    run_dirs: tuple[str, ...],
+    signals: tuple[str, ...],
+    methods: tuple[str, ...],
+    flower_log: str | None,
+    out: str | None,
+    options: dict[str, Any],
+) -> None:
+    """``attack --flower-log LOG``: the canary audit of a Flower app's log (docs/flower-apps.md)."""
+    from fedaudit.attacks.flower_log import audit_log, check_out, console_table, default_out, write_results
+    from fedaudit.config import MAX_SEED
+
+    if flower_log is None:
+        raise UserError("--out is for --flower-log; the results of runs go to RUN_DIR/attacks/.")
+    if run_dirs:
+        raise UserError("--flower-log audits a log, not run directories: give one or the other.")
+    ctx = click.get_current_context()
+    given = [name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    extra = sorted({*given, *(["signal"] if signals else []), *(["method"] if methods else [])} - {"seed", "resamples"})
+    if extra:
+        names = ", ".join("--bootstrap" if n == "resamples" else "--" + n.replace("_", "-") for n in extra)
+        raise UserError(f"--flower-log takes --out, --seed and --bootstrap only, not {names}.")
+    seed, resamples = options["seed"], options["resamples"]
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed must be in [0, {MAX_SEED}], got {seed}.")
+    if resamples < 1:
+        raise UserError(f"--bootstrap must be at least 1, got {resamples}.")
+    if out == "":
+        raise UserError("--out needs a folder for the results.")
+    target = Path(out) if out is not None else default_out(flower_log)
+    check_out(target)
+    audit = audit_log(flower_log, seed=seed, resamples=resamples)
+    write_results(audit, target)
+    click.echo(console_table(audit))
+    click.echo(f"Results: {target}")
 
 
 @main.command()
