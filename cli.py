@@ -144,10 +144,18 @@ def main() -> None:
 @click.option(
     "--dataset",
     help="digits, mnist, fashion-mnist, cifar10, or your own data: npz:PATH (arrays x, y [, x_test, y_test]), "
-    "csv:PATH (with --label-column) or folder:DIR (a sub-folder of images per class). [default: digits]",
+    "csv:PATH (with --label-column) or folder:DIR (a sub-folder of images per class); sites: every client's "
+    "records are its own site's (--site-data). [default: digits]",
 )
 @click.option("--label-column", help="--dataset csv:PATH: the column holding each record's class.")
 @click.option("--image-size", type=int, help="--dataset folder:DIR: square size images are resized to. [default: 32]")
+@click.option(
+    "--site-data",
+    multiple=True,
+    help="--dataset sites (a federation whose sites keep their records), local engine: one client's own data, "
+    "npz:PATH, csv:PATH or folder:DIR, once per client in client order (docs/your-data.md). In a Flower deployment "
+    "each site names its own in its node config instead.",
+)
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False),
@@ -168,7 +176,7 @@ def main() -> None:
     help="convnet, mlp, or your own: package.module:factory, called with (input_shape, num_classes) and returning "
     "a torch.nn.Module (importable here and where the run is attacked). [default: convnet]",
 )
-@click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128]")
+@click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128; 32 on digits]")
 @click.option(
     "--depth",
     type=int,
@@ -407,6 +415,7 @@ def train(
 
     progress = show_progress(progress)
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+    options["site_data"] = options.get("site_data") or None  # not given: the configuration file's, if any
     if resume_dir is not None:
         extra = (
             sorted(given - {"rounds", "device", *RESUME_SETTINGS})

@@ -128,6 +128,7 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 implementation="fedaudit.algorithms.fedlap:FedLAP",
                 client_lr=0.002,
                 max_grad_norm=1.0,
+                dataset_client_lr=MappingProxyType({"digits": 0.02}),  # measured: see FEDLAP_DATASET_DEFAULTS
                 options=("fedlap.*",),
             ),
             AlgorithmEntry(

@@ -28,6 +28,7 @@ class Stream(enum.IntEnum):
     CANARY_DRAW = 5  # which canaries are included, and in which client's data
     CANARY = 6  # the direction of one gradient canary
     QUERY_AUDIT = 7  # which DP queries a canary run keeps whole for the conformance checks
+    SITE_SPLIT = 8  # which of a site's records its client trains on (members) and which it holds out
 
 
 # How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
@@ -42,6 +43,7 @@ STREAM_KEYS = {
     Stream.CANARY_DRAW: 0,
     Stream.CANARY: 1,
     Stream.QUERY_AUDIT: 2,
+    Stream.SITE_SPLIT: 1,
 }
 
 

@@ -19,6 +19,7 @@ from fedaudit.algorithms.fedssyn import generator_records
 from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
+from fedaudit.data.sites import SiteReport, federation, is_sites, load_sites
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import calibrate_events, calibrate_noise_multiplier
@@ -44,6 +45,22 @@ class Setup:
     queries: dict[int, int]  # worst-case DP queries per round, per client
     sample_rates: dict[int, float]  # B / N_k per client (DP only)
     canaries: Canaries | None = None  # planted for a canary audit (--canaries)
+    sites: tuple[SiteReport, ...] = ()  # --dataset sites: what each site reported of its records (client order)
+
+    @property
+    def records_at_sites(self) -> bool:
+        """Whether the clients' records are at their sites only (a deployment whose sites keep them): this process
+        then never holds a record, and the sites train and evaluate on their own."""
+        return bool(self.sites) and len(self.dataset.train_y) == 0
+
+    def membership_arrays(self) -> dict[str, np.ndarray]:
+        """What membership.npz holds: the partition's indices and, for sites that keep their records, the hashes of
+        each client's members and held-out records (``member_hashes_K``, ``heldout_hashes_K``)."""
+        arrays = dict(self.partition.to_arrays())
+        for report in self.sites:
+            arrays[f"member_hashes_{report.client}"] = report.member_hashes
+            arrays[f"heldout_hashes_{report.client}"] = report.heldout_hashes
+        return arrays
 
 
 def engine_unavailable(name: str, *, deployment: bool = False) -> str | None:
@@ -75,25 +92,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | None = None) -> Setup:
+def prepare(
+    config: RunConfig,
+    *,
+    device: str | None = None,
+    dataset: Dataset | None = None,
+    sites: list[SiteReport] | None = None,
+) -> Setup:
     """Resolve and check a configuration, load the data and build the partition; writes nothing.
 
     ``dataset`` replaces the configured dataset's records (reference models of an attack train the run's recipe on
-    population records this way).
+    population records this way). ``sites`` are the reports of a deployment's sites that keep their records: the
+    setup then holds none of them (see :func:`fedaudit.data.sites.federation`).
     """
     config = config.resolved()
     missing = engine_unavailable(config.engine, deployment=config.flower.superlink is not None)
     if missing:
         raise TrainingError(missing)
-    if dataset is None:
-        dataset = load_dataset(
-            config.data.dataset,
-            config.data.data_dir,
-            download=config.data.download,
-            label_column=config.data.label_column,
-            image_size=config.data.image_size,
-        )
-    partition = _partition(config, dataset)
+    dataset, partition, reports = run_data(config, dataset, sites)
     if config.model.depth is None:
         config = replace(
             config, model=replace(config.model, depth=default_depth(config.model.arch, dataset.input_shape))
@@ -154,7 +170,44 @@ def prepare(config: RunConfig, *, device: str | None = None, dataset: Dataset | 
         queries=queries,
         sample_rates=sample_rates,
         canaries=_canaries(config, dataset, partition) if config.audit.canaries else None,
+        sites=tuple(reports),
     )
+
+
+def run_data(
+    config: RunConfig, dataset: Dataset | None = None, sites: list[SiteReport] | None = None
+) -> tuple[Dataset, Partition, list[SiteReport]]:
+    """The run's records and partition: the configured dataset split from the seed, or, for ``--dataset sites``, the
+    sites' own files, each read as its site reads it, with the sites' reports (``sites``: a deployment's, whose
+    records stay at the sites). ``dataset`` replaces the configured records."""
+    data = config.data
+    if dataset is None and is_sites(data.dataset):
+        if sites is not None:
+            if len(sites) != data.num_clients:
+                raise TrainingError(f"{len(sites)} sites reported for --num-clients {data.num_clients}.")
+            shell, partition = federation(sites)
+            return shell, partition, sites
+        if not data.sites:
+            raise TrainingError(
+                "The records of this --dataset sites run are at its sites, not here: train it on a Flower deployment "
+                "(--superlink), or give each client's data with --site-data."
+            )
+        return load_sites(
+            data.sites,
+            seed=config.seed,
+            holdout_fraction=data.holdout_fraction,
+            label_column=data.label_column,
+            image_size=data.image_size,
+        )
+    if dataset is None:
+        dataset = load_dataset(
+            data.dataset,
+            data.data_dir,
+            download=data.download,
+            label_column=data.label_column,
+            image_size=data.image_size,
+        )
+    return dataset, _partition(config, dataset), []
 
 
 def _canaries(config: RunConfig, dataset: Dataset, partition: Partition) -> Canaries:
@@ -165,6 +218,8 @@ def _canaries(config: RunConfig, dataset: Dataset, partition: Partition) -> Cana
             f"--canaries {count} input canaries need as many held-out records, but this run holds out "
             f"{partition.holdout.size}; use fewer canaries or a larger --holdout-fraction."
         )
+    if kind != "input":
+        return Canaries.draw(count=count, kind=kind, seed=config.seed, num_clients=config.data.num_clients)
     labels = dataset.train_y.numpy()
     return Canaries.draw(
         count=count,
@@ -177,13 +232,16 @@ def _canaries(config: RunConfig, dataset: Dataset, partition: Partition) -> Cana
     )
 
 
-def client_data(setup: Setup, client: int) -> ClientData:
+def client_data(setup: Setup, client: int, records: tuple[torch.Tensor, torch.Tensor] | None = None) -> ClientData:
     """Client ``client``'s records on the run's device, with the canaries it holds, if any: gradient canaries as
     their per-example gradients (10 C u_i, which clipping scales to C u_i), input canaries as records with their
-    replaced labels."""
-    index = torch.from_numpy(setup.partition.clients[client].copy())
+    replaced labels. ``records`` are the client's own (inputs, labels) where the setup holds none (at a site that
+    keeps them), else they are taken from the setup's dataset."""
     dataset, device = setup.dataset, setup.device
-    data = ClientData(client, dataset.train_x[index].to(device), dataset.train_y[index].to(device))
+    if records is None:
+        index = torch.from_numpy(setup.partition.clients[client].copy())
+        records = dataset.train_x[index], dataset.train_y[index]
+    data = ClientData(client, records[0].to(device), records[1].to(device))
     canaries = setup.canaries
     if canaries is None:
         return data
@@ -202,7 +260,7 @@ def client_data(setup: Setup, client: int) -> ClientData:
             client=client,
             kind=canaries.kind,
             shapes=shapes,
-            clients=len(setup.partition.clients),
+            clients=setup.config.data.num_clients,
             rounds=fed.rounds,
             client_fraction=setup.client_fraction,
             planned_queries=setup.queries[client],
@@ -255,14 +313,7 @@ def data_access(config: RunConfig, *, algorithm: str | None = None) -> DataAcces
     if algorithm is not None and algorithm != config.federated.algorithm:
         config = replace(config, federated=replace(config.federated, algorithm=algorithm, local_steps=None))
     config = config.resolved()
-    dataset = load_dataset(
-        config.data.dataset,
-        config.data.data_dir,
-        download=config.data.download,
-        label_column=config.data.label_column,
-        image_size=config.data.image_size,
-    )
-    partition = _partition(config, dataset)
+    _, partition, _ = run_data(config)
     sizes = [len(idx) for idx in partition.clients]
     built = get_algorithm(config)
     queries = max(built.queries_per_round(config, n) for n in sizes)

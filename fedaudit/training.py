@@ -19,18 +19,19 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fedaudit.algorithms.base import (
+    ClientData,
     ClientMessage,
     RoundContext,
     TensorDict,
     clone_params,
-    load_params,
+    evaluation_counts,
     privacy_plan,
 )
 from fedaudit.config import RunConfig, option_field
+from fedaudit.data.sites import is_sites
 from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
@@ -80,7 +81,18 @@ def train(
     Raises:
         UserError: a configuration, data or run-directory problem, in one sentence; nothing is written.
     """
-    return train_setup(prepare(config), out, overwrite=overwrite, progress=progress, echo=echo)
+    return train_setup(prepare_run(config), out, overwrite=overwrite, progress=progress, echo=echo)
+
+
+def prepare_run(config: RunConfig, *, device: str | None = None) -> Setup:
+    """:func:`fedaudit.setup.prepare`, after asking the sites of a deployment whose sites keep their records what
+    they hold (no record leaves a site: counts, positions and hashes)."""
+    if is_sites(config.data.dataset) and config.flower.superlink is not None and config.engine == "flower":
+        from fedaudit.engine.deployment import survey_sites
+
+        config.validate()
+        return prepare(config, device=device, sites=survey_sites(config))
+    return prepare(config, device=device)
 
 
 def train_setup(
@@ -91,7 +103,7 @@ def train_setup(
     run, locks = RunDirectory.start_new(out, overwrite)
     try:
         run.write_config(setup.config.to_dict())
-        run.write_membership(setup.partition.to_arrays())
+        run.write_membership(setup.membership_arrays())
         if setup.canaries is not None:
             run.write_canaries(setup.canaries.to_arrays())
         state = _TrainingState(params=_initial_params(setup), ledger=_new_ledger(setup.config))
@@ -180,10 +192,11 @@ def _resume(
     if settings:
         config = config.with_overrides({option_field(name): value for name, value in settings.items()})
         config.validate()
-    setup = prepare(config, device=device)
+    setup = prepare_run(config, device=device)
     run.check_dataset(setup.dataset)
     stored = run.read_membership()
-    if any(not np.array_equal(stored[key], value) for key, value in setup.partition.to_arrays().items()):
+    rebuilt = setup.membership_arrays()
+    if set(stored) != set(rebuilt) or any(not np.array_equal(stored[key], value) for key, value in rebuilt.items()):
         raise RunError(
             f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed."
         )
@@ -204,18 +217,22 @@ def _resume(
 
 
 def evaluate(
-    model: torch.nn.Module, params: TensorDict, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+    model: torch.nn.Module,
+    params: TensorDict,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 1024,
+    *,
+    sites: tuple[int, ...] = (),
 ) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of the model with ``params`` on (x, y)."""
-    load_params(model, params)
-    model.eval()
-    correct, total_loss = 0, 0.0
-    with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
-            logits = model(xb)
-            total_loss += float(F.cross_entropy(logits, yb, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == yb).sum())
+    """Accuracy and mean cross-entropy of the model with ``params`` on (x, y); with ``sites`` (the sizes of each
+    site's part of the test split, in order) as a federation whose sites keep their records evaluates it: each
+    site counts on its own records and the counts are added."""
+    parts = [len(y)] if not sites else list(sites)
+    correct, total_loss, start = 0, 0.0, 0
+    for size in parts:
+        right, loss, _ = evaluation_counts(model, params, x[start : start + size], y[start : start + size], batch_size)
+        correct, total_loss, start = correct + right, total_loss + loss, start + size
     return correct / len(y), total_loss / len(y)
 
 
@@ -289,8 +306,8 @@ def _manifest(setup: Setup, *, rounds_done: int, created: str) -> Manifest:
             name=dataset.name,
             source=dataset.source,
             fingerprint=dataset.fingerprint,
-            train_size=int(len(dataset.train_y)),
-            test_size=int(len(dataset.test_y)),
+            train_size=sum(r.records for r in setup.sites) if setup.sites else int(len(dataset.train_y)),
+            test_size=sum(r.tests for r in setup.sites) if setup.sites else int(len(dataset.test_y)),
         ),
         model=ModelRecord(
             arch=setup.spec.arch,
@@ -366,7 +383,12 @@ class _RoundLoop:
     def __init__(self, setup: Setup, run: RunDirectory | None, engine: Engine) -> None:
         self.setup, self.run, self.engine = setup, run, engine
         device, dataset = setup.device, setup.dataset
-        self.clients = [client_data(setup, k) for k in range(len(setup.partition.clients))]
+        clients = range(len(setup.partition.clients))
+        if setup.records_at_sites:  # each site builds its client's data itself; here a client is its id
+            empty = dataset.train_x[:0].to(device), dataset.train_y[:0].to(device)
+            self.clients = [ClientData(k, *empty) for k in clients]
+        else:
+            self.clients = [client_data(setup, k) for k in clients]
         self.test = dataset.test_x.to(device), dataset.test_y.to(device)
         self.model = build_model(setup.spec).to(device)
 
@@ -414,7 +436,10 @@ class _RoundLoop:
         epsilon = math.inf
         if state.ledger is not None:
             epsilon = state.ledger.record_round(_round_privacy_events(setup, messages, m, selected))
-        accuracy, loss = evaluate(self.model, params, *self.test)
+        if setup.records_at_sites:
+            accuracy, loss = self.engine.evaluate_at_sites(params, m + 1)
+        else:
+            accuracy, loss = evaluate(self.model, params, *self.test, sites=setup.dataset.test_sites)
         numbers = {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))}
         row = {
             "round": m + 1,
@@ -495,6 +520,7 @@ def _run_rounds(
         progress=progress,
         echo=echo,
         membership=setup.partition.clients,
+        sites=setup.sites if setup.records_at_sites else (),
     ) as engine:
         loop = _RoundLoop(setup, run, engine)
         try:

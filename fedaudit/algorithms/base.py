@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -247,3 +248,20 @@ def num_classes(model: nn.Module, params: TensorDict, x: torch.Tensor) -> int:
     """The dataset's number of classes: the width of the model's output on one record."""
     with torch.no_grad():
         return int(functional_call(model, {name: p.detach() for name, p in params.items()}, (x[:1],)).shape[1])
+
+
+def evaluation_counts(
+    model: nn.Module, params: TensorDict, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[int, float, int]:
+    """Records classified right, the summed cross-entropy and the number of records: what a site reports of the
+    model's quality on its own test records."""
+    load_params(model, params)
+    model.eval()
+    correct, total_loss = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            logits = model(xb)
+            total_loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == yb).sum())
+    return correct, total_loss, len(y)

@@ -36,6 +36,9 @@ _DIRICHLET_MIN_RECORDS = 10
 _SPEC_HELP = "use 'iid', 'classes:K' (integer K >= 1) or 'dirichlet:ALPHA' (number ALPHA > 0)"
 
 
+HASH_KEYS = ("member_hashes_", "heldout_hashes_")  # membership.npz of sites that keep their records (data.sites)
+
+
 class PartitionError(DataError):
     """A partitioning request that cannot be met; ``str(error)`` is one sentence saying why and what to change."""
 
@@ -103,7 +106,7 @@ class Partition:
             PartitionError: missing, extra or misnumbered keys, or arrays that
                 are not sorted, disjoint, non-negative integer indices.
         """
-        keys = set(arrays.keys())
+        keys = {key for key in arrays if not key.startswith(HASH_KEYS)}  # a federation's record hashes
         if "holdout" not in keys:
             raise PartitionError("membership arrays lack 'holdout'; the file is not a fedaudit membership split.")
         client_keys = keys - {"holdout"}

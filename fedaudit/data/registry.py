@@ -163,6 +163,9 @@ class Dataset:
     num_classes: int
     source: str
     fingerprint: str
+    # a federation whose sites keep their records: each site's number of test records, in client order (the test
+    # split is theirs one after the other, and the model is evaluated site by site, as at the sites themselves)
+    test_sites: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         """Check the tensors agree with each other, so downstream code can rely on it."""
@@ -173,6 +176,8 @@ class Dataset:
                 raise ValueError(f"{split}_y must be an int64 tensor [{x.shape[0]}], got {y.dtype} {tuple(y.shape)}")
         if self.train_x.shape[1:] != self.test_x.shape[1:]:
             raise ValueError("train_x and test_x must have the same image shape")
+        if self.test_sites and sum(self.test_sites) != self.test_x.shape[0]:
+            raise ValueError("test_sites must split the whole test split")
 
     @property
     def input_shape(self) -> tuple[int, int, int]:

@@ -53,6 +53,16 @@ def read_user_dataset(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str, str]:
     """The raw arrays (train x, y, test x, y), the source and the fingerprint of a user dataset; x is float32
     ``[N, C, H, W]`` before standardisation (tabular records are ``[N, 1, 1, F]``), y int64 classes 0..K-1."""
+    x, y, x_test, y_test, source, fingerprint = read_records(name, label_column=label_column, image_size=image_size)
+    y, y_test = _classes(Path(source), y, y_test)
+    return x, y, x_test, y_test, source, fingerprint
+
+
+def read_records(
+    name: str, *, label_column: str | None = None, image_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str, str]:
+    """As :func:`read_user_dataset`, with the labels as the file gives them (integers, not renumbered): a site of a
+    federation keeps the class numbers that every site shares."""
     kind, path = parse(name)
     if kind == "csv":
         x, y, x_test, y_test = _read_csv(path, label_column)
@@ -66,7 +76,6 @@ def read_user_dataset(
         raise DataError("--image-size is for --dataset folder:DIR only.")
     fingerprint = fingerprint_arrays([x, y] + ([x_test, y_test] if x_test is not None else []))
     x, y, x_test, y_test = _split(path, x, y, x_test, y_test)
-    y, y_test = _classes(path, y, y_test)
     return x, y, x_test, y_test, str(path.absolute()), fingerprint
 
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from fedaudit.config import RunConfig
+    from fedaudit.data.sites import SiteReport
 
 __all__ = ["Engine", "LocalEngine", "make_engine"]
 
@@ -24,15 +25,17 @@ def make_engine(
     progress: bool,
     echo: Callable[[str], None] | None = None,
     membership: Sequence[np.ndarray] = (),
+    sites: Sequence[SiteReport] = (),
 ) -> Engine:
     """The engine ``config.engine`` names, as a context manager that releases what it started.
 
-    ``membership`` is each client's record indices: a Flower deployment checks that every site holds its client's.
+    ``membership`` is each client's record indices: a Flower deployment checks that every site holds its client's;
+    ``sites`` are the reports of a deployment's sites that keep their records (each must still hold what it reported).
     """
     if config.engine == "flower" and config.flower.superlink is not None:
         from fedaudit.engine.deployment import DeploymentEngine
 
-        return DeploymentEngine(config, num_clients=num_clients, membership=membership)
+        return DeploymentEngine(config, num_clients=num_clients, membership=membership, sites=sites)
     if config.engine == "flower":
         from fedaudit.engine.flower import FlowerEngine
 

@@ -25,10 +25,12 @@ Flower 1.41 (the ``flower`` extra pins it).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, evaluation_counts
 from fedaudit.config import RunConfig
-from fedaudit.engine.flower import _client_side, client_message, client_round, site_config, train_message
+from fedaudit.data.sites import SiteReport, is_sites
+from fedaudit.engine.flower import (
+    _client_side,
+    _from_record,
+    _to_record,
+    client_message,
+    client_round,
+    own_site,
+    read_own_site,
+    site_config,
+    train_message,
+)
 from fedaudit.errors import UserError
 
 ACQUIRE_SECONDS = 20.0  # how long the SuperLink may take to hand this process its run's ServerApp task
@@ -68,20 +81,41 @@ class DeploymentError(UserError):
 # ---------------------------------------------------------------------------- the ClientApp (runs at each site)
 
 
-def _site(context: Any) -> tuple[int, str | None]:
+def _site(context: Any) -> tuple[int, str | None, str | None]:
+    """The client this SuperNode hosts, and the data directory and own data (``data``) its node config names."""
     node = context.node_config
     if "client-id" not in node:
         raise RuntimeError("this SuperNode has no client-id in its --node-config, so it hosts no fedaudit client")
-    data_dir = node.get("data-dir")
-    return int(node["client-id"]), None if data_dir in (None, "") else str(data_dir)
+    data_dir, data = node.get("data-dir"), node.get("data")
+    return (
+        int(node["client-id"]),
+        None if data_dir in (None, "") else str(data_dir),
+        None if data in (None, "") else str(data),
+    )
 
 
 def _hello(message: Any, context: Any) -> Any:
-    """Which client this site hosts and which records it holds (indices into the dataset, and its fingerprint)."""
+    """Which client this site hosts and which records it holds: indices into the dataset and its fingerprint, or,
+    where the sites keep their records, its report of them (counts, positions, hashes: no record)."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-    client, data_dir = _site(context)
-    setup, _ = _client_side(site_config(str(message.content["task"]["config"]), data_dir))
+    client, data_dir, data = _site(context)
+    config_json = site_config(str(message.content["task"]["config"]), data_dir)
+    if is_sites(json.loads(config_json)["data"]["dataset"]):
+        report = SiteReport.of(read_own_site(config_json, client, data))
+        content = {
+            "site": ConfigRecord(
+                {"client": client, "fingerprint": report.fingerprint, "report": json.dumps(report.summary())}
+            ),
+            "records": ArrayRecord(
+                {
+                    "member_hashes": Array(np.ascontiguousarray(report.member_hashes)),
+                    "heldout_hashes": Array(np.ascontiguousarray(report.heldout_hashes)),
+                }
+            ),
+        }
+        return Message(content=RecordDict(content), reply_to=message)
+    setup, _ = _client_side(config_json)
     records = (
         np.asarray(setup.partition.clients[client], dtype=np.int64) if client < len(setup.partition.clients) else None
     )
@@ -92,8 +126,26 @@ def _hello(message: Any, context: Any) -> Any:
 
 
 def _train(message: Any, context: Any) -> Any:
-    client, data_dir = _site(context)
-    return client_round(message, client, data_dir)
+    client, data_dir, data = _site(context)
+    return client_round(message, client, data_dir, data)
+
+
+def _evaluate(message: Any, context: Any) -> Any:
+    """The model's quality on this site's own test records: how many it classifies right, the summed loss, how many
+    there are (where the sites keep their records, the server has none to evaluate on)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    client, data_dir, data = _site(context)
+    task = message.content["task"]
+    config_json = site_config(str(task["config"]), data_dir)
+    setup, model, _ = own_site(config_json, str(task["federation"]), client, data)
+    site = read_own_site(config_json, client, data)
+    names = [name for name, _ in model.named_parameters()]
+    received = _from_record(message.content["global"], setup.device)
+    params = {name: received[name] for name in names}
+    correct, loss, count = evaluation_counts(model, params, site.test_x.to(setup.device), site.test_y.to(setup.device))
+    scores = ConfigRecord({"client": client, "correct": correct, "loss": loss, "count": count})
+    return Message(content=RecordDict({"scores": scores}), reply_to=message)
 
 
 def _make_client_app() -> Any:
@@ -102,6 +154,7 @@ def _make_client_app() -> Any:
     app = ClientApp()
     app.query()(_hello)
     app.train()(_train)
+    app.evaluate()(_evaluate)
     return app
 
 
@@ -134,7 +187,17 @@ class DeploymentEngine:
 
     name = "flower"
 
-    def __init__(self, config: RunConfig, *, num_clients: int, membership: Sequence[np.ndarray]) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        num_clients: int,
+        membership: Sequence[np.ndarray],
+        sites: Sequence[SiteReport] = (),
+        survey: bool = False,
+    ) -> None:
+        """``sites``: what the sites that keep their records reported when the run began (each must still hold
+        those); ``survey``: only ask every site for its report (:func:`survey_sites`)."""
         dep = config.flower
         self.config_json = _config_json(config)
         self.address = str(dep.superlink)
@@ -153,6 +216,10 @@ class DeploymentEngine:
         self._node_of: dict[int, int] = {}
         self._fingerprint: dict[int, str] = {}
         self._ok = False
+        self.sites = list(sites)
+        self.survey = survey
+        self.reports: dict[int, SiteReport] = {}  # a survey's answers
+        self.federation = json.dumps([report.summary() for report in sites]) if sites else None
 
     def __enter__(self) -> DeploymentEngine:
         return self
@@ -177,7 +244,13 @@ class DeploymentEngine:
             self._start()
         requests = {
             data.client_id: train_message(
-                self.config_json, global_params, data, ctx, states.get(data.client_id), self._node_of[data.client_id]
+                self.config_json,
+                global_params,
+                data,
+                ctx,
+                states.get(data.client_id),
+                self._node_of[data.client_id],
+                self.federation,
             )
             for data in clients
         }
@@ -193,6 +266,39 @@ class DeploymentEngine:
                 )
             messages.append(client_message(reply, ctx.device))
         return messages
+
+    def evaluate_at_sites(self, params: TensorDict, round_number: int) -> tuple[float, float]:
+        """Accuracy and mean loss of the model on every site's own test records: each site counts on its own, the
+        counts are added in client order (as the local engine adds them)."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        if self._grid is None:
+            self._start()
+        requests = {
+            client: Message(
+                RecordDict(
+                    {
+                        "global": _to_record(params),
+                        "task": ConfigRecord(
+                            {"config": self.config_json, "client": client, "federation": str(self.federation)}
+                        ),
+                    }
+                ),
+                message_type="evaluate",
+                dst_node_id=self._node_of[client],
+            )
+            for client in range(self.num_clients)
+        }
+        replies = self._exchange(requests, round_number, time.monotonic() + self.round_timeout)
+        correct, loss, count = 0, 0.0, 0
+        for client in range(self.num_clients):
+            scores = replies[client].content["scores"]
+            correct, loss, count = (
+                correct + int(scores["correct"]),
+                loss + float(scores["loss"]),
+                count + int(scores["count"]),
+            )
+        return correct / count, loss / count
 
     def _exchange(self, requests: dict[int, Any], round_number: int, deadline: float) -> dict[int, Any]:
         """Push one message per client (at most ``window`` outstanding at once, the next one as soon as a reply
@@ -375,6 +481,9 @@ class DeploymentEngine:
             raise DeploymentError(
                 f"Two SuperNodes claim client {client} (nodes {first} and {second}); give each site its own client-id."
             )
+        if "report" in site:
+            self._check_report(node, client, reply)
+            return
         records = reply.content["records"]["index"].numpy() if "records" in reply.content else None
         if records is None or not np.array_equal(records, self.membership[client]):
             raise DeploymentError(
@@ -383,6 +492,33 @@ class DeploymentEngine:
             )
         self._node_of[client] = node
         self._fingerprint[client] = str(site["fingerprint"])
+
+    def _check_report(self, node: int, client: int, reply: Any) -> None:
+        """A site that keeps its records: its report is taken (a survey) or must be the one it gave when the run
+        began (its records, their split and their hashes unchanged)."""
+        report = SiteReport.from_summary(json.loads(str(reply.content["site"]["report"])))
+        hashes = reply.content["records"]
+        report = replace(
+            report,
+            member_hashes=hashes["member_hashes"].numpy().copy(),
+            heldout_hashes=hashes["heldout_hashes"].numpy().copy(),
+        )
+        if report.client != client:
+            raise DeploymentError(f"The SuperNode {node} reported client {report.client}'s records as client {client}.")
+        if not self.survey:
+            before = self.sites[client]
+            same = report.summary() == before.summary() and all(
+                np.array_equal(getattr(report, name), getattr(before, name))
+                for name in ("member_hashes", "heldout_hashes")
+            )
+            if not same:
+                raise DeploymentError(
+                    f"The site of client {client} (node {node}) holds other records than when the run began "
+                    f"(fingerprint {report.fingerprint[:12]}, was {before.fingerprint[:12]}); put its data back."
+                )
+        self.reports[client] = report
+        self._node_of[client] = node
+        self._fingerprint[client] = report.fingerprint
 
     def close(self, *, completed: bool = True) -> None:
         """End the session: stop the heartbeat and tell the SuperLink whether the run completed."""
@@ -409,6 +545,15 @@ class DeploymentEngine:
             self._control.close()
             self._grid = None
             TaskIdentity.task_id = TaskIdentity.run_id = TaskIdentity.node_id = None
+
+
+def survey_sites(config: RunConfig) -> list[SiteReport]:
+    """Ask every site of a federation whose sites keep their records what it holds (counts, positions of its
+    members and held-out records, their hashes, shapes, classes, fingerprint; never a record), in client order."""
+    engine = DeploymentEngine(config, num_clients=config.data.num_clients, membership=(), survey=True)
+    with engine:
+        engine._start()
+    return [engine.reports[client] for client in range(config.data.num_clients)]
 
 
 def _config_json(config: RunConfig) -> str:

@@ -79,6 +79,53 @@ def _client_data(config_json: str, client: int) -> ClientData:
     return client_data(setup, client)
 
 
+@lru_cache(maxsize=4)
+def read_own_site(config_json: str, client: int, site_data: str | None) -> Any:
+    """A site's own records (:class:`fedaudit.data.sites.SiteData`), read, split and described as the run's seed
+    and settings say; ``site_data`` is what the site's node config names."""
+    from fedaudit.data.sites import read_site
+
+    if not site_data:
+        raise RuntimeError(
+            f"this run's sites keep their records, but the SuperNode of client {client} names none: give it "
+            "--node-config 'client-id=K data=\"npz:PATH\"'"
+        )
+    config = RunConfig.from_dict(json.loads(config_json))
+    data = config.data
+    return read_site(
+        site_data,
+        client,
+        seed=config.seed,
+        holdout_fraction=data.holdout_fraction,
+        label_column=data.label_column,
+        image_size=data.image_size,
+    )
+
+
+@lru_cache(maxsize=4)
+def own_site(config_json: str, federation_json: str, client: int, site_data: str | None) -> tuple[Any, Any, Any]:
+    """A site's view of the run (its setup, holding no other site's records), a scratch model, and its client's
+    data built from its own records; refused when its records are not those it reported when the run began."""
+    from fedaudit.data.sites import SiteReport
+    from fedaudit.models import build_model
+    from fedaudit.setup import client_data, prepare
+
+    reports = [SiteReport.from_summary(item) for item in json.loads(federation_json)]
+    site = read_own_site(config_json, client, site_data)
+    mine = SiteReport.of(site).summary()
+    if mine != reports[client].summary():
+        raise RuntimeError(
+            f"the records of client {client}'s site are not those it reported when the run began (fingerprint "
+            f"{site.fingerprint[:12]}, reported {reports[client].fingerprint[:12]})"
+        )
+    setup = prepare(RunConfig.from_dict(json.loads(config_json)), sites=reports)
+    torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
+    model = build_model(setup.spec).to(setup.device)
+    members = torch.from_numpy(site.members)
+    data = client_data(setup, client, (site.train_x[members], site.train_y[members]))
+    return setup, model, data
+
+
 def _query(message: Any, context: Any) -> Any:
     """Tell the server which client (partition) this SuperNode hosts."""
     from flwr.app import ConfigRecord, Message, RecordDict
@@ -92,10 +139,12 @@ def _train(message: Any, context: Any) -> Any:
     return client_round(message, int(context.node_config["partition-id"]))
 
 
-def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
+def client_round(message: Any, hosted: int, data_dir: str | None = None, site_data: str | None = None) -> Any:
     """One client round: the same ``client_update`` as the local engine, with the client's own derived generator.
 
-    ``hosted`` is the client this SuperNode serves; ``data_dir`` replaces the run's data directory (a site's own).
+    ``hosted`` is the client this SuperNode serves; ``data_dir`` replaces the run's data directory (a site's own);
+    ``site_data`` is the site's own records in a federation whose sites keep them (the task then carries what the
+    sites reported, instead of the site rebuilding the partition).
     """
     from flwr.app import ConfigRecord, Message, RecordDict
 
@@ -107,10 +156,13 @@ def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
     )
     if client != hosted:
         raise RuntimeError(f"SuperNode of client {hosted} was sent client {client}'s work.")
-    setup, model = _client_side(config_json)
+    if "federation" in task:
+        setup, model, data = own_site(config_json, str(task["federation"]), client, site_data)
+    else:
+        setup, model = _client_side(config_json)
+        data = _client_data(config_json, client)
     config, algorithm, device = setup.config, setup.algorithm, setup.device
     repeatable(device)
-    data = _client_data(config_json, client)
     names = [name for name, _ in model.named_parameters()]
     received = _from_record(message.content["global"], device)
     global_params = {name: received[name] for name in names}  # the model's order fixes the order of float sums
@@ -129,7 +181,7 @@ def client_round(message: Any, hosted: int, data_dir: str | None = None) -> Any:
                 "num_examples": result.num_examples,
                 "metrics": json.dumps(result.metrics),
                 "events": json.dumps([event.to_dict() for event in result.privacy_events]),
-                "fingerprint": setup.dataset.fingerprint,
+                "fingerprint": setup.sites[client].fingerprint if setup.sites else setup.dataset.fingerprint,
             }
         ),
     }
@@ -156,16 +208,16 @@ def train_message(
     ctx: RoundContext,
     state: TensorDict | None,
     node: int,
+    federation: str | None = None,
 ) -> Any:
-    """The Flower message that asks the SuperNode ``node`` for one round of client ``data.client_id``."""
+    """The Flower message that asks the SuperNode ``node`` for one round of client ``data.client_id``;
+    ``federation`` is what the sites reported of their records, where they keep them."""
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    content = {
-        "global": _to_record(global_params),
-        "task": ConfigRecord(
-            {"config": config_json, "client": data.client_id, "round": ctx.round, "rounds": ctx.rounds}
-        ),
-    }
+    task = {"config": config_json, "client": data.client_id, "round": ctx.round, "rounds": ctx.rounds}
+    if federation is not None:
+        task["federation"] = federation
+    content = {"global": _to_record(global_params), "task": ConfigRecord(task)}
     if state is not None:
         content["state"] = _to_record(state)
     if ctx.server_state:

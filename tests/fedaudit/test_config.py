@@ -13,6 +13,7 @@ from fedaudit.config import (
     ConfigError,
     DataConfig,
     FederatedConfig,
+    FedLAPConfig,
     ModelConfig,
     PrivacyConfig,
     RunConfig,
@@ -111,8 +112,8 @@ def test_yaml_reads_exponents_as_numbers(tmp_path):
 
 def test_with_overrides_applies_dotted_fields_and_ignores_none():
     base = RunConfig()
-    changed = base.with_overrides({"federated.rounds": 3, "model.width": None, "seed": 9, "privacy.dp": True})
-    assert (changed.federated.rounds, changed.model.width, changed.seed, changed.privacy.dp) == (3, 128, 9, True)
+    changed = base.with_overrides({"federated.rounds": 3, "model.arch": None, "seed": 9, "privacy.dp": True})
+    assert (changed.federated.rounds, changed.model.arch, changed.seed, changed.privacy.dp) == (3, "convnet", 9, True)
     assert base == RunConfig()  # frozen: the original is untouched
     with pytest.raises(ConfigError, match="federated.learning_rate"):
         base.with_overrides({"federated.learning_rate": 0.1})
@@ -149,7 +150,35 @@ def test_dp_sgd_defaults_on_digits_take_a_larger_step_and_clipping_norm(algorith
     ).resolved()
     assert (given.federated.client_lr, given.privacy.max_grad_norm) == (0.2, 0.3)
     lap = RunConfig(federated=FederatedConfig(algorithm="fedlap"), privacy=PrivacyConfig(dp=True)).resolved()
-    assert (lap.federated.client_lr, lap.privacy.max_grad_norm) == (0.002, 1.0)
+    assert (lap.federated.client_lr, lap.privacy.max_grad_norm) == (0.02, 1.0)  # FedLAP's own digits step
+
+
+def test_digits_has_its_own_width_and_fedlap_dp_settings_and_the_paper_datasets_keep_the_authors():
+    """Measured on digits (docs/algorithms.md): width 32, and FedLAP-DP with one trajectory of two real batches per
+    loop, a trust region of 5 and a step of 0.02; Fashion-MNIST keeps the paper's width 128 and the authors' FedLAP-DP
+    configuration; given values win everywhere."""
+    digits = RunConfig(federated=FederatedConfig(algorithm="fedlap"), privacy=PrivacyConfig(dp=True)).resolved()
+    lap = digits.fedlap
+    assert (digits.model.width, lap.trajectories, lap.real_batches, lap.radius) == (32, 1, 2, 5.0)
+    assert (lap.ipc, lap.model_epochs, lap.mse_weight) == (10, 2, 0.0)  # the authors' DP values otherwise
+    fashion = RunConfig(
+        data=DataConfig(dataset="fashion-mnist"),
+        federated=FederatedConfig(algorithm="fedlap"),
+        privacy=PrivacyConfig(dp=True),
+    ).resolved()
+    lap = fashion.fedlap
+    assert (fashion.model.width, fashion.federated.client_lr, lap.trajectories, lap.real_batches, lap.radius) == (
+        128, 0.002, 4, 10, 1.5,
+    )  # fmt: skip
+    plain = RunConfig(federated=FederatedConfig(algorithm="fedlap")).resolved().fedlap
+    assert (plain.trajectories, plain.real_batches, plain.radius) == (1, 40, 10.0)  # non-DP: the authors' FedLAP
+    given = RunConfig(
+        model=ModelConfig(width=64),
+        federated=FederatedConfig(algorithm="fedlap"),
+        privacy=PrivacyConfig(dp=True),
+        fedlap=FedLAPConfig(trajectories=3, radius=1.0),
+    ).resolved()
+    assert (given.model.width, given.fedlap.trajectories, given.fedlap.radius) == (64, 3, 1.0)
 
 
 def test_resolved_keeps_given_values_and_leaves_sigma_to_calibration():

@@ -58,6 +58,7 @@ def test_config_json_holds_the_resolved_configuration(request, which):
         "holdout_fraction": 0.1,
         "label_column": None,
         "image_size": None,
+        "sites": [],
     }
     assert stored["keep_checkpoints"] is None
     assert stored["federated"]["rounds"] == 3
