@@ -642,10 +642,19 @@ def test_the_comparison_states_the_ordering_with_intervals_and_when_it_is_not_th
     first = next(s for s in said if s.startswith("Test accuracy at epsilon 2"))
     assert f"DP-FedAvg 0.780 [{0.78 - half:.3f}, {0.78 + half:.3f}] > FedLAP-DP 0.320" in first
     assert "every interval apart" in first
-    assert any("epsilon 2 FedLAP-DP is below DP-FedAvg, the opposite" in s for s in said)
+    (why,) = [s for s in said if "opposite of the ordering" in s]
+    assert why.startswith("At epsilon 2 FedLAP-DP is below DP-FedAvg with the intervals apart (and its mean is below")
+    assert "at epsilon 8, where the intervals overlap)" in why  # overlapping intervals order nothing
     eight = next(s for s in said if s.startswith("Test accuracy at epsilon 8"))
     assert "DP-FedAvg 0.750 [0.650, 0.850] > FedLAP-DP 0.700 [0.600, 0.800]" in eight and "cannot order" in eight
-    assert not any("epsilon 8 FedLAP-DP is below" in s for s in said)  # overlapping intervals order nothing
+    rows = pd.DataFrame({"dp": [True, True], "attack_auc": [np.nan] * 2, "algorithm": ["FedLAP-DP", "DP-FedAvg"]})
+    rows["sample_rate"] = [0.14, 0.14]
+    overlapping = findings(rows, groups[groups["budget"] == "epsilon 8"])
+    (why,) = [s for s in overlapping if "opposite of the ordering" in s]
+    assert why.startswith("FedLAP-DP's mean accuracy is below DP-FedAvg's at epsilon 8, though the intervals overlap")
+    assert "here a query samples q = 0.140 of a client's records (B / N_k)" in why
+    ahead = groups.assign(final_accuracy_mean=[0.9, 0.8, 0.9, 0.8])
+    assert not any("opposite" in s for s in findings(no_attacks, ahead))
 
 
 def test_a_study_that_cannot_tell_dp_from_no_dp_says_so_and_how_many_records_would():
