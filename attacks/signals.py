@@ -1,4 +1,5 @@
-"""Per-example membership signals: loss, confidence, logit-scaled confidence (black-box) and gradient norm (white-box).
+"""Per-example membership signals: loss, confidence, logit-scaled confidence (black-box) and gradient norm (white-box);
+computed by :mod:`fedaudit.signals` (also at the sites of a federation whose sites keep their records).
 
 Black-box signals come from one forward pass per batch without gradient
 tracking; the logits are promoted to float64 before the softmax so that the
@@ -13,20 +14,38 @@ algorithms that share synthetic data. A synthetic image distilled from few recor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
-from torch import nn
-from tqdm.auto import tqdm
 
-from fedaudit.privacy.primitive import per_sample_sq_norms, trainable_params
+from fedaudit.signals import (
+    MODEL_SIGNALS,
+    OUTPUT_SIGNALS,
+    PER_LAYER_PREFIX,
+    Signals,
+    compute_signals,
+    float64_values,
+    layer_groups,
+    output_signals,
+)
 
-SIGNALS: tuple[str, ...] = ("loss", "confidence", "logit-confidence", "grad-norm", "synthetic-distance")
-DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
-OUTPUT_SIGNALS: tuple[str, ...] = ("loss", "confidence", "logit-confidence")
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "MEMBERS_HIGHER",
+    "OUTPUT_SIGNALS",
+    "PER_LAYER_PREFIX",
+    "SIGNALS",
+    "SYNTHETIC_SIGNAL",
+    "Signals",
+    "compute_signals",
+    "layer_groups",
+    "nearest_distance",
+    "oriented",
+    "output_signals",
+]
+
 SYNTHETIC_SIGNAL = "synthetic-distance"  # read from what crossed the wire, not from a model
+SIGNALS: tuple[str, ...] = (*MODEL_SIGNALS, SYNTHETIC_SIGNAL)
+DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
 
 # Whether members tend to have *higher* values of the signal than non-members
 # (a model fits its training records: lower loss and gradient norm, higher confidence).
@@ -38,95 +57,10 @@ MEMBERS_HIGHER: dict[str, bool] = {
     "synthetic-distance": False,
 }
 
-PER_LAYER_PREFIX = "grad_norm:"
-
-
-@dataclass(frozen=True)
-class Signals:
-    """Signal values of a set of records: ``values[name]`` has shape [N]; ``per_layer`` holds extra [N] columns."""
-
-    values: dict[str, np.ndarray]
-    per_layer: dict[str, np.ndarray] = field(default_factory=dict)
-
 
 def oriented(signal: str, values: np.ndarray) -> np.ndarray:
     """The signal as a membership score (higher means more likely a member): -signal for loss and gradient norm."""
     return values if MEMBERS_HIGHER[signal] else -values
-
-
-def output_signals(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Loss, confidence p_y and logit-scaled confidence log p_y - log sum_{y' != y} p_y' of each row, in float64.
-
-    The logit-scaled confidence is computed as z_y - logsumexp_{y' != y} z_y', which is
-    exact where p_y is close to 1 (1 - p_y would round to 0).
-    """
-    z = logits.to(torch.float64)
-    z_true = z.gather(1, y.view(-1, 1)).squeeze(1)
-    loss = torch.logsumexp(z, dim=1) - z_true
-    others = z.scatter(1, y.view(-1, 1), float("-inf"))
-    return {"loss": loss, "confidence": torch.exp(-loss), "logit-confidence": z_true - torch.logsumexp(others, dim=1)}
-
-
-def layer_groups(model: nn.Module) -> dict[str, list[str]]:
-    """Trainable parameter names grouped by the module that owns them (a layer's weight and bias together)."""
-    groups: dict[str, list[str]] = {}
-    for name in trainable_params(model):
-        groups.setdefault(name.rpartition(".")[0] or name, []).append(name)
-    return groups
-
-
-def compute_signals(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    signals: Sequence[str],
-    *,
-    per_layer: bool = False,
-    batch_size: int = 256,
-    device: str | torch.device = "cpu",
-    progress: bool = False,
-    desc: str = "signals",
-) -> Signals:
-    """Compute the requested ``signals`` for the records (x, y) with ``model``, in batches.
-
-    Args:
-        model: the audited model; it is put in eval mode.
-        x, y: records and labels (any device; batches are moved to ``device``).
-        signals: names from :data:`SIGNALS`.
-        per_layer: with ``grad-norm``, also the gradient norm of each layer's parameters,
-            as columns ``grad_norm:<layer>``.
-        batch_size: records per forward pass / per-sample gradient batch.
-        progress: show a tqdm bar over records.
-    """
-    unknown = [s for s in signals if s not in SIGNALS or s == SYNTHETIC_SIGNAL]
-    if unknown:
-        raise ValueError(f"unknown signal {unknown[0]!r}; choose from {', '.join(SIGNALS)}")
-    model = model.eval().to(device)
-    wanted_outputs = [s for s in signals if s in OUTPUT_SIGNALS]
-    want_grads = "grad-norm" in signals
-    groups = layer_groups(model) if want_grads and per_layer else {}
-    params = trainable_params(model)
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in (*signals, *(PER_LAYER_PREFIX + g for g in groups))}
-    with tqdm(total=len(y), desc=desc, unit="rec", disable=not progress, leave=False) as bar:
-        for xb, yb in _batches(x, y, batch_size, device):
-            if wanted_outputs:
-                with torch.no_grad():
-                    outputs = output_signals(model(xb), yb)
-                for name in wanted_outputs:
-                    parts[name].append(outputs[name].cpu())
-            if want_grads:
-                squares = per_sample_sq_norms(model, xb, yb, params=params)
-                parts["grad-norm"].append(torch.stack(list(squares.values())).sum(0).sqrt().detach().cpu())
-                for group, names in groups.items():
-                    parts[PER_LAYER_PREFIX + group].append(
-                        torch.stack([squares[n] for n in names]).sum(0).sqrt().detach().cpu()
-                    )
-            bar.update(len(yb))
-    arrays = {name: _concat(chunks) for name, chunks in parts.items()}
-    return Signals(
-        values={name: arrays[name] for name in signals},
-        per_layer={name: arrays[name] for name in arrays if name.startswith(PER_LAYER_PREFIX)},
-    )
 
 
 def nearest_distance(x: torch.Tensor, synthetic: torch.Tensor, *, batch_size: int = 1024) -> np.ndarray:
@@ -137,15 +71,4 @@ def nearest_distance(x: torch.Tensor, synthetic: torch.Tensor, *, batch_size: in
     for start in range(0, len(x), batch_size):
         rows = x[start : start + batch_size].reshape(-1, flat.shape[1]).to(torch.float64)
         chunks.append(torch.cdist(rows, flat, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values)
-    return _concat(chunks)
-
-
-def _batches(
-    x: torch.Tensor, y: torch.Tensor, batch_size: int, device: str | torch.device
-) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-    for start in range(0, len(y), batch_size):
-        yield x[start : start + batch_size].to(device), y[start : start + batch_size].to(device)
-
-
-def _concat(chunks: list[torch.Tensor]) -> np.ndarray:
-    return torch.cat(chunks).to(torch.float64).numpy() if chunks else np.zeros(0, dtype=np.float64)
+    return float64_values(chunks)
