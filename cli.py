@@ -648,6 +648,16 @@ def epsilon(
     default=None,
     help="Show a progress bar while signals are computed. [default: only on a terminal]",
 )
+@click.option(
+    "--superlink",
+    metavar="HOST:PORT",
+    help="A run whose sites keep their records (--dataset sites on a Flower deployment): the SuperLink through "
+    "which each site scores its own records (docs/deployment.md).",
+)
+@click.option(
+    "--root-certificates", type=click.Path(dir_okay=False), help="With --superlink: the CA certificate of its TLS."
+)
+@click.option("--insecure", is_flag=True, default=False, help="With --superlink: talk to it without TLS.")
 @user_errors
 def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[str, ...], **options: Any) -> None:
     """Membership inference and reconstruction attacks on runs; results go to
@@ -667,6 +677,9 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     from fedaudit.attacks.signals import DEFAULT_SIGNALS
 
     options["progress"] = show_progress(options["progress"])
+    options["sites"] = _site_connection(
+        options.pop("superlink"), options.pop("root_certificates"), options.pop("insecure")
+    )
     reconstruction = ReconstructionOptions(
         iterations=options.pop("iterations"),
         restarts=options.pop("restarts"),
@@ -722,6 +735,26 @@ def _attack_flower_log(
     write_results(audit, target)
     click.echo(console_table(audit))
     click.echo(f"Results: {target}")
+
+
+def _site_connection(superlink: str | None, certificates: str | None, insecure: bool) -> Any:
+    """How ``fedaudit attack`` reaches the sites of a run that keeps its records there, or None."""
+    if superlink is None:
+        if certificates is not None or insecure:
+            raise UserError("--root-certificates and --insecure need --superlink.")
+        return None
+    if (certificates is None) == (not insecure):
+        raise UserError("--superlink needs --root-certificates CA (TLS) or --insecure.")
+
+    def connect(config: Any, membership: Any, fingerprint: str) -> Any:
+        from dataclasses import replace
+
+        from fedaudit.engine.deployment import SiteSignals
+
+        flower = replace(config.flower, superlink=superlink, root_certificates=certificates, insecure=insecure)
+        return SiteSignals(replace(config, engine="flower", flower=flower), membership, fingerprint)
+
+    return connect
 
 
 @main.command()

@@ -10,6 +10,7 @@ metrics.json (written last), each atomically.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,11 @@ from fedaudit.attacks.signals import (
     nearest_distance,
     oriented,
 )
+from fedaudit.attacks.sites import SiteConnection, Sites, SiteScorer, refuse, site_signals
+from fedaudit.attacks.sites import evaluation_set as sites_evaluation_set
 from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
+from fedaudit.data.sites import is_sites
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.runs import (
@@ -59,7 +63,7 @@ from fedaudit.runs import (
     remove_stale_temporaries,
 )
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
-from fedaudit.setup import resolve_device
+from fedaudit.setup import resolve_device, run_data
 
 REFERENCE_METHODS: tuple[str, ...] = ("rmia", "lira")
 DEFAULT_REFERENCES = 4
@@ -87,6 +91,9 @@ class AttackOptions:
     references: int = DEFAULT_REFERENCES  # reference models of rmia and lira
     online: bool = False  # online references: each audited record in half of them
     reconstruction: ReconstructionOptions = field(default_factory=ReconstructionOptions)
+    # a run whose records stay at its sites (a --dataset sites deployment): how to reach them (fedaudit attack
+    # --superlink), or None
+    sites: SiteConnection | None = None
 
     @property
     def membership_target(self) -> str:
@@ -206,6 +213,8 @@ class PreparedRun:
     accountant_epsilon: tuple[float, ...] | None  # per round, None for a non-DP run
     partition: Partition | None = None
     reconstruction: ReconstructionPlan | None = None  # --method reconstruction: its targets, checked
+    sites: Sites | None = None  # a run whose records are its sites' (--dataset sites): each site scores its own
+    membership: dict[str, np.ndarray] = field(default_factory=dict)
 
     def records(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Images and labels of the evaluation set, in its order."""
@@ -244,17 +253,22 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
             f"model yet; finish it with 'fedaudit train --resume {run.path}', or attack a finished round with "
             f"--target round:{done}."
         )
-    partition = Partition.from_arrays(run.read_membership())
-    dataset = load_dataset(
-        config.data.dataset,
-        config.data.data_dir,
-        download=False,
-        label_column=config.data.label_column,
-        image_size=config.data.image_size,
-    )
+    membership = run.read_membership()
+    partition = Partition.from_arrays(membership)
+    sites = None
+    if is_sites(config.data.dataset):
+        dataset, sites = _sites_data(run, config, membership, options)
+    else:
+        dataset = load_dataset(
+            config.data.dataset,
+            config.data.data_dir,
+            download=False,
+            label_column=config.data.label_column,
+            image_size=config.data.image_size,
+        )
     run.check_dataset(dataset)
     largest = max(int(idx.max(initial=-1)) for idx in (*partition.clients, partition.holdout))
-    if largest >= len(dataset.train_y):
+    if (sites is None or sites.local) and largest >= len(dataset.train_y):
         raise RunError(
             f"{run.membership_path} refers to training record {largest}, beyond the {len(dataset.train_y)} records "
             f"of {config.data.dataset}."
@@ -274,15 +288,20 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     planted = _planted_records(run, len(dataset.train_y))
     seed = config.seed if options.seed is None else options.seed
     try:
-        evaluation = build_evaluation_set(
-            partition,
-            dataset.train_y.numpy(),
-            dataset.test_y.numpy(),
-            nonmembers=options.nonmembers,
-            max_records=options.max_records,
-            exclude=planted,
-            seed=seed,
-        )
+        if sites is not None:
+            evaluation = sites_evaluation_set(
+                partition, nonmembers=options.nonmembers, max_records=options.max_records, seed=seed, exclude=planted
+            )
+        else:
+            evaluation = build_evaluation_set(
+                partition,
+                dataset.train_y.numpy(),
+                dataset.test_y.numpy(),
+                nonmembers=options.nonmembers,
+                max_records=options.max_records,
+                exclude=planted,
+                seed=seed,
+            )
     except AttackError as exc:
         raise AttackError(f"{run.path}: {exc}") from exc
     return PreparedRun(
@@ -295,7 +314,45 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
         accountant_epsilon=accountant,
         partition=partition,
         reconstruction=plan,
+        sites=sites,
+        membership=membership,
     )
+
+
+def _sites_data(
+    run: RunDirectory, config: RunConfig, membership: dict[str, np.ndarray], options: AttackOptions
+) -> tuple[Dataset, Sites]:
+    """A run whose records are its sites': read here from the files it was trained on (``--site-data``), or held by
+    the sites of a deployment (an empty dataset here: the sites score their own records)."""
+    if "site_records" not in membership:
+        raise RunError(f"{run.membership_path} does not say how many records each site holds.")
+    counts = membership["site_records"]
+    if config.data.sites:
+        return run_data(config)[0], Sites(counts, local=True)
+    if options.sites is None:
+        raise AttackError(
+            f"{run.path} keeps its records at its sites: give the connection to them (--superlink HOST:PORT with "
+            "--root-certificates CA or --insecure), so that each site scores its own records."
+        )
+    unsupported = [m for m in options.methods if m in (*REFERENCE_METHODS, RECONSTRUCTION)]
+    if unsupported or SYNTHETIC_SIGNAL in options.signals:
+        what = f"--method {unsupported[0]}" if unsupported else f"--signal {SYNTHETIC_SIGNAL}"
+        raise refuse(what, run.path)
+    spec = run.model_spec()
+    nothing = torch.zeros((0, *spec.input_shape), dtype=torch.float32)
+    empty = torch.zeros(0, dtype=torch.int64)
+    manifest = run.read_manifest()
+    shell = Dataset(
+        name=config.data.dataset,
+        train_x=nothing,
+        train_y=empty,
+        test_x=nothing,
+        test_y=empty,
+        num_classes=spec.num_classes,
+        source=manifest.dataset.source,
+        fingerprint=manifest.dataset.fingerprint,
+    )
+    return shell, Sites(counts, local=False)
 
 
 def _planted_records(run: RunDirectory, num_records: int) -> np.ndarray | None:
@@ -348,24 +405,65 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     device = resolve_device(options.device)
     repeatable(device)
     results = []
-    methods = [m for m in options.methods if m != METHOD]
+    methods = [m for m in options.methods if m not in (METHOD, RECONSTRUCTION)]
+    with ExitStack() as stack:
+        scorer = None
+        if methods and prepared.sites is not None and not prepared.sites.local:
+            assert options.sites is not None
+            manifest = prepared.run.read_manifest()
+            scorer = stack.enter_context(
+                options.sites(prepared.config, prepared.membership, manifest.dataset.fingerprint)
+            )
+        results += _membership_attacks(prepared, options, methods, device, scorer)
+    if METHOD in options.methods:
+        results += _canary(prepared)
+    if prepared.reconstruction is not None:
+        results += _reconstructions(prepared, options)
+    return results
+
+
+def _membership_attacks(
+    prepared: PreparedRun,
+    options: AttackOptions,
+    methods: list[str],
+    device: torch.device,
+    scorer: SiteScorer | None,
+) -> list[AttackResult]:
+    """Every (signal, method) of the membership attacks against every target (the sites of a sites run score their
+    own records)."""
+    results: list[AttackResult] = []
     plain = [m for m in methods if m not in REFERENCE_METHODS]
     with_references = [m for m in methods if m in REFERENCE_METHODS]
-    if methods:
+    x = y = None
+    if methods and (prepared.sites is None or prepared.sites.local):
         x, y = prepared.records()
     for target in prepared.targets if methods else ():
         model = prepared.run.load_model(None if target.final else target.round, device)
-        signals = compute_signals(
-            model,
-            x,
-            y,
-            [s for s in options.signals if s != SYNTHETIC_SIGNAL],
-            per_layer=options.per_layer,
-            batch_size=options.batch_size,
-            device=device,
-            progress=options.progress,
-            desc=f"{prepared.run.path.name} {target.label}",
-        )
+        wanted = [s for s in options.signals if s != SYNTHETIC_SIGNAL]
+        if prepared.sites is not None:
+            signals = site_signals(
+                prepared.sites,
+                prepared.evaluation,
+                model,
+                wanted,
+                dataset=prepared.dataset,
+                scorer=scorer,
+                per_layer=options.per_layer,
+                batch_size=options.batch_size,
+                device=device,
+            )
+        else:
+            signals = compute_signals(
+                model,
+                x,
+                y,
+                wanted,
+                per_layer=options.per_layer,
+                batch_size=options.batch_size,
+                device=device,
+                progress=options.progress,
+                desc=f"{prepared.run.path.name} {target.label}",
+            )
         if SYNTHETIC_SIGNAL in options.signals:
             signals.values[SYNTHETIC_SIGNAL] = nearest_distance(x, _synthetic_images(prepared, target.round))
         _check_finite(prepared, target, signals)
@@ -374,10 +472,6 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
                 results.append(_attack(prepared, target, signals, signal, method, options))
         if with_references and target.final:
             results += _reference_attacks(prepared, target, model, (x, y), signals, with_references, options, device)
-    if METHOD in options.methods:
-        results += _canary(prepared)
-    if prepared.reconstruction is not None:
-        results += _reconstructions(prepared, options)
     return results
 
 

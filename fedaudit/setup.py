@@ -54,9 +54,12 @@ class Setup:
         return bool(self.sites) and len(self.dataset.train_y) == 0
 
     def membership_arrays(self) -> dict[str, np.ndarray]:
-        """What membership.npz holds: the partition's indices and, for sites that keep their records, the hashes of
-        each client's members and held-out records (``member_hashes_K``, ``heldout_hashes_K``)."""
+        """What membership.npz holds: the partition's indices and, for sites that keep their records, each site's
+        number of training records (``site_records``: site k's record p is index sum of the sites before it + p) and
+        the hashes of each client's members and held-out records (``member_hashes_K``, ``heldout_hashes_K``)."""
         arrays = dict(self.partition.to_arrays())
+        if self.sites:
+            arrays["site_records"] = np.array([report.records for report in self.sites], dtype=np.int64)
         for report in self.sites:
             arrays[f"member_hashes_{report.client}"] = report.member_hashes
             arrays[f"heldout_hashes_{report.client}"] = report.heldout_hashes

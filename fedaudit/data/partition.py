@@ -36,7 +36,8 @@ _DIRICHLET_MIN_RECORDS = 10
 _SPEC_HELP = "use 'iid', 'classes:K' (integer K >= 1) or 'dirichlet:ALPHA' (number ALPHA > 0)"
 
 
-HASH_KEYS = ("member_hashes_", "heldout_hashes_")  # membership.npz of sites that keep their records (data.sites)
+# membership.npz of sites that keep their records (data.sites) also holds these: not part of the partition
+SITE_KEYS = ("member_hashes_", "heldout_hashes_", "site_records")
 
 
 class PartitionError(DataError):
@@ -106,7 +107,7 @@ class Partition:
             PartitionError: missing, extra or misnumbered keys, or arrays that
                 are not sorted, disjoint, non-negative integer indices.
         """
-        keys = {key for key in arrays if not key.startswith(HASH_KEYS)}  # a federation's record hashes
+        keys = {key for key in arrays if not key.startswith(SITE_KEYS)}  # a federation's sites
         if "holdout" not in keys:
             raise PartitionError("membership arrays lack 'holdout'; the file is not a fedaudit membership split.")
         client_keys = keys - {"holdout"}

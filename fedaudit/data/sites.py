@@ -238,3 +238,32 @@ def load_sites(
     )
     dataset, partition = federation(reports, records)
     return dataset, partition, reports
+
+
+def locate(indices: np.ndarray, site_records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which site holds each training record ``indices`` (as :func:`federation` numbers them) and its position in
+    that site's file."""
+    offsets = np.concatenate([[0], np.cumsum(site_records)])
+    site = np.searchsorted(offsets, indices, side="right") - 1
+    return site.astype(np.int64), (indices - offsets[site]).astype(np.int64)
+
+
+def recorded_hashes(membership: dict[str, np.ndarray], site: int, positions: np.ndarray) -> np.ndarray | None:
+    """The hashes membership.npz recorded for site ``site``'s records at ``positions`` (members or held out); None
+    where a position is neither."""
+    offset = int(np.sum(membership["site_records"][:site]))
+    members = membership[f"client_{site}"] - offset
+    heldout_all = membership["holdout"] - offset
+    heldout = np.sort(heldout_all[(heldout_all >= 0) & (heldout_all < int(membership["site_records"][site]))])
+    out = np.empty((len(positions), HASH_BYTES), dtype=np.uint8)
+    for i, p in enumerate(positions):
+        j = np.searchsorted(members, p)
+        if j < len(members) and members[j] == p:
+            out[i] = membership[f"member_hashes_{site}"][j]
+            continue
+        j = np.searchsorted(heldout, p)
+        if j < len(heldout) and heldout[j] == p:
+            out[i] = membership[f"heldout_hashes_{site}"][j]
+            continue
+        return None
+    return out

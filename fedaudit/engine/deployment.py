@@ -38,9 +38,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, evaluation_counts
+from fedaudit.algorithms.base import (
+    Algorithm,
+    ClientData,
+    ClientMessage,
+    RoundContext,
+    TensorDict,
+    evaluation_counts,
+    load_params,
+)
 from fedaudit.config import RunConfig
-from fedaudit.data.sites import SiteReport, is_sites
+from fedaudit.data.sites import SiteReport, is_sites, recorded_hashes, sites_fingerprint
 from fedaudit.engine.flower import (
     _client_side,
     _from_record,
@@ -148,11 +156,44 @@ def _evaluate(message: Any, context: Any) -> Any:
     return Message(content=RecordDict({"scores": scores}), reply_to=message)
 
 
+def _signals(message: Any, context: Any) -> Any:
+    """The membership signals of this site's records at the positions asked for, on the model sent: the audit
+    computed where the data is. Only the signals and the records' hashes leave the site."""
+    from flwr.app import Array, ArrayRecord, Message, RecordDict
+
+    from fedaudit.signals import compute_signals
+
+    client, data_dir, data = _site(context)
+    task = message.content["task"]
+    config_json = site_config(str(task["config"]), data_dir)
+    setup, model, _ = own_site(config_json, str(task["federation"]), client, data)
+    site = read_own_site(config_json, client, data)
+    positions = message.content["positions"]["positions"].numpy().astype(np.int64)
+    if len(positions) and (positions.min() < 0 or positions.max() >= len(site.train_y)):
+        raise RuntimeError(f"client {client}'s site was asked for records it does not have")
+    received = _from_record(message.content["global"], setup.device)
+    load_params(model, {name: received[name] for name, _ in model.named_parameters()})
+    index = torch.from_numpy(positions)
+    found = compute_signals(
+        model,
+        site.train_x[index],
+        site.train_y[index],
+        json.loads(str(task["signals"])),
+        per_layer=bool(task["per_layer"]),
+        batch_size=int(task["batch_size"]),
+        device=setup.device,
+    )
+    arrays = {name: Array(np.ascontiguousarray(v)) for name, v in {**found.values, **found.per_layer}.items()}
+    arrays["hashes"] = Array(np.ascontiguousarray(site.hashes[positions]))
+    return Message(content=RecordDict({"signals": ArrayRecord(arrays)}), reply_to=message)
+
+
 def _make_client_app() -> Any:
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
     app.query()(_hello)
+    app.query("signals")(_signals)
     app.train()(_train)
     app.evaluate()(_evaluate)
     return app
@@ -554,6 +595,85 @@ def survey_sites(config: RunConfig) -> list[SiteReport]:
     with engine:
         engine._start()
     return [engine.reports[client] for client in range(config.data.num_clients)]
+
+
+class SiteSignals:
+    """Membership signals of a deployed run's records, computed at the sites that keep them (``fedaudit attack`` of
+    a ``--dataset sites`` deployment): each site scores its own records at the positions asked for, on the model
+    sent, and returns the signals and the records' hashes, which must be those membership.npz recorded."""
+
+    def __init__(self, config: RunConfig, membership: Mapping[str, np.ndarray], fingerprint: str) -> None:
+        """``config``: the run's, with this attack's connection settings; ``membership`` and ``fingerprint``: what
+        the run recorded of its sites' records (membership.npz, the manifest's data fingerprint)."""
+        self.membership = dict(membership)
+        self.fingerprint = fingerprint
+        self.engine = DeploymentEngine(config, num_clients=config.data.num_clients, membership=(), survey=True)
+        self.federation = ""
+
+    def __enter__(self) -> SiteSignals:
+        self.engine._start()
+        reports = [self.engine.reports[k] for k in range(self.engine.num_clients)]
+        changed = [
+            r.client
+            for r in reports
+            if not np.array_equal(r.member_hashes, self.membership.get(f"member_hashes_{r.client}"))
+            or not np.array_equal(r.heldout_hashes, self.membership.get(f"heldout_hashes_{r.client}"))
+        ]
+        if changed or sites_fingerprint([r.fingerprint for r in reports]) != self.fingerprint:
+            which = f"client {changed[0]}'s site holds" if changed else "the sites hold"
+            raise DeploymentError(
+                f"{which[0].upper()}{which[1:]} other records than the run was trained on (the fingerprint or the "
+                "records' hashes differ from what the run recorded); put them back to audit the run."
+            )
+        self.federation = json.dumps([report.summary() for report in reports])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.close(completed=exc[0] is None)
+
+    def __call__(
+        self,
+        params: TensorDict,
+        positions: Mapping[int, np.ndarray],
+        signals: Sequence[str],
+        *,
+        per_layer: bool,
+        batch_size: int,
+    ) -> dict[int, dict[str, np.ndarray]]:
+        """Per site, each signal of its records at ``positions[site]`` (in that order)."""
+        from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+        engine = self.engine
+        requests = {}
+        for client, where in positions.items():
+            task = {
+                "config": engine.config_json,
+                "client": client,
+                "federation": self.federation,
+                "signals": json.dumps(list(signals)),
+                "per_layer": bool(per_layer),
+                "batch_size": int(batch_size),
+            }
+            content = {
+                "global": _to_record(params),
+                "task": ConfigRecord(task),
+                "positions": ArrayRecord({"positions": Array(np.ascontiguousarray(where, dtype=np.int64))}),
+            }
+            requests[client] = Message(
+                RecordDict(content), message_type="query.signals", dst_node_id=engine._node_of[client]
+            )
+        replies = engine._exchange(requests, 0, time.monotonic() + engine.round_timeout)
+        found: dict[int, dict[str, np.ndarray]] = {}
+        for client, where in positions.items():
+            arrays = {name: a.numpy().copy() for name, a in replies[client].content["signals"].items()}
+            expected = recorded_hashes(self.membership, client, np.asarray(where))
+            if expected is None or not np.array_equal(arrays.pop("hashes"), expected):
+                raise DeploymentError(
+                    f"Client {client}'s site scored records whose hashes are not those membership.npz recorded; its "
+                    "records changed since the run was trained."
+                )
+            found[client] = arrays
+        return found
 
 
 def _config_json(config: RunConfig) -> str:

@@ -1,0 +1,142 @@
+"""Membership audits of a federation whose sites keep their records (``--dataset sites``), computed where the data is.
+
+Each site scores its own records: the signals of its members and held-out records on the attacked model are computed
+by the site (:func:`fedaudit.signals.compute_signals`), and only the signals and the records' SHA-256 hashes leave
+it; the hashes must be those membership.npz recorded when the run was trained. The evaluation set is drawn as for any
+run (balanced members and non-members, halves for the methods that fit something), with two differences that the
+sites' privacy asks for:
+
+- non-members are the sites' held-out records only (each site drew them at random from its own file, so they share
+  its members' distribution, and the sites' shares of members and of held-out records are the same);
+- no label leaves a site, so the evaluation set does not restrict non-members to the members' classes (no need: see
+  above) and records no label (-1).
+
+A run trained here from the sites' files (``--site-data``) is scored the same way, site by site in the same order and
+batches, so its results equal those of the same run deployed. A deployed run needs a connection to its sites
+(``fedaudit attack --superlink``); the methods that need the records in one place (reference models, reconstruction,
+the distance to synthetic images) say so in one sentence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedaudit.attacks import AttackError
+from fedaudit.attacks.membership import EvaluationSet, build_evaluation_set
+from fedaudit.config import RunConfig
+from fedaudit.data import Dataset, Partition
+from fedaudit.data.sites import locate
+from fedaudit.signals import Signals, compute_signals
+
+TensorDict = dict[str, torch.Tensor]
+# Scores records at their sites: (params, positions per site, signals, per_layer=, batch_size=) -> arrays per site.
+SiteScorer = Callable[..., dict[int, dict[str, np.ndarray]]]
+# Opens a session with a deployed run's sites: (run config with the connection settings, membership, fingerprint).
+SiteConnection = Callable[[RunConfig, Mapping[str, np.ndarray], str], AbstractContextManager[SiteScorer]]
+NEEDS_RECORDS = "needs the records in one place"
+
+
+@dataclass(frozen=True, eq=False)
+class Sites:
+    """Where a sites run's records are: here (``dataset`` holds them, one site after the other) or at the sites."""
+
+    site_records: np.ndarray  # training records per site, in client order
+    local: bool
+
+    def positions(self, evaluation: EvaluationSet) -> tuple[np.ndarray, np.ndarray]:
+        """Per evaluation record, its site and its position in that site's file."""
+        return locate(evaluation.index, self.site_records)
+
+
+def evaluation_set(
+    partition: Partition, *, nonmembers: str, max_records: int, seed: int, exclude: np.ndarray | None
+) -> EvaluationSet:
+    """The evaluation set of a sites run: members of every client and the sites' held-out records, no labels."""
+    if nonmembers == "test":
+        raise AttackError(
+            "A federation whose sites keep their records is audited on each site's held-out records; its test "
+            "records are the sites' own and are not scored: use --nonmembers holdout."
+        )
+    size = int(max(int(c.max(initial=-1)) for c in (*partition.clients, partition.holdout))) + 1
+    drawn = build_evaluation_set(
+        partition,
+        np.zeros(size, dtype=np.int64),
+        np.zeros(0, dtype=np.int64),
+        nonmembers="holdout",
+        max_records=max_records,
+        seed=seed,
+        exclude=exclude,
+    )
+    return replace(drawn, label=np.full(len(drawn), -1, dtype=np.int64), client_classes={})
+
+
+def site_signals(
+    sites: Sites,
+    evaluation: EvaluationSet,
+    model: nn.Module,
+    signals: Sequence[str],
+    *,
+    dataset: Dataset,
+    scorer: SiteScorer | None,
+    per_layer: bool,
+    batch_size: int,
+    device: torch.device,
+) -> Signals:
+    """The signals of the evaluation set's records, each site scoring its own (here from ``dataset`` for a local
+    run, else through ``scorer``), in the evaluation set's order."""
+    site, position = sites.positions(evaluation)
+    order = {int(k): np.flatnonzero(site == k) for k in np.unique(site)}
+    if sites.local:
+        found = {}
+        for k, rows in order.items():
+            index = torch.from_numpy(evaluation.index[rows])
+            part = compute_signals(
+                model,
+                dataset.train_x[index],
+                dataset.train_y[index],
+                signals,
+                per_layer=per_layer,
+                batch_size=batch_size,
+                device=device,
+            )
+            found[k] = {**part.values, **part.per_layer}
+    else:
+        if scorer is None:
+            raise AttackError("the sites' records are not here and no connection to the sites was given")
+        params = {name: p.detach().cpu() for name, p in model.named_parameters()}
+        found = scorer(
+            params,
+            {k: position[rows] for k, rows in order.items()},
+            signals,
+            per_layer=per_layer,
+            batch_size=batch_size,
+        )
+    names = list(next(iter(found.values())).keys()) if found else list(signals)
+    values = {name: np.zeros(len(evaluation), dtype=np.float64) for name in names}
+    for k, rows in order.items():
+        for name in names:
+            column = np.asarray(found[k][name], dtype=np.float64)
+            if column.shape != (len(rows),):
+                raise AttackError(
+                    f"Client {k}'s site returned {column.shape} values of {name} for {len(rows)} records."
+                )
+            values[name][rows] = column
+    return Signals(
+        values={name: values[name] for name in signals},
+        per_layer={name: values[name] for name in names if name not in signals},
+    )
+
+
+def refuse(what: str, run: Any) -> AttackError:
+    """The one sentence of a method that cannot run where the records stay at the sites."""
+    return AttackError(
+        f"{run} keeps its records at its sites: {what} {NEEDS_RECORDS}; the loss, confidence and gradient-norm "
+        "attacks and the canary audit run at the sites."
+    )
