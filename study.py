@@ -28,6 +28,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
+from fedaudit.attacks.reconstruction import ReconstructionOptions
 from fedaudit.attacks.runner import AttackOptions, expected_results, results_current, run_attacks, target_round
 from fedaudit.config import ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
@@ -58,7 +59,9 @@ ATTACK_KEYS: dict[str, str] = {
     "seed": "seed",
     "references": "references",
     "online": "online",
+    "reconstruction": "reconstruction",  # iterations, restarts, psnr_threshold of --method reconstruction
 }
+RECONSTRUCTION_KEYS = ("iterations", "restarts", "psnr_threshold")
 STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "attack", "report")
 
 Echo = Callable[[str], None]
@@ -134,6 +137,7 @@ class Study:
     def to_dict(self) -> dict[str, Any]:
         """The study as written to study.json (and as a study file would give it)."""
         attack = {key: getattr(self.attack, name) for key, name in ATTACK_KEYS.items()}
+        attack["reconstruction"] = {key: getattr(self.attack.reconstruction, key) for key in RECONSTRUCTION_KEYS}
         return {
             "algorithms": list(self.algorithms),
             "budgets": [str(b) for b in self.budgets],
@@ -235,7 +239,11 @@ def load_study(path: str | Path) -> Study:
     values["attack"] = replace(
         AttackOptions(),
         **{
-            ATTACK_KEYS[key]: tuple(_as_list(value, key, file)) if key in ("signals", "methods") else value
+            ATTACK_KEYS[key]: tuple(_as_list(value, key, file))
+            if key in ("signals", "methods")
+            else _reconstruction_options(value, file)
+            if key == "reconstruction"
+            else value
             for key, value in attack.items()
         },
     )
@@ -249,6 +257,21 @@ def load_study(path: str | Path) -> Study:
         policy = Path(str(report["policy"]))
         values["policy"] = str(policy if policy.is_absolute() else file.parent / policy)
     return Study(**values)
+
+
+def _reconstruction_options(value: Any, file: Path) -> ReconstructionOptions:
+    """The attack section's ``reconstruction`` mapping (iterations, restarts, psnr_threshold)."""
+    if not isinstance(value, dict):
+        raise StudyError(
+            f"reconstruction in the attack section of {file} must be a mapping of {', '.join(RECONSTRUCTION_KEYS)}."
+        )
+    unknown = [key for key in value if key not in RECONSTRUCTION_KEYS]
+    if unknown:
+        raise StudyError(
+            f"Unknown key {unknown[0]!r} in the attack section's reconstruction of {file}; use "
+            f"{', '.join(RECONSTRUCTION_KEYS)}."
+        )
+    return ReconstructionOptions(**value)
 
 
 def _as_list(value: Any, key: str, file: Path) -> list[Any]:

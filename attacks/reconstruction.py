@@ -417,6 +417,49 @@ def invert(
     return best
 
 
+def attack_update(
+    model: nn.Module,
+    start: dict[str, torch.Tensor],
+    update: dict[str, torch.Tensor],
+    training: LocalTraining,
+    *,
+    unknown: int,
+    known: tuple[torch.Tensor, torch.Tensor] | None,
+    num_classes: int,
+    box: tuple[torch.Tensor, torch.Tensor],
+    shape: tuple[int, ...],
+    options: ReconstructionOptions,
+    generator: torch.Generator,
+) -> Inversion:
+    """The whole attack on one received update, as the server runs it: the ``unknown`` records' labels (of shape
+    ``shape``) from the bias update, then :func:`invert` (``known``: records the server knows the client trained on
+    beside them)."""
+    labels = recover_labels(
+        model,
+        start,
+        update,
+        training,
+        unknown=unknown,
+        known_labels=known[1] if known else torch.empty(0, dtype=torch.long),
+        num_classes=num_classes,
+        box=box,
+        shape=shape,
+        generator=generator,
+    )
+    return invert(
+        model,
+        start,
+        update,
+        training,
+        labels=labels,
+        known=known,
+        box=box,
+        shape=shape,
+        options=options,
+        generator=generator,
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Planning: which updates, and everything checked before anything is computed
 
@@ -819,35 +862,22 @@ def _invert_update(
     box = pixel_range(dataset.train_x)
     shape = tuple(spec.input_shape)
     update = {name: sent[name].to(torch.float32) for name in start}
-    results = []
-    for purpose, received in ((0, update), (1, _random_like(update, _generator(seed, target, 1)))):
-        generator = _generator(seed, target, purpose)
-        labels = recover_labels(
+    results = [
+        attack_update(
             model,
             start,
             received,
             training,
             unknown=unknown,
-            known_labels=known[1] if known else torch.empty(0, dtype=torch.long),
+            known=known,
             num_classes=spec.num_classes,
             box=box,
             shape=shape,
-            generator=generator,
+            options=options,
+            generator=_generator(seed, target, purpose),
         )
-        results.append(
-            invert(
-                model,
-                start,
-                received,
-                training,
-                labels=labels,
-                known=known,
-                box=box,
-                shape=shape,
-                options=options,
-                generator=generator,
-            )
-        )
+        for purpose, received in ((0, update), (1, _random_like(update, _generator(seed, target, 2))))
+    ]
     attack, null = results
     details = {
         "threat_model": "the server: it knows the round's global model, the model, the client's number of records "
