@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
@@ -254,12 +255,17 @@ class CanaryClients(Strategy):
         return f"CanaryClients({self.canaries} canaries, seed {self.seed}) around {self._description}"
 
     def summary(self) -> None:
-        flower_log(20, "\t├──> Canary clients (fedaudit): %s drawn, log %s", self.canaries, self.log_path)
-        flower_log(20, "\t│\t└── auditing %s, sigma %s, C %s", *self._mechanism_words())
+        """Log what is audited, then the wrapped strategy's summary."""
+        mechanism = self.mechanism
+        flower_log(INFO, "\t├──> Canary clients (fedaudit): %s drawn, log %s", self.canaries, self.log_path)
+        flower_log(
+            INFO,
+            "\t│\t└── auditing %s, sigma %s, C %s",
+            mechanism.kind,
+            mechanism.noise_multiplier,
+            mechanism.clipping_norm,
+        )
         self.strategy.summary()
-
-    def _mechanism_words(self) -> tuple[str, float, float]:
-        return self.mechanism.kind, self.mechanism.noise_multiplier, self.mechanism.clipping_norm
 
     # --- training -------------------------------------------------------------------------------------------------
 

@@ -133,6 +133,27 @@ ATTACK_CASES: tuple[tuple[str, ...], ...] = (
     ("attack", "FORGED_LEDGER"),
     ("attack", "RUN", "--device", "tpu"),
 )
+# attack --flower-log: files that are not a whole Flower canary log, and options that do not go with one
+FLOWER_LOG_CASES: tuple[tuple[str, ...], ...] = (
+    ("attack",),  # nothing to attack
+    ("attack", "--flower-log", "NOWHERE"),
+    ("attack", "--flower-log", "FILE"),  # a text file
+    ("attack", "--flower-log", "FOREIGN"),  # a folder
+    ("attack", "--flower-log", "GOOD"),  # an .npz that is not a log
+    ("attack", "--flower-log", "PICKLED"),
+    ("attack", "--flower-log", "FLOWER_TRUNCATED"),
+    ("attack", "--flower-log", "FLOWER_VERSION"),
+    ("attack", "--flower-log", "FLOWER_MISMATCH"),  # lengths that do not agree
+    ("attack", "--flower-log", "FLOWER_ONE_SIDE"),  # every canary included
+    ("attack", "--flower-log", "FLOWER_LOG", "--out", "FILE"),
+    ("attack", "--flower-log", "FLOWER_LOG", "--out", ""),
+    ("attack", "--flower-log", "FLOWER_LOG", "--signal", "loss"),
+    ("attack", "--flower-log", "FLOWER_LOG", "--max-records", "10"),
+    ("attack", "--flower-log", "FLOWER_LOG", "--seed", "-1"),
+    ("attack", "--flower-log", "FLOWER_LOG", "--bootstrap", "0"),
+    ("attack", "RUN", "--flower-log", "FLOWER_LOG"),
+    ("attack", "RUN", "--out", "OUT"),  # --out is for --flower-log
+)
 REPORT_CASES: tuple[tuple[str, ...], ...] = (
     ("report", "RUN", "--out", ""),
     ("report", "RUN", "--out", "OUT/x.csv"),
@@ -216,7 +237,7 @@ def _cases() -> list[tuple[str, ...]]:
     own = [a for a in FAST_ARGS if a not in ("--dataset", "digits")]
     cases += [("train", *own, *args, "--out", "OUT/run") for args in OWN_DATA]
     cases += [("datasets", *(a for a in args if a != "--data-dir" and a != "FOREIGN")) for args in OWN_DATA[:6]]
-    cases += [*ATTACK_CASES, *REPORT_CASES, *EPSILON_CASES, *OTHER_CASES]
+    cases += [*ATTACK_CASES, *FLOWER_LOG_CASES, *REPORT_CASES, *EPSILON_CASES, *OTHER_CASES]
     cases += [("report", "RUN", "--out", "OUT", "--policy", f"POLICY{i}") for i in range(len(POLICIES))]
     return cases
 
@@ -275,6 +296,12 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
     np.savez(root / "no_y.npz", x=np.zeros((20, 4)))
     np.savez(root / "fractional.npz", x=np.zeros((20, 4)), y=np.full(20, 0.5))
     np.savez(root / "good.npz", x=np.random.default_rng(0).random((60, 4)), y=np.arange(60) % 2)
+    flower = _flower_log()
+    flower.write(root / "flower.npz")
+    (root / "flower_truncated.npz").write_bytes(flower.to_bytes()[:300])
+    np.savez(root / "flower_version.npz", **{**flower.to_arrays(), "version": np.array(2)})
+    np.savez(root / "flower_mismatch.npz", **{**flower.to_arrays(), "final_cosines": np.zeros(39)})
+    np.savez(root / "flower_one_side.npz", **{**flower.to_arrays(), "included": np.ones(40, dtype=np.int8)})
     (root / "records.csv").write_text("a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(40)))
     (root / "text.csv").write_text("a,b,label\n" + "".join(f"x{i},{i},{i % 2}\n" for i in range(40)))
     for folder, broken in (("empty_class", False), ("broken_image", True)):
@@ -289,6 +316,11 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
         "NO_Y": root / "no_y.npz",
         "FRACTIONAL_LABELS": root / "fractional.npz",
         "GOOD": root / "good.npz",
+        "FLOWER_LOG": root / "flower.npz",
+        "FLOWER_TRUNCATED": root / "flower_truncated.npz",
+        "FLOWER_VERSION": root / "flower_version.npz",
+        "FLOWER_MISMATCH": root / "flower_mismatch.npz",
+        "FLOWER_ONE_SIDE": root / "flower_one_side.npz",
         "CSV": root / "records.csv",
         "TEXT_CSV": root / "text.csv",
         "EMPTY_CLASS": root / "empty_class",
@@ -312,6 +344,39 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
         (root / f"policy{i}.yaml").write_text(text + "\n")
         names[f"POLICY{i}"] = root / f"policy{i}.yaml"
     return names
+
+
+def _flower_log():
+    """A small, whole Flower canary log (fedaudit.canary_log), 40 canaries over 2 rounds."""
+    import numpy as np
+
+    from fedaudit.canary_log import CanaryLog
+
+    rng = np.random.default_rng(0)
+    return CanaryLog(
+        seed=0,
+        included=(np.arange(40) % 2).astype(np.int8),
+        scale=10.0,
+        clipping_norm=0.1,
+        noise_multiplier=1.0,
+        mechanism="central DP, server-side clipping",
+        strategy="DifferentialPrivacyServerSideFixedClipping(FedAvg)",
+        dimension=100,
+        delta=1e-5,
+        round_cosines=rng.normal(0, 0.1, (2, 40)),
+        round_norms=np.ones(2),
+        released=np.ones(2, dtype=np.int8),
+        sampled=np.full(2, 5),
+        population=np.full(2, 30),
+        equal_weights=np.ones(2, dtype=np.int8),
+        final_cosines=rng.normal(0, 0.1, 40),
+        final_norm=1.0,
+        flower_epsilon=float("nan"),
+        flower_delta=float("nan"),
+        flower_report="Flower reports no epsilon.",
+        flower_version="1.41.0",
+        fedaudit_version="0.1.0",
+    )
 
 
 def _resolve(arg: str, names: dict[str, Path]) -> str:
