@@ -804,6 +804,9 @@ def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None) -> None
             click.echo(f"  conformance not checked: {outcome.skipped}.")
         for check in outcome.verification.checks if outcome.verification is not None else ():
             p_value = "" if check.p_value is None else f" (p = {check.p_value:.3g}, n = {check.n})"
+            if check.details.get("not_checked"):
+                click.echo(f"  NOT CHECKED {check.name}: {check.sentence.removeprefix('Not checked: ')}")
+                continue
             click.echo(f"  {'PASS' if check.passed else 'FAIL'} {check.name}{p_value}: {check.sentence}")
         failed = failed or not outcome.passed
     if failed:

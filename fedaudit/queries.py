@@ -259,10 +259,12 @@ def query_audit(
     planned_queries: int,
     canary_inputs: torch.Tensor | None = None,
     canary_labels: torch.Tensor | None = None,
+    keep_whole: bool = True,
 ) -> QueryAudit:
     """The query audit of one client of a canary run: its canaries (for input canaries ``canary_inputs`` and
     ``canary_labels`` hold the records and labels of every canary, indexed by canary id), and a keep probability that
-    keeps :data:`KEPT_PAIRS` pairs of whole queries per run on average."""
+    keeps :data:`KEPT_PAIRS` pairs of whole queries per run on average; none without ``keep_whole`` (a whole query
+    holds the records of its batch, which must not leave a site that keeps its records)."""
     mine = np.flatnonzero(canary_client == client).astype(np.int64)
     held = np.flatnonzero((canary_client == client) & (canary_included == 1)).astype(np.int64)
     expected_client_rounds = max(clients * rounds * client_fraction, 1.0)
@@ -277,7 +279,7 @@ def query_audit(
         canaries=mine,
         held=held,
         shapes=dict(shapes),
-        keep_probability=min(1.0, KEPT_PAIRS / expected_client_rounds),
+        keep_probability=min(1.0, KEPT_PAIRS / expected_client_rounds) if keep_whole else 0.0,
         planned_queries=max(int(planned_queries), 1),
         inputs=inputs,
         labels=labels,

@@ -269,6 +269,7 @@ def client_data(setup: Setup, client: int, records: tuple[torch.Tensor, torch.Te
             planned_queries=setup.queries[client],
             canary_inputs=inputs,
             canary_labels=labels,
+            keep_whole=not is_sites(setup.config.data.dataset),
         ),
     )
     held = canaries.held_by(client)

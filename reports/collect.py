@@ -517,6 +517,7 @@ class ConformanceCheck:
     passed: bool
     p_value: float | None
     sentence: str
+    checked: bool = True  # False: the check could not be made (a run whose sites keep their records)
 
 
 @dataclass(frozen=True)
@@ -548,6 +549,7 @@ def _verification(run: RunDirectory, rounds_done: int) -> Verification | None:
                 c["passed"] is True,
                 None if c.get("p_value") is None else float(c["p_value"]),
                 str(c["sentence"]),
+                not (isinstance(c.get("details"), dict) and c["details"].get("not_checked") is True),
             )
             for c in data["checks"]
         )

@@ -104,20 +104,30 @@ def _delta(delta: float | None, records: int | None) -> str:
 def _trust(run: RunSummary) -> str:
     config = json.loads(run.seedless_config) if run.seedless_config else {}
     deployment = bool((config.get("flower") or {}).get("superlink"))
+    own = str((config.get("data") or {}).get("dataset", "")).strip().lower() == "sites"
     protected = run.privacy.dp and bool(run.privacy.epsilon_per_round)
     where = (
         "a Flower deployment: each client trains at its own site (a SuperNode)"
         if deployment
         else f"clients run on this machine (engine {run.setup.get('engine', 'local')})"
     )
+    if own:
+        where += (
+            " on the records that site keeps, split into members and held-out records there; the server received "
+            "only their counts, positions and SHA-256 hashes, and the audit's signals were computed at the sites"
+            if deployment
+            else ", each from its own site's file, read as that site would read it"
+        )
     if not protected:
         return (
             f"{where}; each client sends its update without DP noise, so nothing protects a record against the "
             "server, the network or anyone who sees the final model"
         )
     held = (
-        "each site is trusted with its records (in this version every site holds the whole dataset and trains its "
-        "partition)"
+        "each site is trusted with its own records"
+        if deployment and own
+        else "each site is trusted with its records (every site holds the whole dataset and trains its partition; "
+        "with --dataset sites each keeps only its own)"
         if deployment
         else "but not against this machine's operator, who holds every client's records"
     )

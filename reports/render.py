@@ -269,6 +269,12 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
         checks = [
             {"name": c.name, "verdict": "PASS" if c.passed else "FAIL", "p_value": c.p_value, "sentence": c.sentence}
             for c in verification.checks
+            if c.checked
+        ]
+        unchecked += [
+            f"conformance, {c.name}: {c.sentence.removeprefix('Not checked: ').rstrip('.')}"
+            for c in verification.checks
+            if not c.checked
         ]
         failures += [f"{c.name}: {c.sentence}" for c in verification.failed]
         if not verification.current:

@@ -177,9 +177,7 @@ def federation(reports: list[SiteReport], records: Dataset | None = None) -> tup
     records follow the previous site's, so client k's members are its reported positions shifted by the records of
     the sites before it. Without ``records`` (the server of a deployment) the dataset holds none, only their shape,
     classes and fingerprint; the sites evaluate the model on their own test records."""
-    shapes = {report.shape for report in reports}
-    if len(shapes) > 1:
-        raise DataError(f"The sites' records have different shapes ({', '.join(map(str, sorted(shapes)))}).")
+    shape = _one_shape(reports)
     offsets = np.cumsum([0] + [report.records for report in reports])
     partition = Partition(
         clients=tuple(offset + report.members for offset, report in zip(offsets, reports)),
@@ -187,7 +185,6 @@ def federation(reports: list[SiteReport], records: Dataset | None = None) -> tup
     )
     if records is not None:
         return records, partition
-    (shape,) = shapes
     nothing = torch.zeros((0, *shape), dtype=torch.float32)
     shell = Dataset(
         name=SITES,
@@ -200,6 +197,17 @@ def federation(reports: list[SiteReport], records: Dataset | None = None) -> tup
         fingerprint=sites_fingerprint([report.fingerprint for report in reports]),
     )
     return shell, partition
+
+
+def _one_shape(reports: list[SiteReport]) -> tuple[int, int, int]:
+    """The shape every site's records share (a federation trains one model on them)."""
+    shapes = {report.shape for report in reports}
+    if len(shapes) > 1:
+        listed = ", ".join(f"client {r.client} {r.shape}" for r in reports)
+        raise DataError(
+            f"The sites' records have different shapes ({listed}); every site must hold records of one shape."
+        )
+    return next(iter(shapes))
 
 
 def sites_fingerprint(fingerprints: list[str]) -> str:
@@ -225,6 +233,7 @@ def load_sites(
         for k, spec in enumerate(specs)
     ]
     reports = [SiteReport.of(site) for site in sites]
+    _one_shape(reports)
     records = Dataset(
         name=SITES,
         train_x=torch.cat([site.train_x for site in sites]),
