@@ -332,6 +332,18 @@ def main() -> None:
     help="Keep only the last N rounds' checkpoints (resume stays exact from the last). [default: every round's]",
 )
 @click.option(
+    "--eval-every",
+    type=int,
+    help="Measure the test accuracy every K rounds and after the last (a long federation spends most of its time "
+    "evaluating otherwise). [default: 1]",
+)
+@click.option(
+    "--eval-sample",
+    type=int,
+    help="Measure it on a fixed random sample of N test records, drawn from the seed (its interval is over N). "
+    "[default: the whole test split]",
+)
+@click.option(
     "--equal-data-access",
     is_flag=True,
     help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.",

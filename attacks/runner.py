@@ -65,6 +65,10 @@ from fedaudit.runs import (
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 from fedaudit.setup import resolve_device, run_data
 
+# A client's AUC gets an interval only with at least this many audited members: with fewer, the percentile
+# bootstrap's resamples are mostly repeats of the same few records and do not cover at 95% (a federation of many
+# small clients has many such; the audit says so instead of computing an interval that means nothing).
+MIN_CLIENT_MEMBERS = 5
 REFERENCE_METHODS: tuple[str, ...] = ("rmia", "lira")
 DEFAULT_REFERENCES = 4
 RESULT_FORMAT = "fedaudit-attack"
@@ -736,7 +740,7 @@ def _per_client(
     for classes, clients in groups.items():
         others = nonmember & np.isin(ev.label, classes)
         members = {k: audit & (ev.client == k) for k in clients}
-        scored = [k for k in clients if members[k].any() and others.any()]
+        scored = [k for k in clients if members[k].sum() >= MIN_CLIENT_MEMBERS and others.any()]
         boots = bootstrap_groups(scores[others], [scores[members[k]] for k in scored], rng=rng, resamples=resamples)
         intervals = {k: list(boot.interval(boot.auc)) for k, boot in zip(scored, boots)}
         for k in clients:
@@ -748,6 +752,13 @@ def _per_client(
                 "num_members": int(members[k].sum()),
                 "num_nonmembers": int(others.sum()),
             }
+            if k not in intervals:
+                table[str(k)]["not_resolved"] = (
+                    f"{int(members[k].sum())} audited member(s), fewer than {MIN_CLIENT_MEMBERS}: a bootstrap over so "
+                    "few records repeats them and its interval is not a 95% interval, so none is given"
+                    if others.any()
+                    else "no audited non-member of this client's classes"
+                )
     return dict(sorted(table.items(), key=lambda item: int(item[0])))
 
 

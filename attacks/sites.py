@@ -74,7 +74,9 @@ def evaluation_set(
         seed=seed,
         exclude=exclude,
     )
-    return replace(drawn, label=np.full(len(drawn), -1, dtype=np.int64), client_classes={})
+    # every client's members are compared with every site's held-out records (no label to match classes with)
+    classes = {k: np.array([-1]) for k in range(len(partition.clients))}
+    return replace(drawn, label=np.full(len(drawn), -1, dtype=np.int64), client_classes=classes)
 
 
 def site_signals(

@@ -99,6 +99,17 @@ CANARY_KINDS = ("gradient", "input")
 
 
 @dataclass(frozen=True)
+class EvaluationConfig:
+    """How the global model's test accuracy is measured while it trains: every ``eval_every`` rounds and after the
+    last, on the whole test split or on a fixed random sample of ``eval_sample`` of its records (drawn from the seed;
+    the report's interval is then over that many). A federation with many clients and rounds spends most of its time
+    evaluating otherwise."""
+
+    eval_every: int = 1
+    eval_sample: int | None = None
+
+
+@dataclass(frozen=True)
 class AuditConfig:
     """Canaries planted at training time for a canary audit (docs/audit.md).
 
@@ -268,6 +279,7 @@ class RunConfig:
     fedssyn: FedssynConfig = field(default_factory=FedssynConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     save_transmitted: bool = False
     keep_checkpoints: int | None = None  # the last N rounds' checkpoints are kept; None: every round's
 
@@ -529,6 +541,19 @@ class RunConfig:
         )
         _check(_is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
         _check(f.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {f.rounds:,}.")
+        ev = self.evaluation
+        _check(
+            _is_int(ev.eval_every) and ev.eval_every >= 1,
+            f"--eval-every must be a positive integer, got {ev.eval_every!r}.",
+        )
+        _check(
+            ev.eval_sample is None or (_is_int(ev.eval_sample) and ev.eval_sample >= 1),
+            f"--eval-sample must be a positive integer, got {ev.eval_sample!r}.",
+        )
+        _check(
+            ev.eval_sample is None or str(d.dataset).strip().lower() != "sites",
+            "--eval-sample does not apply to --dataset sites: each site evaluates the model on its own test records.",
+        )
         _check(
             self.keep_checkpoints is None or (_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1),
             f"--keep-checkpoints must be a positive integer, got {self.keep_checkpoints!r}.",
@@ -801,6 +826,7 @@ _SECTION_TYPES: dict[str, type] = {
     "fedssyn": FedssynConfig,
     "audit": AuditConfig,
     "flower": FlowerConfig,
+    "evaluation": EvaluationConfig,
 }
 
 

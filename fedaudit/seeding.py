@@ -29,6 +29,7 @@ class Stream(enum.IntEnum):
     CANARY = 6  # the direction of one gradient canary
     QUERY_AUDIT = 7  # which DP queries a canary run keeps whole for the conformance checks
     SITE_SPLIT = 8  # which of a site's records its client trains on (members) and which it holds out
+    EVALUATION = 9  # the fixed sample of test records the model is evaluated on (--eval-sample)
 
 
 # How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
@@ -44,6 +45,7 @@ STREAM_KEYS = {
     Stream.CANARY: 1,
     Stream.QUERY_AUDIT: 2,
     Stream.SITE_SPLIT: 1,
+    Stream.EVALUATION: 0,
 }
 
 

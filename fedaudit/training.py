@@ -47,7 +47,7 @@ from fedaudit.runs import (
     remove_stale_temporaries,
     versions,
 )
-from fedaudit.seeding import Stream, make_generator, repeatable
+from fedaudit.seeding import Stream, make_generator, numpy_rng, repeatable
 from fedaudit.setup import Setup, TrainingError, client_data, prepare, round_participants
 
 Echo = Callable[[str], None]
@@ -383,14 +383,30 @@ class _RoundLoop:
     def __init__(self, setup: Setup, run: RunDirectory | None, engine: Engine) -> None:
         self.setup, self.run, self.engine = setup, run, engine
         device, dataset = setup.device, setup.dataset
-        clients = range(len(setup.partition.clients))
-        if setup.records_at_sites:  # each site builds its client's data itself; here a client is its id
-            empty = dataset.train_x[:0].to(device), dataset.train_y[:0].to(device)
-            self.clients = [ClientData(k, *empty) for k in clients]
+        # every client's data is built once when every client takes part in every round; with client sampling,
+        # only the round's participants' are built, each round, so that memory grows with the clients of a round
+        # and not with the federation (a thousand clients, a few of them a round)
+        self.every_round = setup.client_fraction >= 1.0
+        self._clients: dict[int, ClientData] = {}
+        sample = setup.config.evaluation.eval_sample
+        if sample is not None and sample < len(dataset.test_y):
+            chosen = np.sort(numpy_rng(setup.config.seed, Stream.EVALUATION).choice(len(dataset.test_y), sample, False))
+            index = torch.from_numpy(chosen)
+            self.test = dataset.test_x[index].to(device), dataset.test_y[index].to(device)
         else:
-            self.clients = [client_data(setup, k) for k in clients]
-        self.test = dataset.test_x.to(device), dataset.test_y.to(device)
+            self.test = dataset.test_x.to(device), dataset.test_y.to(device)
         self.model = build_model(setup.spec).to(device)
+
+    def client(self, k: int) -> ClientData:
+        """Client ``k``'s data on the device (at a site that keeps its records, only its id: the site has them)."""
+        if k not in self._clients:
+            setup = self.setup
+            if setup.records_at_sites:
+                empty = setup.dataset.train_x[:0].to(setup.device), setup.dataset.train_y[:0].to(setup.device)
+                self._clients[k] = ClientData(k, *empty)
+            else:
+                self._clients[k] = client_data(setup, k)
+        return self._clients[k]
 
     def compute(self, m: int, state: _TrainingState) -> _RoundOutcome:
         """Round ``m`` (0-based): select clients, run them on the engine, update the server, account, evaluate."""
@@ -414,11 +430,13 @@ class _RoundLoop:
             setup.algorithm,
             self.model,
             state.params,
-            [self.clients[k] for k in selected],
+            [self.client(k) for k in selected],
             ctx,
             client_generator,
             state.states,
         )
+        if not self.every_round:
+            self._clients.clear()
         state.states.update({msg.client_id: msg.state for msg in messages if msg.state})
         server = make_generator(config.seed, Stream.SERVER, m, device=device)
         result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
@@ -436,7 +454,10 @@ class _RoundLoop:
         epsilon = math.inf
         if state.ledger is not None:
             epsilon = state.ledger.record_round(_round_privacy_events(setup, messages, m, selected))
-        if setup.records_at_sites:
+        every = config.evaluation.eval_every
+        if (m + 1) % every and m + 1 != rounds:
+            accuracy = loss = math.nan  # not measured this round (--eval-every)
+        elif setup.records_at_sites:
             accuracy, loss = self.engine.evaluate_at_sites(params, m + 1)
         else:
             accuracy, loss = evaluate(self.model, params, *self.test, sites=setup.dataset.test_sites)
@@ -552,9 +573,14 @@ def _round_line(row: dict[str, Any], rounds: int, *, dp: bool, config: RunConfig
         eps_text = f"no record-level DP, labels {label_epsilon:g}-label-DP"
     else:
         eps_text = "no DP"
+    measured = (
+        "not evaluated (--eval-every)"
+        if math.isnan(row["test_accuracy"])
+        else f"test accuracy {row['test_accuracy']:.4f}, loss {row['test_loss']:.4f}"
+    )
     return (
-        f"round {row['round']}/{rounds}: test accuracy {row['test_accuracy']:.4f}, loss {row['test_loss']:.4f}, "
-        f"{eps_text}, {row['wall_seconds']:.1f}s, {row['bytes_up'] / 1e6:.2f} MB up"
+        f"round {row['round']}/{rounds}: {measured}, {eps_text}, {row['wall_seconds']:.1f}s, "
+        f"{row['bytes_up'] / 1e6:.2f} MB up"
     )
 
 

@@ -501,7 +501,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         synthetic,
         tuple(notes),
         seedless_config(config.to_dict()),
-        manifest.dataset.test_size,
+        min(manifest.dataset.test_size, config.evaluation.eval_sample or manifest.dataset.test_size),
         _verification(run, manifest.rounds_done),
         integrity,
         sum(manifest.clients.num_examples),

@@ -379,3 +379,27 @@ def test_a_model_with_nan_weights_is_refused_in_one_sentence(plain_run, tmp_path
     rehash(run)
     assert_user_error(cli("attack", run, "--no-progress"), mentions="non-finite")
     assert not (run / "attacks").exists()
+
+
+def test_a_client_with_too_few_audited_members_gets_no_interval_and_says_why():
+    """A federation of many small clients: a client with fewer than MIN_CLIENT_MEMBERS audited members is reported
+    with its counts and the reason, not with a bootstrap interval over a handful of repeated records."""
+    from fedaudit.attacks.membership import EvaluationSet
+    from fedaudit.attacks.runner import MIN_CLIENT_MEMBERS, _per_client
+
+    rng = np.random.default_rng(0)
+    clients = np.array([0] * 20 + [1] * (MIN_CLIENT_MEMBERS - 1) + [-1] * 40)
+    member = (clients >= 0).astype(np.int8)
+    ev = EvaluationSet(
+        source=np.full(len(clients), "train"),
+        index=np.arange(len(clients)),
+        label=np.zeros(len(clients), dtype=np.int64),
+        member=member,
+        client=clients,
+        attack_train=np.zeros(len(clients), dtype=bool),
+        client_classes={0: np.array([0]), 1: np.array([0])},
+    )
+    table = _per_client(ev, np.ones(len(clients), dtype=bool), rng.normal(size=len(clients)), rng=rng, resamples=200)
+    assert table["0"]["auc_ci95"] is not None and "not_resolved" not in table["0"]
+    assert table["1"]["auc"] is None and table["1"]["auc_ci95"] is None
+    assert table["1"]["num_members"] == MIN_CLIENT_MEMBERS - 1 and "fewer than" in table["1"]["not_resolved"]

@@ -12,8 +12,10 @@ import torch
 from helpers import (
     FAST_ARGS,
     assert_same_tensors,
+    assert_user_error,
     client_plan,
     epsilon_cli,
+    invoke,
     read_json,
 )
 from safetensors.torch import load_file
@@ -248,3 +250,33 @@ def test_effective_client_fraction_is_not_inflated_by_rounding(tmp_path, cli):
     assert result.exit_code == 0, result.output
     assert read_json(out / "manifest.json")["clients"]["client_fraction_effective"] == pytest.approx(0.28)
     assert pd.read_csv(out / "metrics.csv")["clients"].tolist() == [7]
+
+
+def test_evaluation_every_k_rounds_on_a_fixed_sample_changes_only_what_is_measured(tmp_path):
+    """--eval-every 2 measures rounds 2, 4 and the last; --eval-sample 50 measures on 50 test records, which the
+    report's interval counts; the model trained is the same as with every round measured on every record."""
+    from fedaudit.attacks.metrics import rate_interval
+    from fedaudit.reports.collect import collect_runs
+
+    every, sampled = tmp_path / "every", tmp_path / "sampled"
+    base = (*FAST_ARGS, "--rounds", "5")
+    assert invoke("train", *base, "--out", every).exit_code == 0
+    result = invoke("train", *base, "--eval-every", "2", "--eval-sample", "50", "--out", sampled)
+    assert result.exit_code == 0 and "round 3/5: not evaluated (--eval-every)" in result.output
+    assert (sampled / "model.safetensors").read_bytes() == (every / "model.safetensors").read_bytes()
+    rows = pd.read_csv(sampled / "metrics.csv")
+    assert rows["test_accuracy"].isna().tolist() == [True, False, True, False, False]
+    measured = rows["test_accuracy"].dropna() * 50
+    assert np.allclose(measured, measured.round())  # right answers out of 50
+    (run,) = collect_runs([sampled])
+    assert run.test_records == 50
+    assert list(run.final_accuracy_ci) == list(rate_interval(round(run.final_accuracy * 50), 50))
+
+
+@pytest.mark.parametrize(
+    "extra, mentions",
+    [(("--eval-every", "0"), "--eval-every"), (("--eval-sample", "-3"), "--eval-sample")],
+)
+def test_bad_evaluation_settings_are_one_sentence(tmp_path, extra, mentions):
+    assert_user_error(invoke("train", *FAST_ARGS, *extra, "--out", tmp_path / "run"), mentions=mentions)
+    assert not (tmp_path / "run").exists()
