@@ -530,6 +530,7 @@ def estimate_study(
     train = attacks = 0.0
     to_train = rounds_left = 0
     signal_seconds: float | None = None
+    rebuild_seconds: dict[tuple[str, bool], float] = {}
     for run, setup, action in zip(planned, setups, actions):
         directory = folder / RUNS_DIR / run.name
         rounds = setup.config.federated.rounds
@@ -551,7 +552,27 @@ def estimate_study(
             attacks += signal_seconds * records
             if any(m in ("rmia", "lira") for m in attack.methods):  # reference models: a run's training each
                 attacks += attack.references * per_round.get(key, 0.0) * rounds
+            if RECONSTRUCTION in attack.methods:
+                if key not in rebuild_seconds:
+                    rebuild_seconds[key] = _time_reconstruction(setup, attack)
+                attacks += rebuild_seconds[key]
     return Estimate(train, attacks, labels, to_train, rounds_left)
+
+
+def _time_reconstruction(setup: Setup, attack: AttackOptions) -> float:
+    """Seconds of a run's reconstruction audit: every client of the attacked rounds, each update timed on a few
+    iterations of the attack and scaled (:func:`fedaudit.attacks.reconstruction.estimate_seconds`)."""
+    from fedaudit.attacks.reconstruction import estimate_seconds, parse_target
+    from fedaudit.setup import clients_per_round
+
+    config = setup.config
+    rounds, client = parse_target(attack.target)
+    attacked = {"first-final": min(2, config.federated.rounds), "all": config.federated.rounds}.get(rounds, 1)
+    per_round = (
+        1 if client is not None else clients_per_round(config.federated.client_fraction, config.data.num_clients)
+    )
+    records = round(sum(len(c) for c in setup.partition.clients) / len(setup.partition.clients))
+    return estimate_seconds(config, setup.spec, setup.dataset, records, attacked * per_round, attack.reconstruction)
 
 
 def _time_signals(setup: Setup, attack: AttackOptions) -> float:

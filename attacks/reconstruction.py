@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -626,15 +626,12 @@ def _share(run: RunDirectory, round_number: int, client: int) -> dict[str, torch
     return {"images": state["synthetic/images"], "labels": state["synthetic/labels"]}
 
 
-def local_training(
-    run: RunDirectory, config: RunConfig, manifest: Manifest, target: ReconstructionTarget, params: dict[str, Any]
-) -> LocalTraining:
-    """The recipe of client ``target.client``'s local training in ``target.round``, as the run's configuration
-    and its checkpoints tell the server."""
+def recipe(config: RunConfig, records: int, round_number: int) -> LocalTraining:
+    """The recipe of local training of a client with ``records`` records in ``round_number``, as the run's
+    configuration tells the server (without SCAFFOLD's control variates, which :func:`local_training` adds)."""
     fed, privacy = config.federated, config.privacy
-    algorithm, rounds, index = fed.algorithm, fed.rounds, target.round - 1
+    algorithm, rounds, index = fed.algorithm, fed.rounds, round_number - 1
     inner = config.fedssyn.inner_algorithm if algorithm == "fedssyn" else algorithm
-    own = manifest.clients.num_examples[target.client]
     if algorithm == "fedssyn":  # the inner algorithm's rounds start after the generation round
         rounds, index = rounds - 1, index - 1
     lr = fed.client_lr
@@ -645,26 +642,68 @@ def local_training(
     elif fed.local_steps is not None:
         steps = fed.local_steps
     else:
-        steps = fed.local_epochs * max(1, own // fed.batch_size)
-    correction = None
-    if inner == "scaffold":
-        server = run.load_server_state(target.round - 1) if target.round > 1 else {}
-        clients = run.load_client_states(target.round - 1) if target.round > 1 else {}
-        own_control = clients.get(target.client, {})
-        correction = {
-            name: server.get(name, torch.zeros_like(p)) - own_control.get(name, torch.zeros_like(p))
-            for name, p in params.items()
-        }
+        steps = fed.local_epochs * max(1, records // fed.batch_size)
     return LocalTraining(
         steps=steps,
         batch_size=fed.batch_size,
         lr=lr,
         momentum=fed.momentum,
         mu=fed.mu if inner == "fedprox" else 0.0,
-        correction=correction,
         full_batch=inner == "fedsgd" and not privacy.dp,
         max_grad_norm=privacy.max_grad_norm if privacy.dp else None,
     )
+
+
+def local_training(
+    run: RunDirectory, config: RunConfig, manifest: Manifest, target: ReconstructionTarget, params: dict[str, Any]
+) -> LocalTraining:
+    """The recipe of client ``target.client``'s local training in ``target.round``, as the run's configuration
+    and its checkpoints (SCAFFOLD's control variates c and c_k of the round's start) tell the server."""
+    training = recipe(config, manifest.clients.num_examples[target.client], target.round)
+    inner = config.fedssyn.inner_algorithm if config.federated.algorithm == "fedssyn" else config.federated.algorithm
+    if inner != "scaffold":
+        return training
+    server = run.load_server_state(target.round - 1) if target.round > 1 else {}
+    clients = run.load_client_states(target.round - 1) if target.round > 1 else {}
+    own_control = clients.get(target.client, {})
+    correction = {
+        name: server.get(name, torch.zeros_like(p)) - own_control.get(name, torch.zeros_like(p))
+        for name, p in params.items()
+    }
+    return replace(training, correction=correction)
+
+
+def estimate_seconds(
+    config: RunConfig, spec: ModelSpec, dataset: Dataset, records: int, targets: int, options: ReconstructionOptions
+) -> float:
+    """About how long the audit of ``targets`` updates of clients with ``records`` records takes here: a few
+    iterations of the attack on a random update, timed, scaled to its iterations, starts and null."""
+    if config.federated.algorithm in SYNTHETIC_ALGORITHMS or not targets:
+        return 0.0
+    records = min(records, MAX_RECORDS)
+    model = build_model(spec)
+    model.eval()
+    start = {name: p.detach() for name, p in model.named_parameters()}
+    training = recipe(config, records, 1)
+    generator = torch.Generator().manual_seed(0)
+    update = _random_like(start, generator)
+    labels = torch.zeros(records, dtype=torch.long)
+    probe = replace(options, iterations=2, restarts=1)
+    began = time.perf_counter()
+    invert(
+        model,
+        start,
+        update,
+        training,
+        labels=labels,
+        known=None,
+        box=pixel_range(dataset.train_x),
+        shape=tuple(spec.input_shape),
+        options=probe,
+        generator=generator,
+    )
+    per_iteration = (time.perf_counter() - began) / 3  # two iterations and the final match
+    return per_iteration * options.iterations * options.restarts * 2 * targets
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -940,7 +979,8 @@ def console_table(metrics: Sequence[dict[str, Any]]) -> pd.DataFrame:
                 "PSNR dB [95%]": _interval_text(m["psnr"], 2),
                 "SSIM [95%]": _interval_text(m["ssim"], 3),
                 f"recovered >= {recovered['threshold_db']:g} dB": fraction,
-                f"null ({m['null']['kind']}) PSNR": _interval_text(m["null"]["psnr"], 2),
+                "null": m["null"]["kind"],
+                "null PSNR dB [95%]": _interval_text(m["null"]["psnr"], 2),
                 "labels right": "-" if not labels else f"{labels['right']}/{labels['n']}",
                 "eps": "no DP" if m["accountant_epsilon"] is None else f"{m['accountant_epsilon']:.3f}",
                 "s": f"{m['seconds']:.1f}",

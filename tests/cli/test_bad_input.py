@@ -8,6 +8,7 @@ paths that would overwrite or land inside a run."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,18 @@ ATTACK_CASES: tuple[tuple[str, ...], ...] = (
     ("attack", "TAMPERED"),
     ("attack", "FORGED_LEDGER"),
     ("attack", "RUN", "--device", "tpu"),
+    ("attack", "RUN", "--method", "reconstruction"),  # trained without --save-transmitted
+    ("attack", "SENT", "--method", "reconstruction", "--target", "round:9"),  # no such round
+    ("attack", "SENT", "--method", "reconstruction", "--target", "round:1:client:99"),  # no such client
+    ("attack", "SENT", "--method", "reconstruction", "--target", "ABSENT_CLIENT"),  # did not take part
+    ("attack", "SENT", "--method", "reconstruction", "--target", "round:1:client:x"),
+    ("attack", "SENT", "--method", "reconstruction", "--target", "round:0:client:1"),
+    ("attack", "NO_BIAS", "--method", "reconstruction"),  # the labels cannot be read off this model
+    ("attack", "SENT", "--method", "reconstruction", "--iterations", "0"),
+    ("attack", "SENT", "--method", "reconstruction", "--restarts", "-1"),
+    ("attack", "SENT", "--method", "reconstruction", "--psnr-threshold", "0"),
+    ("attack", "SENT", "--method", "reconstruction", "--psnr-threshold", "nan"),
+    ("attack", "RUN", "--target", "round:1:client:0"),  # a client is for reconstruction only
 )
 # attack --flower-log: files that are not a whole Flower canary log, and options that do not go with one
 FLOWER_LOG_CASES: tuple[tuple[str, ...], ...] = (
@@ -188,6 +201,8 @@ POLICIES: tuple[str, ...] = (
     "[1, 2]",
     "",
     "max_epsilon: !!python/object/apply:os.system ['echo pwned']",
+    "max_reconstruction_psnr: 0",
+    "max_reconstruction_psnr: x",
 )
 EPSILON_CASES: tuple[tuple[str, ...], ...] = (
     ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0", "--steps", "10"),
@@ -217,6 +232,7 @@ OTHER_CASES: tuple[tuple[str, ...], ...] = (
     ("compare", "--out", "FOREIGN"),
     ("compare", "--study", "NOWHERE", "--out", "OUT/s"),
     ("compare", "--study", "BADYAML", "--out", "OUT/s"),
+    ("compare", "--out", "OUT/s", "--attack", "inversion"),
     ("datasets", "--data-dir", "FILE"),
     ("nonsense-command",),
     ("train", "--no-such-option"),
@@ -260,6 +276,30 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
     run = Path(shutil.copytree(plain_run, root / "run"))
     tampered = Path(shutil.copytree(plain_run, root / "tampered"))
     (tampered / "metrics.csv").write_text("round,test_accuracy\n1,0.99\n")
+    sent = invoke(
+        "train", *FAST_ARGS, "--rounds", "1", "--client-fraction", "0.4", "--save-transmitted", "--out", root / "sent"
+    )
+    assert sent.exit_code == 0, sent.output
+    took_part = {int(p.stem.split("-")[1]) for p in (root / "sent" / "transmitted" / "round-0001").iterdir()}
+    absent = min(set(range(5)) - took_part)
+    (root / "recon_models.py").write_text(
+        "from torch import nn\n\n\ndef no_bias(input_shape, num_classes):\n"
+        "    n = input_shape[0] * input_shape[1] * input_shape[2]\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(n, 8), nn.ReLU(), nn.Linear(8, num_classes, bias=False))\n"
+    )
+    sys.path.insert(0, str(root))
+    no_bias = invoke(
+        "train",
+        *FAST_ARGS,
+        "--model",
+        "recon_models:no_bias",
+        "--rounds",
+        "1",
+        "--save-transmitted",
+        "--out",
+        root / "no_bias",
+    )
+    assert no_bias.exit_code == 0, no_bias.output
     dp = invoke("train", *FAST_ARGS, "--dp", "--rounds", "2", "--out", root / "forged")
     assert dp.exit_code == 0, dp.output
     ledger = json.loads((root / "forged" / "privacy.json").read_text())
@@ -339,6 +379,9 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
         "NOWHERE": root / "nowhere",
         "OTHER": root / "other",
         "OUT": root / "out",
+        "SENT": root / "sent",
+        "NO_BIAS": root / "no_bias",
+        "ABSENT_CLIENT": Path(f"round:1:client:{absent}"),
     }
     for i, text in enumerate(POLICIES):
         (root / f"policy{i}.yaml").write_text(text + "\n")
