@@ -19,7 +19,7 @@ checkpoints and audit stay exactly those of the local engine:
 
 Every site computes exactly what the local engine's client computes (the same ``client_update`` with the same
 derived generator), so the run is the same, byte for byte. The Flower APIs used for step 1 are internal ones of
-Flower 1.41 (the ``flower`` extra pins it).
+Flower 1.42 (the ``flower`` extra pins it).
 """
 
 from __future__ import annotations
