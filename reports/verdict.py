@@ -98,6 +98,12 @@ def _reconstruction(run: RunSummary) -> str:
     null = "no better than its null" if worst.no_better_than_null else "better than its null"
     if worst.no_better_than_null is None:
         null = f"against {fmt(worst.null_quality['psnr']['mean'], 2)} dB for its null"
+    if worst.view == "synthetic-nearest":
+        return (
+            f"of the synthetic images sent in round {worst.round}, {recovered['recovered']} of {recovered['n']} reach "
+            f"a PSNR of {fmt(worst.threshold)} dB or more against their client's nearest record (mean "
+            f"{fmt(psnr['mean'], 2)} dB{ci}, {null})"
+        )
     return (
         f"from what crossed the wire in round {worst.round} the server could rebuild {recovered['recovered']} of "
         f"{recovered['n']} records at {fmt(worst.threshold)} dB or more (mean PSNR {fmt(psnr['mean'], 2)} dB{ci}, "

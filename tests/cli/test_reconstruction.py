@@ -218,6 +218,10 @@ def test_a_synthetic_set_is_judged_by_its_nearest_record_beside_held_out_records
     holdout = set(np.load(run / "membership.npz")["holdout"])
     assert set(held["image"]) <= holdout and (held["image_source"] == "holdout").all()
     assert sorted(held["label_guessed"]) == sorted(sent["labels"].tolist())  # held-out records of the same classes
+    report = invoke("report", run, "--out", tmp_path / "report", "--format", "md")
+    assert report.exit_code == 0, report.output
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "of the synthetic images sent in round 1" in markdown and "| synthetic set |" in markdown
 
 
 def test_compare_attack_reconstruction_keeps_what_crossed_the_wire_and_plots_it_against_epsilon(tmp_path) -> None:
