@@ -148,12 +148,11 @@ def audit(
         resamples: bootstrap resamples of the intervals.
         accountant: fedaudit's accountant (``rdp`` or ``prv``).
     """
-    path = source
     seed = log.seed if seed is None else seed
     included = log.included.astype(bool)
     if included.sum() < 2 or (~included).sum() < 2:
         raise AttackError(
-            f"{path} has {int(included.sum())} included canaries of {log.canaries}; the audit needs "
+            f"{source} has {int(included.sum())} included canaries of {log.canaries}; the audit needs "
             "at least two included and two excluded."
         )
     split_seed = derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT)
@@ -214,7 +213,7 @@ def audit(
     metrics = {
         "attack": "flower-canaries",
         "method": "canary",
-        "log": str(path),
+        "log": source,
         "log_format": {"name": FORMAT, "version": VERSION},
         "seed": seed,
         "canaries": log.canaries,
