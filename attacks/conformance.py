@@ -255,6 +255,7 @@ class _Run:
     fraction: float  # ceil(p K) / K
     fedssyn: tuple[float, int] | None = None  # Fedssyn's rho and n~: its queries sample other populations
     records_at_sites: bool = False  # --dataset sites: no whole query is kept (it would hold a site's records)
+    setup_rounds: int = 0  # leading rounds every client takes part in (Fedssyn's generation round)
 
     def populations(self, round_number: int, client: int, events: int) -> list[int]:
         """The number of records each of a round's ``events`` samples from: the client's own N_k; for Fedssyn the
@@ -379,6 +380,7 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
         selected=selected,
         fraction=selected / num_clients,
         fedssyn=fedssyn,
+        setup_rounds=1 if fedssyn is not None else 0,
         records_at_sites=str(config.data.dataset).strip().lower() == "sites",
     )
     return facts, _read_ledger(privacy, str(run.privacy_path))
@@ -959,21 +961,26 @@ def _sampling_check(read: _Logs, facts: _Run, ledger: _Ledger, level: float) -> 
         found, info = _binomial_tests("canaries", np.concatenate(canaries), np.concatenate(held), rate)
         tests += found
         details["canaries"] = info
-    wrong_rounds = {m: len(c) for m, c in read.participants.items() if len(c) != facts.selected}
+    everyone = len(facts.sizes)
+    wrong_rounds = {
+        m: len(c)
+        for m, c in read.participants.items()
+        if len(c) != (everyone if m <= facts.setup_rounds else facts.selected)
+    }
     if wrong_rounds:
         m, count = next(iter(wrong_rounds.items()))
-        tests.append(
-            _exact(
-                "participants",
-                False,
-                f"Round {m} has logs of {count} clients where ceil(p K) = {facts.selected} take part in every round.",
-            )
+        expected = (
+            f"every client ({everyone}) takes part in its first {facts.setup_rounds} round(s)"
+            if m <= facts.setup_rounds
+            else f"ceil(p K) = {facts.selected} take part in every round"
         )
+        tests.append(_exact("participants", False, f"Round {m} has logs of {count} clients where {expected}."))
     counts = np.zeros(len(facts.sizes), dtype=int)
-    for clients in read.participants.values():
+    sampled = {m: c for m, c in read.participants.items() if m > facts.setup_rounds}  # chosen by --client-fraction
+    for clients in sampled.values():
         counts[[k for k in clients if k < len(counts)]] += 1
     details["participation"] = counts.tolist()
-    rounds = len(read.participants)
+    rounds = len(sampled)
     if 0 < facts.fraction < 1 and rounds:
         lower = stats.binom.cdf(counts, rounds, facts.fraction)
         upper = stats.binom.sf(counts - 1, rounds, facts.fraction)
@@ -988,9 +995,11 @@ def _sampling_check(read: _Logs, facts: _Run, ledger: _Ledger, level: float) -> 
                 f"{facts.selected} of {len(counts)} clients gives {rounds * facts.fraction:.3g} on average.",
             )
         )
+    setup = f" after {facts.setup_rounds} round(s) of every client" if facts.setup_rounds else ""
     success = (
         f"The batches of {queries} queries are Poisson samples at the rate the ledger charges, and each of "
-        f"{rounds} rounds had {facts.selected} of {len(facts.sizes)} clients (participation {counts.tolist()})."
+        f"{rounds} rounds{setup} had {facts.selected} of {len(facts.sizes)} clients (participation "
+        f"{counts.tolist()})."
     )
     return _combine("sampling", tests, level, queries, success, details)
 

@@ -41,6 +41,9 @@ class EvaluationSet:
     client: np.ndarray
     attack_train: np.ndarray
     client_classes: dict[int, np.ndarray]
+    # what a client's members are compared with in per-client results: the non-members of the same group (None:
+    # of the client's classes, by label; a sites run: of the client's own site, whose ids are the groups)
+    group: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.member.size)

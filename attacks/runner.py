@@ -294,7 +294,12 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     try:
         if sites is not None:
             evaluation = sites_evaluation_set(
-                partition, nonmembers=options.nonmembers, max_records=options.max_records, seed=seed, exclude=planted
+                partition,
+                sites.site_records,
+                nonmembers=options.nonmembers,
+                max_records=options.max_records,
+                seed=seed,
+                exclude=planted,
             )
         else:
             evaluation = build_evaluation_set(
@@ -737,8 +742,9 @@ def _per_client(
     groups: dict[tuple[int, ...], list[int]] = {}
     for k, classes in ev.client_classes.items():  # clients of the same classes share their non-members
         groups.setdefault(tuple(sorted(int(c) for c in classes)), []).append(k)
+    kind = ev.label if ev.group is None else ev.group
     for classes, clients in groups.items():
-        others = nonmember & np.isin(ev.label, classes)
+        others = nonmember & np.isin(kind, classes)
         members = {k: audit & (ev.client == k) for k in clients}
         scored = [k for k in clients if members[k].sum() >= MIN_CLIENT_MEMBERS and others.any()]
         boots = bootstrap_groups(scores[others], [scores[members[k]] for k in scored], rng=rng, resamples=resamples)
@@ -757,7 +763,7 @@ def _per_client(
                     f"{int(members[k].sum())} audited member(s), fewer than {MIN_CLIENT_MEMBERS}: a bootstrap over so "
                     "few records repeats them and its interval is not a 95% interval, so none is given"
                     if others.any()
-                    else "no audited non-member of this client's classes"
+                    else "no audited non-member to compare with (of this client's classes, or of its site)"
                 )
     return dict(sorted(table.items(), key=lambda item: int(item[0])))
 

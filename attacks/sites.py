@@ -7,9 +7,10 @@ run (balanced members and non-members, halves for the methods that fit something
 sites' privacy asks for:
 
 - non-members are the sites' held-out records only (each site drew them at random from its own file, so they share
-  its members' distribution, and the sites' shares of members and of held-out records are the same);
-- no label leaves a site, so the evaluation set does not restrict non-members to the members' classes (no need: see
-  above) and records no label (-1).
+  its members' distribution), drawn site by site: as many of a site's held-out records as of its members, so that
+  members and non-members are the same mixture of sites, and a client's per-client results compare its members with
+  its own site's held-out records;
+- no label leaves a site, so the evaluation set records none (-1).
 
 A run trained here from the sites' files (``--site-data``) is scored the same way, site by site in the same order and
 batches, so its results equal those of the same run deployed. A deployed run needs a connection to its sites
@@ -21,18 +22,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedaudit.attacks import AttackError
-from fedaudit.attacks.membership import EvaluationSet, build_evaluation_set
+from fedaudit.attacks import AttackError, Draw
+from fedaudit.attacks.membership import EvaluationSet
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition
 from fedaudit.data.sites import locate
+from fedaudit.seeding import Stream, numpy_rng
 from fedaudit.signals import Signals, compute_signals
 
 TensorDict = dict[str, torch.Tensor]
@@ -56,27 +58,54 @@ class Sites:
 
 
 def evaluation_set(
-    partition: Partition, *, nonmembers: str, max_records: int, seed: int, exclude: np.ndarray | None
+    partition: Partition,
+    site_records: np.ndarray,
+    *,
+    nonmembers: str,
+    max_records: int,
+    seed: int,
+    exclude: np.ndarray | None,
 ) -> EvaluationSet:
-    """The evaluation set of a sites run: members of every client and the sites' held-out records, no labels."""
+    """The evaluation set of a sites run, drawn site by site: c_k members of client k and c_k of site k's own
+    held-out records, the same number of each from every site, so that the members and the non-members are the same
+    mixture of sites (a pooled audit then measures membership, not which site a record comes from), with c_k in
+    proportion to min(members, held-out records) and the total at most ``max_records`` a side; no label. A client's
+    per-client results compare its members with its own site's held-out records (``group``)."""
     if nonmembers == "test":
         raise AttackError(
             "A federation whose sites keep their records is audited on each site's held-out records; its test "
             "records are the sites' own and are not scored: use --nonmembers holdout."
         )
-    size = int(max(int(c.max(initial=-1)) for c in (*partition.clients, partition.holdout))) + 1
-    drawn = build_evaluation_set(
-        partition,
-        np.zeros(size, dtype=np.int64),
-        np.zeros(0, dtype=np.int64),
-        nonmembers="holdout",
-        max_records=max_records,
-        seed=seed,
-        exclude=exclude,
+    holdout = partition.holdout if exclude is None else np.setdiff1d(partition.holdout, exclude)
+    site_of_holdout, _ = locate(holdout, site_records)
+    members = list(partition.clients)
+    heldout = [holdout[site_of_holdout == k] for k in range(len(members))]
+    room = np.array([min(len(m), len(h)) for m, h in zip(members, heldout)], dtype=np.int64)
+    if room.sum() > max_records:
+        room = np.floor(room * (max_records / room.sum())).astype(np.int64)
+    if room.sum() < 2:
+        raise AttackError(
+            "An audit of sites needs at least 2 members and 2 held-out records from the same sites, but the sites "
+            f"hold {[len(m) for m in members]} members and {[len(h) for h in heldout]} held-out records."
+        )
+    member_rng = numpy_rng(seed, Stream.ATTACK, Draw.MEMBERS)
+    nonmember_rng = numpy_rng(seed, Stream.ATTACK, Draw.NONMEMBERS)
+    chosen_members = [np.sort(member_rng.choice(m, c, replace=False)) for m, c in zip(members, room)]
+    chosen_heldout = [np.sort(nonmember_rng.choice(h, c, replace=False)) for h, c in zip(heldout, room)]
+    per_side = int(room.sum())
+    split_rng = numpy_rng(seed, Stream.ATTACK, Draw.HALVES)
+    halves = [split_rng.permutation(per_side) < per_side // 2 for _ in range(2)]
+    site = np.repeat(np.arange(len(members)), room)
+    return EvaluationSet(
+        source=np.full(2 * per_side, "train"),
+        index=np.concatenate([*chosen_members, *chosen_heldout]).astype(np.int64),
+        label=np.full(2 * per_side, -1, dtype=np.int64),
+        member=np.repeat(np.array([1, 0], dtype=np.int8), per_side),
+        client=np.concatenate([site, np.full(per_side, -1)]).astype(np.int64),
+        attack_train=np.concatenate(halves),
+        client_classes={k: np.array([k]) for k in range(len(members))},
+        group=np.concatenate([site, site]).astype(np.int64),
     )
-    # every client's members are compared with every site's held-out records (no label to match classes with)
-    classes = {k: np.array([-1]) for k in range(len(partition.clients))}
-    return replace(drawn, label=np.full(len(drawn), -1, dtype=np.int64), client_classes=classes)
 
 
 def site_signals(

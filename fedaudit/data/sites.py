@@ -5,8 +5,9 @@ server does with a whole dataset elsewhere, on its own: it holds out a test spli
 standardises its records with their own statistics, and draws which of its training records its client trains on
 (the members) and which it holds out as non-members, at random from the run's seed and its client id, so that the
 membership audit stays valid (a non-member was as likely as a member to be trained on). It describes every training
-record by the SHA-256 of its raw values and label, so that a run directory can say which records were members
-without holding them.
+record by a keyed hash (HMAC-SHA256) of its raw values and label, under a key only the site can compute
+(:func:`site_key`), so that the run can check later that the site still holds the records it trained on, while the
+hashes tell nobody else whether a given record was a member.
 
 With the local engine, ``--site-data SPEC`` names each client's file in client order and the run reads them all here,
 every one exactly as its site would (:func:`load_sites`); in a Flower deployment each SuperNode reads its own
@@ -17,6 +18,7 @@ site), not renumbered per file; the number of classes is one more than the large
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +31,7 @@ from fedaudit.data.user import is_user_dataset, read_records, standardise
 from fedaudit.seeding import Stream, numpy_rng
 
 SITES = "sites"
-HASH_BYTES = 32  # SHA-256
+HASH_BYTES = 32  # HMAC-SHA256
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class SiteData:
     test_y: torch.Tensor
     members: np.ndarray  # sorted indices into train: the records the client trains on
     heldout: np.ndarray  # sorted indices into train: the site's non-members
-    hashes: np.ndarray  # uint8 [n, 32]: SHA-256 of each training record's raw values and label
+    hashes: np.ndarray  # uint8 [n, 32]: HMAC-SHA256 (the site's key) of each training record's raw values and label
     fingerprint: str
     source: str
 
@@ -58,13 +60,31 @@ def is_sites(name: str) -> bool:
     return str(name).strip().lower() == SITES
 
 
-def record_hashes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """SHA-256 of each record's raw float32 values and int64 label: uint8 [N, 32]."""
+KEY_DOMAIN = b"fedaudit site record key\0"
+
+
+def site_key(*arrays: np.ndarray) -> bytes:
+    """The secret a site keys its records' hashes with: the SHA-256 of a domain tag and all of its file's arrays
+    (training and test, as float32 values and int64 labels). Only whoever holds the whole file can compute it; the
+    file's fingerprint, which the server sees, is another hash and does not give it."""
+    digest = hashlib.sha256(KEY_DOMAIN)
+    for array in arrays:
+        kind = np.int64 if np.issubdtype(np.asarray(array).dtype, np.integer) else np.float32
+        digest.update(np.ascontiguousarray(array, dtype=kind).tobytes())
+    return digest.digest()
+
+
+def record_hashes(x: np.ndarray, y: np.ndarray, key: bytes) -> np.ndarray:
+    """HMAC-SHA256 under the site's ``key`` of each record's raw float32 values and int64 label: uint8 [N, 32].
+
+    A plain hash would let anyone who holds a run directory test whether a candidate record was a member (and try
+    each label): keyed, the hashes tell the server and the run's readers nothing about any record, while the site,
+    which can always recompute them, proves that its records are those the run recorded."""
     values = np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1)
     labels = np.ascontiguousarray(y, dtype=np.int64)
     out = np.empty((len(x), HASH_BYTES), dtype=np.uint8)
     for i in range(len(x)):
-        digest = hashlib.sha256(values[i].tobytes() + labels[i].tobytes()).digest()
+        digest = hmac.new(key, values[i].tobytes() + labels[i].tobytes(), hashlib.sha256).digest()
         out[i] = np.frombuffer(digest, dtype=np.uint8)
     return out
 
@@ -91,7 +111,7 @@ def read_site(
         raise DataError(f"{source}: --holdout-fraction {holdout_fraction:g} leaves its client no record to train on.")
     order = numpy_rng(seed, Stream.SITE_SPLIT, client).permutation(len(y))
     heldout, members = np.sort(order[:heldout_count]), np.sort(order[heldout_count:])
-    hashes = record_hashes(x, y)
+    hashes = record_hashes(x, y, site_key(x, y, x_test, y_test))
     train, test = standardise(x, x_test)
     return SiteData(
         client=client,

@@ -371,3 +371,14 @@ def test_fedssyn_with_its_generator_noise_removed_is_caught_by_the_query_view(tm
     assert bounds["update-projection-canary"][0] <= bounds["update-projection-canary"][1]  # the wire view misses it
     report = invoke("report", out, "--out", tmp_path / "report.md")
     assert report.exit_code == 1 and "does not keep its promise" in report.output
+
+
+def test_fedssyn_with_client_sampling_passes_verify_whose_first_round_takes_every_client(tmp_path):
+    """Fedssyn's generation round takes every client whatever --client-fraction says; verify expects exactly that,
+    and judges the participation of the later rounds alone."""
+    out = tmp_path / "run"
+    args = (*SSYN_RUN[:-2], "--canaries", "200", "--rounds", "4", "--client-fraction", "0.6", "--generator-epochs", "1")
+    assert invoke("train", *args, "--out", out).exit_code == 0
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "after 1 round(s) of every client had 3 of 5 clients" in " ".join(result.output.split())

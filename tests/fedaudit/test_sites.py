@@ -5,6 +5,7 @@ model is evaluated site by site; the audit scores each site's records where they
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from pathlib import Path
 
@@ -55,9 +56,19 @@ def test_a_site_splits_its_records_from_the_seed_and_its_client_id_and_hashes_ea
     n = len(raw["y"])
     assert len(site.heldout) == int(0.2 * n) and len(site.members) == n - int(0.2 * n)
     assert np.array_equal(np.sort(np.concatenate([site.members, site.heldout])), np.arange(n))
-    for i in (0, 7, n - 1):  # the slow loop: SHA-256 of the raw values (float32) and the label (int64)
-        digest = hashlib.sha256(raw["x"][i].astype(np.float32).tobytes() + np.int64(raw["y"][i]).tobytes()).digest()
-        assert bytes(site.hashes[i]) == digest
+    # the slow loop: HMAC-SHA256 of the raw values (float32) and the label (int64) under the site's key, the SHA-256
+    # of a domain tag and the whole file's arrays
+    key = hashlib.sha256(
+        b"fedaudit site record key\0"
+        + raw["x"].astype(np.float32).tobytes()
+        + raw["y"].astype(np.int64).tobytes()
+        + raw["x_test"].astype(np.float32).tobytes()
+        + raw["y_test"].astype(np.int64).tobytes()
+    ).digest()
+    for i in (0, 7, n - 1):
+        record = raw["x"][i].astype(np.float32).tobytes() + np.int64(raw["y"][i]).tobytes()
+        assert bytes(site.hashes[i]) == hmac.new(key, record, hashlib.sha256).digest()
+        assert bytes(site.hashes[i]) != hashlib.sha256(record).digest()  # a plain hash would reveal membership
     again = read_site(f"npz:{site_files[0]}", 0, seed=5, holdout_fraction=0.2)
     assert np.array_equal(again.members, site.members)
     other = read_site(f"npz:{site_files[0]}", 1, seed=5, holdout_fraction=0.2)  # another client id: another draw
@@ -180,3 +191,30 @@ def test_bad_site_files_are_one_sentence(tmp_path):
 def test_an_attack_that_would_reach_the_sites_needs_its_connection_complete(tmp_path, site_files):
     assert_user_error(invoke("attack", tmp_path, "--superlink", "127.0.0.1:9"), mentions="--root-certificates")
     assert_user_error(invoke("attack", tmp_path, "--insecure"), mentions="need --superlink")
+
+
+def test_the_audit_of_sites_draws_as_many_held_out_records_as_members_from_every_site(site_files):
+    """Members and non-members are the same mixture of sites, and a client is compared with its own site's held-out
+    records: with sites of different classes, anything else would measure the site, not membership."""
+    from fedaudit.attacks.runner import _per_client
+    from fedaudit.attacks.sites import evaluation_set
+
+    specs = tuple(f"npz:{f}" for f in site_files)
+    _, partition, reports = load_sites(specs, seed=0, holdout_fraction=0.1)
+    counts = np.array([r.records for r in reports])
+    for cap in (10_000, 60):
+        ev = evaluation_set(partition, counts, nonmembers="both", max_records=cap, seed=3, exclude=None)
+        site, _ = locate(ev.index, counts)
+        assert np.array_equal(site, ev.group) and len(ev) // 2 <= cap
+        for k in range(3):
+            members = (ev.member == 1) & (site == k)
+            assert members.sum() == ((ev.member == 0) & (site == k)).sum() > 0
+            assert set(ev.client[members].tolist()) == {k}
+            assert np.isin(ev.index[members], partition.clients[k]).all()
+        assert np.isin(ev.index[ev.member == 0], partition.holdout).all()
+    rng = np.random.default_rng(0)
+    table = _per_client(ev, np.ones(len(ev), dtype=bool), rng.normal(size=len(ev)), rng=rng, resamples=50)
+    for k in range(3):
+        assert table[str(k)]["num_nonmembers"] == int(((ev.member == 0) & (ev.group == k)).sum())
+    with pytest.raises(Exception, match="--nonmembers holdout"):
+        evaluation_set(partition, counts, nonmembers="test", max_records=100, seed=0, exclude=None)
