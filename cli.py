@@ -209,15 +209,19 @@ def main() -> None:
 )
 @click.option("--ipc", type=int, help="FedLAP: synthetic images per class. [default: 10 with --dp, 50 without]")
 @click.option(
-    "--trajectories", type=int, help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1]"
+    "--trajectories",
+    type=int,
+    help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1; 1 on digits with --dp]",
 )
 @click.option("--max-loops", type=int, help="FedLAP L: loop cap per trajectory. [default: 5]")
-@click.option("--real-batches", type=int, help="FedLAP R_b: real batches per loop. [default: 10 / 40]")
+@click.option(
+    "--real-batches", type=int, help="FedLAP R_b: real batches per loop. [default: 10 / 40; 2 on digits with --dp]"
+)
 @click.option("--image-steps", type=int, help="FedLAP J: image updates per real gradient. [default: 5]")
 @click.option(
     "--model-epochs", type=int, help="FedLAP R_l: model epochs on the synthetic set between loops. [default: 2 / 0]"
 )
-@click.option("--radius", type=float, help="FedLAP r: trust-region radius. [default: 1.5 / 10]")
+@click.option("--radius", type=float, help="FedLAP r: trust-region radius. [default: 1.5 / 10; 5 on digits with --dp]")
 @click.option("--image-lr", type=float, help="FedLAP tau: image learning rate (SGD, momentum 0.5). [default: 100]")
 @click.option(
     "--mse-weight",

@@ -460,6 +460,7 @@ def _membership_attacks(
                 per_layer=options.per_layer,
                 batch_size=options.batch_size,
                 device=device,
+                round_number=target.round,
             )
         else:
             signals = compute_signals(

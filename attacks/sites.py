@@ -119,6 +119,7 @@ def site_signals(
     per_layer: bool,
     batch_size: int,
     device: torch.device,
+    round_number: int = 0,
 ) -> Signals:
     """The signals of the evaluation set's records, each site scoring its own (here from ``dataset`` for a local
     run, else through ``scorer``), in the evaluation set's order."""
@@ -148,6 +149,7 @@ def site_signals(
             signals,
             per_layer=per_layer,
             batch_size=batch_size,
+            round_number=round_number,
         )
     names = list(next(iter(found.values())).keys()) if found else list(signals)
     values = {name: np.zeros(len(evaluation), dtype=np.float64) for name in names}

@@ -117,8 +117,9 @@ def train_generator(
         if noise_multiplier is None:
             order = torch.randperm(n, generator=generator, device=generator.device).to(x.device)
             batches = [(x[idx], y[idx], None) for idx in order.split(batch_size)]
-        else:
-            # drawn one at a time, each just before its query, so that a query log sees each batch with its query
+        elif draw is None:  # an epoch's batches drawn first, then its steps (the order every DP-Fedssyn run kept)
+            batches = [_dp_batch(x, y, batch_size / n, generator, None) for _ in range(steps_per_epoch)]
+        else:  # a canary run: each batch drawn just before its query, which the query log sees with it
             batches = (_dp_batch(x, y, batch_size / n, generator, draw) for _ in range(steps_per_epoch))
         for xb, yb, extra in batches:
             noise = torch.randn(

@@ -342,8 +342,12 @@ class RunSummary:
 
     @property
     def final_accuracy(self) -> float | None:
+        """The test accuracy after the last round done; None where that round was not measured (an interrupted run
+        trained with --eval-every), rather than an earlier round's."""
         column = self.utility.get("test_accuracy")
-        return None if column is None or column.dropna().empty else float(column.dropna().iloc[-1])
+        if column is None or column.empty or pd.isna(column.iloc[-1]):
+            return None
+        return float(column.iloc[-1])
 
     @property
     def final_accuracy_ci(self) -> tuple[float, float] | None:

@@ -78,9 +78,10 @@ def png(fig: Figure) -> bytes:
 
 
 def accuracy_curve(run: RunSummary) -> bytes:
-    """Test accuracy after every round."""
+    """Test accuracy after every round it was measured in (``--eval-every`` skips some: the line joins the others)."""
+    measured = run.utility.dropna(subset=["test_accuracy"])
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(run.utility["round"], run.utility["test_accuracy"], marker="o")
+    ax.plot(measured["round"], measured["test_accuracy"], marker="o")
     ax.set(xlabel="round", ylabel="test accuracy", title=f"Utility: {run.name}", ylim=(0, 1))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)

@@ -113,8 +113,11 @@ def _trust(run: RunSummary) -> str:
     )
     if own:
         where += (
-            " on the records that site keeps, split into members and held-out records there; the server received "
-            "only their counts, positions and SHA-256 hashes, and the audit's signals were computed at the sites"
+            " on the records that site keeps, split into members and held-out records there; besides the model "
+            "updates, the server received their counts, positions and keyed hashes, each round every site's test "
+            "counts and summed loss, and from an audit the audited records' loss, confidence and gradient norms, "
+            "without noise (computed at the sites); this assumes an honest server, since a server that sent a "
+            "crafted model could read features of records through those numbers"
             if deployment
             else ", each from its own site's file, read as that site would read it"
         )

@@ -252,7 +252,8 @@ def _exceeds(run: RunSummary) -> dict[str, Any] | None:
 def promise(run: RunSummary) -> dict[str, Any] | None:
     """ "Does the implementation keep its promise?" for a DP run: each conformance check of `fedaudit verify`, each
     canary view's bound beside the accountant, a verdict (FAIL when a check failed or a bound exceeds the accountant,
-    PASS when both kinds of evidence exist and agree, else NOT CHECKED) and what could not be checked."""
+    PASS when both kinds of evidence exist, every check could be made and they agree, else NOT CHECKED) and what
+    could not be checked."""
     if not run.privacy.dp or not run.privacy.epsilon_per_round:
         return None
     failures: list[str] = []
@@ -308,7 +309,8 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
             "no canary audit: how much the released queries leak was not measured (train with --dp --canaries N, "
             "then attack with --method canary)"
         )
-    verdict = "FAIL" if failures else ("NOT CHECKED" if verification is None or not views else "PASS")
+    partial = verification is not None and any(not c.checked for c in verification.checks)
+    verdict = "FAIL" if failures else ("NOT CHECKED" if verification is None or not views or partial else "PASS")
     return {"verdict": verdict, "checks": checks, "views": views, "failures": failures, "unchecked": unchecked}
 
 

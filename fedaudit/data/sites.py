@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,6 +173,29 @@ class SiteReport:
             "shape": list(self.shape),
             "fingerprint": self.fingerprint,
         }
+
+    def digest(self) -> str:
+        """A SHA-256 of the report's summary (counts, positions, shape, classes, fingerprint)."""
+        return hashlib.sha256(json.dumps(self.summary(), sort_keys=True).encode()).hexdigest()
+
+    def compact(self) -> dict[str, object]:
+        """What every site is told of this site during the run: its counts, shape, classes and fingerprint, and the
+        digest of its report (which of its records are members stays between it and the server)."""
+        summary = self.summary()
+        return {
+            **{k: v for k, v in summary.items() if k not in ("members", "heldout")},
+            "members": len(self.members),
+            "heldout": len(self.heldout),
+            "digest": self.digest(),
+        }
+
+    @classmethod
+    def from_compact(cls, data: dict) -> tuple[SiteReport, str]:
+        """A report with the counts of :meth:`compact` (its positions stand in: the first members, then the held-out
+        records) and the digest of the real one."""
+        members, heldout = int(data["members"]), int(data["heldout"])
+        stand_in = {**data, "members": list(range(members)), "heldout": list(range(members, members + heldout))}
+        return cls.from_summary(stand_in), str(data["digest"])
 
     @classmethod
     def from_summary(cls, data: dict) -> SiteReport:

@@ -260,7 +260,7 @@ class DeploymentEngine:
         self.sites = list(sites)
         self.survey = survey
         self.reports: dict[int, SiteReport] = {}  # a survey's answers
-        self.federation = json.dumps([report.summary() for report in sites]) if sites else None
+        self.federation = json.dumps([report.compact() for report in sites]) if sites else None
 
     def __enter__(self) -> DeploymentEngine:
         return self
@@ -609,9 +609,19 @@ class SiteSignals:
         self.fingerprint = fingerprint
         self.engine = DeploymentEngine(config, num_clients=config.data.num_clients, membership=(), survey=True)
         self.federation = ""
+        self.target = 0  # the round whose model is being scored (for messages about a site that fails)
 
     def __enter__(self) -> SiteSignals:
-        self.engine._start()
+        try:
+            self.engine._start()
+            self._check_sites()
+        except BaseException:
+            self.engine.close(completed=False)  # __exit__ does not run when __enter__ raises
+            raise
+        return self
+
+    def _check_sites(self) -> None:
+        """Every site must still hold the records the run recorded (its hashes and fingerprint)."""
         reports = [self.engine.reports[k] for k in range(self.engine.num_clients)]
         changed = [
             r.client
@@ -625,8 +635,7 @@ class SiteSignals:
                 f"{which[0].upper()}{which[1:]} other records than the run was trained on (the fingerprint or the "
                 "records' hashes differ from what the run recorded); put them back to audit the run."
             )
-        self.federation = json.dumps([report.summary() for report in reports])
-        return self
+        self.federation = json.dumps([report.compact() for report in reports])
 
     def __exit__(self, *exc: object) -> None:
         self.engine.close(completed=exc[0] is None)
@@ -639,11 +648,14 @@ class SiteSignals:
         *,
         per_layer: bool,
         batch_size: int,
+        round_number: int = 0,
     ) -> dict[int, dict[str, np.ndarray]]:
-        """Per site, each signal of its records at ``positions[site]`` (in that order)."""
+        """Per site, each signal of its records at ``positions[site]`` (in that order), on the model of round
+        ``round_number``."""
         from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
         engine = self.engine
+        self.target = round_number
         requests = {}
         for client, where in positions.items():
             task = {
@@ -662,7 +674,7 @@ class SiteSignals:
             requests[client] = Message(
                 RecordDict(content), message_type="query.signals", dst_node_id=engine._node_of[client]
             )
-        replies = engine._exchange(requests, 0, time.monotonic() + engine.round_timeout)
+        replies = engine._exchange(requests, self.target, time.monotonic() + engine.round_timeout)
         found: dict[int, dict[str, np.ndarray]] = {}
         for client, where in positions.items():
             arrays = {name: a.numpy().copy() for name, a in replies[client].content["signals"].items()}

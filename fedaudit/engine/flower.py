@@ -104,16 +104,17 @@ def read_own_site(config_json: str, client: int, site_data: str | None) -> Any:
 
 @lru_cache(maxsize=4)
 def own_site(config_json: str, federation_json: str, client: int, site_data: str | None) -> tuple[Any, Any, Any]:
-    """A site's view of the run (its setup, holding no other site's records), a scratch model, and its client's
-    data built from its own records; refused when its records are not those it reported when the run began."""
+    """A site's view of the run (its setup, from the other sites' counts only: no other site's records or split), a
+    scratch model, and its client's data built from its own records; refused when its records are not those it
+    reported when the run began (the digest of its report, which the server sends)."""
     from fedaudit.data.sites import SiteReport
     from fedaudit.models import build_model
     from fedaudit.setup import client_data, prepare
 
-    reports = [SiteReport.from_summary(item) for item in json.loads(federation_json)]
+    told = [SiteReport.from_compact(item) for item in json.loads(federation_json)]
+    reports = [report for report, _ in told]
     site = read_own_site(config_json, client, site_data)
-    mine = SiteReport.of(site).summary()
-    if mine != reports[client].summary():
+    if SiteReport.of(site).digest() != told[client][1]:
         raise RuntimeError(
             f"the records of client {client}'s site are not those it reported when the run began (fingerprint "
             f"{site.fingerprint[:12]}, reported {reports[client].fingerprint[:12]})"
