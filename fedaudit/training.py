@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedaudit.algorithms.base import (
+    EVAL_BATCH,
     ClientData,
     ClientMessage,
     RoundContext,
@@ -221,7 +222,7 @@ def evaluate(
     params: TensorDict,
     x: torch.Tensor,
     y: torch.Tensor,
-    batch_size: int = 1024,
+    batch_size: int = EVAL_BATCH,
     *,
     sites: tuple[int, ...] = (),
 ) -> tuple[float, float]:
