@@ -1,0 +1,105 @@
+"""A cross-device federation on one machine: time per round, peak memory and the default attack's time, against the
+number of clients (and rounds), with the test accuracy measured every round on the whole test split (the default)
+and every ``--eval-every`` rounds on a sample of ``--eval-sample`` test records.
+
+Fashion-MNIST split IID over K clients (about 60,000 / K records each), a fraction ``--client-fraction`` of them
+each round, batch 16, DP-FedAvg at sigma 1 (the setting of the issue that asked for it). Each run is its own
+process (``fedaudit train``, then ``fedaudit attack``), whose peak resident memory it reports itself; one torch
+thread per process.
+
+    python benchmarks/scale.py [--clients 100 1000 3000] [--rounds 20 20 100] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Runs fedaudit in this process and reports its peak resident memory (kB on Linux) on its last line.
+_CHILD = (
+    "import resource, sys\n"
+    "from fedaudit.cli import main\n"
+    "code = 0\n"
+    "try:\n"
+    "    main(sys.argv[1:])\n"
+    "except SystemExit as exc:\n"
+    "    code = exc.code or 0\n"
+    "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    "sys.exit(code)\n"
+)
+
+
+def fedaudit(*args: str) -> tuple[float, float, str]:
+    """Seconds and peak RSS (MB) of ``fedaudit ARGS`` in a process of its own, and what it printed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"fedaudit {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    rss = re.search(r"^MAXRSS (\d+)$", done.stdout, flags=re.MULTILINE)
+    assert rss is not None
+    return seconds, int(rss.group(1)) / 1024, done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 3000])
+    parser.add_argument("--rounds", type=int, nargs="+", default=[20, 20, 100], help="one per --clients")
+    parser.add_argument("--client-fraction", type=float, default=0.02)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-sample", type=int, default=2000)
+    parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest sizes (seconds): digits, 20 clients, 2 rounds, one setting"
+    )
+    args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.rounds, args.dataset, args.client_fraction = [20], [2], "digits", 0.2
+        args.eval_every, args.eval_sample = 2, 100
+    if len(args.rounds) != len(args.clients):
+        parser.error("give one --rounds per --clients")
+    folder = Path(tempfile.mkdtemp(prefix="scale-")) if args.out is None else args.out
+    print(
+        f"{args.dataset}, IID, client fraction {args.client_fraction}, batch 16, DP-FedAvg sigma 1; "
+        "1 torch thread per process, CPU"
+    )
+    header = (
+        f"{'clients':>8} {'rounds':>6} {'evaluation':>24} {'train (s)':>10} {'s/round':>8} {'peak RSS (MB)':>14} "
+        f"{'attack (s)':>11} {'attack RSS (MB)':>16}"
+    )
+    print(header)
+    for clients, rounds in zip(args.clients, args.rounds):
+        settings = [] if args.smoke else [("every round, whole test split", ())]
+        settings.append(
+            (
+                f"every {args.eval_every}, {args.eval_sample} records",
+                ("--eval-every", str(args.eval_every), "--eval-sample", str(args.eval_sample)),
+            )
+        )
+        for label, extra in settings:
+            run = folder / f"{clients}-{rounds}-{len(extra)}"
+            train = (
+                *("train", "--dataset", args.dataset, "--partition", "iid", "--num-clients", str(clients)),
+                *("--client-fraction", str(args.client_fraction), "--batch-size", "16", "--dp"),
+                *("--noise-multiplier", "1", "--rounds", str(rounds), "--device", "cpu", "--no-progress"),
+                *extra,
+                *("--out", str(run), "--overwrite"),
+            )
+            seconds, rss, _ = fedaudit(*train)
+            attack_seconds, attack_rss, _ = fedaudit("attack", str(run), "--device", "cpu", "--no-progress")
+            print(
+                f"{clients:>8} {rounds:>6} {label:>24} {seconds:>10.1f} {seconds / rounds:>8.2f} {rss:>14.0f} "
+                f"{attack_seconds:>11.1f} {attack_rss:>16.0f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
