@@ -33,6 +33,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "per_client_intervals.py": ("per client (s)", r"^\s+20\s+\d"),
     "per_sample_grads.py": ("GSM/ours", r"^\s+8\s+\d"),
     "query_recording.py": ("median (s)", r"^with recording\s+\d"),
+    "reconstruction.py": ("null PSNR dB", r"^digits\s+fedsgd\s+1\s+1\s+2\s+none\s+-\s+8\s+\d+\.\d+ \["),
     "scale.py": ("peak RSS (MB)", r"^\s+20\s+2\s+every 2, 100 records\s+\d"),
     "twins.py": ("max rel. diff", r"^\s+8\s+\d+\s+8\s"),
     "utility.py": ("DP-FedAvg acc %", r"^1\s+\d"),
