@@ -22,6 +22,8 @@ def test_streams_are_distinct_and_stable():
         "CANARY_DRAW": 5,
         "CANARY": 6,
         "QUERY_AUDIT": 7,
+        "SITE_SPLIT": 8,
+        "EVALUATION": 9,
     }
 
 
