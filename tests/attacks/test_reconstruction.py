@@ -236,10 +236,10 @@ def _invert_digits(digits, indices, spec, config, options, *, random: bool = Fal
 def test_a_fedsgd_update_of_one_digit_is_inverted(digits) -> None:
     """The known answer: the server inverts non-DP FedSGD updates of one digit each, with the ConvNet at width 32 and
     the default attack (250 iterations x 4 starts). A record counts as recovered at 20 dB: the closest other digit
-    of the same class among 5,000 reaches that for only 10% of the digits (docs/attack.md). Measured over the first
-    20 digits the attack reaches 24.6 dB on average (sd 4.6), 18 of 20 at 20 dB or more (the two others 15.1 and
-    16.1 dB), every label exact; the random update's null stays near 6.5 dB. Here the first five (24.2, 23.6, 15.1,
-    28.1, 16.1 dB): most recovered, their mean above 20 dB, none near the null, every label exact."""
+    of the same class in the training split reaches that for only 10% of digits (docs/attack.md). Measured over the
+    first 20 digits the attack reaches 24.6 dB on average (sd 4.6), 18 of 20 at 20 dB or more (the two others 15.1
+    and 16.1 dB), every label exact; the random update's null stays near 6.5 dB. Here the first five (24.2, 23.6,
+    15.1, 28.1, 16.1 dB): most recovered, their mean above 20 dB, none near the null, every label exact."""
     config = _config("fedsgd", batch_size=1)
     spec = ModelSpec("convnet", DIGITS, 10, 32, 2)
     psnrs, right = _invert_digits(digits, range(5), spec, config, ReconstructionOptions())
