@@ -25,6 +25,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _machine import describe
 from opacus import GradSampleModule
 from twins import convnet_and_opacus_twin
 
@@ -93,6 +94,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")
+    print(describe(device), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, "
         f"{args.examples} examples, batch {args.batch}, input 1x28x28, ConvNet depth 3"

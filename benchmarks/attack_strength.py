@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import describe
+
 # Settings that make a non-DP FedAvg run leak (loss threshold AUC >= 0.6): few records per client (the rest of the
 # training split is held out), a wide MLP, many rounds at a constant step. Digits reaches 0.6 only with 144 members,
 # too few to measure TPR at 1% FPR; Fashion-MNIST with 600.
@@ -101,6 +103,7 @@ def main() -> None:
 def study(args: argparse.Namespace, out: Path) -> None:
     """Train, attack and print every dataset's runs (without and with DP; with --smoke only DP) under ``out``."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    print(describe("cpu", args.threads), flush=True)
     print(f"CPU, {args.threads} thread(s); attacks on the final model, offline references")
     for dataset in args.datasets:
         recipe = SMOKE if args.smoke else LEAKY[dataset]

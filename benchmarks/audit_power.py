@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import describe
+
 
 def fedaudit_command() -> list[str]:
     """The fedaudit CLI of the interpreter running this script."""
@@ -71,6 +73,7 @@ def main() -> None:
 def study(args: argparse.Namespace) -> None:
     """Print the table's header, then train and audit every run."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    print(describe("cpu", 1), flush=True)
     print(
         f"5 clients x 2 classes, {args.model} width {args.width}, {args.rounds} rounds (FedAvg: {args.local_epochs} "
         f"local epochs), {args.canaries} gradient / {args.input_canaries} input canaries, CPU, {args.threads} thread(s)"

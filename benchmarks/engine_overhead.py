@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from _machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # for federation (deployment)
 
@@ -221,6 +222,7 @@ def main() -> None:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="engine-overhead-"))
     work.mkdir(parents=True, exist_ok=True)
     pinning = f"cores {args.cores} for every process" if shutil.which("taskset") else "no taskset: unpinned"
+    print(describe("cpu", 1), flush=True)
     print(f"{pinning}, 1 torch thread each, {args.clients} clients, {args.rounds} rounds", flush=True)
     try:
         for dataset in args.datasets:

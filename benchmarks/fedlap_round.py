@@ -8,7 +8,8 @@ is split into the DP queries (per-sample gradients, clip, noise), the second-ord
 matching steps, the model training on the synthetic set, and the server's
 training on the union.
 
-    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--augment] [--threads 1] [--smoke]
+    python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--augment] [--threads 1] [--device cuda]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from _machine import describe
 
 import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms import get_algorithm
@@ -50,18 +52,24 @@ def _client_data(name: str = "fashion-mnist") -> tuple[ClientData, str]:
 
 
 class Stopwatch:
-    """Accumulates the wall time spent inside wrapped functions."""
+    """Accumulates the wall time spent inside wrapped functions (on a GPU, until their kernels have finished)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self.seconds[name] += self.now() - start
 
         return timed
 
@@ -78,6 +86,7 @@ def main() -> None:
         help="DSA augmentation of real and synthetic batches, as the authors' code does",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every figure is of this device)")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -87,7 +96,10 @@ def main() -> None:
     if args.smoke:
         args.widths, args.trajectories = [8], 1
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(describe(device), flush=True)
     data, source = _client_data("digits" if args.smoke else "fashion-mnist")
+    data = ClientData(0, data.x.to(device), data.y.to(device))
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
     print(
         f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "
@@ -102,7 +114,7 @@ def main() -> None:
         shape = tuple(data.x.shape[1:])
         spec = ModelSpec("convnet", shape, 10, width=width, depth=default_depth("convnet", shape))
         torch.manual_seed(0)
-        model = build_model(spec)
+        model = build_model(spec).to(device)
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         data_config = DataConfig(dataset="fashion-mnist")  # its defaults: B = 256, the paper's learning rates
         lap = RunConfig(
@@ -119,29 +131,29 @@ def main() -> None:
             privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
         ).resolved()
 
-        watch = Stopwatch()
+        watch = Stopwatch(device)
         originals = (fedlap_module.dp_gradient, FedLAP._image_step, fedlap_module.fit_in_ball)
         fedlap_module.dp_gradient = watch.wrap("dp", originals[0])
         FedLAP._image_step = watch.wrap("matching", originals[1])
         fedlap_module.fit_in_ball = watch.wrap("training", originals[2])
         try:
             algorithm = get_algorithm(lap)
-            ctx = RoundContext(round=0, rounds=1, config=lap, device=torch.device("cpu"))
-            start = time.perf_counter()
-            message = algorithm.client_update(model, params, data, ctx, torch.Generator().manual_seed(1))
-            lap_seconds = time.perf_counter() - start
+            ctx = RoundContext(round=0, rounds=1, config=lap, device=device)
+            start = watch.now()
+            message = algorithm.client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
+            lap_seconds = watch.now() - start
             client_training = watch.seconds["training"]
-            start = time.perf_counter()
-            algorithm.server_update(model, params, [message] * 5, ctx, torch.Generator().manual_seed(2))
-            server_seconds = time.perf_counter() - start
+            start = watch.now()
+            algorithm.server_update(model, params, [message] * 5, ctx, torch.Generator(device).manual_seed(2))
+            server_seconds = watch.now() - start
         finally:
             fedlap_module.dp_gradient, FedLAP._image_step, fedlap_module.fit_in_ball = originals
 
         fedavg = get_algorithm(avg)
-        ctx = RoundContext(round=0, rounds=1, config=replace(avg), device=torch.device("cpu"))
-        start = time.perf_counter()
-        fedavg.client_update(model, params, data, ctx, torch.Generator().manual_seed(1))
-        avg_seconds = time.perf_counter() - start
+        ctx = RoundContext(round=0, rounds=1, config=replace(avg), device=device)
+        start = watch.now()
+        fedavg.client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
+        avg_seconds = watch.now() - start
 
         def share(name: str) -> str:
             return f"{watch.seconds[name]:.1f}s {100 * watch.seconds[name] / lap_seconds:.0f}%"

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _machine import describe
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -174,6 +175,7 @@ def study(args: argparse.Namespace) -> None:
         },
     )
     simulation = time.perf_counter() - started
+    print(describe("cpu"), flush=True)
     print(
         f"Flower {__import__('flwr').__version__} canary clients: {args.canaries} drawn, {population - NODES} in the "
         f"population of {population} ({NODES} real nodes); {args.rounds} rounds; MLP 64-{args.width}-10; "

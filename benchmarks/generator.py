@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _machine import describe
 
 from fedaudit.config import FedssynConfig
 from fedaudit.data import load_dataset
@@ -53,6 +54,7 @@ def main() -> None:
         args.datasets, args.records = ["digits"], [100]
     torch.set_num_threads(args.threads)
     defaults = FedssynConfig()
+    print(describe("cpu"), flush=True)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU; conditional VAE, "
         f"{defaults.generator_epochs} epochs, batch {defaults.generator_batch}, Adam lr {defaults.generator_lr}"

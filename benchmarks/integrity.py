@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _machine import describe
 
 from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
 from fedaudit.privacy import accounting
@@ -96,6 +97,7 @@ def main() -> None:
 
         check, read = _median(cold_check, args.repeats), _median(read_all, args.repeats)
     round_bytes = sum(len(d) for d in contents.values())
+    print(describe("cpu"), flush=True)
     print(f"digits DP-FedAvg, {args.clients} clients, {args.rounds} rounds, ConvNet width {args.width}, 1 thread")
     print(f"{'what':<42} {'hashed':>10} {'reference':>10} {'ratio':>7}")
     print(

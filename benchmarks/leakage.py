@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from _machine import describe
 
 SIGNALS = ("loss", "grad-norm")
 METHODS = ("threshold", "classifier")
@@ -174,6 +175,7 @@ def study(args: argparse.Namespace) -> None:
         f"fedlap-nodp-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.fedlap_rounds), *lap],
         f"fedlap-{eps}-seed{args.seed}": ["--algorithm", "fedlap", "--rounds", str(args.rounds), *dp, *lap],
     }
+    print(describe("cpu", 1), flush=True)
     print(
         f"{'digits' if args.smoke else 'Fashion-MNIST'}, 5 clients x 2 classes, ConvNet width {args.width}, "
         f"{args.rounds} rounds ({args.fedlap_rounds} for non-DP FedLAP), DP runs at epsilon {args.epsilon:g} "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from _machine import describe
 from PIL import Image
 
 from fedaudit.data import load_dataset
@@ -80,6 +81,7 @@ def main() -> None:
                 _median(lambda: pd.read_csv(root / "records.csv"), args.repeats),
             ),
         ]
+    print(describe("cpu"), flush=True)
     print(f"own data, median of {args.repeats}, 1 process")
     print(f"{'dataset':<38} {'load_dataset':>12} {'decode only':>12} {'ratio':>7}")
     for name, loaded, floor in rows:

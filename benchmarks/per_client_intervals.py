@@ -13,6 +13,7 @@ import argparse
 import time
 
 import numpy as np
+from _machine import describe
 
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, Bootstrap, bootstrap, bootstrap_groups
 
@@ -29,6 +30,7 @@ def main() -> None:
         args.clients, args.nonmembers = [20], 500
     rng = np.random.default_rng(0)
     negatives = rng.normal(0, 1, args.nonmembers)
+    print(describe("cpu"), flush=True)
     print(
         f"per-client AUC intervals: {args.members} members per client, {args.nonmembers} non-members shared, "
         f"{args.resamples} resamples, 1 process"

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from _machine import describe
 from twins import convnet_and_opacus_twin
 
 from fedaudit.privacy.primitive import add_noise, clip_and_sum, dp_gradient, per_sample_gradients
@@ -66,6 +67,7 @@ def main() -> None:
         return
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Full backward hook")
+    print(describe(device), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, "
         "input 1x28x28"

@@ -28,6 +28,7 @@ import time
 from dataclasses import replace
 
 import torch
+from _machine import describe
 
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, run_client
 from fedaudit.config import AuditConfig, DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
@@ -100,6 +101,7 @@ def main() -> None:
     audit = recording.audit
     kept = sorted(audit.log(args.client, args.round, setup.device).kept_steps)
     fed = setup.config.federated
+    print(describe(setup.device), flush=True)
     print(
         f"{setup.config.data.dataset}{note}: client {args.client} of 5 (2 classes), {recording.num_examples} records, "
         f"{setup.queries[args.client]} DP queries (batch {fed.batch_size}, {fed.local_epochs} local epoch(s)), "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _machine import describe
 
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedSGD
@@ -237,6 +238,7 @@ def main() -> None:
     options = ReconstructionOptions(iterations=args.iterations, restarts=args.restarts)
     began = time.perf_counter()
     data = {name: load_dataset(name) for name in datasets}
+    print(describe("cpu", 1), flush=True)
     print(
         f"reconstruction from one round-1 update: ConvNet width {WIDTH}, {args.iterations} iterations x "
         f"{args.restarts} starts, recovered at PSNR >= {DEFAULT_PSNR_THRESHOLD:g} dB, {torch.get_num_threads()} torch "

@@ -7,7 +7,12 @@ each round, batch 16, DP-FedAvg at sigma 1 (the setting of the issue that asked 
 process (``fedaudit train``, then ``fedaudit attack``), whose peak resident memory it reports itself; one torch
 thread per process.
 
-    python benchmarks/scale.py [--clients 100 1000 3000] [--rounds 20 20 100] [--smoke]
+With ``--floor`` each setting is also trained without DP (plain FedAvg, the same clients, batches and rounds):
+the time no DP query can go below, measured in the same run. ``--parallel-clients N`` runs N of a round's clients
+at once (threads, one torch thread each).
+
+    python benchmarks/scale.py [--clients 100 1000 3000] [--rounds 20 20 100] [--floor] [--parallel-clients 2]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _machine import describe
 
 # Runs fedaudit in this process and reports its peak resident memory (kB on Linux) on its last line.
 _CHILD = (
@@ -56,6 +63,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-sample", type=int, default=2000)
     parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument(
+        "--sampled-only", action="store_true", help="only the --eval-every/--eval-sample setting, not every round"
+    )
+    parser.add_argument("--floor", action="store_true", help="also train each setting without DP (the floor)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every figure is of this device)")
+    parser.add_argument("--parallel-clients", type=int, default=1, help="clients trained at once (threads)")
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument(
         "--smoke", action="store_true", help="smallest sizes (seconds): digits, 20 clients, 2 rounds, one setting"
@@ -63,21 +76,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.clients, args.rounds, args.dataset, args.client_fraction = [20], [2], "digits", 0.2
-        args.eval_every, args.eval_sample = 2, 100
+        args.eval_every, args.eval_sample, args.floor = 2, 100, True
     if len(args.rounds) != len(args.clients):
         parser.error("give one --rounds per --clients")
     folder = Path(tempfile.mkdtemp(prefix="scale-")) if args.out is None else args.out
+    print(describe(args.device, 1), flush=True)
     print(
         f"{args.dataset}, IID, client fraction {args.client_fraction}, batch 16, DP-FedAvg sigma 1; "
-        "1 torch thread per process, CPU"
+        f"1 torch thread per client, {args.parallel_clients} client(s) at once"
     )
     header = (
         f"{'clients':>8} {'rounds':>6} {'evaluation':>24} {'train (s)':>10} {'s/round':>8} {'peak RSS (MB)':>14} "
-        f"{'attack (s)':>11} {'attack RSS (MB)':>16}"
+        f"{'attack (s)':>11} {'attack RSS (MB)':>16}" + (f" {'no DP (s)':>13} {'DP/no DP':>8}" if args.floor else "")
     )
     print(header)
     for clients, rounds in zip(args.clients, args.rounds):
-        settings = [] if args.smoke else [("every round, whole test split", ())]
+        settings = [] if args.smoke or args.sampled_only else [("every round, whole test split", ())]
         settings.append(
             (
                 f"every {args.eval_every}, {args.eval_sample} records",
@@ -88,16 +102,19 @@ def main() -> None:
             run = folder / f"{clients}-{rounds}-{len(extra)}"
             train = (
                 *("train", "--dataset", args.dataset, "--partition", "iid", "--num-clients", str(clients)),
-                *("--client-fraction", str(args.client_fraction), "--batch-size", "16", "--dp"),
-                *("--noise-multiplier", "1", "--rounds", str(rounds), "--device", "cpu", "--no-progress"),
-                *extra,
-                *("--out", str(run), "--overwrite"),
+                *("--client-fraction", str(args.client_fraction), "--batch-size", "16"),
+                *("--rounds", str(rounds), "--device", args.device, "--no-progress"),
+                *("--parallel-clients", str(args.parallel_clients), *extra),
             )
-            seconds, rss, _ = fedaudit(*train)
-            attack_seconds, attack_rss, _ = fedaudit("attack", str(run), "--device", "cpu", "--no-progress")
+            seconds, rss, _ = fedaudit(*train, "--dp", "--noise-multiplier", "1", "--out", str(run), "--overwrite")
+            attack_seconds, attack_rss, _ = fedaudit("attack", str(run), "--device", args.device, "--no-progress")
+            floor = ""
+            if args.floor:
+                plain, _, _ = fedaudit(*train, "--out", f"{run}-no-dp", "--overwrite")
+                floor = f" {plain:>13.1f} {seconds / plain:>8.2f}"
             print(
                 f"{clients:>8} {rounds:>6} {label:>24} {seconds:>10.1f} {seconds / rounds:>8.2f} {rss:>14.0f} "
-                f"{attack_seconds:>11.1f} {attack_rss:>16.0f}"
+                f"{attack_seconds:>11.1f} {attack_rss:>16.0f}{floor}"
             )
 
 

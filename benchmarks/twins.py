@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from _machine import describe
 from opacus import GradSampleModule
 from torch import nn
 
@@ -55,6 +56,7 @@ def main() -> None:
         args.widths, args.batch = [8], 8
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Full backward hook")
+    print(describe("cpu"), flush=True)
     print(f"{'width':>5} {'parameters':>10} {'batch':>5} {'max rel. diff':>14}")
     for width in args.widths:
         parameters, difference = check(width, args.batch)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from _machine import describe
 
 from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
 from fedaudit.setup import prepare
@@ -207,6 +208,7 @@ def dp(args: argparse.Namespace) -> None:
             {"federated": FederatedConfig(algorithm="fedprox", rounds=args.rounds, local_steps=queries)}
         ),
     }
+    print(describe("cpu"), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}; {TITLES[args.dataset]}, 5 clients x 2 "
         f"classes, ConvNet width {args.width}, sigma 1, B {lap.resolved().federated.batch_size}, T = {queries} DP "

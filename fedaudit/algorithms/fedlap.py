@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.algorithms.base import (
+    EVAL_BATCH,
     ClientData,
     ClientMessage,
     RoundContext,
@@ -380,7 +381,7 @@ class FedLAP:
         return min(best_distance, lap.radius)
 
     @staticmethod
-    def _real_loss(model: nn.Module, params: TensorDict, data: ClientData, batch_size: int = 2048) -> float:
+    def _real_loss(model: nn.Module, params: TensorDict, data: ClientData, batch_size: int = EVAL_BATCH) -> float:
         with torch.no_grad():
             detached = {name: p.detach() for name, p in params.items()}
             total = 0.0

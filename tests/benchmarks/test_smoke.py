@@ -1,4 +1,5 @@
-"""Every script under benchmarks/ runs end to end with ``--smoke`` (the smallest sizes) and prints its table.
+"""Every script under benchmarks/ runs end to end with ``--smoke`` (the smallest sizes) and prints its table, below a
+line naming the device, cores, torch version and threads its figures come from.
 
 Each script runs as its own process from an empty working directory, with ``--out`` inside it where the script has
 that option, so that a smoke run leaves nothing in the repository.
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))  # _name.py: shared code
 
 # Each script's table: text its header line holds, and a pattern (re.MULTILINE) one of the lines after it matches.
 # A new script needs an entry here.
@@ -60,5 +61,8 @@ def test_smoke(script: Path, tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     at = next((i for i, line in enumerate(lines) if header in line), None)
     assert at is not None, f"no header line with {header!r}:\n{done.stdout}"
+    assert re.search(r"^device: .+; \d+ CPU cores; torch \S+, \d+ torch thread", done.stdout, re.MULTILINE), (
+        f"no line naming the device the figures were measured on:\n{done.stdout}"
+    )
     assert re.search(row, "\n".join(lines[at + 1 :]), re.MULTILINE), f"no row matching {row!r}:\n{done.stdout}"
     assert {p.name for p in tmp_path.iterdir()} <= {"out"}, "wrote into the working directory"

@@ -106,3 +106,25 @@ def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path):
     assert (tmp_path / "together" / "model.safetensors").read_bytes() == (
         tmp_path / "again" / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_canary_run_on_the_gpu_is_repeatable_and_passes_verify_and_its_audit(tmp_path):
+    """The query recording on CUDA: two runs with the same seed write the same query logs and model bit for bit,
+    verify's independent checks of noise, clipping and sampling pass, and the canary audit is not flagged."""
+    args = (*ON_GPU, "--dp", "--width", "32", "--rounds", "3", "--local-epochs", "2", "--canaries", "500")
+    for name in ("a", "b"):
+        result = invoke("train", *args, "--out", tmp_path / name)
+        assert result.exit_code == 0, result.output
+    logs = sorted((tmp_path / "a" / "queries").glob("round-*.safetensors"))
+    assert len(logs) == 3
+    for path in [*logs, tmp_path / "a" / "model.safetensors"]:
+        assert (tmp_path / "b" / path.relative_to(tmp_path / "a")).read_bytes() == path.read_bytes()
+    run = tmp_path / "a"
+    result = invoke("verify", run)
+    assert result.exit_code == 0, result.output
+    assert all(c["passed"] is not False for c in json.loads((run / "verification.json").read_text())["checks"])
+    result = invoke("attack", run, "--method", "canary", "--device", "cuda", "--no-progress")
+    assert result.exit_code == 0, result.output
+    for view in ("update-projection-canary", "query-sum-canary", "query-llr-canary"):
+        metrics = json.loads((run / "attacks" / view / "metrics.json").read_text())
+        assert metrics["epsilon_lower_bound_exceeds_accountant"] is False
