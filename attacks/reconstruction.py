@@ -595,7 +595,7 @@ def _check_update(run: RunDirectory, config: RunConfig, manifest: Manifest, targ
     if algorithm == "fedssyn" and not _share(run, number, target.client):
         raise AttackError(
             f"{run.path} does not hold the synthetic share client {target.client} trained on in round {number} "
-            f"(checkpoints/round-{number - 1:04d}-clients.safetensors)."
+            f"(no checkpoints/round-NNNN-clients.safetensors up to round {number - 1} has it)."
         )
     records = manifest.clients.num_examples[target.client] + len(_share(run, number, target.client).get("labels", []))
     if records > MAX_RECORDS:
@@ -619,8 +619,7 @@ def _share(run: RunDirectory, round_number: int, client: int) -> dict[str, torch
     round 1 or for other algorithms)."""
     if round_number < 2:
         return {}
-    states = run.load_client_states(round_number - 1)
-    state = states.get(client, {})
+    state = run.client_states_at(round_number - 1, clients=[client]).get(client, {})
     if "synthetic/images" not in state or "synthetic/labels" not in state:
         return {}
     return {"images": state["synthetic/images"], "labels": state["synthetic/labels"]}
@@ -664,7 +663,7 @@ def local_training(
     if inner != "scaffold":
         return training
     server = run.load_server_state(target.round - 1) if target.round > 1 else {}
-    clients = run.load_client_states(target.round - 1) if target.round > 1 else {}
+    clients = run.client_states_at(target.round - 1, clients=[target.client]) if target.round > 1 else {}
     own_control = clients.get(target.client, {})
     correction = {
         name: server.get(name, torch.zeros_like(p)) - own_control.get(name, torch.zeros_like(p))

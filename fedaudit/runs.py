@@ -22,7 +22,7 @@ import platform
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -502,14 +502,40 @@ def _canonical_header(data: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + data[8 + size :]
 
 
-def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read a safetensors file; a missing or corrupt file is a :class:`RunError`."""
+def load_tensors(
+    path: Path, device: str | torch.device = "cpu", keep: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read a safetensors file (only the tensors whose names ``keep`` accepts, where given); a missing or corrupt
+    file is a :class:`RunError`."""
     if not path.is_file():
         raise RunError(f"Expected the weights file {path}, which does not exist.")
     try:
-        return load_file(str(path), device=str(device))
+        if keep is None:
+            return load_file(str(path), device=str(device))
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys() if keep(name)}
     except (SafetensorError, OSError, ValueError) as exc:
         raise RunError(f"The weights file {path} is corrupt or not a safetensors file.") from exc
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The names of the tensors of a safetensors file (read from its header only)."""
+    if not path.is_file():
+        raise RunError(f"Expected the weights file {path}, which does not exist.")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RunError(f"The weights file {path} is corrupt or not a safetensors file.") from exc
+
+
+def _client_of(name: str) -> int:
+    """The client id of a clients file's tensor name ("client<k>/<name>")."""
+    return int(name.split("/", 1)[0].removeprefix("client"))
+
+
+def _clients_in(names: Iterable[str]) -> set[int]:
+    return {_client_of(name) for name in names}
 
 
 def tensors_metadata(path: Path) -> dict[str, str]:
@@ -959,19 +985,47 @@ class RunDirectory:
         return self.checkpoints_dir / f"round-{round_number:04d}-clients.safetensors"
 
     def save_client_states(self, round_number: int, states: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """The client states round ``round_number`` changed (and any carried over from a removed checkpoint)."""
         flat = {f"client{k}/{name}": t for k, state in states.items() for name, t in state.items()}
         self.put(self.client_states_path(round_number), tensors_bytes(flat, {"round": str(round_number)}))
 
-    def load_client_states(
-        self, round_number: int, device: str | torch.device = "cpu"
+    def client_state_index(self, upto: int) -> dict[int, int]:
+        """For every client with a state after round ``upto``: the round whose clients file holds that state (the
+        last one, up to ``upto``, that has the client). Only the files' headers are read."""
+        index: dict[int, int] = {}
+        for number in range(1, upto + 1):
+            path = self.client_states_path(number)
+            if path.is_file():
+                index.update(dict.fromkeys(_clients_in(tensor_names(path)), number))
+        return index
+
+    def client_states_at(
+        self, round_number: int, device: str | torch.device = "cpu", clients: Collection[int] | None = None
     ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every client's state (or ``clients``') as it was after round ``round_number``, from the round files
+        that hold them."""
+        index = self.client_state_index(round_number)
+        files: dict[int, list[int]] = {}
+        for k, number in index.items():
+            if clients is None or k in clients:
+                files.setdefault(number, []).append(k)
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for number, ks in sorted(files.items()):
+            stored = self.load_client_states(number, device, set(ks))
+            states.update({k: stored[k] for k in ks})
+        return dict(sorted(states.items()))
+
+    def load_client_states(
+        self, round_number: int, device: str | torch.device = "cpu", clients: Collection[int] | None = None
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """The states round ``round_number``'s clients file holds (only ``clients``', read alone, where given)."""
         path = self.client_states_path(round_number)
         if not path.is_file():
             return {}
+        keep = None if clients is None else (lambda name: _client_of(name) in clients)
         states: dict[int, dict[str, torch.Tensor]] = {}
-        for key, tensor in load_tensors(path, device).items():
-            client, name = key.split("/", 1)
-            states.setdefault(int(client.removeprefix("client")), {})[name] = tensor
+        for key, tensor in load_tensors(path, device, keep).items():
+            states.setdefault(_client_of(key), {})[key.split("/", 1)[1]] = tensor
         return states
 
     def server_state_path(self, round_number: int, *, kept: bool = False) -> Path:

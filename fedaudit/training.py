@@ -12,7 +12,7 @@ import base64
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -107,7 +107,9 @@ def train_setup(
         run.write_membership(setup.membership_arrays())
         if setup.canaries is not None:
             run.write_canaries(setup.canaries.to_arrays())
-        state = _TrainingState(params=_initial_params(setup), ledger=_new_ledger(setup.config))
+        state = _TrainingState(
+            params=_initial_params(setup), ledger=_new_ledger(setup.config), states=ClientStates(run, setup.device)
+        )
         manifest = _manifest(setup, rounds_done=0, created=now_iso())
         run.write_manifest(manifest)
         return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
@@ -207,7 +209,7 @@ def _resume(
         stored_params, _checkpoint = run.load_checkpoint(done, setup.device)
         # safetensors returns names sorted; keep the model's order, which fixes the order of floating-point sums
         state.params = {name: stored_params[name] for name in state.params}
-        state.states = run.load_client_states(done, setup.device)
+        state.states = ClientStates(run, setup.device, upto=done)
         state.server_state = run.load_server_state(done, setup.device)
         state.server_kept = run.load_server_state(done, setup.device, kept=True)
     state.rows = run.read_metrics().to_dict("records")[:done]
@@ -237,6 +239,60 @@ def evaluate(
     return correct / len(y), total_loss / len(y)
 
 
+class ClientStates:
+    """What clients keep between rounds (SCAFFOLD's c_k, FedLAP's last synthetic set, Fedssyn's dealt share).
+
+    A state is held in memory only from the round that changes it to that round's commit; after that it is read back
+    from the round file that holds it (``checkpoints/round-N-clients.safetensors`` holds the states round N changed).
+    So memory and each round's writes grow with a round's clients, not with every client that ever took part, as a
+    cross-device federation needs. Without a run directory (a timed round) every state stays in memory.
+    """
+
+    def __init__(self, run: RunDirectory | None = None, device: str | torch.device = "cpu", upto: int = 0) -> None:
+        self.run, self.device = run, device
+        self.where: dict[int, int] = {} if run is None else run.client_state_index(upto)  # client -> its round file
+        self.changed: dict[int, TensorDict] = {}  # changed since the last commit
+
+    def __bool__(self) -> bool:
+        return bool(self.where or self.changed)
+
+    def of(self, clients: Iterable[int]) -> dict[int, TensorDict]:
+        """The current states of those of ``clients`` that have one."""
+        found: dict[int, TensorDict] = {}
+        files: dict[int, list[int]] = {}
+        for k in clients:
+            if k in self.changed:
+                found[k] = self.changed[k]
+            elif k in self.where:
+                files.setdefault(self.where[k], []).append(k)
+        for number, ks in sorted(files.items()):
+            assert self.run is not None
+            stored = self.run.load_client_states(number, self.device, set(ks))
+            found.update({k: stored[k] for k in ks})
+        return found
+
+    def set(self, client: int, state: TensorDict) -> None:
+        self.changed[client] = state
+
+    def merge(self, client: int, extra: TensorDict) -> None:
+        """Add ``extra``'s tensors to the client's state (the server's dealt records)."""
+        self.changed[client] = {**self.of([client]).get(client, {}), **extra}
+
+    def to_write(self, removed: int | None) -> dict[int, TensorDict]:
+        """What this round's file holds: the states it changed, and those whose file, round ``removed``'s, is about to
+        be removed (--keep-checkpoints), carried over so that no client's state is lost."""
+        states = dict(self.changed)
+        if removed is not None:
+            states.update(self.of([k for k, number in self.where.items() if number == removed and k not in states]))
+        return states
+
+    def committed(self, number: int, written: Iterable[int]) -> None:
+        """Round ``number``'s file now holds the ``written`` states: they are read back from it from now on."""
+        assert self.run is not None, "only a run directory's rounds are committed"
+        self.where.update(dict.fromkeys(written, number))
+        self.changed.clear()
+
+
 @dataclass
 class _TrainingState:
     """What the round loop carries from round to round (and what a resume restores)."""
@@ -244,7 +300,7 @@ class _TrainingState:
     params: TensorDict
     ledger: PrivacyLedger | None
     rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.csv so far
-    states: dict[int, TensorDict] = field(default_factory=dict)  # what clients keep between rounds
+    states: ClientStates = field(default_factory=ClientStates)  # what clients keep between rounds
     server_state: TensorDict = field(default_factory=dict)  # what the server broadcasts besides the weights
     server_kept: TensorDict = field(default_factory=dict)  # what the server keeps to itself
 
@@ -434,15 +490,17 @@ class _RoundLoop:
             [self.client(k) for k in selected],
             ctx,
             client_generator,
-            state.states,
+            state.states.of(selected),
         )
         if not self.every_round:
             self._clients.clear()
-        state.states.update({msg.client_id: msg.state for msg in messages if msg.state})
+        for msg in messages:
+            if msg.state:
+                state.states.set(msg.client_id, msg.state)
         server = make_generator(config.seed, Stream.SERVER, m, device=device)
         result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
         for k, dealt in result.dealt.items():
-            state.states[k] = {**state.states.get(k, {}), **dealt}
+            state.states.merge(k, dealt)
         params = clone_params(result.params)
         if not all(bool(torch.isfinite(p).all()) for p in params.values()):
             kept = f"with {m} rounds kept" if m else "and nothing is kept"
@@ -505,8 +563,10 @@ class _RoundLoop:
             outcome.params,
             {**_checkpoint_state(config.seed, number), "clients": clients, "server": outcome.server_metrics},
         )
-        if state.states:
-            run.save_client_states(number, state.states)
+        removed = number - config.keep_checkpoints if config.keep_checkpoints is not None else None
+        states = state.states.to_write(removed if removed is not None and removed >= 1 else None)
+        if states:
+            run.save_client_states(number, states)
         if state.server_state:
             run.save_server_state(number, state.server_state)
         if state.server_kept:
@@ -516,8 +576,8 @@ class _RoundLoop:
                 run.save_transmitted(number, msg.client_id, msg.payload)
         if self.setup.canaries is not None:
             run.save_queries(number, {msg.client_id: msg.audit for msg in outcome.messages})
-        if config.keep_checkpoints is not None and number > config.keep_checkpoints:
-            run.remove(run.checkpoint_files(number - config.keep_checkpoints))
+        if removed is not None and removed >= 1:
+            run.remove(run.checkpoint_files(removed))
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         run.write_metrics(state.rows)
         if state.ledger is not None:
@@ -525,6 +585,7 @@ class _RoundLoop:
         done = number == config.federated.rounds
         manifest = manifest.advanced(rounds_done=number, status="complete" if done else "running")
         run.write_manifest(manifest)
+        state.states.committed(number, states)
         return manifest
 
 

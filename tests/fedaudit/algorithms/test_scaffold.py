@@ -15,6 +15,7 @@ from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.algorithms.scaffold import CONTROL, Scaffold
 from fedaudit.config import DataConfig, FederatedConfig, RunConfig
+from fedaudit.runs import RunDirectory
 from fedaudit.setup import select_clients
 
 D, CLIENTS, N = 3, 4, 8
@@ -135,8 +136,17 @@ def test_a_scaffold_run_keeps_its_state_and_resumes_to_the_same_bytes(tmp_path, 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert cli("train", *SCAFFOLD_ARGS, "--save-transmitted", "--out", full).exit_code == 0
     server = load_file(full / "checkpoints" / "round-0003-server.safetensors")
-    clients = load_file(full / "checkpoints" / "round-0003-clients.safetensors")
-    assert set(server) == {name.split("/", 1)[1] for name in clients if name.startswith("client0/")}
+    clients = RunDirectory(full).client_states_at(3)  # every client that took part keeps its c_k
+    took_part = {
+        c["client"]
+        for r in (1, 2, 3)
+        for c in json.loads((full / "checkpoints" / f"round-{r:04d}.json").read_text())["clients"]
+    }
+    assert set(clients) == took_part and all(set(state) == set(server) for state in clients.values())
+    latest = load_file(full / "checkpoints" / "round-0003-clients.safetensors")  # a round's file: what it changed
+    assert {int(name.split("/")[0].removeprefix("client")) for name in latest} == {
+        c["client"] for c in json.loads((full / "checkpoints" / "round-0003.json").read_text())["clients"]
+    }
     sent = load_file(next((full / "transmitted" / "round-0001").glob("client-*.safetensors")))
     assert {name for name in sent if name.startswith(CONTROL)} == {f"{CONTROL}{name}" for name in server}
     interrupt_in_round(monkeypatch, 2)
@@ -161,3 +171,30 @@ def test_dp_scaffold_spends_exactly_what_dp_fedavg_spends(tmp_path, cli, dp):
         assert ledgers[0] == ledgers[1]
     models = [load_file(run / "model.safetensors") for run in runs]
     assert any(not torch.equal(models[0][name], models[1][name]) for name in models[0])  # the correction acted
+
+
+def test_client_states_live_in_the_rounds_that_changed_them_and_survive_keep_checkpoints(tmp_path, cli, monkeypatch):
+    """A round's clients file holds only the states it changed; with --keep-checkpoints 1 the states of clients whose
+    file is removed are carried into the newest one, so every client's c_k after round 4 is what a run that keeps
+    every checkpoint has, and a run interrupted in round 3 resumes to the same model."""
+    args = (*FAST_ARGS, "--algorithm", "scaffold", "--rounds", "4", "--client-fraction", "0.4")
+    every, last, resumed = tmp_path / "every", tmp_path / "last", tmp_path / "resumed"
+    assert cli("train", *args, "--out", every).exit_code == 0
+    assert cli("train", *args, "--keep-checkpoints", "1", "--out", last).exit_code == 0
+    interrupt_in_round(monkeypatch, 3)
+    assert cli("train", *args, "--keep-checkpoints", "1", "--out", resumed).exit_code == 1
+    monkeypatch.undo()
+    assert cli("train", "--resume", resumed, "--no-progress").exit_code == 0
+    took_part = [set(select_clients(0, m, 5, 0.4)) for m in range(4)]
+    for r in range(1, 5):
+        names = load_file(every / "checkpoints" / f"round-{r:04d}-clients.safetensors")
+        assert {int(n.split("/")[0].removeprefix("client")) for n in names} == took_part[r - 1]
+    assert [p.name for p in (last / "checkpoints").glob("*-clients.safetensors")] == ["round-0004-clients.safetensors"]
+    expected = RunDirectory(every).client_states_at(4)
+    assert set(expected) == set().union(*took_part) and len(expected) > len(took_part[3])
+    for run in (last, resumed):
+        states = RunDirectory(run).client_states_at(4)
+        assert set(states) == set(expected)
+        for k, state in expected.items():
+            assert all(torch.equal(states[k][name], value) for name, value in state.items())
+        assert (run / "model.safetensors").read_bytes() == (every / "model.safetensors").read_bytes()
