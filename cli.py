@@ -637,7 +637,12 @@ def epsilon(
     "--per-layer", is_flag=True, help="With grad-norm: also write each layer's gradient norm into scores.csv."
 )
 @click.option(
-    "--batch-size", type=int, default=256, show_default=True, help="Records per batch when computing signals."
+    "--batch-size",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Records per batch when computing signals (more use more memory: the width-128 ConvNet's gradient-norm "
+    "signal holds about 2.3 MB per record).",
 )
 @click.option(
     "--bootstrap",

@@ -63,7 +63,7 @@ def compute_signals(
     signals: Sequence[str],
     *,
     per_layer: bool = False,
-    batch_size: int = 256,
+    batch_size: int = 64,
     device: str | torch.device = "cpu",
     progress: bool = False,
     desc: str = "signals",
