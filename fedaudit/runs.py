@@ -989,6 +989,11 @@ class RunDirectory:
         flat = {f"client{k}/{name}": t for k, state in states.items() for name, t in state.items()}
         self.put(self.client_states_path(round_number), tensors_bytes(flat, {"round": str(round_number)}))
 
+    def clients_with_states(self, round_number: int) -> set[int]:
+        """The clients whose states round ``round_number``'s clients file holds (none if it has no such file)."""
+        path = self.client_states_path(round_number)
+        return _clients_in(tensor_names(path)) if path.is_file() else set()
+
     def client_state_index(self, upto: int) -> dict[int, int]:
         """For every client with a state after round ``upto``: the round whose clients file holds that state (the
         last one, up to ``upto``, that has the client). Only the files' headers are read."""

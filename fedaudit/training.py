@@ -278,18 +278,21 @@ class ClientStates:
         """Add ``extra``'s tensors to the client's state (the server's dealt records)."""
         self.changed[client] = {**self.of([client]).get(client, {}), **extra}
 
-    def to_write(self, removed: int | None) -> dict[int, TensorDict]:
-        """What this round's file holds: the states it changed, and those whose file, round ``removed``'s, is about to
-        be removed (--keep-checkpoints), carried over so that no client's state is lost."""
-        states = dict(self.changed)
-        if removed is not None:
-            states.update(self.of([k for k, number in self.where.items() if number == removed and k not in states]))
-        return states
+    def carried(self, removed: int, number: int) -> dict[int, TensorDict]:
+        """The states in round ``removed``'s file (about to be removed by --keep-checkpoints) that the next round still
+        needs: those of clients the next round's file does not hold (round ``number``'s file, if it is the next, holds
+        the states it changed). They move to that file, the oldest kept round's, where every kept round finds them."""
+        assert self.run is not None, "only a run directory's rounds are removed"
+        nxt = set(self.changed) if removed + 1 == number else self.run.clients_with_states(removed + 1)
+        clients = self.run.clients_with_states(removed) - nxt
+        return self.run.load_client_states(removed, self.device, clients) if clients else {}
 
-    def committed(self, number: int, written: Iterable[int]) -> None:
-        """Round ``number``'s file now holds the ``written`` states: they are read back from it from now on."""
+    def committed(self, number: int, carried: Mapping[int, TensorDict], into: int) -> None:
+        """Round ``number``'s file now holds the states it changed, and round ``into``'s the ``carried`` ones: from now
+        on each client's latest state is read back from the latest file that holds it."""
         assert self.run is not None, "only a run directory's rounds are committed"
-        self.where.update(dict.fromkeys(written, number))
+        self.where.update({k: max(into, self.where.get(k, 0)) for k in carried})
+        self.where.update(dict.fromkeys(self.changed, number))
         self.changed.clear()
 
 
@@ -549,12 +552,23 @@ class _RoundLoop:
         state.params, state.server_state, state.server_kept = outcome.params, outcome.server_state, outcome.server_kept
         state.rows.append(outcome.row)
         clients = [{"client": msg.client_id, "bytes_up": msg.nbytes, **msg.metrics} for msg in outcome.messages]
+        carried = self._carried(outcome.round, state)
         with run.staged():
-            manifest = self._write_round(outcome, state, manifest, clients)
+            manifest = self._write_round(outcome, state, manifest, clients, carried)
+        keep = self.setup.config.keep_checkpoints
+        state.states.committed(outcome.round, carried, outcome.round - keep + 1 if keep is not None else outcome.round)
+        if keep is not None and outcome.round > keep:
+            # only once the round is committed: a resume from round N - 1 still finds what round N - K's files held
+            run.remove([p for old in range(1, outcome.round - keep + 1) for p in run.checkpoint_files(old)])
         return manifest
 
     def _write_round(
-        self, outcome: _RoundOutcome, state: _TrainingState, manifest: Manifest, clients: list[dict[str, Any]]
+        self,
+        outcome: _RoundOutcome,
+        state: _TrainingState,
+        manifest: Manifest,
+        clients: list[dict[str, Any]],
+        carried: Mapping[int, TensorDict],
     ) -> Manifest:
         run, config, number = self.run, self.setup.config, outcome.round
         assert run is not None
@@ -563,10 +577,14 @@ class _RoundLoop:
             outcome.params,
             {**_checkpoint_state(config.seed, number), "clients": clients, "server": outcome.server_metrics},
         )
-        removed = number - config.keep_checkpoints if config.keep_checkpoints is not None else None
-        states = state.states.to_write(removed if removed is not None and removed >= 1 else None)
+        states = dict(state.states.changed)
+        into = number - config.keep_checkpoints + 1 if config.keep_checkpoints is not None else number
+        if carried and into == number:
+            states = {**carried, **states}
         if states:
             run.save_client_states(number, states)
+        if carried and into < number:
+            run.save_client_states(into, {**carried, **run.load_client_states(into, self.setup.device)})
         if state.server_state:
             run.save_server_state(number, state.server_state)
         if state.server_kept:
@@ -576,8 +594,6 @@ class _RoundLoop:
                 run.save_transmitted(number, msg.client_id, msg.payload)
         if self.setup.canaries is not None:
             run.save_queries(number, {msg.client_id: msg.audit for msg in outcome.messages})
-        if removed is not None and removed >= 1:
-            run.remove(run.checkpoint_files(removed))
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         run.write_metrics(state.rows)
         if state.ledger is not None:
@@ -585,8 +601,12 @@ class _RoundLoop:
         done = number == config.federated.rounds
         manifest = manifest.advanced(rounds_done=number, status="complete" if done else "running")
         run.write_manifest(manifest)
-        state.states.committed(number, states)
         return manifest
+
+    def _carried(self, number: int, state: _TrainingState) -> dict[int, TensorDict]:
+        """With --keep-checkpoints K: the client states that round number - K's file holds and a kept round needs."""
+        keep = self.setup.config.keep_checkpoints
+        return state.states.carried(number - keep, number) if keep is not None and number > keep else {}
 
 
 def _run_rounds(

@@ -198,3 +198,44 @@ def test_client_states_live_in_the_rounds_that_changed_them_and_survive_keep_che
         for k, state in expected.items():
             assert all(torch.equal(states[k][name], value) for name, value in state.items())
         assert (run / "model.safetensors").read_bytes() == (every / "model.safetensors").read_bytes()
+
+
+_KILLED_IN_COMMIT = """
+import os, sys
+import fedaudit.runs as runs
+real, seen = runs.atomic_write_bytes, {"model": 0}
+def write(path, data, *args, **kwargs):
+    if path.name == "model.safetensors":
+        seen["model"] += 1
+        if seen["model"] == int(sys.argv[1]):
+            os._exit(137)  # killed in the middle of committing that round, its other files already written
+    return real(path, data, *args, **kwargs)
+runs.atomic_write_bytes = write
+from fedaudit.cli import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("keep", ["1", "2", "3"])
+def test_every_kept_round_has_every_clients_state_even_after_a_kill_in_a_commit(tmp_path, cli, keep):
+    """--keep-checkpoints K: after every round, each kept round's client states (what a resume or the reconstruction
+    attack reads) equal those of a run that keeps every checkpoint; a run killed while committing round 6 resumes to
+    the same states and model."""
+    import subprocess
+    import sys
+
+    args = (*FAST_ARGS, "--algorithm", "scaffold", "--rounds", "7", "--num-clients", "8", "--client-fraction", "0.25")
+    every, kept, killed = tmp_path / "every", tmp_path / "kept", tmp_path / "killed"
+    assert cli("train", *args, "--out", every).exit_code == 0
+    assert cli("train", *args, "--keep-checkpoints", keep, "--out", kept).exit_code == 0
+    command = [sys.executable, "-c", _KILLED_IN_COMMIT, "6", "train", *args, "--keep-checkpoints", keep]
+    assert subprocess.run([*command, "--out", str(killed)], capture_output=True).returncode == 137
+    assert cli("train", "--resume", killed, "--no-progress").exit_code == 0
+    reference = RunDirectory(every)
+    for run in (kept, killed):
+        assert (run / "model.safetensors").read_bytes() == (every / "model.safetensors").read_bytes()
+        for m in range(8 - int(keep), 8):  # the kept rounds
+            expected, states = reference.client_states_at(m), RunDirectory(run).client_states_at(m)
+            assert set(states) == set(expected), (run.name, m)
+            for k, state in expected.items():
+                assert all(torch.equal(states[k][name], value) for name, value in state.items())
