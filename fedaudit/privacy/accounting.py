@@ -22,12 +22,16 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,9 +43,10 @@ from fedaudit.registry import ACCOUNTANTS
 if TYPE_CHECKING:
     from opacus.accountants.analysis.prv import Domain
 
-# Opacus is imported where epsilon is computed, not here: its package import takes about 2.6 s (it loads its
-# privacy engine and torch.distributed), and every Flower ClientApp process (one per message) and most commands
-# import this module for SGMEvent alone.
+# Opacus is imported where epsilon is computed, not here: its package import takes about 1-2.6 s and 70 MB (it loads
+# its privacy engine and torch.distributed), and every Flower ClientApp process (one per message) and most commands
+# import this module for SGMEvent alone. The RDP accountant (the default) does not import the package at all: it
+# runs Opacus' RDP analysis module loaded from its file (:func:`_opacus_rdp`).
 
 __all__ = [
     "ACCOUNTANTS",
@@ -176,13 +181,36 @@ def compose(events: Iterable[SGMEvent]) -> list[SGMEvent]:
     return [SGMEvent(noise_multiplier=s, sample_rate=q, steps=n) for (s, q), n in steps.items() if n > 0]
 
 
+_OPACUS_RDP = "opacus.accountants.analysis.rdp"
+
+
+@lru_cache(maxsize=1)
+def _opacus_rdp() -> ModuleType:
+    """Opacus' RDP analysis module, the same file and code as ``opacus.accountants.analysis.rdp``.
+
+    It needs only numpy and scipy.special, but importing it by name runs Opacus' package import first, which loads
+    Opacus' privacy engine and torch.distributed (about 70 MB of memory and 1 s in every process that computes an
+    epsilon). Where Opacus is already imported, its own module is used.
+    """
+    if _OPACUS_RDP in sys.modules:
+        return sys.modules[_OPACUS_RDP]
+    package = importlib.util.find_spec("opacus")
+    if package is None or not package.submodule_search_locations:
+        raise AccountingError("Opacus is not installed; fedaudit's accountants need it (pip install opacus).")
+    path = Path(next(iter(package.submodule_search_locations))) / "accountants" / "analysis" / "rdp.py"
+    spec = importlib.util.spec_from_file_location("fedaudit.privacy._opacus_rdp", path)
+    if spec is None or spec.loader is None:
+        raise AccountingError(f"Opacus' RDP analysis was not found at {path}; reinstall opacus.")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @lru_cache(maxsize=4096)
 def _rdp_one_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     """Opacus' RDP of one SGM step at every order in :data:`RDP_ORDERS` (cached, read-only)."""
-    from opacus.accountants.analysis.rdp import compute_rdp as _opacus_compute_rdp
-
     rdp = np.asarray(
-        _opacus_compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(RDP_ORDERS)),
+        _opacus_rdp().compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(RDP_ORDERS)),
         dtype=np.float64,
     )
     rdp.setflags(write=False)
@@ -199,12 +227,10 @@ def _rdp_of(history: tuple[tuple[float, float, int], ...]) -> np.ndarray:
 
 def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
     """Balle et al. 2020 conversion, exactly Opacus' ``get_privacy_spent`` over :data:`RDP_ORDERS`."""
-    from opacus.accountants.analysis.rdp import get_privacy_spent as _opacus_get_privacy_spent
-
     with warnings.catch_warnings():
         # Opacus warns when the optimum sits at an end of its own fixed orders; the orders are part of the spec.
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
-        eps, _ = _opacus_get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=delta)
+        eps, _ = _opacus_rdp().get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=delta)
     return float(eps)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import dp_accounting
 import numpy as np
@@ -84,6 +86,27 @@ def test_stepped_history_matches_opacus_rdp_accountant() -> None:
             for _ in range(steps):
                 opacus.step(noise_multiplier=sigma, sample_rate=q)
     assert compute_epsilon(events, delta=DELTA) == pytest.approx(opacus.get_epsilon(delta=DELTA), rel=1e-9)
+
+
+def test_a_process_that_never_imported_opacus_gets_opacus_rdp_epsilon() -> None:
+    """The RDP accountant loads Opacus' analysis from its file, without Opacus' package import (its privacy engine
+    and torch.distributed); this test process imported Opacus, so the file-loaded path runs in a fresh one."""
+    histories = [[(1.0, 0.02, 1000)], [(0.8, 0.01, 300), (2.0, 0.1, 40)]]
+    script = (
+        "import json, sys\n"
+        "from fedaudit.privacy.accounting import SGMEvent, compute_epsilon\n"
+        f"histories = {histories!r}\n"
+        "eps = [compute_epsilon([SGMEvent(noise_multiplier=s, sample_rate=q, steps=n) for s, q, n in h], "
+        f"delta={DELTA!r}) for h in histories]\n"
+        "print(json.dumps({'eps': eps, 'opacus': sorted(m for m in sys.modules if m.split('.')[0] == 'opacus')}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    result = json.loads(done.stdout)
+    assert result["opacus"] == []
+    for history, eps in zip(histories, result["eps"]):
+        opacus = RDPAccountant()
+        opacus.history = list(history)
+        assert eps == pytest.approx(opacus.get_epsilon(delta=DELTA), rel=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # Opacus' own PRV at q = 1
