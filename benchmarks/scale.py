@@ -3,7 +3,8 @@ number of clients (and rounds), with the test accuracy measured every round on t
 and every ``--eval-every`` rounds on a sample of ``--eval-sample`` test records.
 
 Fashion-MNIST split IID over K clients (about 60,000 / K records each), a fraction ``--client-fraction`` of them
-each round, batch 16, DP-FedAvg at sigma 1 (the setting of the issue that asked for it). Each run is its own
+each round, batch 16, DP-FedAvg at sigma 1 (the setting of the issue that asked for it), fedaudit's five local
+epochs or ``--local-epochs``. Each run is its own
 process (``fedaudit train``, then ``fedaudit attack``), whose peak resident memory it reports itself; one torch
 thread per process.
 
@@ -11,8 +12,8 @@ With ``--floor`` each setting is also trained without DP (plain FedAvg, the same
 the time no DP query can go below, measured in the same run. ``--parallel-clients N`` runs N of a round's clients
 at once (threads, one torch thread each).
 
-    python benchmarks/scale.py [--clients 100 1000 3000] [--rounds 20 20 100] [--floor] [--parallel-clients 2]
-        [--smoke]
+    python benchmarks/scale.py [--clients 100 1000 3000] [--rounds 20 20 100] [--local-epochs 1] [--floor]
+        [--parallel-clients 2] [--smoke]
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 3000])
     parser.add_argument("--rounds", type=int, nargs="+", default=[20, 20, 100], help="one per --clients")
     parser.add_argument("--client-fraction", type=float, default=0.02)
+    parser.add_argument("--local-epochs", type=int, default=5, help="each client's epochs a round (fedaudit's default)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-sample", type=int, default=2000)
     parser.add_argument("--dataset", default="fashion-mnist")
@@ -82,7 +84,8 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="scale-")) if args.out is None else args.out
     print(describe(args.device, 1), flush=True)
     print(
-        f"{args.dataset}, IID, client fraction {args.client_fraction}, batch 16, DP-FedAvg sigma 1; "
+        f"{args.dataset}, IID, client fraction {args.client_fraction}, batch 16, {args.local_epochs} local epoch(s), "
+        "DP-FedAvg sigma 1; "
         f"1 torch thread per client, {args.parallel_clients} client(s) at once"
     )
     header = (
@@ -103,6 +106,7 @@ def main() -> None:
             train = (
                 *("train", "--dataset", args.dataset, "--partition", "iid", "--num-clients", str(clients)),
                 *("--client-fraction", str(args.client_fraction), "--batch-size", "16"),
+                *("--local-epochs", str(args.local_epochs)),
                 *("--rounds", str(rounds), "--device", args.device, "--no-progress"),
                 *("--parallel-clients", str(args.parallel_clients), *extra),
             )
