@@ -10,18 +10,21 @@ downloaded unless the caller asks for it, and then only through torchvision.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import torch
 
 from fedaudit.data.readers import DataError, fingerprint_arrays, read_cifar10_batch, read_idx, read_idx_shape
 from fedaudit.data.user import is_user_dataset, parse, read_user_dataset, standardise
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where used: every Flower ClientApp process imports this module
 
 __all__ = [
     "DATASET_NAMES",
@@ -40,8 +43,9 @@ ENV_DATA_DIR = "FEDAUDIT_DATA_DIR"
 SYSTEM_DATA_DIR = Path("/usr/share/datasets")
 BUNDLED_SOURCE = "scikit-learn (bundled)"
 
-_DIGITS_TEST_FRACTION = 0.2
-_DIGITS_SPLIT_SEED = 0
+DIGITS_SPLIT_FILE = Path(__file__).with_name("digits_split.npz")
+"""The digits train/test split: the record positions of scikit-learn's ``train_test_split(test_size=0.2,
+stratify=labels, random_state=0)``, in its order (tests check it against scikit-learn)."""
 _IDX_FILES = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -314,17 +318,24 @@ def _normalise(raw: np.ndarray, spec: _Spec) -> torch.Tensor:
 
 
 def _read_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
-    """scikit-learn's digits as uint8 images 0..16, with the fixed stratified 80/20 split."""
-    from sklearn.datasets import load_digits  # noqa: PLC0415 - keeps `import fedaudit` light
-    from sklearn.model_selection import train_test_split  # noqa: PLC0415
+    """scikit-learn's bundled digits as uint8 images 0..16, with the fixed stratified 80/20 split.
 
-    bunch = load_digits()
-    images = bunch.images.astype(np.uint8)[:, None, :, :]
-    labels = bunch.target.astype(np.int64)
-    train_x, test_x, train_y, test_y = train_test_split(
-        images, labels, test_size=_DIGITS_TEST_FRACTION, stratify=labels, random_state=_DIGITS_SPLIT_SEED
-    )
-    return train_x, train_y, test_x, test_y, BUNDLED_SOURCE
+    Read from scikit-learn's own file (``load_digits`` reads the same) without importing scikit-learn, whose import
+    is about a second of start-up in every process that loads digits: each command and each Flower ClientApp.
+    """
+    package = importlib.util.find_spec("sklearn")
+    locations = [] if package is None else list(package.submodule_search_locations or [])
+    path = Path(locations[0]) / "datasets" / "data" / "digits.csv.gz" if locations else None
+    if path is None or not path.is_file():
+        raise DataError(
+            "the digits dataset comes with scikit-learn, which is not installed (pip install scikit-learn)."
+        )
+    table = np.loadtxt(path, delimiter=",")
+    images = table[:, :-1].astype(np.uint8).reshape(-1, 8, 8)[:, None, :, :]  # load_digits' layout (strides)
+    labels = table[:, -1].astype(np.int64)
+    with np.load(DIGITS_SPLIT_FILE) as split:
+        train, test = split["train"].astype(np.int64), split["test"].astype(np.int64)
+    return images[train], labels[train], images[test], labels[test], BUNDLED_SOURCE
 
 
 def _read_idx_dataset(spec: _Spec, directory: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
@@ -450,6 +461,8 @@ def dataset_table(data_dir: str | None = None) -> pd.DataFrame:
     A found dataset whose header is unreadable gets empty sizes and the
     problem in ``how_to_get``.
     """
+    import pandas as pd  # noqa: PLC0415 - see the module's imports
+
     rows = []
     for name in DATASET_NAMES:
         spec = _SPECS[name]
@@ -482,6 +495,8 @@ def dataset_table(data_dir: str | None = None) -> pd.DataFrame:
 def dataset_text(table: pd.DataFrame) -> str:
     """The dataset table for a terminal: one short row per dataset ("-" for what is unknown), and, for a dataset
     that was not found or not readable, how to get it on its own line below."""
+    import pandas as pd  # noqa: PLC0415 - see the module's imports
+
     header = ("dataset", "train", "test", "shape", "classes", "found at")
     rows = [
         (

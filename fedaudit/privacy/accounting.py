@@ -35,7 +35,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy.optimize import brentq
 
 from fedaudit.errors import UserError
 from fedaudit.registry import ACCOUNTANTS
@@ -531,6 +530,8 @@ def _solve_sigma(epsilon_at: Callable[[float], float], *, target: float, start: 
 
     def log_ratio(x: float) -> float:
         return math.log(min(max(eps(math.exp(x)), 1e-300), 1e300) / target)
+
+    from scipy.optimize import brentq  # noqa: PLC0415 - 0.3 s to import, and only calibration needs it
 
     brentq(log_ratio, math.log(lo), math.log(hi), xtol=math.log1p(_CALIBRATION_RTOL) / 4, maxiter=200)
     hi = min(s for s, e in seen.items() if e <= target)

@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import struct
+import subprocess
 import sys
 import types
 from collections.abc import Callable
@@ -115,6 +116,26 @@ def test_digits_loads_with_fixed_split_and_normalisation(digits: Dataset) -> Non
     )
     assert torch.all((test_share - 0.2).abs() < 0.01)
     assert abs(digits.train_x.mean().item()) < 0.01 and abs(digits.train_x.std().item() - 1) < 0.01
+
+
+def test_digits_are_scikit_learns_records_and_split_read_without_importing_it(digits: Dataset) -> None:
+    """The records equal ``load_digits``' and the split ``train_test_split``'s (stratified, 20%, seed 0), in order;
+    a fresh process that loads digits never imports scikit-learn (a second of every command's start-up)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images, labels = bunch.images.astype(np.uint8)[:, None], bunch.target.astype(np.int64)
+    train_x, test_x, train_y, test_y = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
+    ours = registry._read_digits()
+    for mine, theirs in zip(ours[:4], (train_x, train_y, test_x, test_y)):
+        # the strides too: a convolution takes another kernel for another layout, and the run's floats change
+        assert mine.dtype == theirs.dtype and mine.strides == theirs.strides and np.array_equal(mine, theirs)
+    script = (
+        "import sys; from fedaudit.data import load_dataset; load_dataset('digits'); print('sklearn' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split()[-1] == "False"
 
 
 def test_digits_split_and_fingerprint_do_not_depend_on_global_seeds(digits: Dataset) -> None:
