@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import ctypes.util
 import functools
 import math
 import time
@@ -39,11 +38,11 @@ ESTIMATE_FROM_SECONDS = 60.0
 
 @functools.lru_cache(maxsize=1)
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
-    name = ctypes.util.find_library("c")
+    """glibc's ``malloc_trim`` (looked up in this process's own symbols), or None where the C library has none
+    (musl, macOS, Windows)."""
     try:
-        library = ctypes.CDLL(name) if name else None
-    except OSError:
+        library = ctypes.CDLL(None)
+    except (OSError, TypeError):  # TypeError: Windows has no handle for the process itself
         return None
     trim = getattr(library, "malloc_trim", None)
     if trim is None:
