@@ -324,15 +324,21 @@ def _read_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]
     is about a second of start-up in every process that loads digits: each command and each Flower ClientApp.
     """
     package = importlib.util.find_spec("sklearn")
-    locations = [] if package is None else list(package.submodule_search_locations or [])
-    path = Path(locations[0]) / "datasets" / "data" / "digits.csv.gz" if locations else None
-    if path is None or not path.is_file():
+    if package is None:
         raise DataError(
             "the digits dataset comes with scikit-learn, which is not installed (pip install scikit-learn)."
         )
-    table = np.loadtxt(path, delimiter=",")
-    images = table[:, :-1].astype(np.uint8).reshape(-1, 8, 8)[:, None, :, :]  # load_digits' layout (strides)
-    labels = table[:, -1].astype(np.int64)
+    locations = list(package.submodule_search_locations or [])
+    path = Path(locations[0]) / "datasets" / "data" / "digits.csv.gz" if locations else None
+    if path is not None and path.is_file():
+        table = np.loadtxt(path, delimiter=",")
+        images = table[:, :-1].astype(np.uint8).reshape(-1, 8, 8)[:, None, :, :]  # load_digits' layout (strides)
+        labels = table[:, -1].astype(np.int64)
+    else:  # a scikit-learn that keeps the file elsewhere: its own reader
+        from sklearn.datasets import load_digits  # noqa: PLC0415
+
+        bunch = load_digits()
+        images, labels = bunch.images.astype(np.uint8)[:, None, :, :], bunch.target.astype(np.int64)
     with np.load(DIGITS_SPLIT_FILE) as split:
         train, test = split["train"].astype(np.int64), split["test"].astype(np.int64)
     return images[train], labels[train], images[test], labels[test], BUNDLED_SOURCE

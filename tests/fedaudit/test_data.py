@@ -138,6 +138,17 @@ def test_digits_are_scikit_learns_records_and_split_read_without_importing_it(di
     assert done.stdout.split()[-1] == "False"
 
 
+def test_digits_fall_back_to_scikit_learns_reader_where_its_file_is_elsewhere(monkeypatch, tmp_path) -> None:
+    read = registry._read_digits()
+    elsewhere = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: elsewhere)
+    for mine, theirs in zip(registry._read_digits()[:4], read[:4]):
+        assert mine.strides == theirs.strides and np.array_equal(mine, theirs)
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match="comes with scikit-learn, which is not installed"):
+        registry._read_digits()
+
+
 def test_digits_split_and_fingerprint_do_not_depend_on_global_seeds(digits: Dataset) -> None:
     np.random.seed(123)
     torch.manual_seed(123)
