@@ -421,6 +421,7 @@ def _carry_out(
             bar.update()
             bar.set_postfix_str(f"attack {run.name}")
             if results_current(directory, attack):
+                _settle_results(directory)
                 say("attack results are up to date")
             else:
                 run_attacks([directory], attack, echo=say)
@@ -430,6 +431,18 @@ def _carry_out(
             bar.update()
             directories.append(directory)
     return write_report(collect_runs(directories), folder, study.formats, policy, folder_only=True)
+
+
+def _settle_results(directory: Path) -> None:
+    """Finish a run whose attack results are all written but whose last commit may not be: a compare killed after
+    the attack wrote its last result and before manifest.json committed it leaves the commit pending and a
+    half-written manifest beside it. Under the run's own lock (which clears such temporaries), the results are
+    committed as they are if every file checks, as the attack's own next commit would."""
+    run = RunDirectory(directory)
+    with run.lock("fedaudit compare"):
+        remove_stale_temporaries(directory, ("attacks",))
+        run.check_integrity("attack")
+        run.settle()
 
 
 def _say(echo: Echo, prefix: str, line: str) -> None:

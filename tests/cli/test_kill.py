@@ -257,3 +257,27 @@ def test_compare_killed_at_any_moment_then_given_again_ends_as_an_uninterrupted_
     killed_then_again(tmp_path, args, lambda: STUDY_MOMENTS[moment](out), moment)
     assert_same_tree(out, reference)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_compare_killed_between_an_attacks_last_result_and_its_manifest_commits_the_results_when_given_again(
+    studied, tmp_path
+):
+    """The moment a timed kill rarely hits: every result written, so the study finds the results current and does not
+    attack again, but the commit still pending and a half-written manifest beside it (CI caught it once). Given
+    again, compare commits the results as they are and clears the leftover."""
+    study, reference = studied
+    out = tmp_path / "out"
+    assert invoke("compare", "--study", study, "--out", out, "--no-progress").exit_code == 0
+    run = sorted(out.glob("runs/*"))[-1]
+    manifest = json.loads((run / "manifest.json").read_text())
+    results = {name: digest for name, digest in manifest["files"].items() if name.startswith("attacks/")}
+    assert results
+    manifest["files"] = {name: digest for name, digest in manifest["files"].items() if name not in results}
+    manifest["pending"] = results
+    (run / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (run / ".manifest.json.k1ll3d00.tmp").write_text('{"format": ')
+    assert invoke("compare", "--study", study, "--out", out, "--no-progress").exit_code == 0
+    assert not list(out.rglob("*.tmp"))
+    settled = json.loads((run / "manifest.json").read_text())
+    assert "pending" not in settled and all(settled["files"][name] == digest for name, digest in results.items())
+    assert_same_tree(out, reference)
