@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import numbers
@@ -197,9 +198,9 @@ def _opacus_rdp() -> ModuleType:
     if package is None or not package.submodule_search_locations:
         raise AccountingError("Opacus is not installed; fedaudit's accountants need it (pip install opacus).")
     path = Path(next(iter(package.submodule_search_locations))) / "accountants" / "analysis" / "rdp.py"
-    spec = importlib.util.spec_from_file_location("fedaudit.privacy._opacus_rdp", path)
-    if spec is None or spec.loader is None:
-        raise AccountingError(f"Opacus' RDP analysis was not found at {path}; reinstall opacus.")
+    spec = importlib.util.spec_from_file_location("fedaudit.privacy._opacus_rdp", path) if path.is_file() else None
+    if spec is None or spec.loader is None:  # an Opacus that keeps it elsewhere: its own package import
+        return importlib.import_module(_OPACUS_RDP)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

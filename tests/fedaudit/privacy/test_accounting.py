@@ -109,6 +109,21 @@ def test_a_process_that_never_imported_opacus_gets_opacus_rdp_epsilon() -> None:
         assert eps == pytest.approx(opacus.get_epsilon(delta=DELTA), rel=1e-12)
 
 
+def test_an_opacus_that_keeps_its_rdp_analysis_elsewhere_is_imported_as_a_package(monkeypatch, tmp_path) -> None:
+    import types
+
+    from fedaudit.privacy import accounting
+
+    accounting._opacus_rdp.cache_clear()
+    monkeypatch.delitem(sys.modules, "opacus.accountants.analysis.rdp")
+    elsewhere = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(accounting.importlib.util, "find_spec", lambda name: elsewhere)
+    try:
+        assert accounting._opacus_rdp().__name__ == "opacus.accountants.analysis.rdp"
+    finally:
+        accounting._opacus_rdp.cache_clear()
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # Opacus' own PRV at q = 1
 @pytest.mark.parametrize(("sigma", "q", "steps"), [(1.0, 0.02, 1000), (2.0, 0.1, 50), (1.0, 1.0, 10)])
 def test_single_rate_matches_opacus_prv_accountant(sigma: float, q: float, steps: int) -> None:
