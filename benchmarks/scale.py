@@ -3,10 +3,9 @@ number of clients (and rounds), with the test accuracy measured every round on t
 and every ``--eval-every`` rounds on a sample of ``--eval-sample`` test records.
 
 Fashion-MNIST split IID over K clients (about 60,000 / K records each), a fraction ``--client-fraction`` of them
-each round, batch 16, DP-FedAvg at sigma 1 (the setting of the issue that asked for it), fedaudit's five local
-epochs or ``--local-epochs``. Each run is its own
-process (``fedaudit train``, then ``fedaudit attack``), whose peak resident memory it reports itself; one torch
-thread per process.
+each round, batch 16, DP-FedAvg at sigma 1 (a cross-device setting), fedaudit's five local epochs or
+``--local-epochs``. Each run is its own process (``fedaudit train``, then ``fedaudit attack``), whose peak resident
+memory it reports itself; one torch thread per process.
 
 With ``--floor`` each setting is also trained without DP (plain FedAvg, the same clients, batches and rounds):
 the time no DP query can go below, measured in the same run. ``--parallel-clients N`` runs N of a round's clients
