@@ -1010,13 +1010,19 @@ class RunDirectory:
         """Every client's state (or ``clients``') as it was after round ``round_number``, from the round files
         that hold them."""
         index = self.client_state_index(round_number)
-        files: dict[int, list[int]] = {}
-        for k, number in index.items():
-            if clients is None or k in clients:
-                files.setdefault(number, []).append(k)
+        return self.read_client_states({k: n for k, n in index.items() if clients is None or k in clients}, device)
+
+    def read_client_states(
+        self, where: Mapping[int, int], device: str | torch.device = "cpu"
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """The states of the clients of ``where`` (client -> the round whose clients file holds its state), each
+        file read once and only for those clients' tensors."""
+        files: dict[int, set[int]] = {}
+        for k, number in where.items():
+            files.setdefault(number, set()).add(k)
         states: dict[int, dict[str, torch.Tensor]] = {}
         for number, ks in sorted(files.items()):
-            stored = self.load_client_states(number, device, set(ks))
+            stored = self.load_client_states(number, device, ks)
             states.update({k: stored[k] for k in ks})
         return dict(sorted(states.items()))
 

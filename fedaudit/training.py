@@ -258,17 +258,12 @@ class ClientStates:
 
     def of(self, clients: Iterable[int]) -> dict[int, TensorDict]:
         """The current states of those of ``clients`` that have one."""
-        found: dict[int, TensorDict] = {}
-        files: dict[int, list[int]] = {}
-        for k in clients:
-            if k in self.changed:
-                found[k] = self.changed[k]
-            elif k in self.where:
-                files.setdefault(self.where[k], []).append(k)
-        for number, ks in sorted(files.items()):
+        wanted = list(clients)
+        found = {k: self.changed[k] for k in wanted if k in self.changed}
+        stored = {k: self.where[k] for k in wanted if k not in self.changed and k in self.where}
+        if stored:
             assert self.run is not None
-            stored = self.run.load_client_states(number, self.device, set(ks))
-            found.update({k: stored[k] for k in ks})
+            found.update(self.run.read_client_states(stored, self.device))
         return found
 
     def set(self, client: int, state: TensorDict) -> None:
