@@ -169,6 +169,37 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def inert_parameters(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters that cannot change ``model``'s output: the bias of a convolution whose output goes
+    straight into a normalisation of each channel on its own (GroupNorm with one group per channel, InstanceNorm),
+    inside an ``nn.Sequential``.
+
+    The normalisation subtracts each channel's mean, and with it any constant added to the channel, so such a
+    bias has a zero gradient for every input. Computed in floating point that gradient is rounding noise
+    (about 1e-8 in float32), which gradient matching must leave out: its cosine with anything is noise.
+    """
+    inert: set[str] = set()
+    for prefix, module in model.named_modules():
+        if type(module).forward is not nn.Sequential.forward:  # a chain only when Sequential's own forward runs
+            continue
+        children = list(module.named_children())
+        for (name, layer), (_, following) in zip(children, children[1:]):
+            if isinstance(layer, nn.Conv2d) and layer.bias is not None and _normalises_each_channel(following, layer):
+                inert.add(f"{prefix}.{name}.bias" if prefix else f"{name}.bias")
+    return frozenset(inert)
+
+
+def _normalises_each_channel(module: nn.Module, conv: nn.Conv2d) -> bool:
+    """Whether ``module`` subtracts the mean of each of ``conv``'s output channels over its positions."""
+    if isinstance(module, nn.GroupNorm):
+        return module.num_groups == module.num_channels == conv.out_channels
+    return (
+        isinstance(module, nn.InstanceNorm2d)
+        and not module.track_running_stats  # with running statistics it would not subtract the instance's mean
+        and module.num_features == conv.out_channels
+    )
+
+
 def initial_params(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """The global model of round 0 of a run with ``seed`` (its parameters in the model's order): training starts
     from it, and an audit of round 1 differentiates at it."""

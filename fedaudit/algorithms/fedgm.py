@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict, num_classes
-from fedaudit.algorithms.fedlap import matching_loss, real_images
+from fedaudit.algorithms.fedlap import matched_names, matching_loss, real_images
 from fedaudit.config import FedGMConfig, RunConfig
 from fedaudit.models import fresh_params
 from fedaudit.privacy.labeldp import randomized_response, rr_top_k, rr_with_prior
@@ -170,6 +170,7 @@ def distil(
         start = torch.randn(shape, generator=generator, device=generator.device, dtype=data.x.dtype).to(data.x.device)
     images = start.requires_grad_(True)
     image_opt = torch.optim.SGD([images], lr=gm.distill_lr, momentum=0.5)
+    matched = matched_names(model, global_params)
     first = last = None
     for _ in range(gm.distill_iterations):
         params = {name: p.requires_grad_(True) for name, p in fresh_params(model, global_params, generator).items()}
@@ -182,10 +183,10 @@ def distil(
                     len(pool), (min(gm.distill_batch, len(pool)),), generator=generator, device=generator.device
                 ).to(pool.device)
                 real_loss = F.cross_entropy(functional_call(model, params, (data.x[pool[pick]],)), data.y[pool[pick]])
-                real = [g.detach() for g in torch.autograd.grad(real_loss, list(params.values()))]
+                real = [g.detach() for g in torch.autograd.grad(real_loss, [params[name] for name in matched])]
                 mine = labels == c
                 syn_loss = F.cross_entropy(functional_call(model, params, (images[mine],)), labels[mine])
-                syn = torch.autograd.grad(syn_loss, list(params.values()), create_graph=True)
+                syn = torch.autograd.grad(syn_loss, [params[name] for name in matched], create_graph=True)
                 total = total + matching_loss(real, syn, 0.0)
             image_opt.zero_grad(set_to_none=False)
             (images.grad,) = torch.autograd.grad(total, [images])

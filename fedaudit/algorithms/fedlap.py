@@ -34,6 +34,7 @@ from fedaudit.algorithms.base import (
 )
 from fedaudit.augment import augment
 from fedaudit.config import FedLAPConfig, RunConfig
+from fedaudit.models import inert_parameters
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import dp_gradient
 
@@ -49,6 +50,15 @@ def layer_distance(real: torch.Tensor, syn: torch.Tensor) -> torch.Tensor:
     rows_real = real.reshape(real.shape[0], -1)
     rows_syn = syn.reshape(syn.shape[0], -1)
     return (1.0 - F.cosine_similarity(rows_real, rows_syn, dim=1, eps=1e-8)).sum() / rows_real.shape[0]
+
+
+def matched_names(model: nn.Module, params: TensorDict) -> list[str]:
+    """The parameters whose gradients are matched: all but those that cannot change the model's output (a
+    convolution's bias before per-channel normalisation, :func:`fedaudit.models.inert_parameters`). Their exact
+    gradient is zero for real and synthetic data alike; the computed one is rounding noise, and matching it put
+    noise worth a quarter of the image gradient into every image step."""
+    inert = inert_parameters(model)
+    return [name for name in params if name not in inert]
 
 
 def matching_loss(real: Sequence[torch.Tensor], syn: Sequence[torch.Tensor], mse_weight: float) -> torch.Tensor:
@@ -116,6 +126,7 @@ class _Matching:
     labels: torch.Tensor
     image_opt: torch.optim.Optimizer
     lr: float  # the client's learning rate this round
+    matched: list[str]  # the parameters whose gradients are matched (matched_names)
 
     @property
     def lap(self) -> FedLAPConfig:
@@ -169,6 +180,7 @@ class FedLAP:
             labels=synthetic.labels,
             image_opt=torch.optim.SGD([images], lr=lap.image_lr, momentum=0.5),
             lr=ctx.cosine_lr(ctx.config.federated.client_lr),
+            matched=matched_names(model, global_params),
         )
         stats = _MatchingStats()
         for _ in range(lap.trajectories):
@@ -233,7 +245,7 @@ class FedLAP:
         lap = work.lap
         for _ in range(lap.real_batches):
             seed = _draw_seed(work.generator)  # one augmentation seed shared by the real and synthetic batches
-            target = self._real_gradient(work.model, params, work.data, work.ctx, work.generator, seed)
+            target = self._real_gradient(work, params, seed)
             stats.queries += 1
             for _ in range(lap.image_steps):
                 stats.image_step(self._image_step(work, params, target, seed))
@@ -299,16 +311,10 @@ class FedLAP:
         noise = torch.randn(shape, generator=generator, device=generator.device, dtype=data.x.dtype)
         return SyntheticSet(noise.to(data.x.device), labels)
 
-    def _real_gradient(
-        self,
-        model: nn.Module,
-        params: TensorDict,
-        data: ClientData,
-        ctx: RoundContext,
-        generator: torch.Generator,
-        seed: int,
-    ) -> list[torch.Tensor]:
-        """The matching target at ``params``: one DP query (Poisson batch), or a plain batch gradient without DP."""
+    def _real_gradient(self, work: _Matching, params: TensorDict, seed: int) -> list[torch.Tensor]:
+        """The matching target at ``params``, for the matched parameters: one DP query over all parameters (Poisson
+        batch; keeping some of its output is post-processing), or a plain batch gradient without DP."""
+        model, data, ctx, generator = work.model, work.data, work.ctx, work.generator
         batch = ctx.config.federated.batch_size
         n = data.num_examples
         if ctx.config.privacy.dp:
@@ -327,14 +333,14 @@ class FedLAP:
                 extra=extra,
                 recorder=data.recorder,
             )
-            return [result.grads[name] for name in params]
+            return [result.grads[name] for name in work.matched]
         idx = torch.randperm(n, generator=generator, device=generator.device)[:batch]
         x, y = data.x[idx], data.y[idx]
         if ctx.config.fedlap.augment:
             x = augment(x, seed=seed)
         leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
         loss = F.cross_entropy(functional_call(model, leaves, (x,)), y)
-        return [g.detach() for g in torch.autograd.grad(loss, list(leaves.values()))]
+        return [g.detach() for g in torch.autograd.grad(loss, [leaves[name] for name in work.matched])]
 
     def _image_step(self, work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> torch.Tensor:
         """One second-order update of the synthetic images towards the real gradient ``target`` at ``params``."""
@@ -342,7 +348,7 @@ class FedLAP:
         leaves = {name: params[name].detach().requires_grad_(True) for name in work.global_params}
         x = augment(work.images, seed=seed) if lap.augment else work.images
         loss = F.cross_entropy(functional_call(work.model, leaves, (x,)), work.labels)
-        syn = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
+        syn = torch.autograd.grad(loss, [leaves[name] for name in work.matched], create_graph=True)
         distance = matching_loss(target, syn, lap.mse_weight)
         work.image_opt.zero_grad(set_to_none=False)
         (work.images.grad,) = torch.autograd.grad(distance, [work.images])
