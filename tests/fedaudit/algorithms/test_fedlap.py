@@ -171,10 +171,10 @@ def test_image_updates_reduce_the_matching_loss_on_a_fixed_real_gradient() -> No
         )
     ]
     config = _config(dp=False)
-    images = torch.randn(10, 1, 8, 8, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    images = torch.randn(10, 1, 8, 8, generator=torch.Generator().manual_seed(3))
     labels = torch.tensor([0] * 5 + [1] * 5)
     algorithm = FedLAP()
-    work = _matching(model, params, data, config, images, labels, torch.Generator(), image_lr=1.0)
+    work = _matching(model, params, data, config, images, labels, torch.Generator())
     images = work.images
     losses = [algorithm._image_step(work, params, target, 0) for _ in range(150)]
     assert min(losses[-10:]) < 0.7 * losses[0]
