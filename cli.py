@@ -142,6 +142,19 @@ def main() -> None:
     "--accountant", type=click.Choice(list(ACCOUNTANTS)), help=f"{ACCOUNTANT_HELP}. [default: {DEFAULT_ACCOUNTANT}]"
 )
 @click.option(
+    "--noise-seed",
+    type=int,
+    help="Draw every client's DP noise and Poisson samples from this public seed, reproducibly, instead of from a "
+    "secret that only the client holds: for experiments only, since whoever holds the seed can remove the noise "
+    "(the report says so). [default: each client's own secret]",
+)
+@click.option(
+    "--secure-noise/--no-secure-noise",
+    default=None,
+    help="DP queries draw from a ChaCha20 keystream, each Gaussian coordinate the sum of four float64 draws, "
+    "against floating-point attacks on the noise (docs/accounting.md; slower). [default: off]",
+)
+@click.option(
     "--dataset",
     help="digits, mnist, fashion-mnist, cifar10, or your own data: npz:PATH (arrays x, y [, x_test, y_test]), "
     "csv:PATH (with --label-column) or folder:DIR (a sub-folder of images per class); sites: every client's "
@@ -352,7 +365,12 @@ def main() -> None:
     is_flag=True,
     help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.",
 )
-@click.option("--seed", type=int, help="Seed of every random choice in the run. [default: 0]")
+@click.option(
+    "--seed",
+    type=int,
+    help="Seed of the run's public random choices (split, initial model, client selection); a DP run's noise and "
+    "samples come from each client's own secret (see --noise-seed). [default: 0]",
+)
 @click.option("--device", type=click.Choice(DEVICES), help="Where to train. [default: auto]")
 @click.option(
     "--engine",

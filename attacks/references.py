@@ -192,6 +192,8 @@ def train_reference(
         data=replace(config.data, holdout_fraction=0.0),
         federated=replace(config.federated, rounds=rounds),
     )
+    if recipe.dp_randomness:  # the auditor's own models: their noise is reproducible from the attack's seed
+        recipe = replace(recipe, privacy=replace(recipe.privacy, noise_seed=int(seed)))
     try:
         setup = prepare(recipe, dataset=_reference_dataset(dataset, pool, rows))
         train_setup(setup, work, overwrite=True, progress=False, echo=lambda _line: None)

@@ -152,6 +152,10 @@ class PrivacyConfig:
     delta: float = 1e-5
     accountant: str = DEFAULT_ACCOUNTANT
     calibrated: bool = False
+    # None: every client draws its noise and samples from a secret only it holds (the default); an integer: from this
+    # public seed instead, reproducibly, for experiments (whoever holds it can remove the noise)
+    noise_seed: int | None = None
+    secure_noise: bool = False  # DP queries draw from ChaCha20, each Gaussian the sum of four float64 draws
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,12 @@ class RunConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     save_transmitted: bool = False
     keep_checkpoints: int | None = None  # the last N rounds' checkpoints are kept; None: every round's
+
+    @property
+    def dp_randomness(self) -> bool:
+        """Whether the clients make random choices whose secrecy a guarantee rests on: record-level DP (noise and
+        Poisson samples) or FedGM's label DP (randomized response)."""
+        return bool(self.privacy.dp) or (self.federated.algorithm == "fedgm" and self.fedgm.label_epsilon is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/YAML serialisable; the site data as a list, as JSON reads it back)."""
@@ -617,6 +627,16 @@ class RunConfig:
                 p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
                 "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
             )
+        _check(isinstance(p.secure_noise, bool), f"--secure-noise must be true or false, got {p.secure_noise!r}.")
+        _check(
+            p.noise_seed is None or (_is_int(p.noise_seed) and 0 <= p.noise_seed <= MAX_SEED),
+            f"--noise-seed must be an integer from 0 to {MAX_SEED}, got {p.noise_seed!r}.",
+        )
+        _check(
+            self.dp_randomness or (p.noise_seed is None and not p.secure_noise),
+            "--noise-seed and --secure-noise set how DP noise is drawn, and this run draws none: add --dp (or "
+            "--label-epsilon for FedGM).",
+        )
         _validate_fedlap(self.fedlap, dp=p.dp)
         self._validate_fedgm()
         self._validate_feddm()

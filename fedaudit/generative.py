@@ -31,14 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.primitive import QueryRecorder, TensorDict, dp_gradient, poisson_sample
+from fedaudit.privacy.primitive import QueryRecorder, TensorDict, dp_gradient
+from fedaudit.privacy.randomness import Source
 
 BETA = 1.0  # weight of the KL term; the reconstruction term is the squared error of the normalised pixels
 # The generator's parameters a gradient canary's direction spans: the encoder's output layer, 12,800 weights and 32
 # biases whatever the image size (the whole generator has up to 650,000, too many to hold a direction per canary).
 CANARY_PARAMETERS = ("enc_out.weight", "enc_out.bias")
-# A DP batch: (inputs, labels, per-record gradients of the gradient canaries drawn) for a sampling rate.
-BatchDraw = Callable[[float, torch.Generator], tuple[torch.Tensor, torch.Tensor, TensorDict | None]]
+# A new DP query's batch for a sampling rate: (inputs, labels, per-record gradients of the gradient canaries drawn,
+# the query's source, which its noise comes from too): ClientData.dp_batch.
+BatchDraw = Callable[[float], tuple[torch.Tensor, torch.Tensor, TensorDict | None, Source]]
 
 
 class ConditionalVAE(nn.Module):
@@ -105,9 +107,12 @@ def train_generator(
     Poisson batches of rate B / n (epochs * floor(n / B) queries). Returns the DP events and the first and last
     epoch's mean loss.
 
-    ``draw`` replaces the Poisson sampling of (x, y) under DP with a draw that adds a canary run's canaries to the
-    batch (records and rate unchanged), and ``recorder`` logs each query."""
+    Under DP every batch comes from ``draw`` (the client's :meth:`ClientData.dp_batch` over (x, y) and, in a canary
+    run, its canaries), which also hands over the query's own source of noise; ``generator`` draws the rest (the
+    shuffles and the latent noise of the reparameterisation trick). ``recorder`` logs each query."""
     n = int(y.shape[0])
+    if noise_multiplier is not None and draw is None:
+        raise ValueError("DP training of the generator draws each batch, and its noise, through a query's source.")
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     epoch_losses: list[float] = []
@@ -116,12 +121,11 @@ def train_generator(
         losses = []
         if noise_multiplier is None:
             order = torch.randperm(n, generator=generator, device=generator.device).to(x.device)
-            batches = [(x[idx], y[idx], None) for idx in order.split(batch_size)]
-        elif draw is None:  # an epoch's batches drawn first, then its steps (the order every DP-Fedssyn run kept)
-            batches = [_dp_batch(x, y, batch_size / n, generator, None) for _ in range(steps_per_epoch)]
-        else:  # a canary run: each batch drawn just before its query, which the query log sees with it
-            batches = (_dp_batch(x, y, batch_size / n, generator, draw) for _ in range(steps_per_epoch))
-        for xb, yb, extra in batches:
+            batches = [(x[idx], y[idx], None, None) for idx in order.split(batch_size)]
+        else:
+            assert draw is not None
+            batches = (draw(batch_size / n) for _ in range(steps_per_epoch))
+        for xb, yb, extra, source in batches:
             noise = torch.randn(
                 (len(yb), model.latent), generator=generator, device=generator.device, dtype=x.dtype
             ).to(x.device)
@@ -139,7 +143,7 @@ def train_generator(
                     noise_multiplier=noise_multiplier,
                     max_grad_norm=max_grad_norm,
                     expected_batch_size=batch_size,
-                    generator=generator,
+                    generator=source,
                     loss_fn=mean_loss,
                     extra=extra,
                     recorder=recorder,
@@ -158,16 +162,6 @@ def train_generator(
     )
     metrics = {"generator_loss_first": epoch_losses[0], "generator_loss_last": epoch_losses[-1]} if epochs else {}
     return events, metrics
-
-
-def _dp_batch(
-    x: torch.Tensor, y: torch.Tensor, rate: float, generator: torch.Generator, draw: BatchDraw | None
-) -> tuple[torch.Tensor, torch.Tensor, TensorDict | None]:
-    """One Poisson batch of the generator's data at ``rate`` (through ``draw`` when a canary run gives one)."""
-    if draw is not None:
-        return draw(rate, generator)
-    idx = poisson_sample(len(y), rate, generator=generator).to(x.device)
-    return x[idx], y[idx], None
 
 
 class _Counter(nn.Module):
@@ -189,13 +183,14 @@ def class_counts(
     y: torch.Tensor,
     num_classes: int,
     *,
-    generator: torch.Generator,
+    generator: Source,
     noise_multiplier: float | None = None,
     recorder: QueryRecorder | None = None,
 ) -> tuple[torch.Tensor, list[SGMEvent]]:
     """The number of records of each class (float64 [num_classes]): exact, or, with ``noise_multiplier``, one query of
     the DP primitive over all records (sampling rate 1; each record's contribution is its one-hot label, norm 1, so
-    the noise is N(0, sigma^2) per class). Returns the counts and the DP events; ``recorder`` logs the query."""
+    the noise is N(0, sigma^2) per class). Returns the counts and the DP events; ``recorder`` logs the query;
+    ``generator`` is the query's own source."""
     counter = _Counter(num_classes).to(y.device)
     ones = torch.ones((int(y.shape[0]), 1), device=y.device)
     result = dp_gradient(

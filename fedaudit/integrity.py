@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fedaudit.errors import UserError
+from fedaudit.privacy.randomness import SECRETS_FILE
 
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"
@@ -71,11 +72,12 @@ def file_digest(path: Path) -> str:
 
 
 def untracked(relative: str) -> bool:
-    """Files of a run directory that carry no hash: the manifest itself, its signature, the lock, temporaries of an
-    interrupted write (cleared by the next writer) and attack caches."""
+    """Files of a run directory that carry no hash: the manifest itself, its signature, the lock, the simulated
+    clients' secrets (which a run handed to someone else leaves out), temporaries of an interrupted write (cleared
+    by the next writer) and attack caches."""
     name = relative.rsplit("/", 1)[-1]
     top = relative.split("/", 1)[0]
-    return relative in (MANIFEST, SIGNATURE, LOCK) or bool(_TEMPORARY.match(name)) or top in CACHES
+    return relative in (MANIFEST, SIGNATURE, LOCK, SECRETS_FILE) or bool(_TEMPORARY.match(name)) or top in CACHES
 
 
 def present_files(root: Path) -> Iterator[str]:

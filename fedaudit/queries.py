@@ -18,8 +18,9 @@ answers the log keeps:
   of MB on Fashion-MNIST: queries x canaries);
 - a few whole queries, chosen from the run's seed on a stream of their own (pairs of consecutive queries, so that
   noise reused across steps can be seen): the point the gradients were taken at, the batch as the gradients saw it,
-  the gradient canaries drawn, and the released sum. ``fedaudit verify`` recomputes their clean clipped sums with an
-  independent loop.
+  the positions of the client's records it drew, the gradient canaries drawn, and the released sum. ``fedaudit
+  verify`` recomputes their clean clipped sums with an independent loop, and tests their noise and sample against
+  every public stream.
 
 A client whose queries are not all gradients of the model (Fedssyn's generation round: a class-count query, then
 the generator's DP-SGD steps) switches the log to another :class:`Space` first: the generator's steps are projected
@@ -107,7 +108,7 @@ class QueryLog:
         self.sum = torch.zeros(count, dtype=torch.float64, device=device)
         self.llr = torch.zeros(count, dtype=torch.float64, device=device)
         self.kept: list[TensorDict] = []
-        self._pending: tuple[int, np.ndarray, float] | None = None
+        self._pending: tuple[torch.Tensor, np.ndarray, float] | None = None
         self._buffer: list[tuple[torch.Tensor, float, float, float]] = []
         self._directions: list[torch.Tensor] | None = None
 
@@ -120,21 +121,23 @@ class QueryLog:
         self._flush()
         self._space, self._directions = space, None
 
-    def batch(self, records: int, canaries: np.ndarray, rate: float) -> None:
-        """What the next query's Poisson batch drew: its number of records, the ids of the canaries drawn, the rate."""
-        self._pending = (records, canaries, rate)
+    def batch(self, index: torch.Tensor, canaries: np.ndarray, rate: float) -> None:
+        """What the next query's Poisson batch drew: the positions of the client's records drawn (in its data), the
+        ids of the canaries drawn, the rate."""
+        self._pending = (index, canaries, rate)
 
     def own_rows(self) -> int:
         """Rows of the next query's inputs that are the client's own records: the batch puts them first."""
         if self._pending is None:
             raise RuntimeError(_NO_BATCH)
-        return self._pending[0]
+        return int(self._pending[0].numel())
 
     def record(self, query: Query) -> None:
         """Take note of one answered query (the primitive calls this)."""
         if self._pending is None:
             raise RuntimeError(_NO_BATCH)
-        records, canaries, rate = self._pending
+        index, canaries, rate = self._pending
+        records = int(index.numel())
         self._pending = None
         step, space = self.steps, self._space
         projected = space is not None and len(self.audit.canaries) > 0
@@ -160,6 +163,7 @@ class QueryLog:
                     "x": query.x.detach().clone(),
                     "y": query.y.detach().clone(),
                     "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
+                    "index": index.detach().to("cpu", torch.int64).clone(),
                 }
             )
         if not projected:

@@ -42,6 +42,7 @@ from fedaudit import integrity
 from fedaudit.config import ConfigError, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model
+from fedaudit.privacy.randomness import RUN_SEED, SECRETS_FILE, SOURCES
 
 if TYPE_CHECKING:
     from fedaudit.data import Dataset
@@ -152,6 +153,31 @@ class ClientsRecord:
         )
 
 
+@dataclass(frozen=True)
+class RandomnessRecord:
+    """Where the run's clients drew their random choices from (:mod:`fedaudit.privacy.randomness`): each client's own
+    secret (``client-secrets``), a public ``--noise-seed`` (``noise-seed``), or the run seed (``run-seed``: a run
+    without DP randomness); and the run's public id, which client keys are bound to."""
+
+    source: str
+    run_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "run_id": self.run_id}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> RandomnessRecord:
+        source = _field(data, "source", str, where)
+        if source not in SOURCES:
+            raise RunError(
+                f"{where} has an unknown randomness source {source!r}; expected one of {', '.join(SOURCES)}."
+            )
+        run_id = _field(data, "run_id", str, where)
+        if not re.fullmatch(r"[0-9a-f]{32}", run_id):
+            raise RunError(f"{where} has a run id that is not 32 hex digits.")
+        return cls(source=source, run_id=run_id)
+
+
 MANIFEST_STATUSES = ("running", "complete", "interrupted", "failed")
 
 
@@ -175,6 +201,13 @@ class Manifest:
     model: ModelRecord
     clients: ClientsRecord
     updated: str | None = None
+    # None: written before fedaudit kept client secrets, when every client's draws came from the run seed
+    randomness: RandomnessRecord | None = None
+
+    @property
+    def randomness_source(self) -> str:
+        """Where the clients' noise came from; runs written before client secrets drew it from the run seed."""
+        return RUN_SEED if self.randomness is None else self.randomness.source
 
     def advanced(self, *, rounds_done: int | None = None, status: str | None = None) -> Manifest:
         """The same manifest after progress: more rounds done, or a new status."""
@@ -198,6 +231,7 @@ class Manifest:
             "dataset": dataclasses.asdict(self.dataset),
             "model": self.model.to_dict(),
             "clients": self.clients.to_dict(),
+            **({} if self.randomness is None else {"randomness": self.randomness.to_dict()}),
         }
 
     @classmethod
@@ -221,6 +255,9 @@ class Manifest:
             model=ModelRecord.from_dict(_field(data, "model", dict, where), f"{where} (model)"),
             clients=ClientsRecord.from_dict(_field(data, "clients", dict, where), f"{where} (clients)"),
             updated=data.get("updated") if isinstance(data.get("updated"), str) else None,
+            randomness=None
+            if data.get("randomness") is None
+            else RandomnessRecord.from_dict(data["randomness"], f"{where} (randomness)"),
         )
 
 
@@ -590,6 +627,7 @@ class RunDirectory:
     attacks_dir = property(lambda self: self.path / "attacks")  # written by fedaudit attack, read by reports
     queries_dir = property(lambda self: self.path / "queries")  # canary runs: the query log of every round
     verification_path = property(lambda self: self.path / "verification.json")  # written by fedaudit verify
+    secrets_path = property(lambda self: self.path / SECRETS_FILE)  # the simulated clients' secrets (mode 0600)
 
     def attack_names(self) -> list[str]:
         """The attack result directories under attacks/ that hold a metrics.json (written last), sorted."""

@@ -1,4 +1,7 @@
-"""Seed derivation: every random draw of a run comes from (run seed, stream, round, client).
+"""Seed derivation: every public random draw of a run comes from (run seed, stream, round, client).
+
+A client's DP noise and Poisson samples are not public: they come from the client's own secret
+(:mod:`fedaudit.privacy.randomness`), or from ``--noise-seed`` through :data:`Stream.QUERY` when asked for.
 
 Deriving independent generators per (stream, round, client) instead of
 threading one generator through the run makes runs reproducible across
@@ -30,6 +33,7 @@ class Stream(enum.IntEnum):
     QUERY_AUDIT = 7  # which DP queries a canary run keeps whole for the conformance checks
     SITE_SPLIT = 8  # which of a site's records its client trains on (members) and which it holds out
     EVALUATION = 9  # the fixed sample of test records the model is evaluated on (--eval-sample)
+    QUERY = 10  # one DP query of a client whose noise comes from a public seed (--noise-seed): (round, client, query)
 
 
 # How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
@@ -46,6 +50,7 @@ STREAM_KEYS = {
     Stream.QUERY_AUDIT: 2,
     Stream.SITE_SPLIT: 1,
     Stream.EVALUATION: 0,
+    Stream.QUERY: 3,
 }
 
 

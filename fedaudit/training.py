@@ -37,11 +37,13 @@ from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
+from fedaudit.privacy.randomness import RunRandomness, new_run_id
 from fedaudit.runs import (
     ClientsRecord,
     DatasetRecord,
     Manifest,
     ModelRecord,
+    RandomnessRecord,
     RunDirectory,
     RunError,
     now_iso,
@@ -110,9 +112,10 @@ def train_setup(
         state = _TrainingState(
             params=_initial_params(setup), ledger=_new_ledger(setup.config), states=ClientStates(run, setup.device)
         )
-        manifest = _manifest(setup, rounds_done=0, created=now_iso())
+        randomness = RunRandomness.for_config(setup.config, new_run_id(), at_sites=_at_sites(setup.config))
+        manifest = _manifest(setup, rounds_done=0, created=now_iso(), randomness=randomness)
         run.write_manifest(manifest)
-        return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
+        return _run_rounds(setup, run, manifest, state, randomness, progress=progress, echo=echo)
     finally:
         run.discard()  # a start that never committed a round leaves nothing
         for lock in reversed(locks):
@@ -203,6 +206,10 @@ def _resume(
         raise RunError(
             f"The partition rebuilt from the seed differs from {run.membership_path}; the run cannot be resumed."
         )
+    run_id = manifest.randomness.run_id if manifest.randomness is not None else new_run_id()
+    randomness = RunRandomness.resumed(
+        setup.config, manifest.randomness_source, run_id, run.secrets_path, at_sites=_at_sites(setup.config)
+    )
     run.write_config(setup.config.to_dict())
     state = _TrainingState(params=_initial_params(setup), ledger=_resumed_ledger(run, setup.config, done))
     if done > 0:
@@ -213,10 +220,10 @@ def _resume(
         state.server_state = run.load_server_state(done, setup.device)
         state.server_kept = run.load_server_state(done, setup.device, kept=True)
     state.rows = run.read_metrics().to_dict("records")[:done]
-    manifest = _manifest(setup, rounds_done=done, created=manifest.created)
+    manifest = _manifest(setup, rounds_done=done, created=manifest.created, randomness=randomness)
     if done == setup.config.federated.rounds:
         echo(f"{run.path} has already completed all {done} rounds; nothing to do.")
-    return _run_rounds(setup, run, manifest, state, progress=progress, echo=echo)
+    return _run_rounds(setup, run, manifest, state, randomness, progress=progress, echo=echo)
 
 
 def evaluate(
@@ -345,7 +352,12 @@ def _resumed_ledger(run: RunDirectory, config: RunConfig, done: int) -> PrivacyL
     return ledger
 
 
-def _manifest(setup: Setup, *, rounds_done: int, created: str) -> Manifest:
+def _at_sites(config: RunConfig) -> bool:
+    """Whether the clients are a Flower deployment's sites, which keep their own secrets."""
+    return config.engine == "flower" and config.flower.superlink is not None
+
+
+def _manifest(setup: Setup, *, rounds_done: int, created: str, randomness: RunRandomness) -> Manifest:
     config, dataset = setup.config, setup.dataset
     return Manifest(
         status="running",
@@ -378,6 +390,7 @@ def _manifest(setup: Setup, *, rounds_done: int, created: str) -> Manifest:
             client_fraction_effective=setup.client_fraction,
             dp_queries_per_round=tuple(setup.queries[k] for k in range(len(setup.partition.clients))),
         ),
+        randomness=RandomnessRecord(source=randomness.source, run_id=randomness.run_id),
     )
 
 
@@ -426,8 +439,9 @@ def time_first_round(setup: Setup) -> float:
     params = {name: p.to(setup.device) for name, p in _initial_params(setup).items()}
     state = _TrainingState(params=params, ledger=_new_ledger(setup.config))
     began = time.perf_counter()
+    randomness = RunRandomness.for_config(setup.config, new_run_id(), at_sites=False)  # secrets in memory only
     with LocalEngine(progress=False, echo=None, parallel=setup.config.parallel_clients) as engine:
-        _RoundLoop(setup, None, engine).compute(0, state)
+        _RoundLoop(setup, None, engine, randomness).compute(0, state)
     return time.perf_counter() - began
 
 
@@ -435,8 +449,8 @@ class _RoundLoop:
     """The rounds of one training session: the clients' data and the test split on the device, a scratch model
     (``run`` is None for a round that is timed and not kept)."""
 
-    def __init__(self, setup: Setup, run: RunDirectory | None, engine: Engine) -> None:
-        self.setup, self.run, self.engine = setup, run, engine
+    def __init__(self, setup: Setup, run: RunDirectory | None, engine: Engine, randomness: RunRandomness) -> None:
+        self.setup, self.run, self.engine, self.randomness = setup, run, engine, randomness
         device, dataset = setup.device, setup.dataset
         # every client's data is built once when every client takes part in every round; with client sampling,
         # only the round's participants' are built, each round, so that memory grows with the clients of a round
@@ -475,19 +489,18 @@ class _RoundLoop:
             device=device,
             server_state=state.server_state,
             server_kept=state.server_kept,
+            run_id=self.randomness.run_id,
         )
         selected = round_participants(config, setup.algorithm, m)
-
-        def client_generator(k: int) -> torch.Generator:
-            return make_generator(config.seed, Stream.CLIENT, m, k, device=device)
-
+        # a client taking part for the first time gets its secret now, written before anything is drawn from it
+        self.randomness.prepare(selected, None if self.run is None else self.run.secrets_path)
         messages = self.engine.run_clients(
             setup.algorithm,
             self.model,
             state.params,
             [self.client(k) for k in selected],
             ctx,
-            client_generator,
+            self.randomness.keys,
             state.states.of(selected),
         )
         if not self.every_round:
@@ -605,7 +618,14 @@ class _RoundLoop:
 
 
 def _run_rounds(
-    setup: Setup, run: RunDirectory, manifest: Manifest, state: _TrainingState, *, progress: bool, echo: Echo
+    setup: Setup,
+    run: RunDirectory,
+    manifest: Manifest,
+    state: _TrainingState,
+    randomness: RunRandomness,
+    *,
+    progress: bool,
+    echo: Echo,
 ) -> TrainResult:
     """Compute and commit every round left; an interruption or failure is recorded in the manifest and re-raised."""
     repeatable(setup.device)
@@ -620,7 +640,7 @@ def _run_rounds(
         membership=setup.partition.clients,
         sites=setup.sites if setup.records_at_sites else (),
     ) as engine:
-        loop = _RoundLoop(setup, run, engine)
+        loop = _RoundLoop(setup, run, engine, randomness)
         try:
             for m in tqdm(
                 range(start, rounds), desc="rounds", unit="round", initial=start, total=rounds, disable=not progress
@@ -662,12 +682,13 @@ def _round_line(row: dict[str, Any], rounds: int, *, dp: bool, config: RunConfig
 
 
 def _checkpoint_state(seed: int, round_number: int) -> dict[str, Any]:
-    """What is saved beside a checkpoint's weights: the round, the seed every random stream is derived from (seed,
-    stream, round, client), and the torch CPU generator state and Python version, for the record."""
+    """What is saved beside a checkpoint's weights: the round, the seed every public random stream is derived from
+    (seed, stream, round, client), and the torch CPU generator state and Python version, for the record."""
     return {
         "round": round_number,
         "seed": seed,
-        "rng": "derived per (seed, stream, round, client); see fedaudit.seeding",
+        "rng": "public draws per (seed, stream, round, client), see fedaudit.seeding; a DP run's clients draw from "
+        "their own keys, see fedaudit.privacy.randomness",
         "torch_cpu_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
         "python": sys.version.split()[0],
     }

@@ -7,7 +7,7 @@ so that a three-round run takes well under a second once torch is loaded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,25 @@ from click.testing import Result
 from helpers import FAST_ARGS, invoke
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fixed_secrets() -> Iterator[None]:
+    """Every run this test starts gets the same run id and every client the same secret, so that two runs started
+    apart are the same run, byte for byte, as two processes holding the same client secrets would train it (a DP
+    run's noise otherwise differs from run to run). What ``--resume`` reads back from client-secrets.json is then
+    compared with a run that never stopped. Patched apart from the test's own ``monkeypatch``, so that its
+    ``undo()`` keeps them."""
+    import fedaudit.privacy.randomness as randomness
+    import fedaudit.training as training
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(training, "new_run_id", lambda: "5e" * 16)
+    patch.setattr(randomness, "new_secret", lambda: bytes(range(32)))
+    try:
+        yield
+    finally:
+        patch.undo()
 
 
 @pytest.fixture

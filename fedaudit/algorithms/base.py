@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch.func import functional_call
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import poisson_sample
+from fedaudit.privacy.randomness import ClientKeys, QueryDraws, Source
 from fedaudit.queries import QueryAudit, QueryLog
 
 TensorDict = dict[str, torch.Tensor]
@@ -49,6 +50,8 @@ class ClientData:
     # a canary run's query audit, and the log of the round under way (see run_client)
     audit: QueryAudit | None = None
     recorder: QueryLog | None = None
+    # the sources of this round's DP queries, from the client's secret (see run_client)
+    draws: QueryDraws | None = None
 
     @property
     def num_examples(self) -> int:
@@ -60,29 +63,45 @@ class ClientData:
             return int(next(iter(self.canary_grads.values())).shape[0])
         return 0 if self.canary_y is None else int(self.canary_y.shape[0])
 
-    def dp_batch(
-        self, sample_rate: float, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor, TensorDict | None]:
-        """One Poisson batch of a DP query: (inputs, labels, per-example gradients of sampled gradient canaries).
+    def next_query(self) -> Source:
+        """The source of the client's next DP query: a generator (or secure stream) of its own, derived from the
+        client's secret and the query's place in the round (:class:`fedaudit.privacy.randomness.QueryDraws`)."""
+        if self.draws is None:
+            raise RuntimeError("A DP query needs the client's query draws: run the client through run_client.")
+        return self.draws.next()
 
-        The client's records are sampled with rate ``sample_rate``, then its canaries with the same rate from the
-        same generator (drawn only when it holds any, so that a run without canaries draws what it always drew);
-        sampled input canaries join the batch as records.
+    def dp_batch(self, sample_rate: float) -> DPBatch:
+        """One Poisson batch of a new DP query: (inputs, labels, per-example gradients of sampled gradient canaries,
+        the query's source, which its noise must come from too).
+
+        The client's records are sampled with rate ``sample_rate`` from the query's own source, then its canaries
+        with the same rate from the same source (drawn only when it holds any); sampled input canaries join the
+        batch as records.
         """
-        idx = poisson_sample(self.num_examples, sample_rate, generator=generator)
-        x, y, extra = self.x[idx], self.y[idx], None
+        source = self.next_query()
+        idx = poisson_sample(self.num_examples, sample_rate, generator=source)
+        x, y, extra = self.x[idx.to(self.x.device)], self.y[idx.to(self.y.device)], None
         sampled = None
         if self.num_canaries:
-            sampled = poisson_sample(self.num_canaries, sample_rate, generator=generator)
+            sampled = poisson_sample(self.num_canaries, sample_rate, generator=source)
             if self.canary_grads:
-                extra = {name: g[sampled] for name, g in self.canary_grads.items()}
+                extra = {name: g[sampled.to(g.device)] for name, g in self.canary_grads.items()}
             else:
-                x = torch.cat([x, self.canary_x[sampled]])
-                y = torch.cat([y, self.canary_y[sampled]])
+                x = torch.cat([x, self.canary_x[sampled.to(self.canary_x.device)]])
+                y = torch.cat([y, self.canary_y[sampled.to(self.canary_y.device)]])
         if self.recorder is not None and self.audit is not None:
             drawn = self.audit.held[sampled.cpu().numpy()] if sampled is not None else self.audit.held[:0]
-            self.recorder.batch(int(idx.shape[0]), drawn, sample_rate)
-        return x, y, extra
+            self.recorder.batch(idx, drawn, sample_rate)
+        return DPBatch(x, y, extra, source)
+
+
+class DPBatch(NamedTuple):
+    """A DP query's Poisson batch and the source it was drawn from (the query's noise is drawn from it next)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    extra: TensorDict | None  # per-example gradients of the gradient canaries drawn
+    source: Source
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,7 @@ class RoundContext:
     device: torch.device
     server_state: TensorDict = field(default_factory=dict)
     server_kept: TensorDict = field(default_factory=dict)
+    run_id: str = ""  # the run's public identifier: a site's secret derives this run's keys with it
 
     def cosine_lr(self, base_lr: float) -> float:
         """``base_lr`` with cosine decay over rounds (round 0 uses the full rate)."""
@@ -193,11 +213,16 @@ def run_client(
     global_params: TensorDict,
     data: ClientData,
     ctx: RoundContext,
-    generator: torch.Generator,
+    keys: ClientKeys,
     state: TensorDict | None = None,
 ) -> ClientMessage:
-    """One client update, as every engine runs it: in a canary run the client's DP queries are logged (its
-    :class:`QueryLog` rides on the data the algorithm sees) and the log joins the message."""
+    """One client update, as every engine runs it, with the client's draws from ``keys``: its round generator for
+    everything but its DP queries, and a fresh source for each DP query (:meth:`ClientData.dp_batch`). In a canary
+    run the client's DP queries are logged (its :class:`QueryLog` rides on the data the algorithm sees) and the log
+    joins the message."""
+    device = torch.device(ctx.device)
+    generator = keys.round_generator(ctx.round, device)
+    data = replace(data, draws=QueryDraws(keys, ctx.round, device))
     if data.audit is None:
         return algorithm.client_update(model, global_params, data, ctx, generator, state=state)
     log = data.audit.log(data.client_id, ctx.round, next(iter(global_params.values())).device)

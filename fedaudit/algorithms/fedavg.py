@@ -172,7 +172,7 @@ class FedAvg:
         sample_rate = batch_size / n
         steps = self.queries_per_round(ctx.config, n)
         for _ in range(steps):
-            x, y, extra = data.dp_batch(sample_rate, generator)  # canaries are records: same q, same query
+            x, y, extra, source = data.dp_batch(sample_rate)  # canaries are records: same q, same query
             result = dp_gradient(
                 model,
                 x,
@@ -180,7 +180,7 @@ class FedAvg:
                 noise_multiplier=priv.noise_multiplier,
                 max_grad_norm=priv.max_grad_norm,
                 expected_batch_size=batch_size,
-                generator=generator,
+                generator=source,
                 extra=extra,
                 recorder=data.recorder,
             )

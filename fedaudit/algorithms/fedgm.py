@@ -5,8 +5,9 @@ class-wise gradient matching as in dataset condensation (Zhao et al., 2021): on 
 networks, the synthetic images of class c move so that the network's gradient on them matches its gradient on a
 real batch of class c (the layer-wise cosine distance of FedLAP's matching loss), and the network takes a step on
 the synthetic set between matching steps. The set is a function of the client's data and of its own distillation
-stream (``Stream.CLIENT`` with the reserved round key :data:`DISTILL_ROUND`), so the client makes the same set in
-every round and keeps nothing between rounds: fedaudit persists what clients keep on the server's side for
+stream (its round generator at the reserved round key :data:`DISTILL_ROUND`; under label DP derived from the
+client's secret like all its draws), so the client makes the same set in every round and keeps nothing between
+rounds: fedaudit persists what clients keep on the server's side for
 ``--resume``, and the set's true labels and its unsent stages must never leave the client. (The local engine
 reuses the set it made in an earlier round of the same process.)
 
@@ -39,7 +40,7 @@ from fedaudit.algorithms.fedlap import matched_names, matching_loss, real_images
 from fedaudit.config import FedGMConfig, RunConfig
 from fedaudit.models import fresh_params
 from fedaudit.privacy.labeldp import randomized_response, rr_top_k, rr_with_prior
-from fedaudit.seeding import Stream, make_generator
+from fedaudit.privacy.randomness import Source
 
 DISTILL_ROUND = 2**32 - 1  # the round key of a client's distillation stream: no round of a run has it
 
@@ -76,7 +77,7 @@ class FedGM:
         part = stage == ctx.round
         images, labels = images[part], labels[part]
         if gm.label_epsilon is not None:
-            labels = self._randomize(model, global_params, images, labels, ctx, generator)
+            labels = self._randomize(model, global_params, images, labels, ctx, data.next_query())
         return ClientMessage(
             client_id=data.client_id,
             num_examples=data.num_examples,
@@ -89,10 +90,14 @@ class FedGM:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
         """(images, true labels, stage of each image, distillation metrics) of this client, the same in every round;
         the stages come from a permutation that never looks at the labels."""
-        key = (data.client_id, data.x.data_ptr(), data.num_examples, ctx.config.seed, ctx.config.fedgm, ctx.rounds)
+        if data.draws is None:
+            raise RuntimeError("FedGM's client makes its set from its own draws: run it through run_client.")
+        keys = data.draws.keys
+        seed = keys.round_seed(DISTILL_ROUND)
+        key = (data.client_id, data.x.data_ptr(), data.num_examples, seed, ctx.config.fedgm, ctx.rounds)
         if key not in self._made:
             device = data.x.device
-            generator = make_generator(ctx.config.seed, Stream.CLIENT, DISTILL_ROUND, data.client_id, device=device)
+            generator = keys.round_generator(DISTILL_ROUND, device)
             images, labels, first, last = distil(model, global_params, data, ctx.config.fedgm, generator)
             order = torch.randperm(len(labels), generator=generator, device=generator.device).to(labels.device)
             stage = torch.empty_like(labels)
@@ -141,9 +146,10 @@ class FedGM:
         images: torch.Tensor,
         labels: torch.Tensor,
         ctx: RoundContext,
-        generator: torch.Generator,
+        generator: Source,
     ) -> torch.Tensor:
-        """The labels through the configured mechanism, with the server model's prior from the second stage on."""
+        """The labels through the configured mechanism, with the server model's prior from the second stage on;
+        ``generator`` is the round's label query's own source."""
         gm = ctx.config.fedgm
         classes = num_classes(model, global_params, images)
         if ctx.round == 0 or gm.label_mechanism == "rr":  # no model of earlier stages yet: a uniform prior, RR

@@ -318,7 +318,7 @@ class FedLAP:
         batch = ctx.config.federated.batch_size
         n = data.num_examples
         if ctx.config.privacy.dp:
-            x, y, extra = data.dp_batch(min(1.0, batch / n), generator)  # canaries are records: same q, same query
+            x, y, extra, source = data.dp_batch(min(1.0, batch / n))  # canaries are records: same q, same query
             if ctx.config.fedlap.augment:
                 x = augment(x, seed=seed)
             result = dp_gradient(
@@ -328,7 +328,7 @@ class FedLAP:
                 noise_multiplier=ctx.config.privacy.noise_multiplier,
                 max_grad_norm=ctx.config.privacy.max_grad_norm,
                 expected_batch_size=batch,
-                generator=generator,
+                generator=source,
                 params=params,
                 extra=extra,
                 recorder=data.recorder,

@@ -152,9 +152,10 @@ class Fedssyn:
         log = data.recorder
         if log is not None and data.audit is not None:
             log.enter(None)  # the class counts: metadata only
-            log.batch(m, data.audit.held, 1.0)  # every record drawn and every canary held is counted
+            log.batch(drawn, data.audit.held, 1.0)  # every record drawn and every canary held is counted
         counted = y if data.canary_y is None else torch.cat([y, data.canary_y])
-        counts, events = class_counts(counted, classes, generator=generator, noise_multiplier=sigma, recorder=log)
+        source = data.next_query()
+        counts, events = class_counts(counted, classes, generator=source, noise_multiplier=sigma, recorder=log)
         vae = ConditionalVAE(tuple(data.x.shape[1:]), classes).to(device)
         with torch.no_grad():
             for name, p in fresh_params(vae, dict(vae.named_parameters()), generator).items():
@@ -170,7 +171,7 @@ class Fedssyn:
             generator=generator,
             noise_multiplier=sigma,
             max_grad_norm=fs.generator_clip,
-            draw=None if pool is None else pool.dp_batch,
+            draw=pool.dp_batch if sigma is not None else None,
             recorder=log,
         )
         if log is not None and data.audit is not None:
@@ -186,13 +187,13 @@ class Fedssyn:
         )
 
     @staticmethod
-    def _generator_pool(vae: ConditionalVAE, pool: ClientData, clip: float) -> ClientData | None:
-        """In a canary run, the generator's data with the client's canaries (None otherwise): input canaries stay
-        records; a gradient canary's gradient becomes 10 ``clip`` u_i, u_i its direction in the generator's
-        :data:`CANARY_PARAMETERS`. The log is switched to the generator's space."""
+    def _generator_pool(vae: ConditionalVAE, pool: ClientData, clip: float) -> ClientData:
+        """The generator's data (its DP batches are drawn from it), in a canary run with the client's canaries:
+        input canaries stay records; a gradient canary's gradient becomes 10 ``clip`` u_i, u_i its direction in the
+        generator's :data:`CANARY_PARAMETERS`. The log is switched to the generator's space."""
         audit = pool.audit
         if audit is None:
-            return None
+            return pool
         shapes = {name: vae.get_parameter(name).shape for name in CANARY_PARAMETERS}
         device = pool.x.device
         inputs = labels = None

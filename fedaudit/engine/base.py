@@ -5,18 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-import torch
 from torch import nn
 
 from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict
+from fedaudit.privacy.randomness import ClientKeys
 
 
 class Engine(Protocol):
     """Runs clients for the training core's round loop; a context manager that releases what it started.
 
     An engine decides only *where* clients run (in this process, on Flower's runtime, ...), never what they
-    compute: each client's update is ``algorithm.client_update`` with the generator ``make_generator(client_id)``,
-    so the same seed gives the same run on every engine.
+    compute: each client's update is ``algorithm.client_update`` with its draws from ``client_keys(client_id)``
+    (:func:`fedaudit.algorithms.base.run_client`), so the same keys give the same run on every engine. A Flower
+    deployment's sites hold their own keys: that engine never asks for them.
     """
 
     name: str
@@ -32,7 +33,7 @@ class Engine(Protocol):
         global_params: TensorDict,
         clients: Sequence[ClientData],
         ctx: RoundContext,
-        make_generator: Callable[[int], torch.Generator],
+        client_keys: Callable[[int], ClientKeys],
         states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
         """One :class:`ClientMessage` per client in ``clients``, in that order.
@@ -43,7 +44,7 @@ class Engine(Protocol):
             global_params: the global model's parameters at the start of the round.
             clients: the selected clients' data (an engine that runs clients elsewhere may rebuild it there).
             ctx: the round's context (round index, rounds, configuration, device).
-            make_generator: the client's random generator for this round, by client id.
+            client_keys: where a client's draws come from, by client id (its secret's keys, or a public seed's).
             states: what each client kept from its last round (e.g. FedLAP's synthetic set).
 
         Raises:

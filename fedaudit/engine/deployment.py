@@ -17,8 +17,11 @@ checkpoints and audit stay exactly those of the local engine:
    ends the round with one sentence naming it; nothing of that round is committed, so ``--resume`` continues
    once the site is back. A site whose data fingerprint changes during the run is refused.
 
-Every site computes exactly what the local engine's client computes (the same ``client_update`` with the same
-derived generator), so the run is the same, byte for byte. The Flower APIs used for step 1 are internal ones of
+Every site computes exactly what the local engine's client computes (the same ``client_update``), with its draws
+from a secret that only the site holds: a file the site creates (mode 0600) where its node config says (``secret``)
+or in its data directory, never sent to the server. So the server cannot regenerate a site's noise or Poisson
+samples. With ``--noise-seed`` (sites that allow it: ``public-noise=true``) the run is the local engine's, byte for
+byte. The Flower APIs used for step 1 are internal ones of
 Flower 1.42 (the ``flower`` extra pins it).
 """
 
@@ -50,6 +53,7 @@ from fedaudit.algorithms.base import (
 from fedaudit.config import RunConfig
 from fedaudit.data.sites import SiteReport, is_sites, recorded_hashes, sites_fingerprint
 from fedaudit.engine.flower import (
+    SiteSecret,
     _client_side,
     _from_record,
     _to_record,
@@ -61,6 +65,7 @@ from fedaudit.engine.flower import (
     train_message,
 )
 from fedaudit.errors import UserError
+from fedaudit.privacy.randomness import ClientKeys, site_secret_path
 
 ACQUIRE_SECONDS = 20.0  # how long the SuperLink may take to hand this process its run's ServerApp task
 POLL_SECONDS = 0.2
@@ -133,9 +138,19 @@ def _hello(message: Any, context: Any) -> Any:
     return Message(content=RecordDict(content), reply_to=message)
 
 
+def _secret(context: Any, client: int, data_dir: str | None) -> SiteSecret:
+    """Where this site keeps its client's secret (node config ``secret``, else its ``data-dir``), and whether it lets
+    the server choose a public noise seed (``public-noise=true``)."""
+    node = context.node_config
+    named = node.get("secret")
+    allowed = node.get("public-noise", False)
+    path = site_secret_path(client, None if named in (None, "") else str(named), data_dir)
+    return SiteSecret(path, public_noise=allowed is True or str(allowed).strip().lower() == "true")
+
+
 def _train(message: Any, context: Any) -> Any:
     client, data_dir, data = _site(context)
-    return client_round(message, client, data_dir, data)
+    return client_round(message, client, data_dir, data, site=_secret(context, client, data_dir))
 
 
 def _evaluate(message: Any, context: Any) -> Any:
@@ -277,10 +292,11 @@ class DeploymentEngine:
         global_params: TensorDict,
         clients: Sequence[ClientData],
         ctx: RoundContext,
-        make_generator: Callable[[int], torch.Generator],
+        client_keys: Callable[[int], ClientKeys],
         states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
-        """Send each selected client its round and wait for every reply; a dead, silent or changed site is raised."""
+        """Send each selected client its round and wait for every reply; a dead, silent or changed site is raised.
+        ``client_keys`` is never called: each site draws from its own secret, which the server does not hold."""
         if self._grid is None:
             self._start()
         requests = {

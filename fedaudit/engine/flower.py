@@ -8,9 +8,11 @@ selected client one Flower ``Message`` (the global model, what the client kept
 from its last round, the round and the run's configuration) and turns the
 replies back into :class:`ClientMessage` objects. A ClientApp rebuilds its
 client's records from the configuration (dataset, partition and seed), so no
-training data crosses the wire, and draws its randomness from the same
-derived stream (seed, client stream, round, client) as the local engine: the
-same seed gives the same run on both.
+training data crosses the wire, and draws its randomness as the local engine's
+client does: from the client's key, which the simulation's server sends with
+each task (the simulated clients' secrets are in the run directory, which that
+server holds), or from a public seed. The same keys give the same run on both.
+A deployment's site never takes a key from the server (:func:`client_keys_for`).
 
 Flower and Ray are the optional ``flower`` extra (``pip install 'fedaudit[flower]'``).
 """
@@ -24,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +38,8 @@ from torch import nn
 from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, run_client
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.seeding import Stream, make_generator, repeatable
+from fedaudit.privacy.randomness import NOISE_SEED, ClientKeys, SecretKeys, SeededKeys, site_keys
+from fedaudit.seeding import repeatable
 
 if TYPE_CHECKING:
     from fedaudit.setup import Setup
@@ -140,12 +143,59 @@ def _train(message: Any, context: Any) -> Any:
     return client_round(message, int(context.node_config["partition-id"]))
 
 
-def client_round(message: Any, hosted: int, data_dir: str | None = None, site_data: str | None = None) -> Any:
-    """One client round: the same ``client_update`` as the local engine, with the client's own derived generator.
+@dataclass(frozen=True)
+class SiteSecret:
+    """Where a deployment's site keeps its client's secret (its node config's ``secret``, or its data directory),
+    and whether it lets the server choose a public noise seed (``public-noise=true``: for experiments only)."""
+
+    path: Path
+    public_noise: bool = False
+
+
+def client_keys_for(task: Any, config: RunConfig, client: int, site: SiteSecret | None) -> ClientKeys:
+    """Where this client's draws come from in this round: a public seed for a run without DP randomness (the run
+    seed) or with ``--noise-seed``; else its secret's keys: in a simulation the key the server sent (the simulated
+    clients' secrets are the run directory's), at a deployment's site its own secret, which never leaves it.
+
+    A site refuses a key sent by the server, and a public noise seed unless its node config allows one: either would
+    let the server regenerate and remove the site's noise.
+    """
+    priv = config.privacy
+    secure = bool(priv.secure_noise)
+    if site is not None and "key" in task:
+        raise RuntimeError(
+            f"the server sent client {client} a key for its noise; a site draws its noise from its own secret only"
+        )
+    if not config.dp_randomness:
+        return SeededKeys(config.seed, client)
+    if priv.noise_seed is not None:
+        if site is not None and not site.public_noise:
+            raise RuntimeError(
+                f"the server asks client {client} to draw its noise from a public seed (--noise-seed), which would let "
+                "the server remove it; start the site's SuperNode with public-noise=true in its --node-config to "
+                "allow that for experiments"
+            )
+        return SeededKeys(priv.noise_seed, client, secure=secure, source=NOISE_SEED)
+    if site is None:
+        if "key" not in task:
+            raise RuntimeError(f"the simulation's server sent client {client} no key for its noise")
+        return SecretKeys(bytes.fromhex(str(task["key"])), secure=secure)
+    return site_keys(site.path, str(task["run"]), client, secure=secure)
+
+
+def client_round(
+    message: Any,
+    hosted: int,
+    data_dir: str | None = None,
+    site_data: str | None = None,
+    site: SiteSecret | None = None,
+) -> Any:
+    """One client round: the same ``client_update`` as the local engine, with the client's own keys.
 
     ``hosted`` is the client this SuperNode serves; ``data_dir`` replaces the run's data directory (a site's own);
     ``site_data`` is the site's own records in a federation whose sites keep them (the task then carries what the
-    sites reported, instead of the site rebuilding the partition).
+    sites reported, instead of the site rebuilding the partition); ``site`` is a deployment's site's secret (None in
+    a simulation).
     """
     from flwr.app import ConfigRecord, Message, RecordDict
 
@@ -164,16 +214,21 @@ def client_round(message: Any, hosted: int, data_dir: str | None = None, site_da
         data = _client_data(config_json, client)
     config, algorithm, device = setup.config, setup.algorithm, setup.device
     repeatable(device)
+    keys = client_keys_for(task, config, client, site)
     names = [name for name, _ in model.named_parameters()]
     received = _from_record(message.content["global"], device)
     global_params = {name: received[name] for name in names}  # the model's order fixes the order of float sums
     state = _from_record(message.content["state"], device) if "state" in message.content else None
     server_state = _from_record(message.content["server"], device) if "server" in message.content else {}
     ctx = RoundContext(
-        round=round_index, rounds=int(task["rounds"]), config=config, device=device, server_state=server_state
+        round=round_index,
+        rounds=int(task["rounds"]),
+        config=config,
+        device=device,
+        server_state=server_state,
+        run_id=str(task["run"]),
     )
-    generator = make_generator(config.seed, Stream.CLIENT, round_index, client, device=device)
-    result = run_client(algorithm, model, global_params, data, ctx, generator, state=state)
+    result = run_client(algorithm, model, global_params, data, ctx, keys, state=state)
     content = {
         "payload": _to_record(result.payload),
         "info": ConfigRecord(
@@ -210,14 +265,24 @@ def train_message(
     state: TensorDict | None,
     node: int,
     federation: str | None = None,
+    key: bytes | None = None,
 ) -> Any:
     """The Flower message that asks the SuperNode ``node`` for one round of client ``data.client_id``;
-    ``federation`` is what the sites reported of their records, where they keep them."""
+    ``federation`` is what the sites reported of their records, where they keep them; ``key`` is a simulated
+    client's key (never a deployment site's: a site holds its own)."""
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    task = {"config": config_json, "client": data.client_id, "round": ctx.round, "rounds": ctx.rounds}
+    task = {
+        "config": config_json,
+        "client": data.client_id,
+        "round": ctx.round,
+        "rounds": ctx.rounds,
+        "run": ctx.run_id,
+    }
     if federation is not None:
         task["federation"] = federation
+    if key is not None:
+        task["key"] = key.hex()
     content = {"global": _to_record(global_params), "task": ConfigRecord(task)}
     if state is not None:
         content["state"] = _to_record(state)
@@ -283,18 +348,21 @@ class FlowerEngine:
         global_params: TensorDict,
         clients: Sequence[ClientData],
         ctx: RoundContext,
-        make_generator: Callable[[int], torch.Generator],
+        client_keys: Callable[[int], ClientKeys],
         states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
-        """Send each selected client its round and wait for every reply; a client's failure is raised here."""
+        """Send each selected client its round (with its key, where it draws from a secret) and wait for every
+        reply; a client's failure is raised here."""
         if self._thread is None:
             self._start()
-        requests = [
-            train_message(
-                self.config_json, global_params, data, ctx, states.get(data.client_id), self._node_of[data.client_id]
+        requests = []
+        for data in clients:
+            keys = client_keys(data.client_id)
+            key = keys.key if isinstance(keys, SecretKeys) else None
+            node = self._node_of[data.client_id]
+            requests.append(
+                train_message(self.config_json, global_params, data, ctx, states.get(data.client_id), node, key=key)
             )
-            for data in clients
-        ]
         self._requests.put(requests)
         replies = self._receive()
         messages = {}

@@ -1,7 +1,7 @@
 """In-process engine: runs the selected clients of a round on this machine, one after another or several at once.
 
 Several at once means threads, each with its own copy of the scratch model (and, on a GPU, its own CUDA stream).
-A client's update reads only the global parameters, its own data, generator and state, so the messages are the
+A client's update reads only the global parameters, its own data, draws and state, so the messages are the
 same as one after another, bit for bit: each operation computes the same thing in either order. Threads pay on
 CPU because PyTorch releases the GIL inside its operations: two clients on two cores took about half the time
 (docs/performance.md).
@@ -30,6 +30,7 @@ from fedaudit.algorithms.base import (
     run_client,
     setup_rounds,
 )
+from fedaudit.privacy.randomness import ClientKeys
 
 # A round whose clients are estimated to take at least this long gets an estimate of the time left, said after the
 # first client of the process has run (so that a long run says up front what it will cost, in a log too).
@@ -99,7 +100,7 @@ class LocalEngine:
         global_params: TensorDict,
         clients: Sequence[ClientData],
         ctx: RoundContext,
-        make_generator: Callable[[int], torch.Generator],
+        client_keys: Callable[[int], ClientKeys],
         states: Mapping[int, TensorDict],
     ) -> list[ClientMessage]:
         """One client update per selected client; ``model`` is reused as scratch space, ``states`` is what clients
@@ -110,8 +111,8 @@ class LocalEngine:
         parallel = self.parallel if self.parallel is not None else (len(clients) if device.type == "cuda" else 1)
 
         def update(data: ClientData, scratch: nn.Module) -> ClientMessage:
-            generator = make_generator(data.client_id)
-            return run_client(algorithm, scratch, global_params, data, ctx, generator, state=states.get(data.client_id))
+            keys = client_keys(data.client_id)
+            return run_client(algorithm, scratch, global_params, data, ctx, keys, state=states.get(data.client_id))
 
         try:
             if parallel > 1 and len(clients) > 1:

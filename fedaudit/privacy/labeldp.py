@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from fedaudit.privacy.randomness import Source, uniform
+
 
 def keep_probability(epsilon: float, k: int) -> float:
     """P(report the true label) of randomized response over k labels: e^eps / (e^eps + k - 1)."""
@@ -50,7 +52,7 @@ def best_k(prior: torch.Tensor, epsilon: float) -> torch.Tensor:
 
 
 def rr_top_k(
-    labels: torch.Tensor, prior: torch.Tensor, k: torch.Tensor | int, epsilon: float, generator: torch.Generator
+    labels: torch.Tensor, prior: torch.Tensor, k: torch.Tensor | int, epsilon: float, generator: Source
 ) -> torch.Tensor:
     """RRTop-k of each label with its own prior row and k (an int applies to every row); returns the reported labels.
 
@@ -66,8 +68,8 @@ def rr_top_k(
     inside = rank < k
     keep = torch.tensor([keep_probability(epsilon, j) for j in range(1, classes + 1)], dtype=torch.float64)
     keep = keep.to(device)[k - 1]
-    u = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device).to(device)
-    v = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device).to(device)
+    u = uniform(generator, n, dtype=torch.float64).to(device)
+    v = uniform(generator, n, dtype=torch.float64).to(device)
     # inside Y_k and not kept: a uniform member of Y_k other than the label (positions 0..k-2, skipping its rank)
     other = torch.clamp((v * (k - 1)).long(), max=(k - 2).clamp_min(0))
     other = other + (other >= rank).long()
@@ -77,17 +79,13 @@ def rr_top_k(
     return order.gather(1, position[:, None])[:, 0].to(labels.dtype)
 
 
-def randomized_response(
-    labels: torch.Tensor, num_classes: int, epsilon: float, generator: torch.Generator
-) -> torch.Tensor:
+def randomized_response(labels: torch.Tensor, num_classes: int, epsilon: float, generator: Source) -> torch.Tensor:
     """RR over ``num_classes`` labels (RRTop-k with a uniform prior and k = K)."""
     prior = torch.full((labels.shape[0], num_classes), 1.0 / num_classes, device=labels.device)
     return rr_top_k(labels, prior, num_classes, epsilon, generator)
 
 
-def rr_with_prior(
-    labels: torch.Tensor, prior: torch.Tensor, epsilon: float, generator: torch.Generator
-) -> torch.Tensor:
+def rr_with_prior(labels: torch.Tensor, prior: torch.Tensor, epsilon: float, generator: Source) -> torch.Tensor:
     """RRWithPrior: RRTop-k* of each label with k* from its own prior row (:func:`best_k`)."""
     return rr_top_k(labels, prior, best_k(prior, epsilon), epsilon, generator)
 

@@ -32,6 +32,7 @@ from fedaudit.privacy.layers import (
     layer_weighted_sums,
     trace_layers,
 )
+from fedaudit.privacy.randomness import Source, add_gaussian, source_device, uniform
 
 TensorDict = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -186,7 +187,7 @@ def add_noise(
     noise_multiplier: float,
     max_grad_norm: float,
     expected_batch_size: float,
-    generator: torch.Generator,
+    generator: Source,
 ) -> TensorDict:
     """Add one draw of N(0, (noise_multiplier * max_grad_norm)^2 I) to the sum and divide by the expected batch size."""
     released = noisy_sum(summed, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, generator=generator)
@@ -194,15 +195,14 @@ def add_noise(
 
 
 def noisy_sum(
-    summed: Mapping[str, torch.Tensor], *, noise_multiplier: float, max_grad_norm: float, generator: torch.Generator
+    summed: Mapping[str, torch.Tensor], *, noise_multiplier: float, max_grad_norm: float, generator: Source
 ) -> TensorDict:
-    """The sum plus one draw of N(0, (noise_multiplier * max_grad_norm)^2 I): the released value of the query."""
+    """The sum plus one draw of N(0, (noise_multiplier * max_grad_norm)^2 I): the released value of the query.
+
+    One draw per tensor, in the order of ``summed``, from the query's own source (a torch generator, or a secure
+    stream: :mod:`fedaudit.privacy.randomness`)."""
     std = noise_multiplier * max_grad_norm
-    released: TensorDict = {}
-    for name, s in summed.items():
-        noise = torch.normal(0.0, std, size=s.shape, generator=generator, device=s.device, dtype=s.dtype)
-        released[name] = s + noise
-    return released
+    return {name: add_gaussian(s, std, generator) for name, s in summed.items()}
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def dp_gradient(
     noise_multiplier: float,
     max_grad_norm: float,
     expected_batch_size: float,
-    generator: torch.Generator,
+    generator: Source,
     params: Mapping[str, torch.Tensor] | None = None,
     loss_fn: LossFn = F.cross_entropy,
     extra: Mapping[str, torch.Tensor] | None = None,
@@ -275,7 +275,8 @@ def dp_gradient(
         noise_multiplier: sigma; the noise std is sigma * C.
         max_grad_norm: C, the per-example clipping norm.
         expected_batch_size: B, the divisor of the noisy sum.
-        generator: the only source of the noise (one Gaussian draw per parameter tensor).
+        generator: the only source of the noise (one Gaussian draw per parameter tensor): the query's own generator
+            or secure stream, derived from the client's secret (:class:`fedaudit.privacy.randomness.QueryDraws`).
         params: parameters to differentiate at instead of the module's own.
         loss_fn: the batch loss, a mean over examples as ``F.cross_entropy``.
         extra: per-example gradients of further sampled records that have no input (gradient canaries), by
@@ -318,9 +319,10 @@ def dp_gradient(
     return DPGradient(grads=noisy, batch_size=int(x.shape[0]), per_sample_norms=norms)
 
 
-def poisson_sample(num_records: int, sample_rate: float, *, generator: torch.Generator) -> torch.Tensor:
-    """Indices of a Poisson sample: each record is included independently with probability ``sample_rate``."""
+def poisson_sample(num_records: int, sample_rate: float, *, generator: Source) -> torch.Tensor:
+    """Indices of a Poisson sample: each record is included independently with probability ``sample_rate`` (one
+    uniform per record from ``generator``, on its device)."""
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}.")
-    mask = torch.rand(num_records, generator=generator, device=generator.device) < sample_rate
-    return torch.nonzero(mask, as_tuple=False).flatten()
+    mask = uniform(generator, num_records) < sample_rate
+    return torch.nonzero(mask, as_tuple=False).flatten().to(source_device(generator))

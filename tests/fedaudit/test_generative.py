@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import with_keys
 
+from fedaudit.algorithms.base import ClientData
 from fedaudit.generative import ConditionalVAE, allocate, class_counts, mean_loss, sample, train_generator
 from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
+from fedaudit.privacy.randomness import SeededKeys
 
 
 def test_class_counts_are_exact_without_noise_and_gaussian_with_it() -> None:
@@ -88,8 +91,20 @@ def test_generated_records_look_like_their_class() -> None:
 def test_dp_training_reports_its_steps_and_rate() -> None:
     vae = ConditionalVAE((1, 2, 2), 2, hidden=4, latent=2)
     x, y = torch.randn(50, 1, 2, 2), torch.arange(2).repeat(25)
+    data = with_keys(ClientData(0, x, y), SeededKeys(0, 0))
     events, metrics = train_generator(
-        vae, x, y, epochs=3, batch_size=10, lr=1e-3, generator=torch.Generator(), noise_multiplier=1.5
+        vae,
+        x,
+        y,
+        epochs=3,
+        batch_size=10,
+        lr=1e-3,
+        generator=torch.Generator(),
+        noise_multiplier=1.5,
+        draw=data.dp_batch,
     )
     assert [(e.noise_multiplier, e.sample_rate, e.steps) for e in events] == [(1.5, 0.2, 15)]
+    assert data.draws.made == 15  # each step a DP query of its own, batch and noise from its own source
+    with pytest.raises(ValueError, match="source"):
+        train_generator(vae, x, y, epochs=1, batch_size=10, lr=1e-3, generator=torch.Generator(), noise_multiplier=1.5)
     assert set(metrics) == {"generator_loss_first", "generator_loss_last"}

@@ -59,7 +59,7 @@ def test_the_logs_sums_and_likelihood_ratios_equal_a_slow_loop():
     log = _audit(ids).log(client=2, round_index=1, device=torch.device("cpu"))
     queries = _queries(150, seed=0)  # more than one buffer of 64 queries
     for query, rate, drawn in queries:
-        log.batch(3, drawn, rate)
+        log.batch(torch.arange(3), drawn, rate)
         log.record(query)
     arrays = log.arrays()
     directions = canary_directions(3, ids, SHAPES)
@@ -98,7 +98,7 @@ def test_whole_queries_are_kept_in_consecutive_pairs_as_released():
     log = _audit(ids, keep=1.0, planned=20).log(client=0, round_index=0, device=torch.device("cpu"))
     queries = _queries(20, seed=1)
     for query, rate, drawn in queries:
-        log.batch(3, drawn, rate)
+        log.batch(torch.arange(3), drawn, rate)
         log.record(query)
     arrays = log.arrays()
     steps = [int(arrays[f"kept{j}/step"]) for j in range(2)]
@@ -108,6 +108,7 @@ def test_whole_queries_are_kept_in_consecutive_pairs_as_released():
         flat = torch.cat([query.released[name].reshape(-1) for name in SHAPES])
         assert torch.equal(arrays[f"kept{j}/released"], flat)
         assert arrays[f"kept{j}/canaries"].tolist() == drawn.tolist()
+        assert arrays[f"kept{j}/index"].tolist() == [0, 1, 2]  # the positions of the records the batch drew
 
 
 def test_a_query_without_its_batch_is_refused():
@@ -140,7 +141,7 @@ def test_input_canaries_are_projected_on_their_normalised_gradient_at_each_query
             batch_size=0,
             noise_multiplier=1.3, max_grad_norm=0.5, expected_batch_size=4.0, model=model,
         )  # fmt: skip
-        log.batch(0, np.empty(0, dtype=np.int64), 0.1)
+        log.batch(torch.arange(0), np.empty(0, dtype=np.int64), 0.1)
         log.record(query)
         queries.append(query)
     arrays = log.arrays()
@@ -241,7 +242,7 @@ def test_queries_in_another_space_project_on_directions_there_and_metadata_only_
     for space, sigma, clip, rate in plan:
         log.enter(None if space is None else Space(span) if space is span else _audit(ids).space)
         q = query(other if space in (None, span) else SHAPES, sigma, clip)
-        log.batch(2, ids[:1], rate)
+        log.batch(torch.tensor([5, 7]), ids[:1], rate)
         log.record(q)
         recorded.append((space, q, rate))
     arrays = log.arrays()

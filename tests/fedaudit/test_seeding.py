@@ -24,6 +24,7 @@ def test_streams_are_distinct_and_stable():
         "QUERY_AUDIT": 7,
         "SITE_SPLIT": 8,
         "EVALUATION": 9,
+        "QUERY": 10,
     }
 
 
@@ -74,6 +75,7 @@ def test_derive_seed_is_injective_on_every_combination_a_run_uses():
         combos = [(Stream.INIT,)] + [(Stream.ATTACK, d) for d in range(6)]
         combos += [(s, m) for s in (Stream.SELECT, Stream.SERVER) for m in range(6)]
         combos += [(Stream.CLIENT, m, k) for m in range(6) for k in range(6)]
+        combos += [(Stream.QUERY, m, k, j) for m in range(4) for k in range(4) for j in range(4)]
         for stream, *keys in combos:
             value = derive_seed(seed, stream, *keys)
             assert value not in seen, (seen.get(value), (seed, stream, *keys))

@@ -60,7 +60,7 @@ def rehash(run: Path) -> None:
     """Record every file of ``run`` in its manifest as it now is, as a forger who knows the format would after editing
     them: what the deeper checks (round of the model, corrupt weights, the ledger's arithmetic) must still catch."""
     manifest = json.loads((run / "manifest.json").read_text())
-    skip = {"manifest.json", "signature.json", ".fedaudit.lock"}
+    skip = {"manifest.json", "signature.json", ".fedaudit.lock", "client-secrets.json"}
     manifest["files"] = {
         p.relative_to(run).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(run.rglob("*"))
@@ -85,6 +85,16 @@ def engine_independent_digest(run: Path) -> dict[str, str]:
 
 def read_json(path: Path):
     return json.loads(path.read_text())
+
+
+def with_keys(data, keys, round_index: int = 0, device: str = "cpu"):
+    """``data`` (a ClientData) as run_client hands it to an algorithm in round ``round_index``: with the sources of
+    its DP queries drawn from ``keys`` (e.g. ``SeededKeys(seed, client)``)."""
+    from dataclasses import replace
+
+    from fedaudit.privacy.randomness import QueryDraws
+
+    return replace(data, draws=QueryDraws(keys, round_index, torch.device(device)))
 
 
 def assert_user_error(result, *, mentions: str | None = None) -> str:

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import ClientData, RoundContext, clone_params
+from fedaudit.algorithms.base import ClientData, RoundContext, clone_params, run_client
 from fedaudit.config import FederatedConfig, PrivacyConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy.primitive import dp_gradient, poisson_sample
+from fedaudit.privacy.randomness import SeededKeys
 
 SPEC = ModelSpec("convnet", (1, 8, 8), 10, width=4, depth=2)
 
@@ -32,10 +33,7 @@ def _config(**federated) -> RunConfig:
 def _round(config: RunConfig, model, params, clients, seed: int = 0):
     algorithm = get_algorithm(config)
     ctx = RoundContext(round=0, rounds=config.federated.rounds, config=config, device=torch.device("cpu"))
-    messages = [
-        algorithm.client_update(model, params, data, ctx, torch.Generator().manual_seed(seed + data.client_id))
-        for data in clients
-    ]
+    messages = [run_client(algorithm, model, params, data, ctx, SeededKeys(seed, data.client_id)) for data in clients]
     return algorithm.server_update(model, params, messages, ctx, torch.Generator().manual_seed(99)).params, messages
 
 
@@ -57,7 +55,7 @@ def test_dp_fedavg_one_client_one_step_equals_dp_sgd_step() -> None:
         privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=0.2),
     )
     new, messages = _round(config, model, params, [data], seed=3)
-    generator = torch.Generator().manual_seed(3)
+    generator = SeededKeys(3, 0).query_source(0, 0, "cpu")  # the first DP query of client 0 in round 0
     idx = poisson_sample(40, 1.0, generator=generator)
     reference = build_model(SPEC).double()
     reference.load_state_dict(params)

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, interrupt_in_round
+from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, interrupt_in_round, with_keys
 from safetensors.torch import load_file
 from torch.func import functional_call
 
-from fedaudit.algorithms.base import RoundContext
+from fedaudit.algorithms.base import RoundContext, run_client
 from fedaudit.algorithms.fedgm import FedGM
 from fedaudit.config import DataConfig, FederatedConfig, FedGMConfig, ModelConfig, RunConfig
 from fedaudit.models import build_model, fresh_params, initial_params
 from fedaudit.privacy.labeldp import randomized_response, rr_with_prior
-from fedaudit.seeding import Stream, make_generator
+from fedaudit.privacy.randomness import SeededKeys
 from fedaudit.setup import client_data, prepare
 
 SMALL = ("--distill-ipc", "4", "--distill-iterations", "2", "--distill-steps", "3", "--server-steps", "30")
@@ -41,7 +41,7 @@ def test_every_synthetic_image_is_released_once_over_the_stages_with_labels_in_c
     sent = []
     for m in range(2):
         ctx = RoundContext(m, 2, setup.config, torch.device("cpu"))
-        message = algorithm.client_update(model, params, data, ctx, make_generator(0, Stream.CLIENT, m, 1))
+        message = run_client(algorithm, model, params, data, ctx, SeededKeys(0, 1))
         assert not message.state  # nothing is kept by the client, so nothing reaches the server's checkpoints
         sent.append(message.payload)
     images = torch.cat([p["images"] for p in sent])
@@ -50,7 +50,9 @@ def test_every_synthetic_image_is_released_once_over_the_stages_with_labels_in_c
     assert len(labels) == 4 * len(classes) and all(len(p["labels"]) == 4 * len(classes) // 2 for p in sent)
     assert torch.equal(labels.sort().values, classes.repeat_interleave(4))  # balanced, in clear
     assert len(torch.unique(images, dim=0)) == len(images)  # no image sent twice
-    again = FedGM(setup.config)._synthetic_set(build_model(setup.spec), params, data, ctx)  # a fresh process
+    again = FedGM(setup.config)._synthetic_set(  # a fresh process
+        build_model(setup.spec), params, with_keys(data, SeededKeys(0, 1)), ctx
+    )
     assert torch.equal(torch.cat([again[0][again[2] == m] for m in range(2)]), images)
 
 
@@ -62,21 +64,26 @@ def test_the_stage_split_never_looks_at_the_labels() -> None:
     ctx = RoundContext(0, 2, setup.config, torch.device("cpu"))
     params = initial_params(setup.spec, 0)
     model = build_model(setup.spec)
-    stages = [FedGM(setup.config)._synthetic_set(model, params, d, ctx)[2] for d in (data, renamed)]
+    stages = [
+        FedGM(setup.config)._synthetic_set(model, params, with_keys(d, SeededKeys(0, 0)), ctx)[2]
+        for d in (data, renamed)
+    ]
     assert torch.equal(*stages)
 
 
 def test_labels_go_through_rr_then_rr_with_prior_from_the_server_model() -> None:
     setup = _setup(label_epsilon=1.0)
     algorithm, model = FedGM(setup.config), build_model(setup.spec)
-    data = client_data(setup, 2)
-    images, labels, stage, _ = algorithm._synthetic_set(model, initial_params(setup.spec, 0), data, _ctx(setup, 0))
+    data, keys = client_data(setup, 2), SeededKeys(0, 2)
+    images, labels, stage, _ = algorithm._synthetic_set(
+        model, initial_params(setup.spec, 0), with_keys(data, keys), _ctx(setup, 0)
+    )
     for m in range(2):
         params = fresh_params(model, initial_params(setup.spec, 0), torch.Generator().manual_seed(m))
-        message = algorithm.client_update(model, params, data, _ctx(setup, m), make_generator(0, Stream.CLIENT, m, 2))
+        message = run_client(algorithm, model, params, data, _ctx(setup, m), keys)
         true = labels[stage == m]
         assert torch.equal(message.payload["images"], images[stage == m])
-        generator = make_generator(0, Stream.CLIENT, m, 2)
+        generator = keys.query_source(m, 0, "cpu")  # the round's one label query
         if m == 0:  # no earlier stage: a uniform prior, plain RR
             expected = randomized_response(true, 10, 1.0, generator)
         else:
@@ -90,7 +97,7 @@ def _ctx(setup, m: int) -> RoundContext:
     return RoundContext(m, 2, setup.config, torch.device("cpu"))
 
 
-def test_a_fedgm_run_keeps_only_what_was_sent_and_resumes_to_the_same_bytes(tmp_path, cli, monkeypatch):
+def test_a_fedgm_run_keeps_only_what_was_sent_and_resumes_to_the_same_bytes(tmp_path, cli, monkeypatch, fixed_secrets):
     args = (*GM_ARGS, "--rounds", "2", "--label-epsilon", "2", "--save-transmitted")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     result = cli("train", *args, "--out", full)

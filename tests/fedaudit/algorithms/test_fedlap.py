@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import with_keys
 from torch.func import functional_call
 
 import fedaudit.algorithms.fedlap as fedlap_module
@@ -16,6 +17,7 @@ from fedaudit.algorithms.base import ClientData, RoundContext, flat_distance
 from fedaudit.algorithms.fedlap import FedLAP, _Matching, layer_distance, matched_names, matching_loss
 from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model
+from fedaudit.privacy.randomness import SeededKeys
 
 SPEC = ModelSpec("convnet", (1, 8, 8), 4, width=4, depth=2)
 
@@ -26,7 +28,7 @@ def _client(n: int = 64, seed: int = 0) -> tuple[torch.nn.Module, dict, ClientDa
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     x = torch.randn(n, 1, 8, 8)
     y = torch.arange(n) % 2  # the client holds classes 0 and 1
-    return model, params, ClientData(0, x, y)
+    return model, params, with_keys(ClientData(0, x, y), SeededKeys(seed, 0))
 
 
 def _config(dp: bool, **fedlap) -> RunConfig:

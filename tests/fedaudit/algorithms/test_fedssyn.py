@@ -11,11 +11,12 @@ import torch
 from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, interrupt_in_round
 from safetensors.torch import load_file
 
-from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
+from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, run_client
 from fedaudit.algorithms.fedssyn import SYNTHETIC, Fedssyn
 from fedaudit.config import DataConfig, FederatedConfig, FedssynConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model, initial_params
 from fedaudit.privacy.accounting import SGMEvent, compute_epsilon
+from fedaudit.privacy.randomness import SeededKeys
 from fedaudit.training import _at_least
 
 SSYN_ARGS = (*FAST_ARGS, "--algorithm", "fedssyn", "--generator-epochs", "2", "--synthetic-per-client", "40")
@@ -69,7 +70,7 @@ def test_the_generated_labels_follow_the_class_frequencies_of_the_drawn_records(
     y = torch.tensor([2] * 30 + [7] * 10)
     data = ClientData(client_id=1, x=torch.randn(40, 1, 8, 8), y=y)
     ctx = RoundContext(0, 3, config, torch.device("cpu"))
-    message = Fedssyn(config).client_update(model, initial_params(spec, 0), data, ctx, torch.Generator())
+    message = run_client(Fedssyn(config), model, initial_params(spec, 0), data, ctx, SeededKeys(0, 1))
     assert torch.bincount(message.payload["labels"], minlength=10).tolist() == [0, 0, 30, 0, 0, 0, 0, 10, 0, 0]
     assert message.payload["images"].shape == (40, 1, 8, 8)
     assert message.privacy_events == []  # without DP nothing is charged

@@ -15,7 +15,7 @@ from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
 from fedaudit.config import RunConfig
 from fedaudit.engine.base import Engine
 from fedaudit.engine.local import ESTIMATE_FROM_SECONDS, LocalEngine, duration
-from fedaudit.seeding import Stream, make_generator
+from fedaudit.privacy.randomness import SeededKeys
 
 
 class RecordingAlgorithm:
@@ -52,18 +52,18 @@ def context(round_index: int = 0, rounds: int = 5) -> RoundContext:
 
 
 def run(engine, algorithm, data, ctx=None, states=None, made=None):
-    """engine.run_clients with generators derived per client (recorded in ``made`` by client id)."""
+    """engine.run_clients with keys per client (recorded in ``made`` by client id)."""
     made = {} if made is None else made
 
-    def generator(client_id: int) -> torch.Generator:
-        made[client_id] = make_generator(0, Stream.CLIENT, 0, client_id)
+    def keys(client_id: int) -> SeededKeys:
+        made[client_id] = SeededKeys(0, client_id)
         return made[client_id]
 
     model, params = nn.Linear(2, 2), {"w": torch.ones(2)}
-    return engine.run_clients(algorithm, model, params, data, ctx or context(), generator, states or {}), model, params
+    return engine.run_clients(algorithm, model, params, data, ctx or context(), keys, states or {}), model, params
 
 
-def test_run_clients_calls_each_client_once_in_order_with_its_generator_and_state():
+def test_run_clients_calls_each_client_once_in_order_with_its_keys_and_state():
     algorithm, made = RecordingAlgorithm(), {}
     states = {3: {"kept": torch.tensor([3.0])}, 0: {"kept": torch.tensor([0.0])}, 9: {"kept": torch.tensor([9.0])}}
     ctx = context(2, 4)
@@ -73,8 +73,11 @@ def test_run_clients_calls_each_client_once_in_order_with_its_generator_and_stat
     assert [m.num_examples for m in messages] == [4, 1, 6]
     assert torch.equal(messages[0].payload["delta"], torch.full((1, 2, 2), 12.0))
     assert [call["data"].client_id for call in algorithm.calls] == [3, 0, 5]
-    assert all(call["generator"] is made[call["data"].client_id] for call in algorithm.calls)
-    assert sorted(made) == [0, 3, 5]  # one generator per selected client, none for others
+    assert all(call["data"].draws.keys is made[call["data"].client_id] for call in algorithm.calls)
+    assert all(call["data"].draws.round == ctx.round for call in algorithm.calls)
+    seeds = [call["generator"].initial_seed() for call in algorithm.calls]
+    assert seeds == [made[k].round_seed(ctx.round) for k in (3, 0, 5)]  # each its own round generator
+    assert sorted(made) == [0, 3, 5]  # keys for every selected client, none for others
     assert algorithm.calls[0]["state"] is states[3]
     assert algorithm.calls[1]["state"] is states[0]
     assert algorithm.calls[2]["state"] is None  # client 5 kept nothing
@@ -224,7 +227,7 @@ from torch import nn
 import fedaudit.engine.local as local
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
 from fedaudit.config import RunConfig
-from fedaudit.seeding import Stream, make_generator
+from fedaudit.privacy.randomness import SeededKeys
 
 kept = []
 
@@ -250,7 +253,7 @@ ctx = RoundContext(0, 1, RunConfig(), torch.device("cpu"))
 before = rss_mb()
 local.LocalEngine(progress=False, parallel=2).run_clients(
     Fragmenting(), nn.Linear(2, 2), {"w": torch.ones(2)}, data, ctx,
-    lambda k: make_generator(0, Stream.CLIENT, 0, k), {},
+    lambda k: SeededKeys(0, k), {},
 )
 print(rss_mb() - before)
 """

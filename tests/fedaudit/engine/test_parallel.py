@@ -15,7 +15,7 @@ from torch import nn
 from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext
 from fedaudit.config import RunConfig
 from fedaudit.engine.local import LocalEngine
-from fedaudit.seeding import Stream, make_generator
+from fedaudit.privacy.randomness import SeededKeys
 
 FEDLAP = (
     *"--dp --algorithm fedlap --ipc 2 --trajectories 1 --max-loops 2 --real-batches 2 --image-steps 2".split(),
@@ -54,10 +54,10 @@ def _run(engine: LocalEngine, algorithm, ids: list[int]):
     torch.manual_seed(0)
     model = nn.Linear(2, 2)
 
-    def generator(client_id: int) -> torch.Generator:
-        return make_generator(0, Stream.CLIENT, 0, client_id)
+    def keys(client_id: int) -> SeededKeys:
+        return SeededKeys(0, client_id)
 
-    return engine.run_clients(algorithm, model, {"w": torch.ones(2)}, data, ctx, generator, {}), model
+    return engine.run_clients(algorithm, model, {"w": torch.ones(2)}, data, ctx, keys, {}), model
 
 
 def test_parallel_clients_answer_in_order_from_their_own_model_copies():
@@ -86,7 +86,7 @@ def test_a_failing_parallel_client_propagates():
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedlap"])
-def test_a_run_with_parallel_clients_is_the_sequential_run(tmp_path, cli, algorithm):
+def test_a_run_with_parallel_clients_is_the_sequential_run(tmp_path, cli, algorithm, fixed_secrets):
     args = (*FAST_ARGS, "--rounds", "2", "--dp", *(FEDLAP if algorithm == "fedlap" else ("--algorithm", "fedavg")))
     sequential, parallel = tmp_path / "sequential", tmp_path / "parallel"
     assert cli("train", *args, "--out", sequential).exit_code == 0
@@ -95,7 +95,7 @@ def test_a_run_with_parallel_clients_is_the_sequential_run(tmp_path, cli, algori
     assert_same_run(parallel, sequential)
 
 
-def test_an_interrupted_run_resumes_with_parallel_clients(tmp_path, cli, monkeypatch):
+def test_an_interrupted_run_resumes_with_parallel_clients(tmp_path, cli, monkeypatch, fixed_secrets):
     args = (*FAST_ARGS, "--rounds", "3", *FEDLAP)
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert cli("train", *args, "--out", whole).exit_code == 0

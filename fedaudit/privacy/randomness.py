@@ -1,0 +1,490 @@
+"""Where a client's random draws come from: a secret that only the client holds, so that nobody else can regenerate
+and subtract its noise (docs/accounting.md, "The noise is the client's secret").
+
+The guarantee of every DP query assumes that its noise and its Poisson sample are unknown to whoever sees the
+release. A client of a DP run therefore draws them from a **client secret**: 32 bytes from the operating system's
+secure generator (:func:`secrets.token_bytes`), created when the client first takes part and kept where the client
+keeps its state (a site's own file in a Flower deployment; ``client-secrets.json`` in the run directory for the
+simulated clients of the local engine and Flower's simulation). Everything a client draws is derived from it with
+HMAC-SHA256, so the party that holds it can repeat a run exactly (``--resume``) and nobody else can:
+
+    client key  K   = HMAC(secret, "fedaudit/client-key/v1" | run id | client)
+    round seed      = HMAC(K, "round" | round)[:8]           the client's other draws of the round (shuffles, ...)
+    query key       = HMAC(K, "query" | round | query)       one DP query: its Poisson sample, then its noise
+
+(integers as 8 bytes big-endian, the run id as ASCII; a torch seed is the first 8 bytes, big-endian, of the
+digest with its top bit cleared). Every DP query gets a fresh generator of its own, so its randomness does not
+depend on what else the client drew, and ``fedaudit verify`` can test it against every public stream.
+
+Reproducible noise is available for experiments (``--noise-seed N``): the same derivation from a public seed, whose
+holder can remove the noise. A run without any DP randomness draws from the run seed, as it always did.
+
+``--secure-noise`` replaces torch's generators of the DP queries (Mersenne Twister, float32 Box-Muller) with a
+ChaCha20 keystream keyed by the query key, and each Gaussian coordinate with the sum of four float64 Box-Muller
+draws, halved (Holohan and Braghin 2021, as Opacus' ``secure_mode``), added to the clipped sum in float64 and
+rounded once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import stat
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedaudit.errors import UserError
+from fedaudit.seeding import Stream, derive_seed, make_generator
+
+SECRET_BYTES = 32
+SECRETS_FILE = "client-secrets.json"  # the simulated clients' secrets, in the run directory
+SECRETS_FORMAT = "fedaudit-client-secrets"
+SITE_FORMAT = "fedaudit-site-secrets"
+FORMAT_VERSION = 1
+MAX_SECRETS_BYTES = 16 << 20  # a secrets file larger than this is not one fedaudit wrote (3,000 clients: 250 kB)
+SEED_MASK = (1 << 63) - 1
+CLIENT_KEY_LABEL = b"fedaudit/client-key/v1"
+
+# Where a run's client randomness comes from (the manifest's "randomness" record).
+CLIENT_SECRETS = "client-secrets"  # each client's own secret: the default of every run with DP randomness
+NOISE_SEED = "noise-seed"  # --noise-seed: reproducible, and removable by whoever holds that seed
+RUN_SEED = "run-seed"  # a run without DP randomness, or one trained before client secrets existed
+SOURCES = (CLIENT_SECRETS, NOISE_SEED, RUN_SEED)
+
+
+class SecretError(UserError):
+    """A client secret (or its file) that cannot be used: unreadable, malformed, of another run, or exposed."""
+
+
+def new_secret() -> bytes:
+    """32 bytes from the operating system's cryptographically secure generator."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def new_run_id() -> str:
+    """A run's public identifier (128 random bits, hex): binds client keys to one run, so that a site taking part in
+    several runs with one secret draws independent noise in each."""
+    return secrets.token_hex(16)
+
+
+def _mac(key: bytes, *parts: bytes | int | str) -> bytes:
+    """HMAC-SHA256 of the parts: integers as 8 bytes big-endian, strings as ASCII, each part preceded by its length."""
+    message = bytearray()
+    for part in parts:
+        if isinstance(part, int):
+            data = int(part).to_bytes(8, "big", signed=False)
+        elif isinstance(part, str):
+            data = part.encode("ascii")
+        else:
+            data = bytes(part)
+        message += len(data).to_bytes(4, "big") + data
+    return hmac.new(key, bytes(message), hashlib.sha256).digest()
+
+
+def _seed_of(digest: bytes) -> int:
+    """A torch seed: the first 8 bytes, big-endian, top bit cleared."""
+    return int.from_bytes(digest[:8], "big") & SEED_MASK
+
+
+def client_key(secret: bytes, run_id: str, client: int) -> bytes:
+    """K = HMAC(secret, "fedaudit/client-key/v1" | run id | client): the key every draw of ``client`` in this run
+    derives from."""
+    if len(secret) != SECRET_BYTES:
+        raise SecretError(f"A client secret is {SECRET_BYTES} bytes, not {len(secret)}.")
+    return _mac(secret, CLIENT_KEY_LABEL, run_id, int(client))
+
+
+# --- secure sampling -----------------------------------------------------------------------------------------------
+
+
+class SecureStream:
+    """A DP query's randomness from a ChaCha20 keystream (``--secure-noise``): uniforms of 53 bits, and Gaussians
+    that are the sum of four float64 Box-Muller draws, halved (Holohan and Braghin 2021; Opacus' ``secure_mode``)."""
+
+    def __init__(self, key: bytes, device: torch.device | str = "cpu") -> None:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+        if len(key) != 32:
+            raise ValueError(f"A ChaCha20 key is 32 bytes, not {len(key)}.")
+        self._cipher = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+        self.device = torch.device(device)
+
+    def _words(self, count: int) -> np.ndarray:
+        """The next ``count`` 64-bit words of the keystream."""
+        return np.frombuffer(self._cipher.update(bytes(8 * count)), dtype=">u8").astype(np.uint64)
+
+    def uniform(self, count: int) -> np.ndarray:
+        """``count`` uniforms on [0, 1), float64 with 53 random bits each."""
+        return (self._words(count) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+    def standard_normal(self, count: int) -> np.ndarray:
+        """``count`` draws of N(0, 1), float64: each the sum of four Box-Muller draws divided by 2."""
+        pairs = 2 * count  # four draws per value, two per Box-Muller pair
+        u = self.uniform(2 * pairs).reshape(2, pairs)
+        radius = np.sqrt(-2.0 * np.log1p(-u[0]))
+        angle = 2.0 * np.pi * u[1]
+        draws = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)]).reshape(4, count)
+        return draws.sum(axis=0) / 2.0
+
+
+Source = torch.Generator | SecureStream
+
+
+def source_device(source: Source) -> torch.device:
+    """The device a source's draws are made on."""
+    return torch.device(source.device)
+
+
+def uniform(source: Source, count: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``count`` uniforms on [0, 1) from ``source``, on its device (torch's generator: as ``torch.rand`` draws)."""
+    if isinstance(source, torch.Generator):
+        return torch.rand(count, generator=source, device=source.device, dtype=dtype)
+    return torch.from_numpy(source.uniform(count)).to(source.device)
+
+
+def add_gaussian(total: torch.Tensor, std: float, source: Source) -> torch.Tensor:
+    """``total`` plus one draw of N(0, std^2 I): torch's generator draws in ``total``'s dtype and adds there; a
+    secure stream draws and adds in float64 and rounds once to ``total``'s dtype."""
+    if isinstance(source, torch.Generator):
+        noise = torch.normal(0.0, std, size=total.shape, generator=source, device=total.device, dtype=total.dtype)
+        return total + noise
+    noise = torch.from_numpy(source.standard_normal(total.numel())).reshape(total.shape).to(total.device)
+    return (total.to(torch.float64) + std * noise).to(total.dtype)
+
+
+# --- where a client's draws come from ------------------------------------------------------------------------------
+
+
+class ClientKeys(ABC):
+    """Where one client's draws in one run come from: its round generators and the source of each DP query."""
+
+    secure: bool = False
+    source: str = RUN_SEED
+
+    @abstractmethod
+    def round_seed(self, round_index: int) -> int:
+        """The seed of the client's generator of round ``round_index`` (draws other than its DP queries')."""
+
+    @abstractmethod
+    def query_key(self, round_index: int, query: int) -> bytes:
+        """32 bytes that determine query ``query`` (0-based, in the order the client makes them) of the round."""
+
+    @abstractmethod
+    def query_seed(self, round_index: int, query: int) -> int:
+        """The torch seed of that query's generator (without ``--secure-noise``)."""
+
+    def round_generator(self, round_index: int, device: torch.device | str) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.round_seed(round_index))
+        return generator
+
+    def query_source(self, round_index: int, query: int, device: torch.device | str) -> Source:
+        """The randomness of one DP query: a fresh generator (or secure stream) of its own."""
+        if self.secure:
+            return SecureStream(self.query_key(round_index, query), device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.query_seed(round_index, query))
+        return generator
+
+
+class SecretKeys(ClientKeys):
+    """Draws derived from a client key K that only the client holds (module docstring)."""
+
+    source = CLIENT_SECRETS
+
+    def __init__(self, key: bytes, *, secure: bool = False) -> None:
+        if len(key) != 32:
+            raise SecretError(f"A client key is 32 bytes, not {len(key)}.")
+        self.key, self.secure = bytes(key), bool(secure)
+
+    def round_seed(self, round_index: int) -> int:
+        return _seed_of(_mac(self.key, "round", int(round_index)))
+
+    def query_key(self, round_index: int, query: int) -> bytes:
+        return _mac(self.key, "query", int(round_index), int(query))
+
+    def query_seed(self, round_index: int, query: int) -> int:
+        return _seed_of(self.query_key(round_index, query))
+
+
+class SeededKeys(ClientKeys):
+    """Draws derived from a public seed: the run seed (a run without DP randomness; the round generators are those
+    fedaudit always used) or ``--noise-seed``. Whoever holds the seed can regenerate every draw."""
+
+    def __init__(self, seed: int, client: int, *, secure: bool = False, source: str = RUN_SEED) -> None:
+        self.seed, self.client, self.secure, self.source = int(seed), int(client), bool(secure), source
+
+    def round_seed(self, round_index: int) -> int:
+        return derive_seed(self.seed, Stream.CLIENT, int(round_index), self.client)
+
+    def query_seed(self, round_index: int, query: int) -> int:
+        return derive_seed(self.seed, Stream.QUERY, int(round_index), self.client, int(query))
+
+    def query_key(self, round_index: int, query: int) -> bytes:
+        return hashlib.sha256(self.query_seed(round_index, query).to_bytes(8, "big")).digest()
+
+    def round_generator(self, round_index: int, device: torch.device | str) -> torch.Generator:
+        return make_generator(self.seed, Stream.CLIENT, int(round_index), self.client, device=device)
+
+
+@dataclass
+class QueryDraws:
+    """The sources of one client's DP queries in one round, handed out in order: the j-th query made gets query key
+    j. One per client and round (not shared between threads)."""
+
+    keys: ClientKeys
+    round: int
+    device: torch.device
+    made: int = field(default=0)
+
+    def next(self) -> Source:
+        """The source of the next DP query (its Poisson sample first, then its noise)."""
+        source = self.keys.query_source(self.round, self.made, self.device)
+        self.made += 1
+        return source
+
+
+# --- secret files --------------------------------------------------------------------------------------------------
+
+
+def _read_private(path: Path, what: str) -> dict[str, Any]:
+    """A secrets file's JSON object; refused when others may read it, when it is too large or malformed."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise SecretError(f"Cannot read {what} {path}: {exc.strerror or exc}.") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise SecretError(f"{what.capitalize()} {path} is not a regular file.")
+    if info.st_mode & 0o077:
+        raise SecretError(
+            f"{what.capitalize()} {path} can be read by other users (mode {stat.S_IMODE(info.st_mode):04o}); whoever "
+            f"reads it can remove the clients' noise: run 'chmod 600 {path}' and try again."
+        )
+    if info.st_size > MAX_SECRETS_BYTES:
+        raise SecretError(f"{what.capitalize()} {path} is {info.st_size} bytes, larger than any fedaudit writes.")
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise SecretError(f"Cannot read {what} {path}: {exc.strerror or exc}.") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SecretError(f"{what.capitalize()} {path} is not JSON; it is not a file fedaudit wrote.") from exc
+    if not isinstance(data, dict):
+        raise SecretError(f"{what.capitalize()} {path} is not a JSON object; it is not a file fedaudit wrote.")
+    return data
+
+
+def _check_format(data: dict[str, Any], expected: str, path: Path, what: str) -> None:
+    if data.get("format") != expected or data.get("format_version") != FORMAT_VERSION:
+        raise SecretError(
+            f"{what.capitalize()} {path} is not a {expected} file of version {FORMAT_VERSION} (format "
+            f"{data.get('format')!r}, version {data.get('format_version')!r})."
+        )
+
+
+def _secret_of(value: Any, path: Path, whose: str) -> bytes:
+    """A secret stored as hex: exactly 32 bytes."""
+    if not isinstance(value, str):
+        raise SecretError(f"{whose} secret in {path} is not a hex string.")
+    try:
+        secret = bytes.fromhex(value)
+    except ValueError as exc:
+        raise SecretError(f"{whose} secret in {path} is not hex.") from exc
+    if len(secret) != SECRET_BYTES:
+        raise SecretError(f"{whose} secret in {path} is {len(secret)} bytes; a client secret is {SECRET_BYTES}.")
+    return secret
+
+
+def write_private(path: Path, data: dict[str, Any]) -> None:
+    """Write a secrets file atomically with mode 0600 (readable by its owner only), flushed to disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(json.dumps(data, sort_keys=True, indent=1).encode("ascii"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class SecretStore:
+    """The simulated clients' secrets of one run (``RUN/client-secrets.json``, mode 0600): created for each client
+    when it first takes part, written before that round is computed."""
+
+    def __init__(self, run_id: str, secrets_by_client: dict[int, bytes] | None = None) -> None:
+        self.run_id = run_id
+        self.secrets: dict[int, bytes] = dict(secrets_by_client or {})
+
+    @classmethod
+    def read(cls, path: Path, run_id: str) -> SecretStore:
+        """The store at ``path``, which must hold this run's secrets.
+
+        Raises:
+            SecretError: the file is missing, unreadable, readable by others, malformed, or of another run.
+        """
+        what = "the clients' secrets file"
+        if not path.exists():
+            raise SecretError(
+                f"{path} is missing: this run's clients drew their noise from secrets kept in that file, and without "
+                "it the run cannot go on exactly (a run handed over without its secrets is for reading and auditing)."
+            )
+        data = _read_private(path, what)
+        _check_format(data, SECRETS_FORMAT, path, what)
+        if data.get("run_id") != run_id:
+            raise SecretError(
+                f"{path} holds the secrets of another run (run id {str(data.get('run_id'))[:32]!r}, this run's is "
+                f"{run_id!r}); put this run's own file back."
+            )
+        clients = data.get("clients")
+        if not isinstance(clients, dict):
+            raise SecretError(f"{path} has no 'clients' object; it is not a file fedaudit wrote.")
+        found: dict[int, bytes] = {}
+        for name, value in clients.items():
+            if not (isinstance(name, str) and name.isdigit()):
+                raise SecretError(f"{path} names a client {name!r} that is not a client number.")
+            found[int(name)] = _secret_of(value, path, f"Client {name}'s")
+        return cls(run_id, found)
+
+    def keys(self, client: int, *, secure: bool) -> SecretKeys:
+        """Client ``client``'s keys (its secret is made now if it has none; :meth:`save` writes it)."""
+        if client not in self.secrets:
+            self.secrets[client] = new_secret()
+        return SecretKeys(client_key(self.secrets[client], self.run_id, client), secure=secure)
+
+    def missing(self, clients: list[int]) -> list[int]:
+        return [k for k in clients if k not in self.secrets]
+
+    def save(self, path: Path) -> None:
+        """Write every secret to ``path`` (mode 0600)."""
+        write_private(
+            path,
+            {
+                "format": SECRETS_FORMAT,
+                "format_version": FORMAT_VERSION,
+                "run_id": self.run_id,
+                "clients": {str(k): self.secrets[k].hex() for k in sorted(self.secrets)},
+            },
+        )
+
+
+def site_secret_path(client: int, named: str | None, data_dir: str | None) -> Path:
+    """Where a site keeps its client's secret: the file its SuperNode's node config names (``secret``), else
+    ``fedaudit-client-K-secret.json`` in its data directory (``data-dir``)."""
+    if named:
+        return Path(named).expanduser()
+    if data_dir:
+        return Path(data_dir).expanduser() / f"fedaudit-client-{int(client)}-secret.json"
+    raise SecretError(
+        f"client {client}'s SuperNode names no file for the client's secret, which keeps its noise from the server: "
+        f'add secret="/site/fedaudit-client-{client}-secret.json" (or data-dir=...) to its --node-config'
+    )
+
+
+def site_keys(path: Path, run_id: str, client: int, *, secure: bool) -> SecretKeys:
+    """A site's keys for one run: its secret for ``run_id`` in the site's file, made (and written, mode 0600) the
+    first time the site takes part in that run; read back after a restart, so a resumed run goes on exactly."""
+    what = "the site's secrets file"
+    lock_path = path.with_name(f".{path.name}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if path.exists():
+            data = _read_private(path, what)
+            _check_format(data, SITE_FORMAT, path, what)
+            if data.get("client") != client:
+                raise SecretError(f"{path} holds client {data.get('client')!r}'s secrets, not client {client}'s.")
+            runs = data.get("runs")
+            if not isinstance(runs, dict):
+                raise SecretError(f"{path} has no 'runs' object; it is not a file fedaudit wrote.")
+        else:
+            data = {"format": SITE_FORMAT, "format_version": FORMAT_VERSION, "client": client, "runs": {}}
+            runs = data["runs"]
+        if run_id in runs:
+            secret = _secret_of(runs[run_id], path, f"Run {run_id}'s")
+        else:
+            secret = new_secret()
+            runs[run_id] = secret.hex()
+            write_private(path, data)
+    finally:
+        os.close(fd)
+    return SecretKeys(client_key(secret, run_id, client), secure=secure)
+
+
+@dataclass
+class RunRandomness:
+    """Where the clients of one training session draw from, as the training process sees it: the source, the run's
+    id, and for simulated clients the store of their secrets (None at a deployment, whose sites hold theirs)."""
+
+    source: str
+    run_id: str
+    seed: int  # the run seed (run-seed) or the noise seed (noise-seed); unused for client secrets
+    secure: bool = False
+    store: SecretStore | None = None
+
+    @classmethod
+    def for_config(cls, config: Any, run_id: str, *, at_sites: bool) -> RunRandomness:
+        """A new run's: client secrets for a run with DP randomness (none here when the clients are a deployment's
+        sites, which make and keep their own), else a public seed."""
+        priv = config.privacy
+        if not config.dp_randomness:
+            return cls(RUN_SEED, run_id, int(config.seed))
+        if priv.noise_seed is not None:
+            return cls(NOISE_SEED, run_id, int(priv.noise_seed), bool(priv.secure_noise))
+        store = None if at_sites else SecretStore(run_id)
+        return cls(CLIENT_SECRETS, run_id, 0, bool(priv.secure_noise), store)
+
+    @classmethod
+    def resumed(cls, config: Any, source: str, run_id: str, secrets_path: Path, *, at_sites: bool) -> RunRandomness:
+        """A resumed run's, from what its manifest recorded; its simulated clients' secrets are read back.
+
+        Raises:
+            SecretError: the run's secrets file is missing, unreadable, exposed, malformed or of another run; or the
+                run was trained before client secrets and drew its DP noise from the run seed.
+        """
+        fresh = cls.for_config(config, run_id, at_sites=at_sites)
+        if source != fresh.source:
+            legacy = (
+                " (it was trained by a fedaudit that drew DP noise from the run seed, so it cannot be resumed exactly; "
+                "it can still be attacked, verified and reported)"
+                if source == RUN_SEED
+                else ""
+            )
+            raise SecretError(
+                f"This run's clients drew their random choices from the {source.replace('-', ' ')}, but its "
+                f"configuration asks for the {fresh.source.replace('-', ' ')}{legacy}."
+            )
+        if fresh.store is not None:
+            fresh.store = SecretStore.read(secrets_path, run_id)
+        return fresh
+
+    def keys(self, client: int) -> ClientKeys:
+        """Client ``client``'s keys."""
+        if self.source == CLIENT_SECRETS:
+            if self.store is None:
+                raise RuntimeError("The server holds no client secret: each site draws from its own.")
+            return self.store.keys(client, secure=self.secure)
+        return SeededKeys(self.seed, client, secure=self.secure, source=self.source)
+
+    def prepare(self, clients: list[int], secrets_path: Path | None) -> None:
+        """Make the secrets of the clients taking part for the first time, and write them to ``secrets_path`` (before
+        their round is computed, so that a resumed run finds what the round drew from; None: keep them in memory,
+        for a round that is timed and thrown away)."""
+        if self.store is not None and self.store.missing(clients):
+            for client in clients:
+                self.store.keys(client, secure=self.secure)
+            if secrets_path is not None:
+                self.store.save(secrets_path)
