@@ -887,6 +887,27 @@ def sign(run_dirs: tuple[str, ...], key: str) -> None:
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="The new directory the copy is written to.")
+@user_errors
+def export(run_dir: str, out: str) -> None:
+    """Copy a run for someone else (an auditor, a server), without its clients' secrets.
+
+    The copy holds every file the manifest hashes, the manifest and its signature, so it can be attacked, verified
+    and reported; it leaves out client-secrets.json, whose holder could remove the clients' noise, so it cannot be
+    resumed. A run whose files do not check is refused. See docs/run-directory.md.
+    """
+    from fedaudit.runs import RunDirectory
+
+    run = RunDirectory(run_dir)
+    run.read_manifest()
+    with run.lock("fedaudit export", shared=True):
+        count = run.export(out)
+    left = " (client-secrets.json left out)" if run.secrets_path.exists() else ""
+    click.echo(f"Exported {run.path} to {out}: {count} files{left}.")
+
+
+@main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option(
     "--out",

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
 from fedaudit.attacks.reconstruction import ReconstructionOptions
 from fedaudit.attacks.runner import AttackOptions, expected_results, results_current, run_attacks, target_round
-from fedaudit.config import ConfigError, RunConfig, load_config_file
+from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
 from fedaudit.integrity import RunLock
 from fedaudit.registry import ALGORITHMS, algorithm_label
@@ -118,7 +118,10 @@ class Budget:
             privacy = replace(privacy, dp=True, noise_multiplier=None, target_epsilon=self.value)
         else:
             privacy = replace(privacy, dp=True, noise_multiplier=self.value, target_epsilon=None)
-        return replace(config, privacy=replace(privacy, calibrated=False))
+        config = replace(config, privacy=replace(privacy, calibrated=False))
+        if not config.dp_randomness:  # how DP noise is drawn means nothing to a run that draws none
+            config = replace(config, privacy=replace(config.privacy, noise_seed=None, secure_noise=False))
+        return config
 
 
 @dataclass(frozen=True)
@@ -301,6 +304,9 @@ def plan(study: Study) -> list[PlannedRun]:
                 if any(run.name == name for run in runs):
                     continue  # the same run given twice (sigma:1 and sigma:1.0, none and no-dp, ...)
                 base = replace(study.base, seed=seed, federated=replace(study.base.federated, algorithm=algorithm))
+                if base.privacy.noise_seed is not None:  # reproducible noise, another stream for every seed
+                    noise_seed = (base.privacy.noise_seed + seed) % (MAX_SEED + 1)
+                    base = replace(base, privacy=replace(base.privacy, noise_seed=noise_seed))
                 if RECONSTRUCTION in study.attack.methods:  # the audit reads what crossed the wire
                     base = replace(base, save_transmitted=True)
                 config = own.apply(_own_sections(base, algorithm))

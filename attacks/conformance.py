@@ -17,6 +17,8 @@ with the code it checks (no import of ``fedaudit.privacy``; its own per-example 
   floor(rho N_k) in the generation round and N_k + n~ after it), in mean and dispersion (a fixed batch size has
   almost none); the recorded rate is that rate; and each round's participants are ceil(p K) clients chosen
   uniformly.
+- **secrecy**: the noise and the sample of every kept query are tested against every stream the run's public
+  material can produce, and, where the clients' secrets are at hand, traced to them (:mod:`fedaudit.attacks.secrecy`).
 - **ledger**: what each client's recorded queries spend, with no amplification by client sampling (the server sees
   who took part), must not exceed what the ledger says: exact RDP at dp-accounting's orders for an RDP ledger, and
   dp-accounting's PLD (optimistic, a lower bound) for any ledger (see :class:`Spend`). Every round's recorded
@@ -50,11 +52,12 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.attacks import AttackError
+from fedaudit.attacks.secrecy import KeptQuery, PublicMaterial, secrecy
 from fedaudit.canaries import GRADIENT_CANARY_NORM, canary_directions
 from fedaudit.models import build_model
 from fedaudit.runs import RunDirectory, RunError
 
-CHECKS = ("log", "noise", "clipping", "sampling", "ledger")
+CHECKS = ("log", "noise", "clipping", "sampling", "secrecy", "ledger")
 PLD_INTERVAL = 1e-3  # dp-accounting's PLD discretisation: about 0.1 s a client
 LEDGER_RTOL = 1e-3  # a ledger may be this much (relative) below the recorded spend: different code, same arithmetic
 MAX_GRID = 2_000_000  # points of the numerical integral of a fractional-order RDP (reached only for sigma < 0.01)
@@ -62,7 +65,7 @@ RATE_RTOL = 1e-9  # the recorded sampling rate must be the charged one to this r
 NORMALITY_SAMPLE = 100_000  # residual coordinates the normality test looks at (drawn with the seed)
 ZERO_NOISE_TOLERANCE = 1e-4  # with sigma C = 0, |released - clean| per unit of C and per example (float32 sums)
 _META = ("records", "canaries", "noise_multiplier", "max_grad_norm", "batch", "rate")
-_KEPT = ("step", "params", "released", "x", "y", "canaries")
+_KEPT = ("step", "params", "released", "x", "y", "canaries")  # and "index", which runs before client secrets lack
 _KEPT_KEY = re.compile(r"^kept(\d+)/(.+)$")
 _NO_LOG = "was trained without the query log; train with --dp --canaries N"
 
@@ -256,6 +259,7 @@ class _Run:
     fedssyn: tuple[float, int] | None = None  # Fedssyn's rho and n~: its queries sample other populations
     records_at_sites: bool = False  # --dataset sites: no whole query is kept (it would hold a site's records)
     setup_rounds: int = 0  # leading rounds every client takes part in (Fedssyn's generation round)
+    public: PublicMaterial | None = None  # what anyone holding the run knows of its randomness
 
     def populations(self, round_number: int, client: int, events: int) -> list[int]:
         """The number of records each of a round's ``events`` samples from: the client's own N_k; for Fedssyn the
@@ -282,6 +286,8 @@ class _Kept:
     canaries: np.ndarray
     sigma: float
     clip: float
+    rate: float = 1.0
+    index: np.ndarray | None = None  # the positions of the records it drew (None: a run that did not keep them)
 
     @property
     def label(self) -> str:
@@ -382,6 +388,15 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
         fedssyn=fedssyn,
         setup_rounds=1 if fedssyn is not None else 0,
         records_at_sites=str(config.data.dataset).strip().lower() == "sites",
+        public=PublicMaterial(
+            seeds=tuple(dict.fromkeys(s for s in (config.seed, config.privacy.noise_seed) if s is not None)),
+            run_id=None if manifest.randomness is None else manifest.randomness.run_id,
+            source=manifest.randomness_source,
+            shapes=shapes,
+            secure=bool(config.privacy.secure_noise),
+            noise_seed=config.privacy.noise_seed,
+            secrets=run.secrets_path,
+        ),
     )
     return facts, _read_ledger(privacy, str(run.privacy_path))
 
@@ -544,6 +559,20 @@ def _kept(
     # input canaries are rows of x already; their ids may be listed too (the recorder lists every canary drawn)
     if len(ids_array) != canaries and (facts.kind != "input" or len(ids_array)):
         return None, f"{name} lists {len(ids_array)} canaries, but its step drew {canaries}"
+    index = None
+    if f"kept{j}/index" in tensors:
+        drawn = tensors[f"kept{j}/index"]
+        population = facts.populations(number, client, 1)[0]
+        if drawn.dim() != 1 or drawn.is_floating_point() or drawn.is_complex():
+            return None, f"{name} has record positions that are not a list of integers"
+        index = drawn.numpy().astype(np.int64)
+        if len(index) != records or (len(index) and (index.min() < 0 or index.max() >= population)):
+            return (
+                None,
+                f"{name} lists {len(index)} record positions in 0..{population - 1}, but its step drew {records}",
+            )
+        if len(np.unique(index)) != len(index):
+            return None, f"{name} lists a record position twice"
     query = _Kept(
         round=number,
         client=client,
@@ -555,6 +584,8 @@ def _kept(
         canaries=ids_array,
         sigma=float(meta["noise_multiplier"][step]),
         clip=float(meta["max_grad_norm"][step]),
+        rate=float(meta["rate"][step]),
+        index=index,
     )
     return query, None
 
@@ -1112,7 +1143,7 @@ def verify(run: RunDirectory, *, seed: int = 0, level: float = 0.001) -> Verific
         level: the family-wise level: a correct run fails some check with probability at most this.
 
     Returns:
-        The checks log, noise, clipping, sampling and ledger, each at ``level`` / 5.
+        The checks log, noise, clipping, sampling, secrecy and ledger, each at ``level`` / 6.
 
     Raises:
         AttackError: a run without DP, without the query log, with a round missing its log, or with a ledger
@@ -1132,6 +1163,32 @@ def verify(run: RunDirectory, *, seed: int = 0, level: float = 0.001) -> Verific
         _not_checked("noise") if at_sites else _noise_check(residuals, facts.shapes, per_check, seed),
         _not_checked("clipping") if at_sites else _clipping_check(residuals, per_check),
         _sampling_check(read, facts, ledger, per_check),
+        _secrecy_check(residuals, facts, per_check, at_sites=at_sites),
         _ledger_check(read, facts, ledger),
     ]
     return Verification(checks=checks, level=level, per_check_level=per_check)
+
+
+def _secrecy_check(residuals: list[_Residual], facts: _Run, level: float, *, at_sites: bool) -> Check:
+    """The kept queries' noise and samples against every public stream, and traced to the clients' secrets."""
+    assert facts.public is not None
+    queries = [
+        KeptQuery(
+            label=r.query.label,
+            round=r.query.round - 1,
+            client=r.query.client,
+            step=r.query.step,
+            noise=r.residual,
+            scale=r.scale,
+            index=r.query.index,
+            population=facts.populations(r.query.round, r.query.client, 1)[0],
+            rate=r.query.rate,
+            canaries=int(facts.held[r.query.client]),
+        )
+        for r in residuals
+        if r.scale > 0
+    ]
+    if at_sites and facts.public.source != "run-seed":
+        return _not_checked("secrecy")
+    found = secrecy(queries, facts.public, level)
+    return Check("secrecy", found.passed, found.p_value, found.n, found.statistic, found.sentence, found.details)

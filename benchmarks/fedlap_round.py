@@ -30,6 +30,7 @@ from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import DataConfig, FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError, load_dataset, partition_dataset
 from fedaudit.models import ModelSpec, build_model, default_depth
+from fedaudit.privacy.randomness import QueryDraws, SeededKeys
 
 
 def _client_data(name: str = "fashion-mnist") -> tuple[ClientData, str]:
@@ -99,7 +100,10 @@ def main() -> None:
     device = torch.device(args.device)
     print(describe(device), flush=True)
     data, source = _client_data("digits" if args.smoke else "fashion-mnist")
-    data = ClientData(0, data.x.to(device), data.y.to(device))
+    # the client's DP queries draw from keys of a public seed, as a --noise-seed run's would (the cost is the same)
+    data = ClientData(
+        0, data.x.to(device), data.y.to(device), draws=QueryDraws(SeededKeys(1, 0), 0, torch.device(device))
+    )
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
     print(
         f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "

@@ -34,7 +34,7 @@ from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ru
 from fedaudit.config import AuditConfig, DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError
 from fedaudit.models import build_model, initial_params
-from fedaudit.seeding import Stream, make_generator
+from fedaudit.privacy.randomness import SeededKeys
 from fedaudit.setup import Setup, client_data, prepare
 
 ROUNDS = 10  # the run's rounds: they set how often a round keeps whole queries (KEPT_PAIRS per run on average)
@@ -68,9 +68,9 @@ def timed_round(setup: Setup, data: ClientData, round_index: int) -> tuple[float
     model = build_model(setup.spec).to(device)
     params = {name: p.to(device) for name, p in initial_params(setup.spec, config.seed).items()}
     ctx = RoundContext(round=round_index, rounds=config.federated.rounds, config=config, device=device)
-    generator = make_generator(config.seed, Stream.CLIENT, round_index, data.client_id, device=device)
+    keys = SeededKeys(config.seed, data.client_id)  # the same draws on both paths
     start = time.perf_counter()
-    message = run_client(setup.algorithm, model, params, data, ctx, generator)
+    message = run_client(setup.algorithm, model, params, data, ctx, keys)
     return time.perf_counter() - start, message
 
 

@@ -47,6 +47,7 @@ from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset, locate_dataset
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import calibrate_noise_multiplier
+from fedaudit.privacy.randomness import QueryDraws, SeededKeys
 from fedaudit.reports.collect import collect_run
 
 WIDTH = 32
@@ -128,7 +129,8 @@ def run_cell(cell: Cell, data: dict, options: ReconstructionOptions, seed: int) 
         index = torch.from_numpy(order[k * cell.records : (k + 1) * cell.records].copy())
         x, y = dataset.train_x[index], dataset.train_y[index]
         generator = torch.Generator().manual_seed(seed * 1000 + k)
-        update = algorithm.client_update(build_model(spec), start, ClientData(k, x, y), context, generator).payload
+        data = ClientData(k, x, y, draws=QueryDraws(SeededKeys(seed * 1000 + k, k), 0, torch.device("cpu")))
+        update = algorithm.client_update(build_model(spec), start, data, context, generator).payload
         rebuilt = []
         for purpose, received in ((0, update), (1, _random_like(update, generator))):
             began = time.perf_counter()

@@ -915,6 +915,47 @@ class RunDirectory:
             raise integrity.IntegrityError(f"Refusing to sign {self.path}: {problems[0]}.")
         atomic_write_json(self.signature_path, integrity.sign(self.read_json(self.manifest_path), key_pem, where))
 
+    def export(self, out: str | Path) -> int:
+        """Copy the run to ``out`` for someone else (an auditor, a server): every file the manifest hashes, the
+        manifest and its signature, and nothing else: never the simulated clients' secrets, whose holder can remove
+        the noise, nor the lock, temporaries or caches. Built beside ``out`` under a temporary name and renamed into
+        place. Returns the number of files copied.
+
+        Raises:
+            RunError: ``out`` exists and is not an empty directory, or cannot be written.
+            IntegrityError: the run's files do not check (a copy would pass them on).
+        """
+        target = Path(out)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise RunError(f"--out {target} already exists; export into a new directory.")
+        problems = self.integrity_problems()
+        if problems:
+            raise integrity.IntegrityError(f"Refusing to export {self.path}: {problems[0]}.")
+        document = self.read_json(self.manifest_path)
+        recorded = integrity.read_hashes(document) or ({}, {})
+        names = sorted({*recorded[0], *(k for k, v in recorded[1].items() if v is not None)})
+        names = [n for n in names if (self.path / n).is_file()]
+        names += [n for n in (integrity.MANIFEST, integrity.SIGNATURE) if (self.path / n).is_file()]
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            building = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
+        except OSError as exc:
+            raise RunError(f"Cannot create {target}: {exc.strerror or exc}.") from exc
+        try:
+            os.chmod(building, 0o777 & ~_umask())
+            for name in names:
+                destination = building / name
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.path / name, destination)
+            if target.exists():
+                target.rmdir()
+            os.rename(building, target)
+        except OSError as exc:
+            raise RunError(f"Cannot write the copy of {self.path} to {target}: {exc.strerror or exc}.") from exc
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        return len(names)
+
     def signature_problems(self, public_key: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Whether the run was signed with ``public_key`` (raw Ed25519) and still holds what was signed: the problems,
         and the files written since signing (attack results), which the signature does not cover."""

@@ -19,6 +19,7 @@ from fedaudit.attacks.metrics import rate_interval, threshold_bounds
 from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
+from fedaudit.privacy.randomness import CLIENT_SECRETS, NOISE_SEED, RUN_SEED
 from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunError
 
@@ -330,6 +331,8 @@ class RunSummary:
     integrity: tuple[str, ...] = ()  # how the run's files or ledger differ from what fedaudit wrote (none: intact)
     records: int | None = None  # training records held by the clients (n of "delta against 1/n")
     reconstructions: tuple[ReconstructionSummary, ...] = ()  # attack --method reconstruction, by round and client
+    randomness: str = RUN_SEED  # where the clients' noise came from (the manifest's source; old runs: the run seed)
+    secrets_here: bool = False  # whether the simulated clients' secrets file is in the run directory
 
     @property
     def reconstruction_rounds(self) -> tuple[ReconstructionRound, ...]:
@@ -446,6 +449,7 @@ def seedless_config(config: dict[str, Any]) -> str:
     """config.json without the seed, where and on which engine it ran, and a sigma calibrated per seed: runs equal
     here differ only by seed."""
     privacy = dict(config.get("privacy", {}))
+    privacy.pop("noise_seed", None)
     if privacy.pop("calibrated", False):
         privacy.pop("noise_multiplier", None)
     data = {k: v for k, v in config.get("data", {}).items() if k != "data_dir"}
@@ -510,6 +514,8 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         integrity,
         sum(manifest.clients.num_examples),
         reconstructions,
+        manifest.randomness_source,
+        run.secrets_path.exists(),
     )
 
 
@@ -587,7 +593,20 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
         "dataset fingerprint": dataset.fingerprint,
         "dataset source": dataset.source,
         "train / test / held-out records": f"{dataset.train_size} / {dataset.test_size} / {manifest.clients.holdout}",
+        "DP noise drawn from": noise_origin(config, manifest.randomness_source),
     }
+
+
+def noise_origin(config: RunConfig, source: str) -> str:
+    """Where the clients' DP noise and samples came from, and so who can remove the noise."""
+    if not config.dp_randomness:
+        return "no DP noise"
+    secure = "; secure sampling (ChaCha20, each Gaussian the sum of four)" if config.privacy.secure_noise else ""
+    if source == CLIENT_SECRETS:
+        return f"each client's own secret, which only that client holds{secure}"
+    if source == NOISE_SEED:
+        return f"the public --noise-seed {config.privacy.noise_seed}: whoever holds it can remove the noise{secure}"
+    return "the run seed (trained before fedaudit kept client secrets): whoever holds config.json can remove the noise"
 
 
 def _has_record_dp(algorithm: str) -> bool:

@@ -8,6 +8,7 @@ import json
 
 import pandas as pd
 
+from fedaudit.privacy.randomness import CLIENT_SECRETS, NOISE_SEED
 from fedaudit.reports.collect import RunSummary
 from fedaudit.reports.summary import fmt
 
@@ -134,9 +135,36 @@ def _trust(run: RunSummary) -> str:
         if deployment
         else "but not against this machine's operator, who holds every client's records"
     )
+    return f"{where}: {_noise_holders(run, deployment)}; {held}"
+
+
+def _noise_holders(run: RunSummary, deployment: bool) -> str:
+    """Where the clients' noise came from and who can therefore remove it: the clients only, or whoever holds a
+    public seed."""
+    if run.randomness == CLIENT_SECRETS:
+        if deployment:
+            return (
+                "each site adds noise drawn from a secret that only it holds (a file at the site, never sent) before "
+                "sending, so the guarantee holds against the server, the network and anyone who sees the final model"
+            )
+        kept = "is in this run directory" if run.secrets_here else "was left out of this copy of the run"
+        return (
+            "each client adds noise drawn from its own secret before sending, so the guarantee holds against the "
+            "server, the network and anyone who sees the final model, but not against whoever holds the simulated "
+            f"clients' secrets: client-secrets.json (which {kept}) lets its holder remove the noise, so hand the "
+            "run to others with fedaudit export, which leaves it out"
+        )
+    if run.randomness == NOISE_SEED:
+        return (
+            "each client adds noise drawn from a public --noise-seed (an experiment's setting): whoever "
+            "holds that seed, as anyone with the run's configuration does, can regenerate and remove the noise, so "
+            "the guarantee does not hold against them (the server included), only against those who see just the "
+            "final model"
+        )
     return (
-        f"{where}: each client adds its noise before sending, so the guarantee holds against the server, the network "
-        f"and anyone who sees the final model; {held}"
+        "each client drew its noise from the run seed (the run was trained before fedaudit kept client secrets): "
+        "whoever holds the seed, as the server and anyone with the run's configuration do, can regenerate and remove "
+        "it, so the guarantee does not hold against them, only against those who see just the final model"
     )
 
 

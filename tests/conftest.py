@@ -13,28 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import Result
-from helpers import FAST_ARGS, invoke
+from helpers import FAST_ARGS, invoke, same_secrets
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture
 def fixed_secrets() -> Iterator[None]:
-    """Every run this test starts gets the same run id and every client the same secret, so that two runs started
-    apart are the same run, byte for byte, as two processes holding the same client secrets would train it (a DP
-    run's noise otherwise differs from run to run). What ``--resume`` reads back from client-secrets.json is then
-    compared with a run that never stopped. Patched apart from the test's own ``monkeypatch``, so that its
-    ``undo()`` keeps them."""
-    import fedaudit.privacy.randomness as randomness
-    import fedaudit.training as training
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(training, "new_run_id", lambda: "5e" * 16)
-    patch.setattr(randomness, "new_secret", lambda: bytes(range(32)))
-    try:
+    """The runs this test starts get the secrets and run id of :func:`helpers.same_secrets`, as the session's
+    ``trained`` runs do: two runs of one configuration are then the same run, byte for byte. Patched apart from the
+    test's own ``monkeypatch``, so that its ``undo()`` keeps them."""
+    with same_secrets():
         yield
-    finally:
-        patch.undo()
 
 
 @pytest.fixture
@@ -48,7 +38,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``trained(*extra_args)``: a completed run with FAST_ARGS + extra_args, trained once per session.
 
     The returned directory is shared between tests: treat it as read-only
-    (copy it with shutil.copytree before resuming or overwriting it).
+    (copy it with shutil.copytree before resuming or overwriting it). Its clients' secrets are those of
+    :func:`helpers.same_secrets`.
     """
     cache: dict[tuple[str, ...], Path] = {}
 
@@ -56,7 +47,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         key = tuple(str(a) for a in extra)
         if key not in cache:
             out = tmp_path_factory.mktemp("run") / "run"
-            result = invoke("train", *FAST_ARGS, *key, "--out", out)
+            with same_secrets():  # a test with fixed_secrets trains the same run again
+                result = invoke("train", *FAST_ARGS, *key, "--out", out)
             assert result.exit_code == 0, result.output
             cache[key] = out
         return cache[key]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -65,7 +66,7 @@ from fedaudit.engine.flower import (
     train_message,
 )
 from fedaudit.errors import UserError
-from fedaudit.privacy.randomness import ClientKeys, site_secret_path
+from fedaudit.privacy.randomness import ClientKeys
 
 ACQUIRE_SECONDS = 20.0  # how long the SuperLink may take to hand this process its run's ServerApp task
 POLL_SECONDS = 0.2
@@ -144,8 +145,11 @@ def _secret(context: Any, client: int, data_dir: str | None) -> SiteSecret:
     node = context.node_config
     named = node.get("secret")
     allowed = node.get("public-noise", False)
-    path = site_secret_path(client, None if named in (None, "") else str(named), data_dir)
-    return SiteSecret(path, public_noise=allowed is True or str(allowed).strip().lower() == "true")
+    return SiteSecret(
+        None if named in (None, "") else str(named),
+        data_dir,
+        public_noise=allowed is True or str(allowed).strip().lower() == "true",
+    )
 
 
 def _train(message: Any, context: Any) -> Any:
@@ -394,7 +398,8 @@ class DeploymentEngine:
                 f"The SuperNode of client {client} (node {node}) stopped answering in round {round_number}: it sent no "
                 "heartbeat for a minute. Restart it and continue with fedaudit train --resume RUN."
             )
-        return f"Client {client}'s ClientApp (node {node}) failed in round {round_number}: {error.reason}"
+        reason = re.sub(r"^<class '[\w.]+'>:<'(.*)'>$", r"\1", str(error.reason).strip(), flags=re.DOTALL)
+        return f"Client {client}'s ClientApp (node {node}) failed in round {round_number}: {reason.rstrip('.')}."
 
     # -- session
 

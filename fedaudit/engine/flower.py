@@ -38,7 +38,7 @@ from torch import nn
 from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, run_client
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.randomness import NOISE_SEED, ClientKeys, SecretKeys, SeededKeys, site_keys
+from fedaudit.privacy.randomness import NOISE_SEED, ClientKeys, SecretKeys, SeededKeys, site_keys, site_secret_path
 from fedaudit.seeding import repeatable
 
 if TYPE_CHECKING:
@@ -145,11 +145,16 @@ def _train(message: Any, context: Any) -> Any:
 
 @dataclass(frozen=True)
 class SiteSecret:
-    """Where a deployment's site keeps its client's secret (its node config's ``secret``, or its data directory),
+    """Where a deployment's site keeps its client's secret (its node config's ``secret``, else its ``data-dir``),
     and whether it lets the server choose a public noise seed (``public-noise=true``: for experiments only)."""
 
-    path: Path
+    named: str | None
+    data_dir: str | None
     public_noise: bool = False
+
+    def path(self, client: int) -> Path:
+        """The secret's file (a :class:`SecretError` when the node config names no place for it)."""
+        return site_secret_path(client, self.named, self.data_dir)
 
 
 def client_keys_for(task: Any, config: RunConfig, client: int, site: SiteSecret | None) -> ClientKeys:
@@ -180,7 +185,7 @@ def client_keys_for(task: Any, config: RunConfig, client: int, site: SiteSecret 
         if "key" not in task:
             raise RuntimeError(f"the simulation's server sent client {client} no key for its noise")
         return SecretKeys(bytes.fromhex(str(task["key"])), secure=secure)
-    return site_keys(site.path, str(task["run"]), client, secure=secure)
+    return site_keys(site.path(client), str(task["run"]), client, secure=secure)
 
 
 def client_round(

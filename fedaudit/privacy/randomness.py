@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedaudit.config import RunConfig
 from fedaudit.errors import UserError
 from fedaudit.seeding import Stream, derive_seed, make_generator
 
@@ -436,7 +437,7 @@ class RunRandomness:
     store: SecretStore | None = None
 
     @classmethod
-    def for_config(cls, config: Any, run_id: str, *, at_sites: bool) -> RunRandomness:
+    def for_config(cls, config: RunConfig, run_id: str, *, at_sites: bool) -> RunRandomness:
         """A new run's: client secrets for a run with DP randomness (none here when the clients are a deployment's
         sites, which make and keep their own), else a public seed."""
         priv = config.privacy
@@ -448,7 +449,9 @@ class RunRandomness:
         return cls(CLIENT_SECRETS, run_id, 0, bool(priv.secure_noise), store)
 
     @classmethod
-    def resumed(cls, config: Any, source: str, run_id: str, secrets_path: Path, *, at_sites: bool) -> RunRandomness:
+    def resumed(
+        cls, config: RunConfig, source: str, run_id: str, secrets_path: Path, *, at_sites: bool
+    ) -> RunRandomness:
         """A resumed run's, from what its manifest recorded; its simulated clients' secrets are read back.
 
         Raises:

@@ -90,15 +90,15 @@ def _noise_not_added(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _noise_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client's first noise draw of a round is added again at every later step of that round."""
+    """The first noise draw of the run is added again at every later query (a draw kept where it should be made)."""
     real = primitive.noisy_sum
-    first: dict[tuple[int, str], torch.Tensor] = {}
+    first: dict[str, torch.Tensor] = {}
 
     def reused(summed, *, generator, **kwargs):
         released = real(summed, generator=generator, **kwargs)
         for name, s in summed.items():
-            first.setdefault((id(generator), name), released[name] - s)
-        return {name: s + first[(id(generator), name)] for name, s in summed.items()}
+            first.setdefault(name, released[name] - s)
+        return {name: s + first[name] for name, s in summed.items()}
 
     monkeypatch.setattr(primitive, "noisy_sum", reused)
 

@@ -30,6 +30,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "generator.py": ("generated-trained acc", r"^digits \| 100 \| no DP \|"),
     "integrity.py": ("reference", r"^commit one round"),
     "leakage.py": ("AUC 95% interval", r"^\s*fedavg-nodp-seed0\s+1\s"),
+    "noise_sources.py": ("secret/previous", r"^\s+8\s+16\s+\d+\s+\d"),
     "own_data.py": ("load_dataset", r"^folder: 100 PNG"),
     "per_client_intervals.py": ("per client (s)", r"^\s+20\s+\d"),
     "per_sample_grads.py": ("GSM/ours", r"^\s+8\s+\d"),

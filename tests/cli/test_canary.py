@@ -244,7 +244,7 @@ def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path):
     assert flagged == []
 
 
-def test_a_canary_run_resumes_byte_identical(tmp_path, monkeypatch):
+def test_a_canary_run_resumes_byte_identical(tmp_path, monkeypatch, fixed_secrets):
     args = (*FAST_ARGS, *"--dp --rounds 3 --canaries 200".split())
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert invoke("train", *args, "--out", whole).exit_code == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import assert_user_error, interrupt_in_round, invoke, tree_digest
+from helpers import assert_user_error, interrupt_in_round, invoke, same_secrets, tree_digest
 
 from fedaudit.config import RunConfig
 from fedaudit.errors import UserError
@@ -67,7 +67,8 @@ def compare(*args) -> object:
 def study(tmp_path_factory) -> tuple[Path, Path, str]:
     """The study file, its directory after one complete `fedaudit compare`, and what the command printed."""
     folder = tmp_path_factory.mktemp("study")
-    result = compare("--study", write_study(folder), "--out", folder / "out")
+    with same_secrets():  # a test with fixed_secrets trains its runs again
+        result = compare("--study", write_study(folder), "--out", folder / "out")
     assert result.exit_code == 0, result.output
     return folder / "study.yaml", folder / "out", result.stdout
 
@@ -260,7 +261,7 @@ def test_running_the_study_again_recomputes_nothing(study, tmp_path):
     assert result.stdout.startswith("plan: 8 runs, 0 to train or resume (0 rounds in all), 8 kept as they are\n")
 
 
-def test_an_interrupted_run_is_resumed_exactly_and_new_runs_are_added(study, tmp_path, monkeypatch):
+def test_an_interrupted_run_is_resumed_exactly_and_new_runs_are_added(study, tmp_path, monkeypatch, fixed_secrets):
     study_file, original, _ = study
     out = Path(shutil.copytree(original, tmp_path / "out"))
     shutil.rmtree(out / "runs" / "fedlap-eps20-seed1")

@@ -59,28 +59,64 @@ def demo(tmp_path_factory) -> Path:
     return out
 
 
+# How far each figure of the demo may lie from the README's, by run and kind of figure, from what
+# benchmarks/demo_spread.py measured (docs/measured-figures.md). FedAvg without DP is deterministic on one CPU, but
+# MKL and oneDNN pick their kernels per CPU: across kernel settings its accuracy did not move, its AUCs and their
+# intervals moved by at most 0.003, and its epsilon lower bounds (a threshold chosen on half of the records) by up to
+# 0.41. DP-FedAvg draws its noise from fresh client secrets in every run: over 8 runs its accuracy ranged 0.675 to
+# 0.825 and its AUCs 0.518 to 0.563 (standard deviations about 0.04 and 0.016); the bands are 3.75 of them.
+TOLERANCE = {
+    "FedAvg (no DP)": {"accuracy": 0.005, "auc": 0.01, "bound": 0.45},
+    "DP-FedAvg": {"accuracy": 0.15, "auc": 0.06, "bound": 0.0},
+}
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _figures(run) -> list[str]:
+    """A run's row as the README writes it."""
+    attacks = {a.signal: a for a in run.final_attacks}
+    simultaneous, _ = run.epsilon_lower_bound()
+    epsilon = f"{fmt(run.privacy.epsilon)} (delta {run.privacy.delta:g})" if run.privacy.dp else "no DP"
+    return [
+        f"{fmt(run.final_accuracy)} {interval(run.final_accuracy_ci)}",
+        epsilon,
+        f"{fmt(attacks['loss'].auc)} {interval(attacks['loss'].auc_ci)}",
+        f"{fmt(attacks['grad-norm'].auc)} {interval(attacks['grad-norm'].auc_ci)}",
+        ", ".join([fmt(attacks["loss"].epsilon_lower_bound), fmt(attacks["grad-norm"].epsilon_lower_bound)])
+        + f", {fmt(simultaneous)}",
+    ]
+
+
+def _stale(label: str, readme: list[str], computed: list[str]) -> list[str]:
+    """Where a README row and a run's figures differ by more than the spread the row allows, or in a verdict: the
+    non-DP model's AUC intervals lie above 0.5 and its bounds are positive; the DP model's bounds are 0."""
+    kinds = ("accuracy", None, "auc", "auc", "bound")
+    problems = []
+    for kind, ours, theirs in zip(kinds, readme, computed):
+        if kind is None:
+            if ours != theirs:
+                problems.append(f"{ours!r} is {theirs!r}")
+            continue
+        a, b = [float(x) for x in NUMBER.findall(ours)], [float(x) for x in NUMBER.findall(theirs)]
+        if len(a) != len(b) or any(abs(x - y) > TOLERANCE[label][kind] + 1e-9 for x, y in zip(a, b)):
+            problems.append(f"{ours!r} is {theirs!r}, more than {TOLERANCE[label][kind]} apart")
+    auc_lows = [float(NUMBER.findall(cell)[1]) for cell in computed[2:4]]
+    bounds = [float(x) for x in NUMBER.findall(computed[4])]
+    if label == "FedAvg (no DP)" and not (min(auc_lows) > 0.5 and min(bounds) > 0):
+        problems.append(f"the model without DP no longer shows its leakage: {computed[2:]}")
+    if label == "DP-FedAvg" and max(bounds) != 0:
+        problems.append(f"an attack's bound on the DP model is above 0: {computed[4]}")
+    return problems
+
+
 def test_the_readme_demo_table_is_what_the_demo_computes(demo):
     readme = _readme_rows()
     assert set(readme) == set(ROWS), "the README's demo table lost a row"
     runs = {run.name: run for run in collect_runs([demo / name for name in ROWS.values()])}
     for label, name in ROWS.items():
-        run = runs[name]
-        attacks = {a.signal: a for a in run.final_attacks}
-        bounds = run.corrected_bounds()
-        simultaneous, _ = run.epsilon_lower_bound()
-        epsilon = f"{fmt(run.privacy.epsilon)} (delta {run.privacy.delta:g})" if run.privacy.dp else "no DP"
-        expected = [
-            f"{fmt(run.final_accuracy)} {interval(run.final_accuracy_ci)}",
-            epsilon,
-            f"{fmt(attacks['loss'].auc)} {interval(attacks['loss'].auc_ci)}",
-            f"{fmt(attacks['grad-norm'].auc)} {interval(attacks['grad-norm'].auc_ci)}",
-            ", ".join(
-                [fmt(attacks["loss"].epsilon_lower_bound), fmt(attacks["grad-norm"].epsilon_lower_bound)]
-                + [fmt(simultaneous)]
-            ),
-        ]
-        assert readme[label] == expected, f"README demo row {label!r} is stale"
-        assert len(bounds) == 2
+        problems = _stale(label, readme[label], _figures(runs[name]))
+        assert not problems, f"README demo row {label!r} is stale: {problems}"
+        assert len(runs[name].corrected_bounds()) == 2
     report = (demo / "report" / "report.md").read_text()
     plain, dp = report.split("## Run fedavg", 1)[1].split("## Run dp-fedavg", 1)
     sentence = next(line for line in plain.splitlines() if line.startswith("Strongest of the 2 attacks"))
@@ -136,3 +172,23 @@ def test_the_demo_report_opens_with_the_verdict_and_the_guarantee_above_the_firs
     assert image.size == (1280, HEIGHT)
     top = image.crop((0, int(v_top), 1280, int(g_bottom))).getcolors(1 << 20)
     assert top is not None and len(top) > 16  # text and tables were drawn there, not a blank page
+
+
+def test_a_readme_or_a_demo_gone_stale_by_more_than_the_spread_fails(demo, tmp_path):
+    """The check has power: the README's accuracy moved by 0.02, or the run without DP trained for 5 rounds instead
+    of the Makefile's 15, is caught; the DP model with a bound above 0 is caught."""
+    readme = _readme_rows()
+    (plain,) = collect_runs([demo / "fedavg"])
+    row = _figures(plain)
+    moved = [row[0].replace(row[0].split()[0], f"{float(row[0].split()[0]) + 0.02:.3f}", 1), *row[1:]]
+    assert _stale("FedAvg (no DP)", moved, row)
+    assert _stale("DP-FedAvg", readme["DP-FedAvg"], [*readme["DP-FedAvg"][:4], "0.2, 0, 0.2"])
+    out = tmp_path / "demo"
+    train, attack = [c for c in _demo_commands(out) if "--out" not in c or f"{out}/fedavg " in c][:2]
+    short = train.replace("--rounds 15", "--rounds 5")
+    assert short != train
+    for command in (short, attack.replace(f" {out}/dp-fedavg", "")):
+        done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    (five,) = collect_runs([out / "fedavg"])
+    assert _stale("FedAvg (no DP)", readme["FedAvg (no DP)"], _figures(five))

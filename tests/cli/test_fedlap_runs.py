@@ -16,7 +16,7 @@ LAP_ARGS = tuple(
 
 
 @pytest.mark.parametrize("dp", [False, True], ids=["fedlap", "fedlap-dp"])
-def test_fedlap_trains_accounts_and_resumes_exactly(tmp_path, monkeypatch, cli, dp):
+def test_fedlap_trains_accounts_and_resumes_exactly(tmp_path, monkeypatch, cli, dp, fixed_secrets):
     args = [*FAST_ARGS, *LAP_ARGS, "--save-transmitted", "--init", "previous", *(["--dp"] if dp else [])]
     reference = tmp_path / "reference"
     result = cli("train", *args, "--out", reference)

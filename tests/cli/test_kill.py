@@ -226,6 +226,7 @@ STUDY = {
         "data": {"dataset": "digits"},
         "model": {"arch": "mlp", "width": 16, "depth": 1},
         "federated": {"rounds": 3, "batch_size": 32},
+        "privacy": {"noise_seed": 0},  # reproducible noise: the killed study's process must train the same runs
         "device": "cpu",
     },
     "attack": {"signals": ["loss"], "methods": ["threshold"], "max_records": 200, "bootstrap": 50},

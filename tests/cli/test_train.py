@@ -26,7 +26,7 @@ from fedaudit.privacy.accounting import calibrate_noise_multiplier
 
 
 @pytest.mark.parametrize("dp", [False, True], ids=["plain", "dp"])
-def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path, monkeypatch, trained, cli, dp):
+def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path, monkeypatch, trained, cli, dp, fixed_secrets):
     args = ["--rounds", "3", *(["--dp"] if dp else [])]
     reference = trained(*args)
     out = tmp_path / "run"
@@ -56,7 +56,7 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path, monkeypatc
         assert not (out / "privacy.json").exists()
 
 
-def test_resume_after_interrupt_between_the_round_files(tmp_path, monkeypatch, dp_run, cli):
+def test_resume_after_interrupt_between_the_round_files(tmp_path, monkeypatch, dp_run, cli, fixed_secrets):
     """Ctrl-C after privacy.json but before manifest.json (the commit point) was written for round 2."""
     from fedaudit.runs import RunDirectory
 
@@ -334,7 +334,8 @@ def test_config_file_with_command_line_overrides(tmp_path, cli, suffix):
 
 
 @pytest.mark.parametrize("which", ["plain_run", "dp_run"])
-def test_written_config_reproduces_the_run(request, tmp_path, cli, which):
+def test_written_config_reproduces_the_run(request, tmp_path, cli, which, fixed_secrets):
+    """With its clients' secrets (a DP run's noise comes from them, not from the configuration)."""
     run: Path = request.getfixturevalue(which)
     out = tmp_path / "again"
     result = cli("train", "--config", run / "config.json", "--no-progress", "--out", out)
@@ -356,7 +357,7 @@ def test_yaml_config_accepts_scientific_notation(tmp_path, cli):
 # ---------------------------------------------------------------------------- --target-epsilon
 
 
-def test_target_epsilon_calibrates_sigma(tmp_path, trained, cli):
+def test_target_epsilon_calibrates_sigma(tmp_path, trained, cli, fixed_secrets):
     target = 3.0
     # Four equal clients (323 records each): one calibration serves them all, which keeps the test quick.
     equal = ("--partition", "iid", "--num-clients", "4")

@@ -32,11 +32,11 @@ def copy(run: Path, tmp_path: Path, name: str = "run") -> Path:
 
 
 def written_files(run: Path) -> list[str]:
-    """Every file of the run but the manifest and the lock, relative."""
+    """Every file of the run but the manifest, the lock and the clients' secrets, relative."""
     return sorted(
         p.relative_to(run).as_posix()
         for p in run.rglob("*")
-        if p.is_file() and p.name not in ("manifest.json", ".fedaudit.lock")
+        if p.is_file() and p.name not in ("manifest.json", ".fedaudit.lock", "client-secrets.json")
     )
 
 
@@ -175,7 +175,9 @@ WRITES = 24  # a three-round DP run: config, membership and manifest at start-up
 
 
 @pytest.mark.parametrize("write", range(WRITES + 1))
-def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(trained, tmp_path, monkeypatch, write):
+def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(
+    trained, tmp_path, monkeypatch, write, fixed_secrets
+):
     """Crash at the k-th file write of a run (files and manifests alike), then give the same command again (a new
     run that never committed a round left nothing) or resume: the run checks at every point and ends byte for byte
     like an uninterrupted one, with no stray file."""
@@ -324,7 +326,7 @@ def test_leftovers_of_a_killed_start_are_cleared_by_the_next(plain_run, tmp_path
     assert (out / "model.safetensors").read_bytes() == (plain_run / "model.safetensors").read_bytes()
 
 
-def test_keep_checkpoints_keeps_the_last_rounds_and_resumes_exactly(trained, tmp_path):
+def test_keep_checkpoints_keeps_the_last_rounds_and_resumes_exactly(trained, tmp_path, fixed_secrets):
     constant = ("--dp", "--lr-schedule", "constant")  # with the cosine schedule the horizon changes the steps
     reference = trained(*constant, "--rounds", "3")
     run = tmp_path / "run"

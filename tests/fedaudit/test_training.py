@@ -176,7 +176,7 @@ def test_a_run_never_reports_less_epsilon_than_any_client_spent(dp_run):
 # ---------------------------------------------------------------------------- client selection
 
 
-def test_partial_participation_charges_the_rounds_a_client_takes_part_in_in_full(tmp_path, trained, cli):
+def test_partial_participation_charges_the_rounds_a_client_takes_part_in_in_full(tmp_path, trained, cli, fixed_secrets):
     args = ("--dp", "--rounds", "3", "--client-fraction", "0.3")  # ceil(0.3 * 5) = 2 clients, p_eff = 0.4
     run = trained(*args)
     manifest = read_json(run / "manifest.json")

@@ -146,14 +146,24 @@ class Federation:
             time.sleep(0.3)
         raise RuntimeError(f"the SuperLink did not come up: {self.log('superlink')}")
 
-    def start_supernode(self, client: int, node_config: str | None = None) -> subprocess.Popen:
-        """A SuperNode hosting ``client`` (its node config: ``client-id=CLIENT`` unless given)."""
+    def secret_path(self, client: int) -> Path:
+        """Where the site of ``client`` keeps its secret (unless its node config names another file)."""
+        return self.directory / f"site-{client}" / "secret.json"
+
+    def start_supernode(
+        self, client: int, node_config: str | None = None, *, public_noise: bool = False
+    ) -> subprocess.Popen:
+        """A SuperNode hosting ``client``; its node config, unless given: ``client-id=CLIENT`` and its secret's file
+        (:meth:`secret_path`), with ``public-noise=true`` when the site lets the server choose a --noise-seed."""
+        config = node_config or f'client-id={client} secret="{self.secret_path(client)}"'
+        if public_noise:
+            config += " public-noise=true"
         return self._spawn(
             f"supernode-{client}",
             [
                 str(BIN / "flower-supernode"),
                 *("--superlink", self.address, "--root-certificates", str(self.tls["ca"])),
-                *("--port", str(free_port()), "--node-config", node_config or f"client-id={client}"),
+                *("--port", str(free_port()), "--node-config", config),
             ],
         )
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -85,6 +87,54 @@ def engine_independent_digest(run: Path) -> dict[str, str]:
 
 def read_json(path: Path):
     return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def same_secrets() -> Iterator[None]:
+    """Inside the block every run started gets the same run id and every client the same secret, so that two runs
+    started apart are the same run, byte for byte, as two processes holding the same client secrets would train it
+    (a DP run's noise otherwise differs from run to run). Runs resumed inside it read their secrets back as always."""
+    import fedaudit.privacy.randomness as randomness
+    import fedaudit.training as training
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(training, "new_run_id", lambda: "5e" * 16)
+    patch.setattr(randomness, "new_secret", lambda: bytes(range(32)))
+    try:
+        yield
+    finally:
+        patch.undo()
+
+
+def digit_halves(folder: Path) -> tuple[Path, Path]:
+    """Two npz files of digits with the same shapes and labels, in the same order, but other records: what a server
+    that chose the seed sees of two runs that differ only in their records."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = digits.images.astype(np.float32)[:, None], digits.target
+    rng = np.random.default_rng(0)
+    first, second = [], []
+    for c in range(10):
+        members = rng.permutation(np.flatnonzero(y == c))
+        half = len(members) // 2
+        first += list(members[:half])
+        second += list(members[half : 2 * half])
+    paths = folder / "a.npz", folder / "b.npz"
+    for path, rows in zip(paths, (first, second)):
+        np.savez(path, x=x[rows], y=y[rows])
+    return paths
+
+
+def update_distances(a: Path, b: Path) -> list[float]:
+    """|A - B| / |A| of each client's update in round 1 between two runs that kept what crossed the wire."""
+    distances = []
+    for sent in sorted((a / "transmitted" / "round-0001").glob("client-*.safetensors")):
+        ours = torch.cat([t.flatten() for t in load_file(sent).values()])
+        theirs = torch.cat([t.flatten() for t in load_file(b / sent.relative_to(a)).values()])
+        distances.append(float((ours - theirs).norm() / ours.norm()))
+    return distances
 
 
 def with_keys(data, keys, round_index: int = 0, device: str = "cpu"):

@@ -1,8 +1,10 @@
 """A Flower deployment: a TLS SuperLink and three SuperNodes as separate processes on 127.0.0.1, one per client (or one
 per site that keeps its own records).
 
-fedaudit is the server; each SuperNode's node config names its client. The runs must equal the local engine's,
-byte for byte, and a federation that cannot carry a run is refused with one sentence.
+fedaudit is the server; each SuperNode's node config names its client and the file of its secret. With a public
+--noise-seed (which the sites allow) the runs must equal the local engine's, byte for byte; by default each site
+draws its noise from its own secret, which the server never sees and cannot regenerate; a federation that cannot
+carry a run is refused with one sentence.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import json
 import pandas as pd
 import pytest
 from federation import Federation
-from helpers import FAST_ARGS, assert_user_error, engine_independent_digest
+from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, update_distances
 
 pytest.importorskip("flwr.superlink.grid", reason="the flower extra is not installed")  # `make test` installs it
 
 CLIENTS = 3
-BASE = (*FAST_ARGS, "--num-clients", str(CLIENTS), "--rounds", "2", "--dp")
+DP = (*FAST_ARGS, "--num-clients", str(CLIENTS), "--rounds", "2", "--dp")
+BASE = (*DP, "--noise-seed", "0")  # public noise, so that a deployment's run can equal the local engine's
 ALGORITHMS = {
     "fedavg": ("--algorithm", "fedavg"),
     # with what a client keeps between rounds and what crossed the wire: every path of the message seam
@@ -47,7 +50,7 @@ def test_runs_on_three_sites_equal_the_local_engine(tmp_path, cli, federation):
     """DP-FedAvg here, at most two sites at work at once; FedLAP-DP (with client state and what crossed the wire) in
     the kill-and-resume test below."""
     for client in range(CLIENTS):
-        federation.start_supernode(client)
+        federation.start_supernode(client, public_noise=True)
     for name, extra in [("fedavg", ALGORITHMS["fedavg"])]:
         local, deployed = tmp_path / f"{name}-local", tmp_path / f"{name}-deployed"
         assert cli("train", *BASE, *extra, "--out", local).exit_code == 0
@@ -66,6 +69,54 @@ def test_runs_on_three_sites_equal_the_local_engine(tmp_path, cli, federation):
         config = json.loads((deployed / "config.json").read_text())
         assert config["engine"] == "flower" and config["flower"]["superlink"] == federation.address
         assert config["parallel_clients"] == 2
+
+
+def test_each_site_draws_its_noise_from_a_secret_the_server_never_holds(tmp_path, cli, federation):
+    """Three sites with their own secrets (DP-FedAvg, gradient canaries, two rounds: each round's ClientApp is a new
+    process that reads its site's secret back). Nothing the server received or wrote, nor the SuperLink's files,
+    holds a secret or a key derived from one; the server, replaying every client with all it holds (the records of a
+    plain deployment, the seed, the global models), gets updates as far from the sites' as independent noise puts
+    two updates of the same records (where the old derivation gave the same update); verify's secrecy check finds
+    no public stream in the kept queries; and a site refuses a server that asks for public noise."""
+    import stat
+
+    from fedaudit.attacks.conformance import verify
+    from fedaudit.privacy.randomness import client_key
+    from fedaudit.runs import RunDirectory
+
+    for client in range(CLIENTS):
+        federation.start_supernode(client)
+    args = (*DP, *ALGORITHMS["fedavg"], "--canaries", "200", "--save-transmitted")
+    deployed, replay = tmp_path / "deployed", tmp_path / "replay"
+    result = cli("train", *args, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
+    assert result.exit_code == 0, result.output + federation.log("supernode-0")
+    randomness = json.loads((deployed / "manifest.json").read_text())["randomness"]
+    assert randomness["source"] == "client-secrets" and not (deployed / "client-secrets.json").exists()
+    secrets = []
+    for client in range(CLIENTS):
+        path = federation.secret_path(client)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # readable by its owner only
+        stored = json.loads(path.read_text())
+        assert stored["client"] == client and list(stored["runs"]) == [randomness["run_id"]]
+        secret = bytes.fromhex(stored["runs"][randomness["run_id"]])
+        secrets += [secret, client_key(secret, randomness["run_id"], client)]
+    kept = [p for p in [*deployed.rglob("*"), *federation.directory.rglob("*")] if p.is_file()]
+    kept = [p for p in kept if not p.name.startswith("secret.json") and not p.name.startswith(".secret.json")]
+    for path in kept:
+        data = path.read_bytes()
+        assert not any(s in data or s.hex().encode() in data for s in secrets), path
+
+    # the server's best replay, from the run seed; and how far apart independent noise puts two updates
+    assert cli("train", *args, "--noise-seed", "0", "--out", replay).exit_code == 0
+    assert cli("train", *args, "--noise-seed", "1", "--out", tmp_path / "other").exit_code == 0
+    distances, apart = update_distances(deployed, replay), update_distances(tmp_path / "other", replay)
+    assert len(distances) == CLIENTS and all(d >= 0.75 * a > 0.5 for d, a in zip(distances, apart)), (distances, apart)
+    verification = verify(RunDirectory(deployed))
+    assert verification.passed, [c.sentence for c in verification.checks if not c.passed]
+    assert "not traced" in verification.check("secrecy").sentence  # the server holds no secret to trace to
+
+    public = cli("train", *BASE, *ALGORITHMS["fedavg"], *deployment_args(federation), "--out", tmp_path / "public")
+    assert_user_error(public, mentions="public-noise=true")
 
 
 def test_a_client_claimed_twice_is_refused(tmp_path, cli, federation):
@@ -115,7 +166,7 @@ def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp
     from fedaudit.engine.deployment import DeploymentEngine
 
     for client in range(CLIENTS):
-        federation.start_supernode(client)
+        federation.start_supernode(client, public_noise=True)
     args = (*BASE, *ALGORITHMS["fedlap"])
     local, deployed = tmp_path / "local", tmp_path / "deployed"
     assert cli("train", *args, "--out", local).exit_code == 0
@@ -135,7 +186,7 @@ def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp
     assert (manifest["status"], manifest["rounds_done"]) == ("failed", 1)
 
     monkeypatch.undo()
-    federation.start_supernode(1)  # the site is back (a new node id)
+    federation.start_supernode(1, public_noise=True)  # the site is back (a new node id)
     result = cli("train", "--resume", deployed, "--wait-seconds", "120", "--no-progress")
     assert result.exit_code == 0, result.output + federation.log("supernode-1")
     assert engine_independent_digest(deployed) == engine_independent_digest(local)
@@ -238,7 +289,9 @@ def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_a
         folder.mkdir()
         np.savez(folder / "records.npz", x=x[part], y=y[part])
         files.append(folder / "records.npz")
-        federation.start_supernode(k, node_config=f'client-id={k} data="npz:{folder / "records.npz"}"')
+        federation.start_supernode(
+            k, node_config=f'client-id={k} data="npz:{folder / "records.npz"}"', public_noise=True
+        )
     sites = ("--dataset", "sites", "--rounds", "1")
     local_sites = tuple(f"--site-data=npz:{f}" for f in files)
     local, deployed = tmp_path / "fedavg-local", tmp_path / "fedavg-deployed"

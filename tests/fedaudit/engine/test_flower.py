@@ -4,10 +4,18 @@ byte."""
 from __future__ import annotations
 
 import json
+import stat
 
 import pandas as pd
 import pytest
-from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, interrupt_in_round
+from helpers import (
+    FAST_ARGS,
+    assert_user_error,
+    digit_halves,
+    engine_independent_digest,
+    interrupt_in_round,
+    update_distances,
+)
 
 pytest.importorskip("flwr.simulation", reason="the flower extra is not installed")  # `make test` installs it
 
@@ -21,7 +29,7 @@ ARGS = (
 READ_JSON = json.loads
 
 
-def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cli, monkeypatch):
+def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cli, monkeypatch, fixed_secrets):
     local, flower = tmp_path / "local", tmp_path / "flower"
     assert cli("train", *ARGS, "--rounds", "3", "--out", local).exit_code == 0
     interrupt_in_round(monkeypatch, 3)  # Ctrl-C while round 3 is evaluated: the simulation must shut down cleanly
@@ -77,13 +85,28 @@ def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cl
     ],
     ids=["fedssyn", "fedgm", "feddm"],
 )
-def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra):
+def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra, fixed_secrets):
     args = (*FAST_ARGS, "--rounds", "2", "--save-transmitted", *extra)
     local, flower = tmp_path / "local", tmp_path / "flower"
     assert cli("train", *args, "--out", local).exit_code == 0
     result = cli("train", *args, "--engine", "flower", "--out", flower)
     assert result.exit_code == 0, result.output
     assert engine_independent_digest(flower) == engine_independent_digest(local)
+
+
+def test_simulated_clients_draw_their_noise_from_the_run_directorys_secrets(tmp_path, cli):
+    """The same seed and settings on other records: the simulation's clients send updates as far from the local
+    engine's as independent noise makes them, from secrets kept in the run directory, readable by its owner only."""
+    args = (*FAST_ARGS, "--dp", "--rounds", "1", "--num-clients", "2", "--partition", "iid", "--seed", "7")
+    first, second = digit_halves(tmp_path)
+    local, flower = tmp_path / "local", tmp_path / "flower"
+    assert cli("train", *args, "--dataset", f"npz:{first}", "--save-transmitted", "--out", local).exit_code == 0
+    result = cli(
+        "train", *args, "--dataset", f"npz:{second}", "--save-transmitted", "--engine", "flower", "--out", flower
+    )
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE((flower / "client-secrets.json").stat().st_mode) == 0o600
+    assert all(d >= 1.2 for d in update_distances(local, flower)), update_distances(local, flower)
 
 
 def test_without_flower_installed_the_engine_is_a_user_error(tmp_path, cli, monkeypatch):
@@ -95,7 +118,7 @@ def test_without_flower_installed_the_engine_is_a_user_error(tmp_path, cli, monk
     assert not out.exists()
 
 
-def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path, cli):
+def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path, cli, fixed_secrets):
     """A Ray head started here stands for a cluster: the clients run on its workers, with the resources asked for.
     DP-SCAFFOLD: the server's control variate goes to the clients with the model, and theirs come back."""
     from federation import RayHead

@@ -1,0 +1,395 @@
+"""Is a DP run's noise the clients' secret? The secrecy check of ``fedaudit verify``.
+
+The guarantee of every DP query assumes that nobody who sees its release knows its noise or which records it drew.
+A server, or anyone holding the run directory, knows the run's public material: the run seed (and a ``--noise-seed``
+when one was given), the run id, the clients, rounds and queries. This check regenerates, for every kept whole query,
+what each stream that material can produce would have drawn, in the order fedaudit's clients draw (the Poisson
+sample of the query's records, its canaries' inclusion, then one Gaussian per parameter tensor), and compares:
+
+- the **sample**: the records the query drew against the candidate's sample; independent draws disagree on each record
+  with probability 2q(1 - q), so few disagreements are evidence (binomial tail);
+- the **noise**: the released sum minus its clean clipped sum (recomputed by the conformance module) against the
+  candidate's Gaussian draws; independent noise has correlation about N(0, 1/d) over d parameters (normal tail).
+
+The candidates: every derived stream of :mod:`fedaudit.seeding` (each stream with every arrangement of the query's
+round, client and step as its keys) from each public seed, at the start of the stream; the client's round stream
+replayed through the query's predecessors as DP-FedAvg draws them (how fedaudit drew every query before client
+secrets); a generator seeded with the public seed itself; and fedaudit's own key derivation with the secret
+replaced by what public material could stand in for it (zeros, the seed's bytes, its hash). A match with any of them
+FAILs the check. The list is finite: a stream outside it (say, torch's global generator) is caught by the second part
+instead, where the clients' secrets are at hand (``RUN/client-secrets.json``): every kept query's sample and noise
+must then be those the documented derivation gives from its client's secret, recomputed here with this module's own
+code (``hmac``, not fedaudit's).
+
+A run that declares public noise (``--noise-seed``) passes with a sentence that says so; a DP run that declares its
+noise came from the run seed (trained before client secrets existed) fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import math
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import stats
+
+from fedaudit.seeding import STREAM_KEYS, Stream, make_generator
+
+TRACED_CORRELATION = 0.99  # a query whose noise is the secret's stream correlates with it to float32 rounding
+MAX_SECRETS_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class KeptQuery:
+    """What the check needs of one kept whole query."""
+
+    label: str
+    round: int  # 0-based, as the client's keys count rounds
+    client: int
+    step: int  # the query's place among the client's queries of the round
+    noise: torch.Tensor  # released - clean clipped sum, float64, flat, in the model's parameter order
+    scale: float  # sigma C
+    index: np.ndarray | None  # positions of the records it drew; None in a run that did not keep them
+    population: int  # the records it sampled from
+    rate: float
+    canaries: int  # canaries in the client's data: the same source draws their inclusion after the records'
+
+
+@dataclass(frozen=True)
+class PublicMaterial:
+    """What anyone holding the run directory knows of its randomness."""
+
+    seeds: tuple[int, ...]  # the run seed, and the noise seed of a --noise-seed run
+    run_id: str | None
+    source: str  # the manifest's declared source: client-secrets, noise-seed or run-seed
+    shapes: Mapping[str, torch.Size]  # the model's trainable parameters, in order
+    secure: bool  # --secure-noise: the queries drew from ChaCha20 keystreams
+    noise_seed: int | None = None
+    secrets: Path | None = None  # RUN/client-secrets.json, where it is at hand
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The check's outcome (conformance.verify makes a Check of it)."""
+
+    passed: bool
+    p_value: float | None
+    n: int
+    statistic: float | None
+    sentence: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# --- the draws of one query, as fedaudit's clients make them ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Draws:
+    mask: torch.Tensor  # bool, one per record of the population
+    noise: torch.Tensor  # float64, flat
+
+
+def _query_draws(generator: torch.Generator, query: KeptQuery, shapes: Mapping[str, torch.Size]) -> _Draws:
+    """A torch generator's draws for one query: records' uniforms, canaries' uniforms, one Gaussian per tensor."""
+    mask = torch.rand(query.population, generator=generator) < query.rate
+    if query.canaries:
+        torch.rand(query.canaries, generator=generator)
+    noise = [
+        torch.normal(0.0, query.scale, size=tuple(shape), generator=generator, dtype=torch.float32).reshape(-1)
+        for shape in shapes.values()
+    ]
+    return _Draws(mask, torch.cat(noise).to(torch.float64))
+
+
+def _noise_first(generator: torch.Generator, query: KeptQuery, shapes: Mapping[str, torch.Size]) -> torch.Tensor:
+    """A generator's Gaussians for the query's tensors drawn from its start (noise from a stream of its own)."""
+    noise = [
+        torch.normal(0.0, query.scale, size=tuple(shape), generator=generator, dtype=torch.float32).reshape(-1)
+        for shape in shapes.values()
+    ]
+    return torch.cat(noise).to(torch.float64)
+
+
+def _replayed(generator: torch.Generator, query: KeptQuery, shapes: Mapping[str, torch.Size]) -> _Draws:
+    """The round stream as DP-FedAvg drew from it before client secrets: every earlier query's sample, canaries and
+    noise, then this query's."""
+    for _ in range(query.step):
+        _query_draws(generator, query, shapes)
+    return _query_draws(generator, query, shapes)
+
+
+# --- the public candidates ---------------------------------------------------------------------------------------
+
+
+def _seeded(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(int(seed))
+    return generator
+
+
+def _arrangements(values: tuple[int, ...], arity: int) -> list[tuple[int, ...]]:
+    return sorted(set(itertools.permutations(values, arity)))
+
+
+def _stand_ins(seed: int) -> list[tuple[str, bytes]]:
+    """What public material could stand in for a client's secret in a broken derivation."""
+    return [
+        ("zero secret", bytes(32)),
+        (f"seed {seed} as the secret", int(seed).to_bytes(32, "big")),
+        (f"SHA-256 of seed {seed} as the secret", hashlib.sha256(str(seed).encode()).digest()),
+    ]
+
+
+def _digest(key: bytes, *parts: bytes | int | str) -> bytes:
+    """fedaudit's documented HMAC-SHA256 over length-prefixed parts (integers as 8 bytes big-endian, text ASCII)."""
+    encoded = [
+        p.to_bytes(8, "big") if isinstance(p, int) else p.encode("ascii") if isinstance(p, str) else p for p in parts
+    ]
+    message = b"".join(len(e).to_bytes(4, "big") + e for e in encoded)
+    return hmac.digest(key, message, "sha256")
+
+
+def _secret_query_seed(secret: bytes, run_id: str, query: KeptQuery) -> tuple[int, bytes]:
+    """The torch seed and the 32-byte key of a query, from its client's secret (docs/accounting.md)."""
+    client_key = _digest(secret, "fedaudit/client-key/v1", run_id, query.client)
+    key = _digest(client_key, "query", query.round, query.step)
+    return int.from_bytes(key[:8], "big") & ((1 << 63) - 1), key
+
+
+Candidate = tuple[str, Callable[[], _Draws]]
+
+
+def _candidates(query: KeptQuery, public: PublicMaterial) -> Iterator[Candidate]:
+    """Every public stream the check tries for ``query``: a name and the draws it would have made."""
+    shapes = public.shapes
+    values = (query.round, query.client, query.step)
+    for seed in public.seeds:
+        for stream in Stream:
+            for keys in _arrangements(values, STREAM_KEYS[stream]):
+                name = f"seed {seed}, stream {stream.name}{', keys ' + str(keys) if keys else ''}"
+                yield name, lambda s=seed, st=stream, k=keys: _query_draws(make_generator(s, st, *k), query, shapes)
+        yield f"torch seeded with {seed}", lambda s=seed: _query_draws(_seeded(s), query, shapes)
+        yield (
+            f"seed {seed}'s client stream of round {query.round + 1} replayed through step {query.step}",
+            lambda s=seed: _replayed(make_generator(s, Stream.CLIENT, query.round, query.client), query, shapes),
+        )
+        if public.run_id is not None:
+            for what, secret in _stand_ins(seed):
+                torch_seed = _secret_query_seed(secret, public.run_id, query)[0]
+                yield (
+                    f"fedaudit's derivation with the {what}",
+                    lambda v=torch_seed: _query_draws(_seeded(v), query, shapes),
+                )
+
+
+def _noise_only(query: KeptQuery, public: PublicMaterial) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Streams whose first draws would be the noise itself (a query's noise from a generator of its own)."""
+    values = (query.round, query.client, query.step)
+    for seed in public.seeds:
+        for stream in Stream:
+            for keys in _arrangements(values, STREAM_KEYS[stream]):
+                name = f"seed {seed}, stream {stream.name}{', keys ' + str(keys) if keys else ''}, noise first"
+                yield (
+                    name,
+                    lambda s=seed, st=stream, k=keys: _noise_first(make_generator(s, st, *k), query, public.shapes),
+                )
+
+
+# --- statistics ----------------------------------------------------------------------------------------------------
+
+
+def _correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    denominator = float(a.norm()) * float(b.norm())
+    return float(a @ b) / denominator if denominator > 0 else 0.0
+
+
+def _noise_p(correlation: float, dimension: int) -> float:
+    """P(correlation >= observed) for independent noise: about N(0, 1/d)."""
+    return float(stats.norm.sf(correlation * math.sqrt(max(dimension, 1))))
+
+
+def _sample_p(observed: torch.Tensor, candidate: torch.Tensor, rate: float) -> tuple[float, int]:
+    """P(as few disagreements) for an independent sample: each record disagrees with probability 2q(1 - q)."""
+    disagreements = int((observed != candidate).sum())
+    chance = 2 * rate * (1 - rate)
+    return float(stats.binom.cdf(disagreements, len(observed), chance)) if chance > 0 else 1.0, disagreements
+
+
+def _observed_mask(query: KeptQuery) -> torch.Tensor | None:
+    if query.index is None:
+        return None
+    mask = torch.zeros(query.population, dtype=torch.bool)
+    mask[torch.from_numpy(query.index)] = True
+    return mask
+
+
+@dataclass
+class _Worst:
+    p_value: float = 1.0
+    what: str = ""
+    statistic: float = 0.0
+
+
+def _against_public(queries: list[KeptQuery], public: PublicMaterial) -> tuple[_Worst, int]:
+    """The smallest p-value of any kept query's sample or noise against any public candidate, and the tests made."""
+    worst, tests = _Worst(), 0
+    for query in queries:
+        observed = _observed_mask(query)
+        d = int(query.noise.numel())
+        for name, draw in _candidates(query, public):
+            draws = draw()
+            rho = _correlation(query.noise, draws.noise)
+            p_noise = _noise_p(rho, d)
+            tests += 1
+            if p_noise < worst.p_value:
+                worst = _Worst(p_noise, f"the noise of {query.label} is {name} (correlation {rho:.3f})", rho)
+            if observed is not None:
+                p_sample, disagreements = _sample_p(observed, draws.mask, query.rate)
+                tests += 1
+                if p_sample < worst.p_value:
+                    worst = _Worst(
+                        p_sample,
+                        f"the records {query.label} drew are {name}'s sample ({disagreements} of "
+                        f"{query.population} records differ, {2 * query.rate * (1 - query.rate) * query.population:.1f}"
+                        " expected apart)",
+                        float(disagreements),
+                    )
+        for name, draw in _noise_only(query, public):
+            rho = _correlation(query.noise, draw())
+            p_noise = _noise_p(rho, d)
+            tests += 1
+            if p_noise < worst.p_value:
+                worst = _Worst(p_noise, f"the noise of {query.label} is {name} (correlation {rho:.3f})", rho)
+    return worst, tests
+
+
+# --- the clients' own secrets --------------------------------------------------------------------------------------
+
+
+def _read_secrets(path: Path, run_id: str | None) -> dict[int, bytes] | str:
+    """The simulated clients' secrets by client, or why they cannot be used (one sentence's clause)."""
+    try:
+        info = path.stat()
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            return f"{path.name} can be read by other users (mode {stat.S_IMODE(info.st_mode):04o})"
+        if info.st_size > MAX_SECRETS_BYTES:
+            return f"{path.name} is larger than any secrets file fedaudit writes"
+        data = json.loads(path.read_bytes())
+        if data["run_id"] != run_id:
+            return f"{path.name} holds the secrets of another run, so the noise could not be traced to this run's"
+        return {int(k): bytes.fromhex(v) for k, v in data["clients"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{path.name} cannot be read ({type(exc).__name__})"
+
+
+def _traced(queries: list[KeptQuery], public: PublicMaterial, secrets: dict[int, bytes]) -> list[str]:
+    """Every kept query whose sample or noise is not what its client's secret gives; empty when all are."""
+    assert public.run_id is not None
+    problems = []
+    for query in queries:
+        secret = secrets.get(query.client)
+        if secret is None or len(secret) != 32:
+            problems.append(f"client {query.client} has no 32-byte secret in {SECRETS_NAME}, though {query.label} drew")
+            continue
+        torch_seed, key = _secret_query_seed(secret, public.run_id, query)
+        observed = _observed_mask(query)
+        if public.secure:
+            uniforms = _chacha_uniforms(key, query.population)
+            mask = torch.from_numpy(uniforms < query.rate)
+            if observed is not None and not torch.equal(mask, observed):
+                problems.append(f"the records {query.label} drew are not the sample its client's secret gives")
+            continue  # the secure Gaussian is tested by its distribution (the noise check) and against public streams
+        draws = _query_draws(_seeded(torch_seed), query, public.shapes)
+        if observed is not None and not torch.equal(draws.mask, observed):
+            problems.append(f"the records {query.label} drew are not the sample its client's secret gives")
+        rho = _correlation(query.noise, draws.noise)
+        if rho < TRACED_CORRELATION:
+            problems.append(
+                f"the noise of {query.label} is not what its client's secret gives (correlation {rho:.3f}): it came "
+                "from another stream"
+            )
+    return problems
+
+
+def _chacha_uniforms(key: bytes, count: int) -> np.ndarray:
+    """The first ``count`` 53-bit uniforms of the ChaCha20 keystream of ``key`` (zero nonce and counter)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(8 * count))
+    words = np.frombuffer(stream, dtype=">u8")
+    return np.array([int(w) >> 11 for w in words], dtype=np.float64) / 2.0**53
+
+
+SECRETS_NAME = "client-secrets.json"
+
+
+def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> Finding:
+    """The secrecy check of a run's kept queries (module docstring), at ``level``."""
+    details: dict[str, Any] = {"kept_queries": len(queries), "source": public.source}
+    if public.source == "run-seed":
+        return Finding(
+            False,
+            0.0,
+            len(queries),
+            None,
+            "This run was trained before fedaudit kept client secrets: every client drew its noise and samples from "
+            "streams of the run seed, so whoever holds config.json can regenerate and remove them.",
+            details,
+        )
+    if not queries:
+        return Finding(True, None, 0, None, "Not checked: no whole query was kept.", details)
+    worst, tests = _against_public(queries, public)
+    details.update(public_tests=tests, worst=worst.what, worst_p_value=worst.p_value)
+    if public.source == "noise-seed":
+        return Finding(
+            True,
+            None,
+            len(queries),
+            None,
+            f"Not secret, as declared: this run drew its noise from --noise-seed {public.noise_seed}, so whoever "
+            f"holds that seed (config.json) can regenerate and remove it.",
+            {**details, "declared_public": True},
+        )
+    p_value = min(1.0, worst.p_value * max(tests, 1))
+    if p_value <= level:
+        return Finding(
+            False,
+            p_value,
+            len(queries),
+            worst.statistic,
+            f"The noise is not the clients' secret: {worst.what}, so whoever holds the run's public material can "
+            "regenerate and remove it.",
+            details,
+        )
+    traced = ""
+    if public.secrets is not None and public.secrets.exists():
+        secrets = _read_secrets(public.secrets, public.run_id)
+        if isinstance(secrets, str):
+            problems = [secrets]
+        else:
+            problems = _traced(queries, public, secrets)
+        details["traced_problems"] = problems
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            return Finding(False, 0.0, len(queries), None, f"{problems[0][0].upper()}{problems[0][1:]}{more}.", details)
+        what = "samples" if public.secure else "samples and noise"
+        traced = f"; their {what} are those their clients' secrets give ({SECRETS_NAME})"
+    else:
+        traced = f"; {SECRETS_NAME} is not here, so they were not traced to the clients' secrets"
+    return Finding(
+        True,
+        p_value,
+        len(queries),
+        worst.statistic,
+        f"No kept query's noise or sample is any of the {tests} public streams tried{traced}.",
+        details,
+    )
