@@ -396,6 +396,7 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
             secure=bool(config.privacy.secure_noise),
             noise_seed=config.privacy.noise_seed,
             secrets=run.secrets_path,
+            device="cuda" if manifest.device.startswith("cuda") else "cpu",
         ),
     )
     return facts, _read_ledger(privacy, str(run.privacy_path))

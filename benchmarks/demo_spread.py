@@ -83,14 +83,15 @@ def figures(run: Path) -> dict[str, float]:
     return found
 
 
-def run_demo(commands: list[str], env: dict[str, str | None], extra: str) -> None:
+def run_demo(commands: list[str], env: dict[str, str | None], extra: dict[str, str]) -> None:
+    """The commands under ``env`` (a None value unsets that variable), with ``extra`` options for the training and
+    the attack."""
     environment = {k: v for k, v in os.environ.items() if k not in env or env[k] is not None}
     environment.update({k: v for k, v in env.items() if v is not None})
     for command in commands:
         if env.get("ATEN_CPU_CAPABILITY", "") is None:
             command = command.replace("ATEN_CPU_CAPABILITY=avx2 ", "")
-        if " train " in command:
-            command += extra
+        command += extra.get("train" if " train " in command else "attack", "")
         subprocess.run(command, shell=True, cwd=ROOT, env=environment, check=True, capture_output=True)
 
 
@@ -98,10 +99,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=8, help="DP runs, each with fresh client secrets")
     parser.add_argument("--out", type=Path, help="where the runs go [default: a temporary folder]")
-    parser.add_argument("--smoke", action="store_true", help="one DP run and one kernel setting, 2 rounds")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one DP run and one kernel setting, 1 round, 100 records attacked"
+    )
     args = parser.parse_args()
     kernels = dict(list(KERNELS.items())[:1]) if args.smoke else KERNELS
-    repeats, extra = (1, " --rounds 2") if args.smoke else (args.repeats, "")
+    smoke = {"train": " --rounds 1", "attack": " --max-records 100 --bootstrap 20"}
+    repeats, extra = (1, smoke) if args.smoke else (args.repeats, {})
     folder = args.out or Path(tempfile.mkdtemp(prefix="demo-spread-"))
     print(describe("cpu", threads=1), flush=True)
     seen: dict[str, list[dict[str, float]]] = {"dp-fedavg": [], "fedavg": []}

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from _machine import describe
 
+from fedaudit.algorithms.base import ClientData
 from fedaudit.config import FedssynConfig
 from fedaudit.data import load_dataset
 from fedaudit.generative import ConditionalVAE, sample, train_generator
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import compute_epsilon
+from fedaudit.privacy.randomness import QueryDraws, SeededKeys
 
 
 def classifier_accuracy(dataset, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> float:
@@ -70,6 +72,8 @@ def main() -> None:
             torch.manual_seed(0)
             vae = ConditionalVAE(tuple(x.shape[1:]), dataset.num_classes)
             started = time.perf_counter()
+            # under DP each step is a query of a client whose draws come from keys of a public seed
+            data = ClientData(0, x, y, draws=QueryDraws(SeededKeys(0, 0), 0, torch.device("cpu")))
             events, _ = train_generator(
                 vae,
                 x,
@@ -80,6 +84,7 @@ def main() -> None:
                 generator=generator,
                 noise_multiplier=sigma,
                 max_grad_norm=defaults.generator_clip,
+                draw=data.dp_batch if sigma is not None else None,
             )
             seconds = time.perf_counter() - started
             generated = sample(vae, y, generator)

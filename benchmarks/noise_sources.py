@@ -12,6 +12,8 @@ gradients, Gaussian noise on every parameter) timed three ways on the same recor
 
 The three alternate (previous, secret, secure, previous, ...) after an untimed warm-up of each; each timing is
 ``--steps`` steps, and the script prints the median milliseconds per step of each and their ratios to previous.
+Last, what handing out one query's source costs on its own (what the secret path adds to every step), as a share of
+the cheapest step measured.
 
     python benchmarks/noise_sources.py [--dataset fashion-mnist] [--width 32 --width 128] [--batch 16 --batch 256]
                                        [--records 2400] [--steps 20] [--repeats 7] [--threads 1] [--smoke]
@@ -101,6 +103,7 @@ def main() -> None:
     print(f"{'width':>5} {'batch':>5} {'params':>8} {'previous ms':>12} {'secret ms':>10} {'secure ms':>10} "
           f"{'secret/previous':>16} {'secure/previous':>16}")  # fmt: skip
     data = ClientData(0, x, y)
+    cheapest = float("inf")
     for width in widths:
         spec = ModelSpec(
             "convnet", tuple(x.shape[1:]), 10, width=width, depth=default_depth("convnet", tuple(x.shape[1:]))
@@ -125,6 +128,21 @@ def main() -> None:
                 f"{ms['secure']:>10.2f} {ms['secret'] / ms['previous']:>16.3f} {ms['secure'] / ms['previous']:>16.3f}",
                 flush=True,
             )
+            cheapest = min(cheapest, ms["previous"])
+    derive = derivation_ms(1000 if args.smoke else 20_000)
+    print(
+        f"deriving a query's source from the client's key (HMAC-SHA256, a generator seeded): {1000 * derive:.1f} us, "
+        f"{100 * derive / cheapest:.2f}% of the cheapest DP step above"
+    )
+
+
+def derivation_ms(count: int) -> float:
+    """Milliseconds to hand out one DP query's source (what the secret path adds to a step), over ``count``."""
+    draws = QueryDraws(SecretKeys(client_key(new_secret(), "0" * 32, 0)), 0, torch.device("cpu"))
+    start = time.perf_counter()
+    for _ in range(count):
+        draws.next()
+    return 1000 * (time.perf_counter() - start) / count
 
 
 if __name__ == "__main__":

@@ -147,24 +147,22 @@ def _noise_holders(run: RunSummary, deployment: bool) -> str:
                 "each site adds noise drawn from a secret that only it holds (a file at the site, never sent) before "
                 "sending, so the guarantee holds against the server, the network and anyone who sees the final model"
             )
-        kept = "is in this run directory" if run.secrets_here else "was left out of this copy of the run"
+        kept = "in this run directory" if run.secrets_here else "left out of this copy of the run"
         return (
             "each client adds noise drawn from its own secret before sending, so the guarantee holds against the "
-            "server, the network and anyone who sees the final model, but not against whoever holds the simulated "
-            f"clients' secrets: client-secrets.json (which {kept}) lets its holder remove the noise, so hand the "
-            "run to others with fedaudit export, which leaves it out"
+            f"server, the network and anyone who sees the final model; whoever holds client-secrets.json ({kept}) "
+            "can remove the noise"
         )
     if run.randomness == NOISE_SEED:
         return (
-            "each client adds noise drawn from a public --noise-seed (an experiment's setting): whoever "
-            "holds that seed, as anyone with the run's configuration does, can regenerate and remove the noise, so "
-            "the guarantee does not hold against them (the server included), only against those who see just the "
-            "final model"
+            "each client adds noise drawn from a public --noise-seed (for experiments): whoever holds the run's "
+            "configuration, the server included, can remove it, so the guarantee holds only against those who see "
+            "just the final model"
         )
     return (
-        "each client drew its noise from the run seed (the run was trained before fedaudit kept client secrets): "
-        "whoever holds the seed, as the server and anyone with the run's configuration do, can regenerate and remove "
-        "it, so the guarantee does not hold against them, only against those who see just the final model"
+        "each client drew its noise from the run seed (trained before fedaudit kept client secrets): whoever holds "
+        "the run's configuration, the server included, can remove it, so the guarantee holds only against those who "
+        "see just the final model"
     )
 
 

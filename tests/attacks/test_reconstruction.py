@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import loop_grads
+from helpers import loop_grads, with_keys
 
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedProx, FedSGD
@@ -32,6 +32,7 @@ from fedaudit.attacks.reconstruction import (
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.models import ModelSpec, build_model
+from fedaudit.privacy.randomness import SeededKeys
 
 DIGITS = (1, 8, 8)
 
@@ -212,7 +213,8 @@ def _invert_digits(digits, indices, spec, config, options, *, random: bool = Fal
     for i in indices:
         x, y = digits.train_x[i : i + 1], digits.train_y[i : i + 1]
         generator = torch.Generator().manual_seed(int(i))
-        update = algorithm.client_update(build_model(spec), start, ClientData(0, x, y), context, generator).payload
+        data = with_keys(ClientData(0, x, y), SeededKeys(int(i), 0))
+        update = algorithm.client_update(build_model(spec), start, data, context, generator).payload
         if random:
             update = _random_like(update, generator)
         inversion = attack_update(

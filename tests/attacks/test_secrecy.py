@@ -127,13 +127,12 @@ def test_the_public_streams_alone_catch_the_listed_faults_without_the_secrets(tm
 
 
 def test_correct_runs_pass_and_are_traced_to_their_clients_secrets(tmp_path):
-    """The null side, over seeds, with and without the secrets at hand, and with secure sampling."""
-    for seed in (1, 2, 3):
-        run = train(tmp_path / f"seed{seed}", "--seed", str(seed))
-        found = secrecy_of(run)
-        assert found.passed, found.sentence
-        assert "those their clients' secrets give" in found.sentence and found.details["traced_problems"] == []
-        assert found.details["public_tests"] > 100
+    """The null side, with secure sampling too (tests/attacks/test_conformance.py verifies correct runs of more seeds,
+    every check included)."""
+    found = secrecy_of(train(tmp_path / "run"))
+    assert found.passed, found.sentence
+    assert "those their clients' secrets give" in found.sentence and found.details["traced_problems"] == []
+    assert found.details["public_tests"] > 100
     secure = secrecy_of(train(tmp_path / "secure", "--secure-noise"))
     assert secure.passed and "their samples are those their clients' secrets give" in secure.sentence
 

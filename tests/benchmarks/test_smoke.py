@@ -24,6 +24,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "attack_signals.py": ("previous/ours", r"^\s+8\s+\d"),
     "attack_strength.py": ("attacks on the final model", r"^\s+RMIA offline, K=1\s+AUC \d"),
     "audit_power.py": ("verify (s)", r"^digits\s+fedavg\s+gradient\s+\S+\s+\d"),
+    "demo_spread.py": ("spread", r"^dp-fedavg\s+accuracy\s+\d"),
     "engine_overhead.py": ("s_per_round", r"^digits dp-fedavg\s+local\s+\d"),
     "fedlap_round.py": ("FedLAP-DP (s)", r"^\s+8\s+\d+\s+\d"),
     "flower_canaries.py": ("bound/eps", r"^every client\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+"),

@@ -50,7 +50,7 @@ def test_dp_gradient_noise_on_the_gpu_has_the_right_scale():
         ("--algorithm", "fedlap", "--ipc", "2", "--trajectories", "1", "--max-loops", "2", "--real-batches", "2"),
     ],
 )
-def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
+def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm, fixed_secrets):
     args = (*ON_GPU, *algorithm, "--dp", "--rounds", "2")
     full, part = tmp_path / "full", tmp_path / "part"
     assert invoke("train", *args, "--out", full).exit_code == 0
@@ -68,7 +68,7 @@ def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm):
         assert on_gpu["auc"] == pytest.approx(on_cpu["auc"], abs=2e-3)
 
 
-def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path):
+def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path, fixed_secrets):
     args = tuple(
         (
             "--dataset digits --model convnet --width 16 --algorithm fedlap --dp --ipc 2 --trajectories 1 "
@@ -94,7 +94,7 @@ def test_the_layer_wise_dp_query_on_the_gpu_equals_the_cpu():
         torch.testing.assert_close(gpu[name].cpu(), value, rtol=1e-3, atol=1e-5)
 
 
-def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path):
+def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path, fixed_secrets):
     from safetensors.torch import load_file
 
     args = (*ON_GPU, "--algorithm", "fedlap", "--dp", "--ipc", "2", "--trajectories", "1", "--rounds", "2")
@@ -108,9 +108,11 @@ def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path):
     ).read_bytes()
 
 
-def test_a_canary_run_on_the_gpu_is_repeatable_and_passes_verify_and_its_audit(tmp_path):
-    """The query recording on CUDA: two runs with the same seed write the same query logs and model bit for bit,
-    verify's independent checks of noise, clipping and sampling pass, and the canary audit is not flagged."""
+def test_a_canary_run_on_the_gpu_is_repeatable_and_passes_verify_and_its_audit(tmp_path, fixed_secrets):
+    """The query recording on CUDA: two runs with the same seed and client secrets write the same query logs and
+    model bit for bit, verify's independent checks of noise, clipping, sampling and secrecy pass (the secrecy check
+    traces each kept query's noise, drawn on the GPU, to its client's secret), and the canary audit is not
+    flagged."""
     args = (*ON_GPU, "--dp", "--width", "32", "--rounds", "3", "--local-epochs", "2", "--canaries", "500")
     for name in ("a", "b"):
         result = invoke("train", *args, "--out", tmp_path / name)
@@ -128,3 +130,11 @@ def test_a_canary_run_on_the_gpu_is_repeatable_and_passes_verify_and_its_audit(t
     for view in ("update-projection-canary", "query-sum-canary", "query-llr-canary"):
         metrics = json.loads((run / "attacks" / view / "metrics.json").read_text())
         assert metrics["epsilon_lower_bound_exceeds_accountant"] is False
+
+
+def test_secure_noise_on_the_gpu_passes_verify(tmp_path):
+    """--secure-noise draws its keystream on the host and adds the noise on the GPU in float64."""
+    args = (*ON_GPU, "--dp", "--secure-noise", "--rounds", "2", "--canaries", "200")
+    assert invoke("train", *args, "--out", tmp_path / "run").exit_code == 0
+    result = invoke("verify", tmp_path / "run")
+    assert result.exit_code == 0, result.output

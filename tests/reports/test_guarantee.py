@@ -44,6 +44,20 @@ def test_a_dp_runs_guarantee_states_every_parameter_and_delta_against_one_over_n
     assert "at its own site (a SuperNode)" in _rows(guarantee_table(deployed))["trust model"][0]
 
 
+def test_the_trust_model_says_who_can_remove_the_noise(dp_run, tmp_path):
+    (run,) = collect_runs([dp_run])
+    own = _rows(guarantee_table(run))["trust model"][0]
+    assert "own secret" in own and "whoever holds client-secrets.json (in this run directory) can remove" in own
+    deployed = replace(run, seedless_config=json.dumps({"flower": {"superlink": "127.0.0.1:9093"}}))
+    at_sites = _rows(guarantee_table(deployed))["trust model"][0]
+    assert "a secret that only it holds (a file at the site, never sent)" in at_sites
+    public = _rows(guarantee_table(replace(run, randomness="noise-seed")))["trust model"][0]
+    assert "public --noise-seed" in public and "the server included, can remove it" in public
+    old = _rows(guarantee_table(replace(run, randomness="run-seed")))["trust model"][0]
+    assert "trained before fedaudit kept client secrets" in old
+    assert "own secret" in run.setup["DP noise drawn from"]
+
+
 def test_a_large_delta_is_called_out(dp_run):
     (run,) = collect_runs([dp_run])
     loose = replace(run, privacy=replace(run.privacy, delta=0.5 / run.records))

@@ -288,6 +288,6 @@ def test_export_leaves_the_secrets_out_and_the_copy_reads_but_does_not_resume(tm
     assert {p.name for p in copy.iterdir()} >= {"manifest.json", "config.json", "model.safetensors", "privacy.json"}
     report = cli("report", copy, "--out", tmp_path / "report.md", "--format", "md")
     assert report.exit_code == 0, report.output
-    assert "was left out of this copy of the run" in (tmp_path / "report.md").read_text()
+    assert "client-secrets.json (left out of this copy of the run)" in (tmp_path / "report.md").read_text()
     assert_user_error(cli("train", "--resume", copy, "--rounds", "4"), mentions="client-secrets.json is missing")
     assert_user_error(cli("export", dp_run, "--out", copy), mentions="already exists")
