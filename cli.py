@@ -376,7 +376,7 @@ def main() -> None:
     "--engine",
     type=click.Choice(ENGINES),
     help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); "
-    "the same seed gives the same run on both. [default: local]",
+    "the same seed and client secrets give the same run on both. [default: local]",
 )
 @click.option(
     "--ray-address",

@@ -194,6 +194,30 @@ def test_a_site_makes_its_secret_once_per_run_keeps_it_private_and_reads_it_back
         site_secret_path(1, None, None)
 
 
+def test_a_site_takes_no_key_from_the_server_and_public_noise_only_when_it_allows_it(tmp_path):
+    """What a deployment's ClientApp decides for each task (fedaudit.engine.flower.client_keys_for): a simulated
+    client takes the key its server sent; a site refuses one, and a --noise-seed unless its node config allows it."""
+    from fedaudit.config import PrivacyConfig, RunConfig
+    from fedaudit.engine.flower import SiteSecret, client_keys_for
+
+    dp = RunConfig(privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0))
+    seeded = RunConfig(privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=4))
+    site = SiteSecret(str(tmp_path / "secret.json"), None)
+    key = bytes(range(32))
+    assert client_keys_for({"key": key.hex(), "run": RUN_ID}, dp, 1, None).key == key  # a simulation's client
+    with pytest.raises(RuntimeError, match="a site draws its noise from its own secret only"):
+        client_keys_for({"key": key.hex(), "run": RUN_ID}, dp, 1, site)
+    at_site = client_keys_for({"run": RUN_ID}, dp, 1, site)
+    assert at_site.key == site_keys(tmp_path / "secret.json", RUN_ID, 1, secure=False).key != key
+    with pytest.raises(RuntimeError, match="public-noise=true"):
+        client_keys_for({"run": RUN_ID}, seeded, 1, site)
+    allowed = client_keys_for({"run": RUN_ID}, seeded, 1, SiteSecret(None, None, public_noise=True))
+    assert allowed.query_seed(0, 0) == SeededKeys(4, 1).query_seed(0, 0)
+    assert client_keys_for({"run": RUN_ID}, RunConfig(), 1, site).round_seed(3) == SeededKeys(0, 1).round_seed(3)
+    with pytest.raises(SecretError, match="names no file for the client's secret"):
+        client_keys_for({"run": RUN_ID}, dp, 1, SiteSecret(None, None))
+
+
 # --- from the command line ---------------------------------------------------------------------------------------
 
 DP_ONE_ROUND = (*FAST_ARGS, *"--dp --noise-multiplier 1 --max-grad-norm 1 --rounds 1 --num-clients 2".split())
