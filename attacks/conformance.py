@@ -288,6 +288,7 @@ class _Kept:
     clip: float
     rate: float = 1.0
     index: np.ndarray | None = None  # the positions of the records it drew (None: a run that did not keep them)
+    device: str | None = None  # where its noise was drawn, "cpu" or "cuda" (None: a run that did not say)
 
     @property
     def label(self) -> str:
@@ -574,6 +575,12 @@ def _kept(
             )
         if len(np.unique(index)) != len(index):
             return None, f"{name} lists a record position twice"
+    device = None
+    if f"kept{j}/cuda" in tensors:
+        flag = tensors[f"kept{j}/cuda"].reshape(-1)
+        if flag.numel() != 1 or flag.is_floating_point() or int(flag.item()) not in (0, 1):
+            return None, f"{name} says neither that it was drawn on a GPU nor that it was not"
+        device = "cuda" if int(flag.item()) else "cpu"
     query = _Kept(
         round=number,
         client=client,
@@ -587,6 +594,7 @@ def _kept(
         clip=float(meta["max_grad_norm"][step]),
         rate=float(meta["rate"][step]),
         index=index,
+        device=device,
     )
     return query, None
 
@@ -1185,6 +1193,7 @@ def _secrecy_check(residuals: list[_Residual], facts: _Run, level: float, *, at_
             population=facts.populations(r.query.round, r.query.client, 1)[0],
             rate=r.query.rate,
             canaries=int(facts.held[r.query.client]),
+            device=r.query.device or facts.public.device,
         )
         for r in residuals
         if r.scale > 0

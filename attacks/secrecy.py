@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from fedaudit.seeding import STREAM_KEYS, Stream, make_generator
+from fedaudit.seeding import STREAM_KEYS, Stream, derive_seed, make_generator
 
 TRACED_CORRELATION = 0.99  # a query whose noise is the secret's stream correlates with it to float32 rounding
 MAX_SECRETS_BYTES = 16 << 20
@@ -62,6 +62,7 @@ class KeptQuery:
     population: int  # the records it sampled from
     rate: float
     canaries: int  # canaries in the client's data: the same source draws their inclusion after the records'
+    device: str = "cpu"  # where its noise was drawn: torch's CPU and CUDA generators draw different streams
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class PublicMaterial:
     secure: bool  # --secure-noise: the queries drew from ChaCha20 keystreams
     noise_seed: int | None = None
     secrets: Path | None = None  # RUN/client-secrets.json, where it is at hand
-    device: str = "cpu"  # where the clients drew (torch's CPU and CUDA generators draw different streams)
+    device: str = "cpu"  # where the run's clients drew, for kept queries that do not say (runs of earlier versions)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Finding:
 @dataclass(frozen=True)
 class _Draws:
     mask: torch.Tensor  # bool, one per record of the population
-    noise: torch.Tensor  # float64, flat
+    noise: torch.Tensor | None  # float64, flat; None: a secure stream's, which the check does not draw
 
 
 def _query_draws(generator: torch.Generator, query: KeptQuery, shapes: Mapping[str, torch.Size]) -> _Draws:
@@ -177,12 +178,12 @@ def _seed_streams(query: KeptQuery, public: PublicMaterial) -> Iterator[tuple[st
         for stream in Stream:
             for keys in _arrangements(values, STREAM_KEYS[stream]):
                 name = f"seed {seed}, stream {stream.name}{', keys ' + str(keys) if keys else ''}"
-                yield name, lambda s=seed, st=stream, k=keys: make_generator(s, st, *k, device=public.device)
+                yield name, lambda s=seed, st=stream, k=keys: make_generator(s, st, *k, device=query.device)
 
 
 def _candidates(query: KeptQuery, public: PublicMaterial) -> Iterator[Candidate]:
     """Every public stream the check tries for ``query`` as a whole query: a name and the draws it would have made."""
-    shapes, device = public.shapes, public.device
+    shapes, device = public.shapes, query.device
     for name, generator in _seed_streams(query, public):
         yield name, lambda g=generator: _query_draws(g(), query, shapes)
     round_stream = (query.round, query.client)
@@ -194,11 +195,23 @@ def _candidates(query: KeptQuery, public: PublicMaterial) -> Iterator[Candidate]
         )
         if public.run_id is not None:
             for what, secret in _stand_ins(seed):
-                torch_seed = _secret_query_seed(secret, public.run_id, query)[0]
+                torch_seed, key = _secret_query_seed(secret, public.run_id, query)
                 yield (
                     f"fedaudit's derivation with the {what}",
                     lambda v=torch_seed: _query_draws(_seeded(v, device), query, shapes),
                 )
+                if public.secure:
+                    yield f"the secure stream of fedaudit's derivation with the {what}", lambda k=key: _secure(k, query)
+        if public.secure:
+            public_key = hashlib.sha256(
+                derive_seed(seed, Stream.QUERY, query.round, query.client, query.step).to_bytes(8, "big")
+            ).digest()
+            yield f"the secure stream of seed {seed}'s stream QUERY", lambda k=public_key: _secure(k, query)
+
+
+def _secure(key: bytes, query: KeptQuery) -> _Draws:
+    """A ChaCha20 stream's sample for the query (--secure-noise); its noise is not drawn here."""
+    return _Draws(torch.from_numpy(_chacha_uniforms(key, query.population) < query.rate), None)
 
 
 def _noise_only(query: KeptQuery, public: PublicMaterial) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
@@ -251,8 +264,9 @@ def _against_public(queries: list[KeptQuery], public: PublicMaterial) -> tuple[_
         noise_best, sample_best = (-2.0, ""), (query.population + 1, "")
         for name, draw in _candidates(query, public):
             draws = draw()
-            noise_best = max(noise_best, (_correlation(query.noise, draws.noise), name))
-            tests += 1
+            if draws.noise is not None:
+                noise_best = max(noise_best, (_correlation(query.noise, draws.noise), name))
+                tests += 1
             if observed is not None:
                 sample_best = min(sample_best, (int((observed != draws.mask).sum()), name))
                 tests += 1
@@ -283,6 +297,8 @@ def _read_secrets(path: Path, run_id: str | None) -> dict[int, bytes] | str:
     """The simulated clients' secrets by client, or why they cannot be used (one sentence's clause)."""
     try:
         info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return f"{path.name} is not a regular file"
         if stat.S_IMODE(info.st_mode) & 0o077:
             return f"{path.name} can be read by other users (mode {stat.S_IMODE(info.st_mode):04o})"
         if info.st_size > MAX_SECRETS_BYTES:
@@ -291,7 +307,7 @@ def _read_secrets(path: Path, run_id: str | None) -> dict[int, bytes] | str:
         if data["run_id"] != run_id:
             return f"{path.name} holds the secrets of another run, so the noise could not be traced to this run's"
         return {int(k): bytes.fromhex(v) for k, v in data["clients"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return f"{path.name} cannot be read ({type(exc).__name__})"
 
 
@@ -312,7 +328,7 @@ def _traced(queries: list[KeptQuery], public: PublicMaterial, secrets: dict[int,
             if observed is not None and not torch.equal(mask, observed):
                 problems.append(f"the records {query.label} drew are not the sample its client's secret gives")
             continue  # the secure Gaussian is tested by its distribution (the noise check) and against public streams
-        draws = _query_draws(_seeded(torch_seed, public.device), query, public.shapes)
+        draws = _query_draws(_seeded(torch_seed, query.device), query, public.shapes)
         if observed is not None and not torch.equal(draws.mask, observed):
             problems.append(f"the records {query.label} drew are not the sample its client's secret gives")
         rho = _correlation(query.noise, draws.noise)
@@ -351,16 +367,20 @@ def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> F
         )
     if not queries:
         return Finding(True, None, 0, None, "Not checked: no whole query was kept.", details)
-    if torch.device(public.device).type == "cuda" and not torch.cuda.is_available():
-        return Finding(
-            True,
-            None,
-            len(queries),
-            None,
-            "Not checked: this run's clients drew on a GPU, whose generators draw other streams than this machine's "
-            "CPU; run fedaudit verify where a GPU is.",
-            {**details, "not_checked": True},
-        )
+    on_gpu = [q for q in queries if torch.device(q.device).type == "cuda"]
+    if on_gpu and not torch.cuda.is_available():
+        details["not_checked_on_gpu"] = len(on_gpu)
+        queries = [q for q in queries if torch.device(q.device).type != "cuda"]
+        if not queries:
+            return Finding(
+                True,
+                None,
+                0,
+                None,
+                "Not checked: this run's clients drew their noise on a GPU, whose generators draw other streams than "
+                "this machine's CPU; run fedaudit verify where a GPU is.",
+                {**details, "not_checked": True},
+            )
     worst, tests = _against_public(queries, public)
     details.update(public_tests=tests, worst=worst.what, worst_p_value=worst.p_value)
     if public.source == "noise-seed":
@@ -399,6 +419,8 @@ def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> F
         traced = f"; their {what} are those their clients' secrets give ({SECRETS_NAME})"
     else:
         traced = f"; {SECRETS_NAME} is not here, so they were not traced to the clients' secrets"
+    if details.get("not_checked_on_gpu"):
+        traced += f" ({details['not_checked_on_gpu']} drawn on a GPU were not checked on this machine)"
     return Finding(
         True,
         p_value,

@@ -18,7 +18,8 @@ answers the log keeps:
   of MB on Fashion-MNIST: queries x canaries);
 - a few whole queries, chosen from the run's seed on a stream of their own (pairs of consecutive queries, so that
   noise reused across steps can be seen): the point the gradients were taken at, the batch as the gradients saw it,
-  the positions of the client's records it drew, the gradient canaries drawn, and the released sum. ``fedaudit
+  the positions of the client's records it drew, the gradient canaries drawn, the released sum, and whether it was
+  drawn on a GPU. ``fedaudit
   verify`` recomputes their clean clipped sums with an independent loop, and tests their noise and sample against
   every public stream.
 
@@ -164,6 +165,7 @@ class QueryLog:
                     "y": query.y.detach().clone(),
                     "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
                     "index": index.detach().to("cpu", torch.int64).clone(),
+                    "cuda": torch.tensor([int(self.device.type == "cuda")]),  # where its noise was drawn
                 }
             )
         if not projected:

@@ -144,8 +144,9 @@ def _noise_holders(run: RunSummary, deployment: bool) -> str:
     if run.randomness == CLIENT_SECRETS:
         if deployment:
             return (
-                "each site adds noise drawn from a secret that only it holds (a file at the site, never sent) before "
-                "sending, so the guarantee holds against the server, the network and anyone who sees the final model"
+                "each site adds noise drawn from a secret that only it holds (a file at the site, never sent) and "
+                "answers each round once, so the guarantee holds against the server (honest but curious: it sets the "
+                "DP settings the sites apply), the network and anyone who sees the final model"
             )
         kept = "in this run directory" if run.secrets_here else "left out of this copy of the run"
         return (

@@ -140,15 +140,22 @@ def _hello(message: Any, context: Any) -> Any:
 
 
 def _secret(context: Any, client: int, data_dir: str | None) -> SiteSecret:
-    """Where this site keeps its client's secret (node config ``secret``, else its ``data-dir``), and whether it lets
-    the server choose a public noise seed (``public-noise=true``)."""
+    """What this site decides for itself (node config): where it keeps its client's secret (``secret``, else its
+    ``data-dir``), whether it lets the server choose a public noise seed (``public-noise=true``), and the least noise
+    multiplier it accepts (``min-noise-multiplier``)."""
     node = context.node_config
     named = node.get("secret")
     allowed = node.get("public-noise", False)
+    least = node.get("min-noise-multiplier")
+    try:
+        floor = None if least in (None, "") else float(least)
+    except (TypeError, ValueError):
+        raise RuntimeError(f"this SuperNode's min-noise-multiplier {least!r} is not a number") from None
     return SiteSecret(
         None if named in (None, "") else str(named),
         data_dir,
         public_noise=allowed is True or str(allowed).strip().lower() == "true",
+        min_noise_multiplier=floor,
     )
 
 

@@ -19,6 +19,7 @@ Flower and Ray are the optional ``flower`` extra (``pip install 'fedaudit[flower
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,7 +39,14 @@ from torch import nn
 from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, run_client
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.randomness import NOISE_SEED, ClientKeys, SecretKeys, SeededKeys, site_keys, site_secret_path
+from fedaudit.privacy.randomness import (
+    NOISE_SEED,
+    ClientKeys,
+    SecretKeys,
+    SeededKeys,
+    site_round_keys,
+    site_secret_path,
+)
 from fedaudit.seeding import repeatable
 
 if TYPE_CHECKING:
@@ -145,31 +153,63 @@ def _train(message: Any, context: Any) -> Any:
 
 @dataclass(frozen=True)
 class SiteSecret:
-    """Where a deployment's site keeps its client's secret (its node config's ``secret``, else its ``data-dir``),
-    and whether it lets the server choose a public noise seed (``public-noise=true``: for experiments only)."""
+    """What a deployment's site decides for itself: where it keeps its client's secret (its node config's
+    ``secret``, else its ``data-dir``), whether it lets the server choose a public noise seed (``public-noise=true``:
+    for experiments only), and the least noise multiplier it accepts (``min-noise-multiplier``; None: whatever DP
+    settings the run has)."""
 
     named: str | None
     data_dir: str | None
     public_noise: bool = False
+    min_noise_multiplier: float | None = None
 
     def path(self, client: int) -> Path:
         """The secret's file (a :class:`SecretError` when the node config names no place for it)."""
         return site_secret_path(client, self.named, self.data_dir)
 
 
-def client_keys_for(task: Any, config: RunConfig, client: int, site: SiteSecret | None) -> ClientKeys:
+def round_inputs(task: Any, tensors: Sequence[Mapping[str, torch.Tensor]]) -> str:
+    """SHA-256 of everything a client's answer to a round depends on: the run's settings (not where or how fast it
+    runs: device, engine, parallel clients, Flower's and the data directory's settings), the round, the rounds, what
+    the sites reported, and the tensors sent (global model, kept state, server state)."""
+    settings = json.loads(str(task["config"]))
+    for key in ("device", "engine", "parallel_clients", "flower"):
+        settings.pop(key, None)
+    settings.get("data", {}).pop("data_dir", None)
+    described = [settings, int(task["round"]), int(task["rounds"]), str(task.get("federation", ""))]
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
+    for group in tensors:
+        for name in sorted(group):
+            array = np.ascontiguousarray(group[name].detach().cpu().numpy())
+            digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+            digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def client_keys_for(
+    task: Any, config: RunConfig, client: int, site: SiteSecret | None, inputs: str | None = None
+) -> ClientKeys:
     """Where this client's draws come from in this round: a public seed for a run without DP randomness (the run
     seed) or with ``--noise-seed``; else its secret's keys: in a simulation the key the server sent (the simulated
-    clients' secrets are the run directory's), at a deployment's site its own secret, which never leaves it.
+    clients' secrets are the run directory's), at a deployment's site its own secret, which never leaves it, for a
+    round it answers once (``inputs``: :func:`round_inputs`).
 
-    A site refuses a key sent by the server, and a public noise seed unless its node config allows one: either would
-    let the server regenerate and remove the site's noise.
+    A site refuses a key sent by the server, a public noise seed unless its node config allows one (either would let
+    the server regenerate and remove the site's noise), a second request for a round with other inputs, and a run
+    with less noise than its node config's ``min-noise-multiplier``.
     """
     priv = config.privacy
     secure = bool(priv.secure_noise)
     if site is not None and "key" in task:
         raise RuntimeError(
             f"the server sent client {client} a key for its noise; a site draws its noise from its own secret only"
+        )
+    least = None if site is None else site.min_noise_multiplier
+    if least is not None and not (priv.dp and (priv.noise_multiplier or 0.0) >= least):
+        sigma = f"noise multiplier {priv.noise_multiplier:g}" if priv.dp else "no DP"
+        raise RuntimeError(
+            f"the server asks client {client} for a round with {sigma}, and its site accepts no less than {least:g} "
+            "(min-noise-multiplier in its --node-config)"
         )
     if not config.dp_randomness:
         return SeededKeys(config.seed, client)
@@ -185,7 +225,9 @@ def client_keys_for(task: Any, config: RunConfig, client: int, site: SiteSecret 
         if "key" not in task:
             raise RuntimeError(f"the simulation's server sent client {client} no key for its noise")
         return SecretKeys(bytes.fromhex(str(task["key"])), secure=secure)
-    return site_keys(site.path(client), str(task["run"]), client, secure=secure)
+    if inputs is None:
+        raise RuntimeError("a site's keys are for one round's inputs: give round_inputs")
+    return site_round_keys(site.path(client), str(task["run"]), client, int(task["round"]), inputs, secure=secure)
 
 
 def client_round(
@@ -219,12 +261,13 @@ def client_round(
         data = _client_data(config_json, client)
     config, algorithm, device = setup.config, setup.algorithm, setup.device
     repeatable(device)
-    keys = client_keys_for(task, config, client, site)
     names = [name for name, _ in model.named_parameters()]
     received = _from_record(message.content["global"], device)
     global_params = {name: received[name] for name in names}  # the model's order fixes the order of float sums
     state = _from_record(message.content["state"], device) if "state" in message.content else None
     server_state = _from_record(message.content["server"], device) if "server" in message.content else {}
+    inputs = None if site is None else round_inputs(task, [received, state or {}, server_state])
+    keys = client_keys_for(task, config, client, site, inputs)
     ctx = RoundContext(
         round=round_index,
         rounds=int(task["rounds"]),

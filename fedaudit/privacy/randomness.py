@@ -53,6 +53,7 @@ SECRETS_FORMAT = "fedaudit-client-secrets"
 SITE_FORMAT = "fedaudit-site-secrets"
 FORMAT_VERSION = 1
 MAX_SECRETS_BYTES = 16 << 20  # a secrets file larger than this is not one fedaudit wrote (3,000 clients: 250 kB)
+MAX_SITE_RUNS = 1000  # runs one site's file keeps secrets for (a server cannot grow it past MAX_SECRETS_BYTES)
 SEED_MASK = (1 << 63) - 1
 CLIENT_KEY_LABEL = b"fedaudit/client-key/v1"
 
@@ -277,7 +278,7 @@ def _read_private(path: Path, what: str) -> dict[str, Any]:
         data = json.loads(path.read_bytes())
     except OSError as exc:
         raise SecretError(f"Cannot read {what} {path}: {exc.strerror or exc}.") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise SecretError(f"{what.capitalize()} {path} is not JSON; it is not a file fedaudit wrote.") from exc
     if not isinstance(data, dict):
         raise SecretError(f"{what.capitalize()} {path} is not a JSON object; it is not a file fedaudit wrote.")
@@ -354,7 +355,7 @@ class SecretStore:
             raise SecretError(f"{path} has no 'clients' object; it is not a file fedaudit wrote.")
         found: dict[int, bytes] = {}
         for name, value in clients.items():
-            if not (isinstance(name, str) and name.isdigit()):
+            if not (isinstance(name, str) and name.isascii() and name.isdigit()):
                 raise SecretError(f"{path} names a client {name!r} that is not a client number.")
             found[int(name)] = _secret_of(value, path, f"Client {name}'s")
         return cls(run_id, found)
@@ -394,35 +395,65 @@ def site_secret_path(client: int, named: str | None, data_dir: str | None) -> Pa
     )
 
 
-def site_keys(path: Path, run_id: str, client: int, *, secure: bool) -> SecretKeys:
-    """A site's keys for one run: its secret for ``run_id`` in the site's file, made (and written, mode 0600) the
-    first time the site takes part in that run; read back after a restart, so a resumed run goes on exactly."""
-    what = "the site's secrets file"
+def site_round_keys(path: Path, run_id: str, client: int, round_index: int, inputs: str, *, secure: bool) -> SecretKeys:
+    """A site's keys for one round of one run, from its secret for ``run_id`` in the site's file (made, and written
+    with mode 0600, the first time the site takes part in that run; read back after a restart, so a resumed run
+    goes on exactly).
+
+    The site answers a round of a run once: ``inputs`` (a digest of everything the round's answer depends on, the
+    global model included) is recorded with the round, and a request for the same round with other inputs is
+    refused. Answering it would draw the same samples and noise for another point, and the difference of the two
+    answers would be noiseless: a server that asked twice could remove the noise. A request with the same inputs
+    (a retransmission, or a resumed run) gets the same answer, which tells nothing new.
+
+    Raises:
+        SecretError: a malformed run id, an unusable secrets file, a second request for a round with other inputs,
+            or a file that already holds :data:`MAX_SITE_RUNS` runs.
+    """
+    if not (isinstance(run_id, str) and len(run_id) == 32 and all(c in "0123456789abcdef" for c in run_id)):
+        raise SecretError(f"the server named run {str(run_id)[:40]!r}, which is not a fedaudit run id")
     lock_path = path.with_name(f".{path.name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if path.exists():
-            data = _read_private(path, what)
-            _check_format(data, SITE_FORMAT, path, what)
-            if data.get("client") != client:
-                raise SecretError(f"{path} holds client {data.get('client')!r}'s secrets, not client {client}'s.")
-            runs = data.get("runs")
-            if not isinstance(runs, dict):
-                raise SecretError(f"{path} has no 'runs' object; it is not a file fedaudit wrote.")
-        else:
-            data = {"format": SITE_FORMAT, "format_version": FORMAT_VERSION, "client": client, "runs": {}}
-            runs = data["runs"]
-        if run_id in runs:
-            secret = _secret_of(runs[run_id], path, f"Run {run_id}'s")
-        else:
-            secret = new_secret()
-            runs[run_id] = secret.hex()
+        data = _read_site_file(path, client) if path.exists() else _new_site_file(client)
+        runs = data["runs"]
+        if run_id not in runs and len(runs) >= MAX_SITE_RUNS:
+            raise SecretError(f"{path} already holds the secrets of {len(runs)} runs; start another file for new runs")
+        entry = runs.setdefault(run_id, {"secret": new_secret().hex(), "rounds": {}})
+        if not (isinstance(entry, dict) and isinstance(entry.get("rounds"), dict)):
+            raise SecretError(f"{path} holds run {run_id}'s entry in another layout; it is not a file fedaudit wrote.")
+        secret = _secret_of(entry.get("secret"), path, f"Run {run_id}'s")
+        answered = entry["rounds"].get(str(int(round_index)))
+        if answered is not None and answered != inputs:
+            raise SecretError(
+                f"client {client}'s site answered round {round_index + 1} of this run already, for other inputs "
+                "(another global model or other settings); answering again would reuse its noise and let the server "
+                "remove it, so resume the run with the settings that round was first run with"
+            )
+        if answered is None:
+            entry["rounds"][str(int(round_index))] = inputs
             write_private(path, data)
     finally:
         os.close(fd)
     return SecretKeys(client_key(secret, run_id, client), secure=secure)
+
+
+def _new_site_file(client: int) -> dict[str, Any]:
+    return {"format": SITE_FORMAT, "format_version": FORMAT_VERSION, "client": client, "runs": {}}
+
+
+def _read_site_file(path: Path, client: int) -> dict[str, Any]:
+    """A site's secrets file, checked: its format, its client, its runs."""
+    what = "the site's secrets file"
+    data = _read_private(path, what)
+    _check_format(data, SITE_FORMAT, path, what)
+    if data.get("client") != client:
+        raise SecretError(f"{path} holds client {data.get('client')!r}'s secrets, not client {client}'s.")
+    if not isinstance(data.get("runs"), dict):
+        raise SecretError(f"{path} has no 'runs' object; it is not a file fedaudit wrote.")
+    return data
 
 
 @dataclass
@@ -472,6 +503,12 @@ class RunRandomness:
             )
         if fresh.store is not None:
             fresh.store = SecretStore.read(secrets_path, run_id)
+        elif fresh.source == CLIENT_SECRETS and secrets_path.exists():
+            raise SecretError(
+                f"This run's clients kept their secrets in {secrets_path} (a simulated run), so it goes on where they "
+                "are, on the local engine or Flower's simulation, not at sites that would draw from secrets of their "
+                "own."
+            )
         return fresh
 
     def keys(self, client: int) -> ClientKeys:

@@ -44,7 +44,7 @@ def _keys_from_the_run_seed(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def planted(cls, config, run_id, *, at_sites):
         made = real(cls, config, run_id, at_sites=at_sites)
-        made.keys = lambda client: SeededKeys(config.seed, client)
+        made.keys = lambda client: SeededKeys(config.seed, client, secure=config.privacy.secure_noise)
         return made
 
     monkeypatch.setattr(randomness.RunRandomness, "for_config", classmethod(planted))
@@ -124,6 +124,17 @@ def test_the_public_streams_alone_catch_the_listed_faults_without_the_secrets(tm
     assert not secrecy_of(RunDirectory(tmp_path / "listed-copy")).passed
     blind = secrecy_of(RunDirectory(tmp_path / "unlisted-copy"))
     assert blind.passed and "not traced" in blind.sentence
+
+
+def test_a_secure_noise_run_whose_keys_are_public_fails_even_in_a_copy_without_its_secrets(tmp_path, monkeypatch):
+    """With --secure-noise the queries draw from ChaCha20 keystreams; keys derived from the run seed are caught by
+    the sample their public keystreams give (the check does not draw the secure Gaussians)."""
+    _keys_from_the_run_seed(monkeypatch)
+    run = train(tmp_path / "run", "--secure-noise")
+    monkeypatch.undo()
+    assert invoke("export", run.path, "--out", tmp_path / "copy").exit_code == 0
+    found = secrecy_of(RunDirectory(tmp_path / "copy"))
+    assert not found.passed and "secure stream of seed 5's stream QUERY's sample" in found.sentence, found.sentence
 
 
 def test_correct_runs_pass_and_are_traced_to_their_clients_secrets(tmp_path):

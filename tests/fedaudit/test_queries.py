@@ -109,6 +109,7 @@ def test_whole_queries_are_kept_in_consecutive_pairs_as_released():
         assert torch.equal(arrays[f"kept{j}/released"], flat)
         assert arrays[f"kept{j}/canaries"].tolist() == drawn.tolist()
         assert arrays[f"kept{j}/index"].tolist() == [0, 1, 2]  # the positions of the records the batch drew
+        assert arrays[f"kept{j}/cuda"].tolist() == [0]  # drawn on the CPU
 
 
 def test_a_query_without_its_batch_is_refused():

@@ -36,7 +36,7 @@ from fedaudit.privacy.randomness import (
     SeededKeys,
     add_gaussian,
     client_key,
-    site_keys,
+    site_round_keys,
     site_secret_path,
 )
 from fedaudit.seeding import Stream, derive_seed
@@ -156,6 +156,8 @@ GOOD = {"format": "fedaudit-client-secrets", "format_version": 1, "run_id": RUN_
         (json.dumps({**GOOD, "clients": {"0": "zz" * 32}}), 0o600, "is not hex"),
         (json.dumps({**GOOD, "clients": {"x": "ab" * 32}}), 0o600, "not a client number"),
         (json.dumps({**GOOD, "clients": []}), 0o600, "no 'clients' object"),
+        (json.dumps({**GOOD, "clients": {"\u00b2": "ab" * 32}}), 0o600, "not a client number"),
+        ("[" * 100_000 + "]" * 100_000, 0o600, "is not JSON"),
     ],
 )
 def test_a_bad_secrets_file_is_one_sentence(tmp_path, content, mode, says):
@@ -179,43 +181,109 @@ def test_a_missing_or_huge_secrets_file_is_one_sentence(tmp_path):
 def test_a_site_makes_its_secret_once_per_run_keeps_it_private_and_reads_it_back(tmp_path):
     path = site_secret_path(1, None, str(tmp_path / "data"))
     assert path == tmp_path / "data" / "fedaudit-client-1-secret.json"
-    first = site_keys(path, RUN_ID, 1, secure=False)
+    first = site_round_keys(path, RUN_ID, 1, 0, "inputs of round 1", secure=False)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert site_keys(path, RUN_ID, 1, secure=False).key == first.key  # a restarted site
-    other = site_keys(path, "f" * 32, 1, secure=False)
+    again = site_round_keys(path, RUN_ID, 1, 0, "inputs of round 1", secure=False)  # a restarted site, a resend
+    assert again.key == first.key
+    assert site_round_keys(path, RUN_ID, 1, 1, "inputs of round 2", secure=False).key == first.key
+    other = site_round_keys(path, "f" * 32, 1, 0, "inputs of round 1", secure=False)
     assert other.key != first.key and len(json.loads(path.read_text())["runs"]) == 2
     with pytest.raises(SecretError, match="client 1's secrets, not client 2's"):
-        site_keys(path, RUN_ID, 2, secure=False)
+        site_round_keys(path, RUN_ID, 2, 0, "x", secure=False)
     path.chmod(0o640)
     with pytest.raises(SecretError, match="can be read by other users"):
-        site_keys(path, RUN_ID, 1, secure=False)
+        site_round_keys(path, RUN_ID, 1, 0, "inputs of round 1", secure=False)
     assert site_secret_path(1, str(tmp_path / "s.json"), None) == tmp_path / "s.json"
     with pytest.raises(SecretError, match="names no file for the client's secret"):
         site_secret_path(1, None, None)
 
 
+def test_a_site_answers_a_round_once_so_a_server_cannot_cancel_its_noise(tmp_path):
+    """Asked for the same round again with another global model, a site would draw the same sample and noise at
+    another point: the difference of its two answers would hold no noise. It refuses; the same inputs again (a
+    resend, a resumed run) are answered, with the same draws."""
+    path = tmp_path / "secret.json"
+    site_round_keys(path, RUN_ID, 0, 4, "global model A", secure=False)
+    with pytest.raises(SecretError, match="answered round 5 of this run already, for other inputs"):
+        site_round_keys(path, RUN_ID, 0, 4, "global model B", secure=False)
+    site_round_keys(path, RUN_ID, 0, 4, "global model A", secure=False)
+    assert json.loads(path.read_text())["runs"][RUN_ID]["rounds"] == {"4": "global model A"}
+
+
+def test_a_site_refuses_what_a_server_could_use_to_grow_or_break_its_file(tmp_path, monkeypatch):
+    path = tmp_path / "secret.json"
+    for bad in ("../../etc", "ab" * 40, "é" * 32, 7):
+        with pytest.raises(SecretError, match="not a fedaudit run id"):
+            site_round_keys(path, bad, 0, 0, "x", secure=False)
+    assert not path.exists()
+    monkeypatch.setattr(randomness, "MAX_SITE_RUNS", 3)
+    for k in range(3):
+        site_round_keys(path, f"{k:032x}", 0, 0, "x", secure=False)
+    with pytest.raises(SecretError, match="already holds the secrets of 3 runs"):
+        site_round_keys(path, f"{9:032x}", 0, 0, "x", secure=False)
+    site_round_keys(path, f"{1:032x}", 0, 1, "y", secure=False)  # the runs it holds go on
+
+
 def test_a_site_takes_no_key_from_the_server_and_public_noise_only_when_it_allows_it(tmp_path):
     """What a deployment's ClientApp decides for each task (fedaudit.engine.flower.client_keys_for): a simulated
-    client takes the key its server sent; a site refuses one, and a --noise-seed unless its node config allows it."""
+    client takes the key its server sent; a site refuses one, a --noise-seed unless its node config allows it, and
+    less noise than its node config's least."""
     from fedaudit.config import PrivacyConfig, RunConfig
     from fedaudit.engine.flower import SiteSecret, client_keys_for
 
-    dp = RunConfig(privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0))
-    seeded = RunConfig(privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=4))
+    def privacy(**kw):
+        return RunConfig(privacy=PrivacyConfig(dp=True, **{"noise_multiplier": 1.0, "max_grad_norm": 1.0, **kw}))
+
+    dp, seeded = privacy(), privacy(noise_seed=4)
     site = SiteSecret(str(tmp_path / "secret.json"), None)
-    key = bytes(range(32))
-    assert client_keys_for({"key": key.hex(), "run": RUN_ID}, dp, 1, None).key == key  # a simulation's client
+    key, task = bytes(range(32)), {"run": RUN_ID, "round": 0}
+    assert client_keys_for({**task, "key": key.hex()}, dp, 1, None).key == key  # a simulation's client
     with pytest.raises(RuntimeError, match="a site draws its noise from its own secret only"):
-        client_keys_for({"key": key.hex(), "run": RUN_ID}, dp, 1, site)
-    at_site = client_keys_for({"run": RUN_ID}, dp, 1, site)
-    assert at_site.key == site_keys(tmp_path / "secret.json", RUN_ID, 1, secure=False).key != key
+        client_keys_for({**task, "key": key.hex()}, dp, 1, site, "inputs")
+    at_site = client_keys_for(task, dp, 1, site, "inputs")
+    assert at_site.key == site_round_keys(tmp_path / "secret.json", RUN_ID, 1, 0, "inputs", secure=False).key != key
     with pytest.raises(RuntimeError, match="public-noise=true"):
-        client_keys_for({"run": RUN_ID}, seeded, 1, site)
-    allowed = client_keys_for({"run": RUN_ID}, seeded, 1, SiteSecret(None, None, public_noise=True))
+        client_keys_for(task, seeded, 1, site, "inputs")
+    allowed = client_keys_for(task, seeded, 1, SiteSecret(None, None, public_noise=True))
     assert allowed.query_seed(0, 0) == SeededKeys(4, 1).query_seed(0, 0)
-    assert client_keys_for({"run": RUN_ID}, RunConfig(), 1, site).round_seed(3) == SeededKeys(0, 1).round_seed(3)
+    assert client_keys_for(task, RunConfig(), 1, site).round_seed(3) == SeededKeys(0, 1).round_seed(3)
     with pytest.raises(SecretError, match="names no file for the client's secret"):
-        client_keys_for({"run": RUN_ID}, dp, 1, SiteSecret(None, None))
+        client_keys_for(task, dp, 1, SiteSecret(None, None), "inputs")
+    strict = SiteSecret(str(tmp_path / "secret.json"), None, min_noise_multiplier=1.5)
+    for weak, says in ((dp, "noise multiplier 1, and its site accepts no less than 1.5"), (RunConfig(), "no DP")):
+        with pytest.raises(RuntimeError, match=says):
+            client_keys_for(task, weak, 1, strict, "inputs")
+    assert client_keys_for(task, privacy(noise_multiplier=2.0), 1, strict, "inputs").key == at_site.key
+
+
+def test_a_simulated_run_is_not_resumed_at_sites_that_hold_other_secrets(tmp_path):
+    from fedaudit.config import PrivacyConfig, RunConfig
+    from fedaudit.privacy.randomness import RunRandomness
+
+    config = RunConfig(privacy=PrivacyConfig(dp=True, noise_multiplier=1.0, max_grad_norm=1.0))
+    store = SecretStore(RUN_ID)
+    store.keys(0, secure=False)
+    store.save(tmp_path / "client-secrets.json")
+    here = RunRandomness.resumed(config, "client-secrets", RUN_ID, tmp_path / "client-secrets.json", at_sites=False)
+    assert here.keys(0).key == store.keys(0, secure=False).key
+    with pytest.raises(SecretError, match="on the local engine or Flower's simulation, not at sites"):
+        RunRandomness.resumed(config, "client-secrets", RUN_ID, tmp_path / "client-secrets.json", at_sites=True)
+
+
+def test_a_rounds_inputs_digest_ignores_where_it_runs_and_sees_what_it_computes():
+    from fedaudit.config import RunConfig
+    from fedaudit.engine.flower import round_inputs
+
+    config = RunConfig().to_dict()
+    task = {"config": json.dumps(config), "round": 2, "rounds": 5}
+    tensors = [{"w": torch.ones(3)}, {}, {}]
+    first = round_inputs(task, tensors)
+    moved = {**config, "device": "cuda", "parallel_clients": 4, "flower": {**config["flower"], "superlink": "h:1"}}
+    assert round_inputs({**task, "config": json.dumps(moved)}, tensors) == first
+    assert round_inputs(task, [{"w": torch.tensor([1.0, 1.0, 1.5])}, {}, {}]) != first
+    assert round_inputs({**task, "rounds": 6}, tensors) != first
+    changed = {**config, "federated": {**config["federated"], "client_lr": 0.1}}
+    assert round_inputs({**task, "config": json.dumps(changed)}, tensors) != first
 
 
 # --- from the command line ---------------------------------------------------------------------------------------
