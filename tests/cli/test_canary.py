@@ -284,6 +284,9 @@ def test_fedlap_runs_carry_canaries_and_their_synthetic_sets_are_audited(tmp_pat
     metrics = json.loads((out / "attacks" / "synthetic-gradient-canary" / "metrics.json").read_text())
     assert metrics["canary_audit"]["threat_model"] == "the server sees every synthetic set of every round"
     assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
+    checks = {c["name"]: c for c in json.loads((out / "verification.json").read_text())["checks"]}
+    secrecy = checks["secrecy"]  # FedLAP-DP's real-gradient queries drew from their clients' secrets
+    assert secrecy["passed"] and "those their clients' secrets give" in secrecy["sentence"], secrecy["sentence"]
 
 
 def test_fedlap_dp_without_noise_is_caught_by_the_query_view_and_fails_the_report(tmp_path, monkeypatch):

@@ -78,7 +78,9 @@ def test_each_site_draws_its_noise_from_a_secret_the_server_never_holds(tmp_path
         assert stat.S_IMODE(path.stat().st_mode) == 0o600  # readable by its owner only
         stored = json.loads(path.read_text())
         assert stored["client"] == client and list(stored["runs"]) == [randomness["run_id"]]
-        secret = bytes.fromhex(stored["runs"][randomness["run_id"]])
+        entry = stored["runs"][randomness["run_id"]]
+        assert sorted(entry["rounds"]) == ["0", "1"]  # the rounds it answered, each once
+        secret = bytes.fromhex(entry["secret"])
         secrets += [secret, client_key(secret, randomness["run_id"], client)]
     kept = [p for p in [*deployed.rglob("*"), *federation.directory.rglob("*")] if p.is_file()]
     kept = [p for p in kept if not p.name.startswith("secret.json") and not p.name.startswith(".secret.json")]
