@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import assert_user_error, interrupt_in_round, invoke, same_secrets, tree_digest
+from helpers import assert_user_error, fashion_mnist, interrupt_in_round, invoke, same_secrets, tree_digest
 
 from fedaudit.config import RunConfig
 from fedaudit.errors import UserError
@@ -372,6 +372,8 @@ def test_policy_gates_the_study(study, tmp_path):
 
 def test_the_readme_s_study_and_policy_examples_are_valid(tmp_path):
     from fedaudit.reports.policy import load_policy
+
+    fashion_mnist()  # the study's plan reads the clients' sizes
 
     docs = Path(__file__).parents[2] / "docs"
     readme = "".join((docs / page).read_text(encoding="utf-8") for page in ("report.md", "compare.md"))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from helpers import FAST_ARGS, assert_user_error, invoke
+from helpers import FAST_ARGS, assert_user_error, invoke, pango
 
 from fedaudit.integrity import LOCK
 from fedaudit.reports.render import PARTIAL
@@ -208,6 +208,7 @@ def test_attack_killed_at_any_moment_then_given_again_writes_the_same_results(at
 
 
 def test_report_killed_while_writing_then_given_again_writes_the_same_report(attacked, tmp_path):
+    pango()  # the report has a PDF
     reports = tmp_path / "reports"
     args = ("report", attacked, "--out", reports / "out", "--format", "html", "--format", "md", "--format", "pdf")
     assert invoke(*args[:3], reports / "reference", *args[4:]).exit_code == 0

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import FASHION_MNIST_DIR, fashion_mnist
 
 from fedaudit.data import (
     DATASET_NAMES,
@@ -33,7 +34,7 @@ from fedaudit.data import (
 )
 from fedaudit.data.readers import read_cifar10_batch, read_idx, read_idx_shape
 
-FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_DIR = FASHION_MNIST_DIR
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
@@ -426,10 +427,7 @@ def test_truncated_cifar_batch_is_a_data_error(tmp_path: Path, no_default_dirs: 
 
 
 def _require_fashion() -> None:
-    if not (FASHION_DIR / "train-images-idx3-ubyte.gz").is_file():
-        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-            pytest.fail(f"CI installs Debian's dataset-fashion-mnist, but {FASHION_DIR} is missing")
-        pytest.skip(f"Debian's dataset-fashion-mnist is not installed ({FASHION_DIR} missing)")
+    fashion_mnist()
 
 
 def test_real_fashion_mnist_is_found_without_being_told(monkeypatch: pytest.MonkeyPatch) -> None:

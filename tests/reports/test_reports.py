@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import CHROMIUM_FLAGS, FAST_ARGS, binary, invoke, rehash
+from helpers import CHROMIUM_FLAGS, FAST_ARGS, binary, invoke, pango, rehash
 from PIL import Image
 
 LAP_ARGS = tuple(
@@ -46,6 +46,7 @@ def audited(trained, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def report(audited, tmp_path_factory) -> Path:
     """The HTML, Markdown and PDF report of the attacked run, in a folder."""
+    pango()
     out = tmp_path_factory.mktemp("report") / "out"
     result = invoke("report", audited, "--out", out, "--format", "html", "--format", "md", "--format", "pdf")
     assert result.exit_code == 0, result.output
@@ -233,6 +234,7 @@ def test_comparison_pdf_lays_out_without_split_words_or_blank_pages(audited, pla
     """Look at the PDF as a reader would: table headers keep their words whole, and no page but the last is mostly
     empty (sections flow on instead of starting new pages)."""
     pdftoppm, pdftotext = binary("pdftoppm"), binary("pdftotext")
+    pango()
     result = cli("report", audited, plain_run, "--out", tmp_path / "report.pdf")
     assert result.exit_code == 0, result.output
     text = subprocess.run([pdftotext, tmp_path / "report.pdf", "-"], check=True, capture_output=True, text=True).stdout

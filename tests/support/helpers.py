@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 import pytest
@@ -32,14 +33,48 @@ FAST_ARGS: tuple[str, ...] = tuple(
 )
 
 
+# What tests need from the machine beyond PyPI, by what the skip line calls it: the Debian packages that provide it.
+# .ci/run installs them all; without CI=true a test that needs a missing one skips with one line that names the
+# package and its install command (pytest's -ra prints those lines at the end of `make test`), and in CI it fails.
+SYSTEM_PACKAGES = {
+    "chromium": "chromium",
+    "pdftoppm": "poppler-utils",
+    "pdftotext": "poppler-utils",
+    "Fashion-MNIST": "dataset-fashion-mnist",
+    "Pango (the PDF report)": "libpango-1.0-0 libpangoft2-1.0-0",
+}
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def missing_system(what: str) -> NoReturn:
+    """Skip the test that needs ``what`` (a key of :data:`SYSTEM_PACKAGES`) in one line, or fail it in CI."""
+    packages = SYSTEM_PACKAGES[what]
+    line = f"needs {what}: sudo apt-get install {packages}"
+    if IN_CI:
+        pytest.fail(f"{line} (.ci/run installs it)")
+    pytest.skip(line)
+
+
 def binary(name: str) -> str:
-    """Path of a tool the test needs: skipped when absent, except in CI (CI=true), where that fails."""
+    """Path of a program the test needs (skipped when absent, except in CI: :func:`missing_system`)."""
     found = shutil.which(name)
     if found is None:
-        if IN_CI:
-            pytest.fail(f"{name} is required in CI (.ci/run installs it)")
-        pytest.skip(f"{name} is not installed")
+        missing_system(name)
     return found
+
+
+def fashion_mnist() -> None:
+    """Debian's Fashion-MNIST files, which a test needs (skipped when absent, except in CI)."""
+    if not (FASHION_MNIST_DIR / "train-images-idx3-ubyte.gz").is_file():
+        missing_system("Fashion-MNIST")
+
+
+def pango() -> None:
+    """The Pango library WeasyPrint lays the PDF report out with (skipped when absent, except in CI)."""
+    import ctypes.util
+
+    if ctypes.util.find_library("pango-1.0") is None or ctypes.util.find_library("pangoft2-1.0") is None:
+        missing_system("Pango (the PDF report)")
 
 
 def invoke(*args: str) -> Result:
