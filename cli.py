@@ -811,22 +811,31 @@ def _site_connection(superlink: str | None, certificates: str | None, insecure: 
     help="PEM Ed25519 public key: the run must carry a signature.json made with its private key ('fedaudit sign') "
     "and still hold what was signed.",
 )
+@click.option(
+    "--probe",
+    is_flag=True,
+    help="Also probe the DP query as this fedaudit's training makes it with the run's settings: neighbouring "
+    "batches (one record added: real, huge, blank, mislabelled, or a gradient in each tensor and layer) whose "
+    "released sums must differ by the record's gradient clipped to C and by at most C (docs/audit.md). Works on "
+    "any record-level DP run, with or without canaries; about 5-15 s.",
+)
 @user_errors
-def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None) -> None:
+def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None, probe: bool) -> None:
     """Check runs: their files, their signature, and that a DP canary run's mechanism does what it charges for.
 
     Files and ledger against the manifest's SHA-256 hashes, the signature (--public-key), and the recorded DP queries;
     writes RUN_DIR/verification.json.
 
     Independent recomputations of noise, clipping, sampling and the ledger (Google's dp-accounting), each a test at
-    a family-wise level of 0.001: exit code 1 when a check fails. What each check computes: docs/audit.md.
+    a family-wise level of 0.001: exit code 1 when a check fails. With --probe, the sensitivity probe too (an exact
+    check). What each check computes: docs/audit.md.
     """
     from fedaudit.attacks.runner import verify_runs
     from fedaudit.integrity import public_key_bytes
 
     key = None if public_key is None else public_key_bytes(_read_key(public_key), public_key)
     failed = False
-    for outcome in verify_runs(run_dirs, seed=seed, public_key=key):
+    for outcome in verify_runs(run_dirs, seed=seed, public_key=key, probe=probe):
         click.echo(f"{outcome.path}: {'PASS' if outcome.passed else 'FAIL'}")
         for problem in outcome.integrity:
             click.echo(f"  FAIL integrity: {problem}.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1012,12 +1012,16 @@ class VerifyOutcome:
         return not self.integrity and not self.signature and conformance
 
 
-def verify_runs(run_dirs: Sequence[str | Path], *, seed: int, public_key: bytes | None = None) -> list[VerifyOutcome]:
+def verify_runs(
+    run_dirs: Sequence[str | Path], *, seed: int, public_key: bytes | None = None, probe: bool = False
+) -> list[VerifyOutcome]:
     """``fedaudit verify``: every run's files and ledger against its manifest, its signature against ``public_key``,
-    then the conformance checks of its mechanism, written to its verification.json. Every run is read and checked
-    before anything is written, so bad input leaves nothing behind; a run whose files fail is not verified further
-    and nothing is written into it."""
-    from fedaudit.attacks.conformance import verify
+    then the conformance checks of its mechanism (and, with ``probe``, the sensitivity probe of its DP query:
+    attacks/probe.py), written to its verification.json. Every run is read and checked before anything is written,
+    so bad input leaves nothing behind; a run whose files fail is not verified further and nothing is written into
+    it."""
+    from fedaudit.attacks.conformance import Verification, verify
+    from fedaudit.attacks.probe import probe_run
 
     outcomes = []
     for path in run_dirs:
@@ -1029,10 +1033,14 @@ def verify_runs(run_dirs: Sequence[str | Path], *, seed: int, public_key: bytes 
             verification, skipped = None, None
             if problems:
                 skipped = "its files are not those fedaudit wrote"
-            elif public_key is not None and not run.queries_dir.is_dir():
+            elif (public_key is not None or probe) and not run.queries_dir.is_dir():
                 skipped = "it was trained without --canaries, so it has no query log to check"
+                if probe:
+                    verification = Verification(checks=[probe_run(run)], level=0.001, per_check_level=0.001)
             else:
                 verification = verify(run, seed=seed)
+                if probe:
+                    verification = replace(verification, checks=[*verification.checks, probe_run(run)])
         outcomes.append(VerifyOutcome(Path(path), problems, signature, unsigned, verification, skipped))
     for outcome in outcomes:
         if outcome.verification is not None:

@@ -30,6 +30,7 @@ from fedaudit.algorithms.base import (
     clone_params,
     evaluation_counts,
     privacy_plan,
+    run_client,
 )
 from fedaudit.config import RunConfig, option_field
 from fedaudit.data.sites import is_sites
@@ -37,7 +38,7 @@ from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
-from fedaudit.privacy.randomness import RunRandomness, new_run_id
+from fedaudit.privacy.randomness import ClientKeys, RunRandomness, new_run_id
 from fedaudit.runs import (
     ClientsRecord,
     DatasetRecord,
@@ -443,6 +444,26 @@ def time_first_round(setup: Setup) -> float:
     with LocalEngine(progress=False, echo=None, parallel=setup.config.parallel_clients) as engine:
         _RoundLoop(setup, None, engine, randomness).compute(0, state)
     return time.perf_counter() - began
+
+
+def isolated_round(
+    setup: Setup,
+    params: Mapping[str, torch.Tensor],
+    keys: ClientKeys,
+    records: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> ClientMessage:
+    """One first round of client 0 at the global ``params``, as the training loop runs a client (no server state,
+    no canaries), with ``keys`` for its draws and ``records`` in place of its own where given; nothing is written.
+    The sandbox of the sensitivity probe (attacks/probe.py), which intercepts the round's DP queries."""
+    device = setup.device
+    if records is None:
+        own = client_data(replace(setup, canaries=None), 0)
+        records = own.x, own.y
+    data = ClientData(0, records[0].to(device), records[1].to(device))
+    ctx = RoundContext(round=0, rounds=setup.config.federated.rounds, config=setup.config, device=device)
+    model = build_model(setup.spec).to(device)
+    start = {name: p.detach().clone().to(device) for name, p in params.items()}
+    return run_client(setup.algorithm, model, start, data, ctx, keys)
 
 
 class _RoundLoop:

@@ -80,11 +80,17 @@ def per_sample_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def clip_and_sum(grads: Mapping[str, torch.Tensor], max_grad_norm: float) -> tuple[TensorDict, torch.Tensor]:
     """Scale each example's gradient to norm at most ``max_grad_norm`` and sum over the batch.
 
+    An example whose gradient is not finite (it overflowed) is scaled to zero: it adds nothing, so the sum's
+    sensitivity stays ``max_grad_norm`` (a NaN would otherwise make the whole sum NaN, and reveal the example).
     Returns the summed clipped gradients and the unclipped per-sample norms.
     """
     norms = per_sample_norms(grads)
-    factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-    summed = {name: torch.einsum("b,b...->...", factors, g) for name, g in grads.items()}
+    finite = torch.isfinite(norms)
+    factors = torch.where(finite, (max_grad_norm / (norms + 1e-6)).clamp(max=1.0), 0.0)
+    summed = {
+        name: torch.einsum("b,b...->...", factors, torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, 0.0))
+        for name, g in grads.items()
+    }
     return summed, norms
 
 
@@ -145,7 +151,7 @@ def clipped_sum(
     """:func:`clip_and_sum` of the batch's per-sample gradients (and of ``extra``'s), computed layer by layer.
 
     Returns the sum of the clipped gradients by parameter name (in the order of ``params``) and the per-example
-    norms before clipping (the batch's, then ``extra``'s).
+    norms before clipping (the batch's, then ``extra``'s). An example whose gradient overflowed adds nothing.
     """
     params = dict(trainable_params(model) if params is None else params)
     if x.shape[0] == 0:
@@ -159,6 +165,11 @@ def clipped_sum(
         else:
             traces, squares = traced
             norms = torch.stack(list(squares.values())).sum(0).sqrt()
+            finite = torch.isfinite(norms)
+            if not bool(finite.all()):  # see clip_and_sum: overflowed examples add nothing (their inputs, too, are
+                # left out, since a layer's weighted sum would multiply their infinities by a zero factor)
+                summed = clipped_sum(model, x[finite], y[finite], max_grad_norm, params=params, loss_fn=loss_fn)[0]
+                return _with_extra(summed, norms, extra, max_grad_norm)
             factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             parts: TensorDict = {}
             for layer in traces:
