@@ -339,6 +339,13 @@ def main() -> None:
     "[default: gradient]",
 )
 @click.option(
+    "--kept-queries",
+    type=int,
+    help="Whole DP queries (parameters, batch, released sum) a canary run's query log keeps, on average, in pairs "
+    "of consecutive queries, so that `fedaudit verify` can recompute their clean sums (more: more power against "
+    "clipping faults, a larger run directory and a slower verify; 0: none). [default: 12]",
+)
+@click.option(
     "--save-transmitted/--no-save-transmitted",
     default=None,
     help="Store what every client sent each round under transmitted/.",
@@ -992,6 +999,7 @@ RESUME_SETTINGS = (
 COMPARE_BASE_OPTIONS = (
     "canaries",
     "canary_kind",
+    "kept_queries",
     "dataset",
     "data_dir",
     "partition",

@@ -64,6 +64,7 @@ MAX_GRID = 2_000_000  # points of the numerical integral of a fractional-order R
 RATE_RTOL = 1e-9  # the recorded sampling rate must be the charged one to this relative error
 NORMALITY_SAMPLE = 100_000  # residual coordinates the normality test looks at (drawn with the seed)
 ZERO_NOISE_TOLERANCE = 1e-4  # with sigma C = 0, |released - clean| per unit of C and per example (float32 sums)
+SPAN_LIMIT = 512  # examples of a kept query whose gradients span the subspace the clipping check projects on
 _META = ("records", "canaries", "noise_multiplier", "max_grad_norm", "batch", "rate")
 _KEPT = ("step", "params", "released", "x", "y", "canaries")  # and "index", which runs before client secrets lack
 _KEPT_KEY = re.compile(r"^kept(\d+)/(.+)$")
@@ -613,6 +614,10 @@ class _Residual:
     along: float  # <residual, unit direction of what clipping took away>, 0 when nothing was clipped
     largest_norm: float  # the largest per-example gradient norm of the batch's records
     examples: int  # records and canaries
+    along_clean: float | None  # <residual, unit direction of the clean clipped sum>, None when that sum is 0
+    tensor_along: dict[str, float]  # per tensor: <residual's part, unit direction of what clipping took away there>
+    span_energy: float  # ||projection of the residual on the span of the examples' gradients||^2
+    span_rank: int  # the dimension of that span
 
 
 def _residual(query: _Kept, facts: _Run) -> _Residual:
@@ -629,11 +634,15 @@ def _residual(query: _Kept, facts: _Run) -> _Residual:
     largest = 0.0
     x = query.x.to(torch.float64)
 
+    rows: list[torch.Tensor] = []
+
     def add(gradient: torch.Tensor) -> float:
         norm = float(gradient.norm())
         factor = min(1.0, clip / norm) if norm > 0 else 1.0
         clipped.add_(gradient, alpha=factor)
         unclipped.add_(gradient)
+        if len(rows) < SPAN_LIMIT:
+            rows.append(gradient)
         return norm
 
     for i in range(len(query.y)):
@@ -648,7 +657,24 @@ def _residual(query: _Kept, facts: _Run) -> _Residual:
     residual = query.released - clipped
     difference = unclipped - clipped
     away = float(difference.norm())
-    along = float(residual @ difference) / away if away > 1e-9 * max(clip, 1.0) else 0.0
+    tiny = 1e-9 * max(clip, 1.0)
+    along = float(residual @ difference) / away if away > tiny else 0.0
+    clean_norm = float(clipped.norm())
+    tensor_along: dict[str, float] = {}
+    start = 0
+    for name, shape in facts.shapes.items():
+        part = slice(start, start + int(shape.numel()))
+        start = part.stop
+        size = float(difference[part].norm())
+        if size > tiny:
+            tensor_along[name] = float(residual[part] @ difference[part]) / size
+    energy, rank = 0.0, 0
+    if rows:  # an orthonormal basis of the examples' gradients (QR; directions of a zero pivot left out)
+        basis, triangle = torch.linalg.qr(torch.stack(rows).T)
+        pivots = triangle.diagonal().abs()
+        independent = pivots > 1e-9 * float(pivots.max()) if float(pivots.max()) > 0 else pivots > 0
+        projection = basis[:, independent].T @ residual
+        energy, rank = float(projection @ projection), int(independent.sum())
     return _Residual(
         query=query,
         residual=residual,
@@ -657,6 +683,10 @@ def _residual(query: _Kept, facts: _Run) -> _Residual:
         along=along,
         largest_norm=largest,
         examples=len(query.y) + (len(query.canaries) if facts.kind == "gradient" else 0),
+        along_clean=float(residual @ clipped) / clean_norm if clean_norm > tiny else None,
+        tensor_along=tensor_along,
+        span_energy=energy,
+        span_rank=rank,
     )
 
 
@@ -891,6 +921,8 @@ def _clipping_check(residuals: list[_Residual], level: float) -> Check:
             )
         )
         details["mean_shift"] = shift
+        tests += _tensor_tests(noisy)
+    tests += _data_direction_tests([r for r in residuals if r.scale > 0])
     norm_text = "" if largest is None else f"; the largest per-example gradient norm was {largest:.3g}"
     if not residuals:
         success = "No whole query was kept, so clipping could not be tested."
@@ -904,6 +936,62 @@ def _clipping_check(residuals: list[_Residual], level: float) -> Check:
             f"(C = {', '.join(f'{c:g}' for c in clips)})."
         )
     return _combine("clipping", tests, level, len(tested), success, details)
+
+
+def _tensor_tests(noisy: list[_Residual]) -> list[_Test]:
+    """Per parameter tensor, the residual's part along what clipping took away in that tensor (one-sided): a tensor
+    left unclipped, or clipped with a norm of its own, puts its excess there, where the whole model's direction
+    dilutes it."""
+    tests = []
+    for name in dict.fromkeys(name for r in noisy for name in r.tensor_along):
+        values = [r.tensor_along[name] / r.scale for r in noisy if name in r.tensor_along]
+        z = sum(values) / math.sqrt(len(values))
+        tests.append(
+            _Test(
+                f"projection {name}",
+                float(stats.norm.sf(z)),
+                float(z),
+                f"The released sums of {len(values)} kept queries move along what clipping takes away in {name} by "
+                f"{sum(values) / len(values):.3g} noise standard deviations on average (z = {z:.3g}): {name} is not "
+                "clipped to C with the rest of each example's gradient.",
+            )
+        )
+    return tests
+
+
+def _data_direction_tests(noisy: list[_Residual]) -> list[_Test]:
+    """The residual along directions the data gives, where the noise alone is N(0, (sigma C)^2) each: the clean
+    clipped sum (two-sided: a sum scaled up or down), and the span of the examples' own gradients (chi-square with
+    the span's dimension: whatever a wrong clipping adds is a combination of the examples' gradients)."""
+    tests = []
+    clean = [r.along_clean / r.scale for r in noisy if r.along_clean is not None]
+    if clean:
+        z = sum(clean) / math.sqrt(len(clean))
+        tests.append(
+            _Test(
+                "clean sum",
+                _two_sided_normal(z),
+                float(z),
+                f"The released sums of {len(clean)} kept queries move along their clean clipped sums by "
+                f"{sum(clean) / len(clean):.3g} noise standard deviations on average (z = {z:.3g}): the examples "
+                "are not clipped to C (the sum is scaled as by another clipping norm or divisor).",
+            )
+        )
+    spanned = [r for r in noisy if r.span_rank > 0]
+    if spanned:
+        energy = sum(r.span_energy / r.scale**2 for r in spanned)
+        dof = sum(r.span_rank for r in spanned)
+        tests.append(
+            _Test(
+                "examples' span",
+                float(stats.chi2.sf(energy, dof)),
+                energy / dof,
+                f"The released sums of {len(spanned)} kept queries carry {energy / dof:.3g} times the noise's energy "
+                f"in the span of their examples' gradients ({dof} dimensions): the examples are not clipped to C (the "
+                "released sums carry more of them than their clipped gradients).",
+            )
+        )
+    return tests
 
 
 def _binomial_tests(

@@ -37,7 +37,7 @@ from fedaudit.models import build_model, initial_params
 from fedaudit.privacy.randomness import SeededKeys
 from fedaudit.setup import Setup, client_data, prepare
 
-ROUNDS = 10  # the run's rounds: they set how often a round keeps whole queries (KEPT_PAIRS per run on average)
+ROUNDS = 10  # the run's rounds: they set how often a round keeps whole queries (--kept-queries per run on average)
 
 
 def run_config(args: argparse.Namespace, dataset: str) -> RunConfig:

@@ -122,6 +122,7 @@ class AuditConfig:
 
     canaries: int = 0
     canary_kind: str = "gradient"
+    kept_queries: int = 12  # whole DP queries the query log keeps per run on average, for verify's recomputations
 
 
 @dataclass(frozen=True)
@@ -648,6 +649,10 @@ class RunConfig:
         _check(
             a.canary_kind in CANARY_KINDS,
             f"--canary-kind must be one of {', '.join(CANARY_KINDS)}, got {a.canary_kind!r}.",
+        )
+        _check(
+            _is_int(a.kept_queries) and a.kept_queries >= 0,
+            f"--kept-queries must be a non-negative integer, got {a.kept_queries!r}.",
         )
         _check(
             not a.canaries or p.dp,

@@ -49,7 +49,6 @@ from fedaudit.seeding import Stream, make_generator
 
 TensorDict = dict[str, torch.Tensor]
 
-KEPT_PAIRS = 6  # whole queries kept per run, in pairs of consecutive queries, on average
 _BUFFER = 64  # released sums projected together (one matrix product instead of many)
 _DIRECTIONS_CHUNK = 1024  # canaries whose directions are held at once
 _NO_BATCH = "A DP query was recorded without its batch: draw it with ClientData.dp_batch."
@@ -75,7 +74,7 @@ class QueryAudit:
     canaries: np.ndarray  # int64 ids of every canary of this client, included or not
     held: np.ndarray  # int64 ids of the canaries in its data, in the order ClientData holds them
     shapes: dict[str, torch.Size]  # the model's trainable parameters, in order
-    keep_probability: float  # chance that a round of this client keeps one pair of whole queries
+    keep_pairs: float  # pairs of whole queries a round of this client keeps on average
     planned_queries: int  # queries the client plans per round (where a kept pair may start)
     inputs: torch.Tensor | None = None  # input canaries: the records of ``canaries``, in that order
     labels: torch.Tensor | None = None  # input canaries: the labels they are trained with
@@ -96,9 +95,14 @@ class QueryLog:
     def __init__(self, audit: QueryAudit, client: int, round_index: int, device: torch.device) -> None:
         self.audit, self.client, self.round, self.device = audit, client, round_index, device
         chooser = make_generator(audit.seed, Stream.QUERY_AUDIT, round_index, client)
-        keep = bool(torch.rand(1, generator=chooser).item() < audit.keep_probability)
+        pairs = audit.keep_pairs
+        keep = bool(torch.rand(1, generator=chooser).item() < min(pairs, 1.0))
         span = max(audit.planned_queries - 1, 1)
         self.kept_steps = {int(torch.randint(span, (1,), generator=chooser).item())} if keep else set()
+        if pairs > 1:  # more than a pair a round: floor(pairs - 1) more, and one with the remainder's probability
+            whole, fraction = divmod(pairs - 1, 1.0)
+            more = int(whole) + int(torch.rand(1, generator=chooser).item() < fraction)
+            self.kept_steps |= {int(step) for step in torch.randperm(span, generator=chooser)[:more].tolist()}
         self.kept_steps |= {step + 1 for step in self.kept_steps}
         self.meta: dict[str, list[float]] = {
             key: []
@@ -266,10 +270,11 @@ def query_audit(
     canary_inputs: torch.Tensor | None = None,
     canary_labels: torch.Tensor | None = None,
     keep_whole: bool = True,
+    kept_queries: int = 12,
 ) -> QueryAudit:
     """The query audit of one client of a canary run: its canaries (for input canaries ``canary_inputs`` and
-    ``canary_labels`` hold the records and labels of every canary, indexed by canary id), and a keep probability that
-    keeps :data:`KEPT_PAIRS` pairs of whole queries per run on average; none without ``keep_whole`` (a whole query
+    ``canary_labels`` hold the records and labels of every canary, indexed by canary id), and how many pairs of whole
+    queries a round keeps, ``kept_queries`` whole queries per run on average; none without ``keep_whole`` (a whole query
     holds the records of its batch, which must not leave a site that keeps its records)."""
     mine = np.flatnonzero(canary_client == client).astype(np.int64)
     held = np.flatnonzero((canary_client == client) & (canary_included == 1)).astype(np.int64)
@@ -285,7 +290,7 @@ def query_audit(
         canaries=mine,
         held=held,
         shapes=dict(shapes),
-        keep_probability=min(1.0, KEPT_PAIRS / expected_client_rounds) if keep_whole else 0.0,
+        keep_pairs=kept_queries / 2 / expected_client_rounds if keep_whole else 0.0,
         planned_queries=max(int(planned_queries), 1),
         inputs=inputs,
         labels=labels,

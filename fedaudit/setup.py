@@ -270,6 +270,7 @@ def client_data(setup: Setup, client: int, records: tuple[torch.Tensor, torch.Te
             canary_inputs=inputs,
             canary_labels=labels,
             keep_whole=not is_sites(setup.config.data.dataset),
+            kept_queries=setup.config.audit.kept_queries,
         ),
     )
     held = canaries.held_by(client)

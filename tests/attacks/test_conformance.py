@@ -159,6 +159,34 @@ def _clipping_at_twice_c(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(primitive, "clipped_sum", lambda model, x, y, c, **kw: real(model, x, y, 2 * c, **kw))
 
 
+def _norm_without_the_first_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-example norm summed over every tensor but the first (the largest): the released part of an example's
+    gradient is no longer bounded by C. The single direction of what clipping takes away missed it (p > 0.5)."""
+    real = primitive._layer_squares
+
+    def partial(*args, **kwargs):
+        traced = real(*args, **kwargs)
+        if traced is None:
+            return None
+        traces, squares = traced
+        first = next(iter(squares))
+        return traces, {name: torch.zeros_like(s) if name == first else s for name, s in squares.items()}
+
+    monkeypatch.setattr(primitive, "_layer_squares", partial)
+
+
+def _biases_unclipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's bias summed without the examples' clipping factors (the weights clipped): the whole model's
+    direction of what clipping takes away dilutes it (p > 0.5); each tensor's own direction does not."""
+    real = primitive.layer_weighted_sums
+
+    def biases_whole(layer, factors):
+        clipped, whole = real(layer, factors), real(layer, torch.ones_like(factors))
+        return {name: whole[name] if name.endswith("bias") else part for name, part in clipped.items()}
+
+    monkeypatch.setattr(primitive, "layer_weighted_sums", biases_whole)
+
+
 def _sampler_rate_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler draws at twice the rate it is given (a rate computed from half the records)."""
     real = base.poisson_sample
@@ -201,6 +229,8 @@ def _ledger_one_step_short(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.param(_batch_clipping, "noise", "not (sigma C)^2", id="batch-clipped-not-each-example"),
         pytest.param(_biases_not_noised, "noise", "bias of", id="biases-not-noised"),
         pytest.param(_clipping_at_twice_c, "clipping", "not clipped to C", id="clipped-to-2C"),
+        pytest.param(_norm_without_the_first_tensor, "clipping", "not clipped to C", id="norm-without-a-tensor"),
+        pytest.param(_biases_unclipped, "clipping", "bias is not clipped to C", id="biases-unclipped"),
         pytest.param(_sampler_rate_doubled, "sampling", "average", id="sampler-at-twice-the-rate"),
         pytest.param(_ledger_sigma_inflated, "ledger", "but the ledger charged 1.5", id="ledger-charges-more-noise"),
     ],

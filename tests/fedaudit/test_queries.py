@@ -24,7 +24,7 @@ def _audit(canaries: np.ndarray, keep: float = 0.0, planned: int = 150) -> Query
         canaries=canaries,
         held=canaries[::2],
         shapes=SHAPES,
-        keep_probability=keep,
+        keep_pairs=keep,
         planned_queries=planned,
     )
 
@@ -127,7 +127,7 @@ def test_input_canaries_are_projected_on_their_normalised_gradient_at_each_query
     ids = np.array([2, 5, 9], dtype=np.int64)
     inputs, labels = torch.randn(3, 5), torch.tensor([1, 4, 6])
     audit = QueryAudit(
-        seed=1, canaries=ids, held=ids[:1], shapes=shapes, keep_probability=0.0, planned_queries=10,
+        seed=1, canaries=ids, held=ids[:1], shapes=shapes, keep_pairs=0.0, planned_queries=10,
         inputs=inputs, labels=labels,
     )  # fmt: skip
     log = audit.log(client=0, round_index=0, device=torch.device("cpu"))
@@ -286,3 +286,13 @@ def test_a_canary_gradient_in_some_parameters_only_is_zero_in_the_others():
     for name in extra:
         added = sum(extra[name][j] * min(1.0, 0.7 / float(with_extra.per_sample_norms[5 + j])) for j in range(2))
         torch.testing.assert_close(with_extra.grads[name] - without.grads[name], added, rtol=1e-4, atol=1e-6)
+
+
+def test_a_round_keeps_as_many_pairs_of_whole_queries_as_asked_on_average():
+    """--kept-queries above a pair per client round: whole pairs plus one more with the remainder's probability."""
+    ids = np.arange(4, dtype=np.int64)
+    for pairs in (0.3, 1.0, 2.5):
+        audit = _audit(ids, keep=pairs, planned=400)
+        kept = [len(audit.log(0, r, torch.device("cpu")).kept_steps) for r in range(400)]
+        assert np.mean(kept) == pytest.approx(2 * pairs, rel=0.12), pairs
+        assert all(count % 2 == 0 or count > 2 for count in kept)  # pairs of consecutive queries
