@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_user_error, invoke
+from helpers import assert_user_error, invoke, norms_without
 from torch import nn
 
 import fedaudit.algorithms.fedavg as fedavg
@@ -71,24 +71,9 @@ def test_correct_queries_pass_at_other_settings():
         assert check.passed, (privacy, check.sentence)
 
 
-def _norms_without(monkeypatch: pytest.MonkeyPatch, left_out) -> None:
-    """Plant: the per-example norm of the layer-wise path summed over only some of the parameters."""
-    real = primitive._layer_squares
-
-    def partial(*args, **kwargs):
-        traced = real(*args, **kwargs)
-        if traced is None:
-            return None
-        traces, squares = traced
-        dropped = left_out(list(squares))
-        return traces, {name: torch.zeros_like(s) if name in dropped else s for name, s in squares.items()}
-
-    monkeypatch.setattr(primitive, "_layer_squares", partial)
-
-
 @pytest.mark.parametrize("left_out", [lambda names: names[-1:], lambda names: names[:1]], ids=["last-bias", "first"])
 def test_a_norm_over_part_of_the_model_is_caught(monkeypatch, left_out):
-    _norms_without(monkeypatch, left_out)
+    norms_without(monkeypatch, left_out)
     check = probed("fedavg", "convnet")
     assert not check.passed
     assert "more than C" in check.sentence and check.statistic > 1.001

@@ -254,3 +254,22 @@ def loop_grads(
             if p.requires_grad:
                 per_example[name].append(p.grad.detach().clone())
     return {name: torch.stack(gs) for name, gs in per_example.items()}
+
+
+def norms_without(monkeypatch: pytest.MonkeyPatch, left_out) -> None:
+    """Plant a sensitivity fault: the per-example norm of the primitive's layer-wise path summed over only some of
+    the parameters (``left_out(names)`` names the tensors it leaves out), so that their part of an example's gradient
+    is no longer bounded by C."""
+    import fedaudit.privacy.primitive as primitive
+
+    real = primitive._layer_squares
+
+    def partial(*args, **kwargs):
+        traced = real(*args, **kwargs)
+        if traced is None:
+            return None
+        traces, squares = traced
+        dropped = left_out(list(squares))
+        return traces, {name: torch.zeros_like(s) if name in dropped else s for name, s in squares.items()}
+
+    monkeypatch.setattr(primitive, "_layer_squares", partial)
