@@ -35,7 +35,7 @@ from torch.func import functional_call
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, Bootstrap, bootstrap, roc
-from fedaudit.canaries import Canaries, canary_directions
+from fedaudit.canaries import LAYOUTS, Canaries, canary_directions, canary_groups, group_of
 from fedaudit.data import Dataset
 from fedaudit.models import ModelSpec, build_model, initial_params
 from fedaudit.privacy.primitive import per_sample_gradients
@@ -103,7 +103,20 @@ def read_canaries(run: RunDirectory) -> Canaries:
     canaries = Canaries.from_arrays(arrays)
     if canaries.kind not in ("gradient", "input") or (canaries.kind == "input" and canaries.record is None):
         raise AttackError(f"{run.canaries_path} holds {canaries.kind!r} canaries, which this fedaudit cannot audit.")
+    if canaries.layout not in LAYOUTS:
+        raise AttackError(
+            f"{run.canaries_path} lays its canaries out as {canaries.layout!r}, which this fedaudit cannot read."
+        )
     return canaries
+
+
+def canary_parts(canaries: Canaries, spec: ModelSpec) -> tuple[list[str], np.ndarray] | None:
+    """The parts of the model a "parts" run's gradient canaries lie in, and each canary's part (its name); None for
+    canaries that all span the model."""
+    if canaries.kind != "gradient" or canaries.layout != "parts":
+        return None
+    groups = canary_groups(list(_shapes(spec)))
+    return [g.name for g in groups], np.array([group_of(i, groups).name for i in range(canaries.count)])
 
 
 def _shapes(spec: ModelSpec) -> dict[str, torch.Size]:
@@ -146,7 +159,7 @@ def _sent_vector(
 
 
 def _gradient_directions(canaries: Canaries, chunk: np.ndarray, shapes: dict[str, torch.Size]) -> torch.Tensor:
-    directions = canary_directions(canaries.seed, chunk, shapes)
+    directions = canary_directions(canaries.seed, chunk, shapes, layout=canaries.layout)
     return torch.cat([directions[name].reshape(len(chunk), -1) for name in shapes], dim=1).to(torch.float64)
 
 
@@ -258,6 +271,39 @@ def loss_scores(run: RunDirectory, canaries: Canaries, dataset: Dataset, batch_s
     return -torch.cat(losses).numpy()
 
 
+def _part_bounds(
+    parts: tuple[list[str], np.ndarray],
+    scores: np.ndarray,
+    informative: np.ndarray,
+    included: np.ndarray,
+    *,
+    delta: float,
+    confidence: float,
+    seed: int,
+) -> dict[str, dict[str, Any]]:
+    """Each part's bounds from its own canaries (parts with fewer than two informative canaries on a side have
+    none, and keep their share of the confidence)."""
+    names, labels = parts
+    found: dict[str, dict[str, Any]] = {}
+    for name in names:
+        mine = labels == name
+        inside = scores[mine & informative & (included == 1)]
+        outside = scores[mine & informative & (included == 0)]
+        if len(inside) < 2 or len(outside) < 2:
+            continue
+        bounds = {
+            estimator: split_audit(inside, outside, estimator=estimator, delta=delta, confidence=confidence, seed=seed)
+            for estimator in ESTIMATORS
+        }
+        found[name] = {
+            "canaries": int(mine.sum()),
+            "informative": int((mine & informative).sum()),
+            "epsilon_lower_bound": max(bound.epsilon for bound in bounds.values()),
+            "estimators": {estimator: bound.to_dict() for estimator, bound in bounds.items()},
+        }
+    return found
+
+
 def canary_audit(
     run: RunDirectory,
     *,
@@ -272,7 +318,8 @@ def canary_audit(
     """Each view's audit: the view, its metrics (for metrics.json), its per-canary scores and its ROC.
 
     Every estimator of every view is judged at confidence 1 - 0.05 / (estimators x views), so that the largest of
-    all the bounds of a run holds at 95%.
+    all the bounds of a run holds at 95%. Canaries in parts of the model (:func:`canary_parts`) share the 0.05: half
+    for the bounds over all canaries, half split evenly over the parts' bounds, whose largest joins each view's.
     """
     canaries = read_canaries(run)
     spec = run.model_spec()
@@ -280,7 +327,12 @@ def canary_audit(
     if included.all() or not included.any():
         raise AttackError(f"{run.canaries_path} has canaries on one side only; the audit needs both.")
     views = run_views(run)
-    level = 1.0 - (1.0 - CONFIDENCE) / (len(ESTIMATORS) * len(views))
+    parts = canary_parts(canaries, spec)
+    shares = 1 if parts is None else 2
+    level = 1.0 - (1.0 - CONFIDENCE) / (shares * len(ESTIMATORS) * len(views))
+    part_level = (
+        None if parts is None else 1.0 - (1.0 - CONFIDENCE) / (2 * len(ESTIMATORS) * len(views) * len(parts[0]))
+    )
     split_seed = derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT)
     queried = query_scores(run, canaries, rounds) if any(v in QUERY_VIEWS for v in views) else None
     audits = []
@@ -304,7 +356,14 @@ def canary_audit(
             name: split_audit(inside, outside, estimator=name, delta=delta, confidence=level, seed=split_seed)
             for name in ESTIMATORS
         }
-        epsilon = max(bound.epsilon for bound in bounds.values())
+        by_part = (
+            {}
+            if parts is None or part_level is None
+            else _part_bounds(parts, scores, informative, included, delta=delta, confidence=part_level, seed=split_seed)
+        )
+        epsilon = max(
+            [bound.epsilon for bound in bounds.values()] + [part["epsilon_lower_bound"] for part in by_part.values()]
+        )
         curve = roc(included[informative], scores[informative])
         auc = float(roc_auc_score(included[informative], scores[informative]))
         estimate = (
@@ -331,6 +390,8 @@ def canary_audit(
                 "canary_kind": canaries.kind,
                 "estimators": {name: bound.to_dict() for name, bound in bounds.items()},
                 "per_estimator_confidence": level,
+                "parts": by_part,
+                "per_part_confidence": part_level,
                 "views": [v.name for v in views],
                 "bound_by_guesses": bound_by_guesses(inside, outside, delta=delta, confidence=level),
                 "ratio_to_accountant": None if not accountant_epsilon else epsilon / accountant_epsilon,

@@ -53,7 +53,7 @@ from torch.func import functional_call
 
 from fedaudit.attacks import AttackError
 from fedaudit.attacks.secrecy import KeptQuery, PublicMaterial, secrecy
-from fedaudit.canaries import GRADIENT_CANARY_NORM, canary_directions
+from fedaudit.canaries import GRADIENT_CANARY_NORM, LAYOUTS, canary_directions
 from fedaudit.models import build_model
 from fedaudit.runs import RunDirectory, RunError
 
@@ -254,6 +254,7 @@ class _Run:
     canary_client: np.ndarray
     canary_included: np.ndarray
     kind: str
+    layout: str  # where gradient canaries' directions lie (fedaudit.canaries.LAYOUTS)
     rounds: int
     selected: int  # ceil(p K): clients per round
     fraction: float  # ceil(p K) / K
@@ -354,8 +355,11 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
         kind = str(arrays["kind"])
         client = np.asarray(arrays["client"], dtype=np.int64)
         included = np.asarray(arrays["included"], dtype=np.int64)
+        layout = str(arrays["layout"]) if "layout" in arrays else "model"
     except (KeyError, ValueError, TypeError) as exc:
         raise AttackError(f"{run.canaries_path} is not a canary file this fedaudit reads.") from exc
+    if layout not in LAYOUTS:
+        raise AttackError(f"{run.canaries_path} lays its canaries out as {layout!r}, which this fedaudit cannot read.")
     if client.shape != included.shape or client.ndim != 1:
         raise AttackError(f"{run.canaries_path} holds arrays of different lengths.")
     spec = manifest.model.spec
@@ -384,6 +388,7 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
         canary_client=client,
         canary_included=included,
         kind=kind,
+        layout=layout,
         rounds=manifest.rounds_done,
         selected=selected,
         fraction=selected / num_clients,
@@ -650,7 +655,7 @@ def _residual(query: _Kept, facts: _Run) -> _Residual:
         grads = torch.autograd.grad(loss, [params[name] for name in names])
         largest = max(largest, add(torch.cat([g.reshape(-1) for g in grads])))
     if facts.kind == "gradient" and len(query.canaries):
-        directions = canary_directions(facts.seed, query.canaries, facts.shapes)
+        directions = canary_directions(facts.seed, query.canaries, facts.shapes, layout=facts.layout)
         flat = torch.cat([directions[name].reshape(len(query.canaries), -1) for name in names], dim=1)
         for u in flat.to(torch.float64):
             add(GRADIENT_CANARY_NORM * clip * u)

@@ -15,7 +15,10 @@ tests it with the noise cancelled, on the code that trains:
   noise cancels unless it depends on the data;
 - the difference, times the expected batch size, is what the record added to the released sum. Its norm must be at
   most C, and it must be the record's gradient scaled to norm at most C, which a slow reference computes one record
-  at a time in float64 with torch alone (this module takes nothing of fedaudit.privacy's arithmetic).
+  at a time in float64 with torch alone (this module takes nothing of fedaudit.privacy's arithmetic);
+- the base batch is also answered with a second seed: the two answers differ by two noise draws, whose variance in
+  each parameter tensor must be 2 (sigma C)^2 (chi-square), so a query that adds less noise than charged, none, or
+  noise that does not come from the source it is given (reused, or from elsewhere) fails.
 
 The probe exercises the installed fedaudit with the run's settings (and the user's model, if the run has one); it does
 not read the run's recorded queries. Sites that keep their records are probed on inputs of the records' shape.
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from scipy import stats
 from torch import nn
 from torch.func import functional_call
 
@@ -47,6 +51,7 @@ TINY = 1e-6  # the tiny gradient record's norm, in units of C (clipping must lea
 RELATIVE_TOLERANCE = 1e-4  # float32: |difference| may exceed C, and miss the reference, by this per record summed
 NOISE_TOLERANCE = 1e-6  # and by this times sigma C sqrt(d): the replayed noise cancels only to float32 rounding
 PROBE_SEED = 20261126  # the replayed noise's seed (any fixed value: both neighbours draw the same noise)
+NOISE_LEVEL = 0.001  # the noise tests' family-wise level (verify's)
 _QUERY_FUNCTION = "dp_gradient"
 
 
@@ -198,6 +203,37 @@ def cases(
 # --- the sandbox ---------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class NoiseTest:
+    """The noise of one query in one parameter tensor: two answers on the same batch with two seeds differ by the
+    difference of two noise draws, N(0, 2 (sigma C)^2) per coordinate."""
+
+    point: str
+    query: int
+    tensor: str
+    coordinates: int
+    variance_ratio: float  # the difference's mean square over 2 (sigma C)^2 (1 for correct noise)
+    p_value: float  # two-sided chi-square; with sigma C = 0, 1 when the answers agree and 0 when they do not
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "point": self.point,
+            "query": self.query,
+            "tensor": self.tensor,
+            "coordinates": self.coordinates,
+            "variance_ratio": self.variance_ratio,
+            "p_value": self.p_value,
+        }
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe found: every neighbouring pair's outcome, and every tensor's noise test."""
+
+    outcomes: list[Outcome]
+    noise: list[NoiseTest]
+
+
 @dataclass
 class _Probed:
     """What the interceptors of one sandboxed round share: the queries seen and what probing them found."""
@@ -205,6 +241,7 @@ class _Probed:
     point: str
     labels: int | None
     outcomes: list[Outcome]
+    noise: list[NoiseTest]
     queries: int = 0
 
 
@@ -242,8 +279,10 @@ class _Interceptor:
         base_x, base_y = x[:BASE_ROWS], y[:BASE_ROWS]
         generator = torch.Generator().manual_seed(PROBE_SEED + self.shared.queries)
 
-        def answer(bx: torch.Tensor, by: torch.Tensor, extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
-            replay = torch.Generator(device=device).manual_seed(PROBE_SEED)
+        def answer(
+            bx: torch.Tensor, by: torch.Tensor, extra: dict[str, torch.Tensor] | None, seed: int = PROBE_SEED
+        ) -> torch.Tensor:
+            replay = torch.Generator(device=device).manual_seed(seed)
             arguments = {
                 **kwargs,
                 "generator": replay,
@@ -256,6 +295,7 @@ class _Interceptor:
         with torch.enable_grad():
             alone = answer(base_x[:0], base_y[:0], None)
             together = answer(base_x, base_y, None)
+            self.noise_tests(together - answer(base_x, base_y, None, PROBE_SEED + 1), shapes, sigma * clip)
             for case in cases(x, y, shapes, clip, generator, labels=self.shared.labels):
                 before = alone if case.alone else together
                 bx, by = (base_x[:0], base_y[:0]) if case.alone else (base_x, base_y)
@@ -298,6 +338,23 @@ class _Interceptor:
                     )
                 )
 
+    def noise_tests(self, difference: torch.Tensor, shapes: Mapping[str, torch.Size], scale: float) -> None:
+        """Each tensor's part of the difference of two answers that differ only in their seeds."""
+        start = 0
+        for name, shape in shapes.items():
+            part = difference[start : start + int(shape.numel())]
+            start += int(shape.numel())
+            if scale == 0:
+                agree = bool(part.abs().max() <= RELATIVE_TOLERANCE) if len(part) else True
+                ratio, p_value = (0.0 if agree else math.inf), (1.0 if agree else 0.0)
+            else:
+                statistic = float(part.pow(2).sum()) / (2 * scale**2)
+                ratio = statistic / len(part)
+                p_value = float(
+                    min(1.0, 2 * min(stats.chi2.cdf(statistic, len(part)), stats.chi2.sf(statistic, len(part))))
+                )
+            self.shared.noise.append(NoiseTest(self.shared.point, self.shared.queries, name, len(part), ratio, p_value))
+
 
 @contextmanager
 def _intercepted(shared: _Probed) -> Iterator[None]:
@@ -317,7 +374,7 @@ def _intercepted(shared: _Probed) -> Iterator[None]:
             setattr(module, _QUERY_FUNCTION, function)
 
 
-def probe_config(config: Any, final: Mapping[str, torch.Tensor] | None = None) -> list[Outcome]:
+def probe_config(config: Any, final: Mapping[str, torch.Tensor] | None = None) -> Probe:
     """Probe the DP queries of a run configured as ``config`` (a :class:`fedaudit.config.RunConfig`): one sandboxed
     client round at the initial model and one at ``final`` (the run's final model), on the CPU."""
     from fedaudit.models import initial_params
@@ -346,8 +403,9 @@ def probe_config(config: Any, final: Mapping[str, torch.Tensor] | None = None) -
     if final is not None:
         points["final"] = dict(final)
     outcomes: list[Outcome] = []
+    noise: list[NoiseTest] = []
     for point, params in points.items():
-        shared = _Probed(point, setup.spec.num_classes, [])
+        shared = _Probed(point, setup.spec.num_classes, [], [])
         with _intercepted(shared):
             try:
                 isolated_round(setup, params, SeededKeys(PROBE_SEED, 0), records)
@@ -356,7 +414,8 @@ def probe_config(config: Any, final: Mapping[str, torch.Tensor] | None = None) -
         if shared.queries == 0:
             raise _NoQuery(setup.config.federated.algorithm)
         outcomes += shared.outcomes
-    return outcomes
+        noise += shared.noise
+    return Probe(outcomes, noise)
 
 
 class _NoQuery(AttackError):
@@ -381,19 +440,26 @@ def probe_run(run: Any) -> Check:
         return sensitivity_check(None, str(exc))
 
 
-def sensitivity_check(outcomes: list[Outcome] | None, failure: str | None = None) -> Check:
-    """The ``sensitivity`` check of ``verify --probe``: exact (p = 0 or 1), from the probe's outcomes."""
-    if outcomes is None:
+def sensitivity_check(probe: Probe | None, failure: str | None = None, level: float = NOISE_LEVEL) -> Check:
+    """The ``sensitivity`` check of ``verify --probe``: the neighbouring pairs are exact (p = 0 or 1); the noise
+    tests are chi-square tests, Bonferroni over tensors and queries at ``level``."""
+    if probe is None:
         return Check("sensitivity", False, 0.0, 0, None, failure or "The probe could not run.", {})
+    outcomes, noise = probe.outcomes, probe.noise
     over = [o for o in outcomes if o.over]
     wrong = [o for o in outcomes if o.wrong and not o.over]
     worst = max((o.norm / o.clip for o in outcomes), default=0.0)
+    noisiest = min(noise, key=lambda t: t.p_value, default=None)
+    noise_p = 1.0 if noisiest is None else min(1.0, noisiest.p_value * len(noise))
     details = {
         "cases": len(outcomes),
         "largest_norm_over_clip": worst,
         "largest_error_over_clip": max((o.error / o.clip for o in outcomes), default=0.0),
+        "noise_p_value": noise_p,
         "outcomes": [o.to_dict() for o in outcomes],
+        "noise": [t.to_dict() for t in noise],
     }
+    count = len(outcomes) + len(noise)
     if over:
         first = max(over, key=lambda o: o.norm / o.clip)
         sentence = (
@@ -401,7 +467,7 @@ def sensitivity_check(outcomes: list[Outcome] | None, failure: str | None = None
             f"{first.norm:.6g}, more than C = {first.clip:g} ({len(over)} of {len(outcomes)} probes): the query's "
             "sensitivity is not the C the ledger charges for."
         )
-        return Check("sensitivity", False, 0.0, len(outcomes), worst, sentence, details)
+        return Check("sensitivity", False, 0.0, count, worst, sentence, details)
     if wrong:
         first = max(wrong, key=lambda o: o.error)
         sentence = (
@@ -409,9 +475,18 @@ def sensitivity_check(outcomes: list[Outcome] | None, failure: str | None = None
             f"{first.error:.3g} away from the record's gradient clipped to C = {first.clip:g} ({len(wrong)} of "
             f"{len(outcomes)} probes): the query is not the clipped sum it is documented to be."
         )
-        return Check("sensitivity", False, 0.0, len(outcomes), worst, sentence, details)
+        return Check("sensitivity", False, 0.0, count, worst, sentence, details)
+    if noisiest is not None and noise_p <= level:
+        sentence = (
+            f"Two answers of query {noisiest.query} (at the {noisiest.point} model) on one batch with two seeds "
+            f"differ in {noisiest.tensor} by {noisiest.variance_ratio:.3g} times the variance two draws of "
+            f"N(0, (sigma C)^2) give (p = {noise_p:.3g} over {len(noise)} tensors and queries): the query does not "
+            "add the noise the ledger charges for, drawn from the source it is given."
+        )
+        return Check("sensitivity", False, noise_p, count, worst, sentence, details)
     sentence = (
         f"{len(outcomes)} probes of the DP query as training calls it: each added record changed the released sum by "
-        f"its own gradient clipped to C, at most {worst:.4g} C."
+        f"its own gradient clipped to C, at most {worst:.4g} C; and its noise, drawn from the source it is given, "
+        f"has the charged variance in every tensor (p = {noise_p:.3g})."
     )
-    return Check("sensitivity", True, 1.0, len(outcomes), worst, sentence, details)
+    return Check("sensitivity", True, noise_p, count, worst, sentence, details)

@@ -5,7 +5,11 @@ in each of that client's DP queries it is Poisson-sampled with the client's rate
 like every record, and clipped and noised with the batch by the one DP primitive. Two kinds:
 
 - gradient (white-box, the server's view): canary i is a fixed random unit direction u_i in parameter space (the
-  model's parameters in their order, flattened), drawn from the run's seed. Its per-example gradient is
+  model's parameters in their order, flattened), drawn from the run's seed. In the "parts" layout (runs since
+  canaries in every part of the model) every other canary spans the whole model and the rest lie inside one part
+  each, in turn: a single parameter tensor, a layer (the tensors of one module) or a kind of parameter (every
+  tensor of one name, as every bias), so that a clipping that leaves a part unbounded moves that part's canaries
+  (:func:`canary_groups`). Older runs' canaries all span the model (layout "model"). Its per-example gradient is
   GRADIENT_CANARY_NORM * C * u_i, ten times the clipping norm, so that clipping is part of what is audited: a
   correct query clips it to C u_i like any large gradient, and one that skips clipping lets ten times as much
   through, which the audit sees.
@@ -18,6 +22,7 @@ Canaries are records: the accountant's epsilon covers them unchanged. See docs/a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +31,44 @@ import torch
 from fedaudit.seeding import Stream, make_generator, numpy_rng
 
 GRADIENT_CANARY_NORM = 10.0  # a gradient canary's per-example gradient norm, in units of the clipping norm C
+LAYOUTS = ("model", "parts")  # where gradient canaries' directions lie: the whole model, or parts of it in turn
+
+
+@dataclass(frozen=True)
+class CanaryGroup:
+    """A part of the model that canaries of the "parts" layout lie in: its name and its parameters' names."""
+
+    name: str  # "model", "tensor NAME", "layer MODULE" or "kind NAME" (every tensor whose name ends so)
+    members: tuple[str, ...]
+
+
+def canary_groups(names: Sequence[str]) -> tuple[CanaryGroup, ...]:
+    """The parts of a model whose parameters are ``names`` (in order): the whole model, each tensor, each layer of
+    two tensors or more, and each kind of parameter (the last part of the name) that two tensors or more share
+    and not all."""
+    names = list(names)
+    layers: dict[str, list[str]] = {}
+    kinds: dict[str, list[str]] = {}
+    for name in names:
+        module, _, kind = name.rpartition(".")
+        if module:
+            layers.setdefault(module, []).append(name)
+        kinds.setdefault(kind, []).append(name)
+    groups = [CanaryGroup("model", tuple(names))]
+    groups += [CanaryGroup(f"tensor {name}", (name,)) for name in names]
+    groups += [CanaryGroup(f"layer {module}", tuple(members)) for module, members in layers.items() if len(members) > 1]
+    groups += [
+        CanaryGroup(f"kind {kind}", tuple(members)) for kind, members in kinds.items() if 1 < len(members) < len(names)
+    ]
+    return tuple(groups)
+
+
+def group_of(index: int, groups: Sequence[CanaryGroup]) -> CanaryGroup:
+    """Canary ``index``'s part in the "parts" layout: even canaries span the whole model, odd ones go round the
+    other parts in turn."""
+    if index % 2 == 0 or len(groups) == 1:
+        return groups[0]
+    return groups[1 + (index // 2) % (len(groups) - 1)]
 
 
 @dataclass(frozen=True)
@@ -39,6 +82,7 @@ class Canaries:
     client: np.ndarray  # int64, the client whose data holds the canary when it is included
     record: np.ndarray | None = None  # input canaries: int64 index of the held-out training record
     label: np.ndarray | None = None  # input canaries: int64 label it is trained with (not its own)
+    layout: str = "model"  # gradient canaries: where their directions lie (LAYOUTS; "model" for older runs)
 
     @classmethod
     def draw(
@@ -59,7 +103,7 @@ class Canaries:
         included = (rng.random(count) < 0.5).astype(np.int8)
         client = rng.integers(0, num_clients, count).astype(np.int64)
         if kind != "input":
-            return cls(kind=kind, seed=seed, included=included, client=client)
+            return cls(kind=kind, seed=seed, included=included, client=client, layout="parts")
         if holdout is None or labels is None or client_classes is None:
             raise ValueError("input canaries are drawn from the held-out pool: pass holdout, labels, client_classes.")
         record = np.sort(rng.choice(holdout, size=count, replace=False)).astype(np.int64)
@@ -88,6 +132,8 @@ class Canaries:
             "included": self.included,
             "client": self.client,
         }
+        if self.layout != "model":
+            arrays["layout"] = np.array(self.layout)
         if self.record is not None and self.label is not None:
             arrays.update(record=self.record, label=self.label)
         return arrays
@@ -101,21 +147,41 @@ class Canaries:
             client=arrays["client"].astype(np.int64),
             record=arrays["record"].astype(np.int64) if "record" in arrays else None,
             label=arrays["label"].astype(np.int64) if "label" in arrays else None,
+            layout=str(arrays["layout"]) if "layout" in arrays else "model",
         )
 
 
 def canary_directions(
-    seed: int, indices: np.ndarray, shapes: dict[str, torch.Size], device: torch.device | str = "cpu"
+    seed: int,
+    indices: np.ndarray,
+    shapes: dict[str, torch.Size],
+    device: torch.device | str = "cpu",
+    layout: str = "model",
 ) -> dict[str, torch.Tensor]:
     """Unit directions u_i of the canaries ``indices``, split by parameter: name -> [len(indices), *shape].
 
     Each direction is drawn on the CPU from its own stream (seed, CANARY, i), so it is the same whichever client,
-    device or engine asks for it.
+    device or engine asks for it; in the "parts" layout its coordinates outside canary i's part
+    (:func:`group_of`) are set to zero before it is normalised.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"Unknown canary layout {layout!r}.")
     total = sum(int(torch.Size(shape).numel()) for shape in shapes.values())
+    groups = canary_groups(list(shapes)) if layout == "parts" else ()
+    masks: dict[str, torch.Tensor] = {}
     rows = torch.empty(len(indices), total)
     for row, i in enumerate(indices):
         direction = torch.randn(total, generator=make_generator(seed, Stream.CANARY, int(i)))
+        if groups:
+            group = group_of(int(i), groups)
+            if group.name not in masks:
+                masks[group.name] = torch.cat(
+                    [
+                        torch.full((int(torch.Size(shape).numel()),), name in group.members)
+                        for name, shape in shapes.items()
+                    ]
+                )
+            direction = direction * masks[group.name]
         rows[row] = direction / direction.norm()
     split, start = {}, 0
     for name, shape in shapes.items():

@@ -78,6 +78,7 @@ class QueryAudit:
     planned_queries: int  # queries the client plans per round (where a kept pair may start)
     inputs: torch.Tensor | None = None  # input canaries: the records of ``canaries``, in that order
     labels: torch.Tensor | None = None  # input canaries: the labels they are trained with
+    layout: str = "model"  # gradient canaries: where their directions lie (fedaudit.canaries.LAYOUTS)
 
     def log(self, client: int, round_index: int, device: torch.device) -> QueryLog:
         """A fresh log for one round of ``client``."""
@@ -212,7 +213,7 @@ class QueryLog:
             assert self._space is not None
             ids, shapes = self.audit.canaries, self._space.shapes
             self._directions = [
-                _flat_directions(self.audit.seed, chunk, shapes).to(self.device)
+                _flat_directions(self.audit.seed, chunk, shapes, self.audit.layout).to(self.device)
                 for chunk in (ids[i : i + _DIRECTIONS_CHUNK] for i in range(0, len(ids), _DIRECTIONS_CHUNK))
             ]
         released = torch.stack([flat for flat, *_ in self._buffer], dim=1).to(torch.float32)  # [d, k]
@@ -240,9 +241,9 @@ class QueryLog:
         return out
 
 
-def _flat_directions(seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size]) -> torch.Tensor:
+def _flat_directions(seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size], layout: str) -> torch.Tensor:
     """The unit directions u_i of the canaries ``chunk`` in the parameters ``shapes``, one row each, in their order."""
-    split = canary_directions(seed, chunk, shapes)
+    split = canary_directions(seed, chunk, shapes, layout=layout)
     return torch.cat([split[name].reshape(len(chunk), -1) for name in shapes], dim=1)
 
 
@@ -271,6 +272,7 @@ def query_audit(
     canary_labels: torch.Tensor | None = None,
     keep_whole: bool = True,
     kept_queries: int = 12,
+    layout: str = "model",
 ) -> QueryAudit:
     """The query audit of one client of a canary run: its canaries (for input canaries ``canary_inputs`` and
     ``canary_labels`` hold the records and labels of every canary, indexed by canary id), and how many pairs of whole
@@ -294,4 +296,5 @@ def query_audit(
         planned_queries=max(int(planned_queries), 1),
         inputs=inputs,
         labels=labels,
+        layout=layout,
     )

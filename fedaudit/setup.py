@@ -271,6 +271,7 @@ def client_data(setup: Setup, client: int, records: tuple[torch.Tensor, torch.Te
             canary_labels=labels,
             keep_whole=not is_sites(setup.config.data.dataset),
             kept_queries=setup.config.audit.kept_queries,
+            layout=canaries.layout,
         ),
     )
     held = canaries.held_by(client)
@@ -280,7 +281,7 @@ def client_data(setup: Setup, client: int, records: tuple[torch.Tensor, torch.Te
         records = torch.from_numpy(canaries.record[held])
         labels = torch.from_numpy(canaries.label[held]).to(dataset.train_y.dtype)
         return replace(data, canary_x=dataset.train_x[records].to(device), canary_y=labels.to(device))
-    directions = canary_directions(setup.config.seed, held, shapes, device)
+    directions = canary_directions(setup.config.seed, held, shapes, device, canaries.layout)
     norm = GRADIENT_CANARY_NORM * setup.config.privacy.max_grad_norm
     return replace(data, canary_grads={name: norm * u for name, u in directions.items()})
 

@@ -204,7 +204,7 @@ class Fedssyn:
             pool.recorder.enter(Space(shapes, inputs, labels, mean_loss))
         if pool.canary_grads is None:
             return pool
-        directions = canary_directions(audit.seed, audit.held, shapes, device)
+        directions = canary_directions(audit.seed, audit.held, shapes, device, audit.layout)
         return replace(pool, canary_grads={name: GRADIENT_CANARY_NORM * clip * u for name, u in directions.items()})
 
     def server_update(

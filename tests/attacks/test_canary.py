@@ -60,7 +60,7 @@ def _slow_scores(run: RunDirectory, kind: str) -> np.ndarray:
             else:
                 v = -torch.cat([sent[n].flatten() for n in names]).double()
             if kind == "gradient":
-                u = canary_directions(canaries.seed, np.array([i]), shapes)
+                u = canary_directions(canaries.seed, np.array([i]), shapes, layout=canaries.layout)
                 d = torch.cat([u[n].flatten() for n in names]).double()
             else:
                 params = {n: start[n].clone().requires_grad_(True) for n in names}

@@ -142,6 +142,56 @@ def test_noise_that_depends_on_the_data_is_caught(monkeypatch):
     assert not probed().passed
 
 
+def _noise_not_used(monkeypatch):
+    """DP-FedAvg's step computes the noisy query and uses the clean clipped mean (the noise seen by a recorder only)."""
+    real = fedavg.dp_gradient
+
+    def clean(model, x, y, **kwargs):
+        real(model, x, y, **kwargs)
+        return real(model, x, y, **{**kwargs, "noise_multiplier": 0.0, "recorder": None})
+
+    monkeypatch.setattr(fedavg, "dp_gradient", clean)
+
+
+def _noisy_sum(change):
+    def plant(monkeypatch):
+        monkeypatch.setattr(primitive, "noisy_sum", change(primitive.noisy_sum))
+
+    return plant
+
+
+def _reused(real):
+    first = {}
+
+    def reused(summed, **kwargs):
+        released = real(summed, **kwargs)
+        for name, s in summed.items():
+            first.setdefault(name, released[name] - s)
+        return {name: s + first[name] for name, s in summed.items()}
+
+    return reused
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        pytest.param(_noise_not_used, id="noise-not-used"),
+        pytest.param(_noisy_sum(lambda real: lambda s, *, noise_multiplier, **kw: real(
+            s, noise_multiplier=noise_multiplier / 1.5, **kw)), id="noise-too-small-by-1.5"),
+        pytest.param(_noisy_sum(lambda real: lambda s, **kw: {
+            n: s[n] if n.endswith("bias") else t for n, t in real(s, **kw).items()}), id="biases-not-noised"),
+        pytest.param(_noisy_sum(_reused), id="one-draw-reused"),
+    ],
+)  # fmt: skip
+def test_noise_that_is_not_the_charged_draw_from_the_given_source_is_caught(monkeypatch, plant):
+    """The base batch answered with two seeds: the answers must differ by two draws of N(0, (sigma C)^2) in every
+    tensor; none of these faults changes what a record adds."""
+    plant(monkeypatch)
+    check = probed()
+    assert not check.passed and "does not add the noise" in check.sentence, check.sentence
+    assert check.p_value <= 0.001
+
+
 def test_scaling_every_example_to_c_is_not_the_documented_sum(monkeypatch):
     """Clipping without its cap at 1 on the gradient records' path (small gradients scaled up to C): within C, so
     no privacy is lost, but the query is not the clipped sum (the tiny gradient record shows it)."""

@@ -26,6 +26,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "audit_power.py": ("verify (s)", r"^digits\s+fedavg\s+gradient\s+\S+\s+\d"),
     "demo_spread.py": ("spread", r"^dp-fedavg\s+accuracy\s+\d"),
     "engine_overhead.py": ("s_per_round", r"^digits dp-fedavg\s+local\s+\d"),
+    "fault_detection.py": ("probe", r"^noise replaced by zeros\s+1\s+1\.00"),
     "fedlap_round.py": ("FedLAP-DP (s)", r"^\s+8\s+\d+\s+\d"),
     "flower_canaries.py": ("bound/eps", r"^every client\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+"),
     "generator.py": ("generated-trained acc", r"^digits \| 100 \| no DP \|"),
