@@ -674,11 +674,11 @@ def _residual(query: _Kept, facts: _Run) -> _Residual:
         if size > tiny:
             tensor_along[name] = float(residual[part] @ difference[part]) / size
     energy, rank = 0.0, 0
-    if rows:  # an orthonormal basis of the examples' gradients (QR; directions of a zero pivot left out)
-        basis, triangle = torch.linalg.qr(torch.stack(rows).T)
-        pivots = triangle.diagonal().abs()
-        independent = pivots > 1e-9 * float(pivots.max()) if float(pivots.max()) > 0 else pivots > 0
-        projection = basis[:, independent].T @ residual
+    if rows:  # |P r|^2 for P the projection on the examples' gradients G: (G r)' (G G')^+ (G r), by eigenvalues
+        gradients = torch.stack(rows)
+        values, vectors = torch.linalg.eigh(gradients @ gradients.T)
+        independent = values > 1e-10 * float(values.max()) if float(values.max()) > 0 else values > 0
+        projection = (vectors[:, independent].T @ (gradients @ residual)) / values[independent].sqrt()
         energy, rank = float(projection @ projection), int(independent.sum())
     return _Residual(
         query=query,

@@ -61,7 +61,7 @@ class Fault:
     plant: Callable[[Patcher, int], None]
 
 
-# --- the plants ------------------------------------------------------------------------------------------------------
+# --- the plants ----------------------------------------------------------------------------------------------------
 
 
 def _noisy_sum(change: Callable[..., Any]) -> Callable[[Patcher, int], None]:
@@ -328,6 +328,10 @@ def _ledger(change: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[Pat
     return plant
 
 
+def _scaled(kwargs: dict[str, Any], name: str, factor: float, plus: int = 0) -> dict[str, Any]:
+    return {**kwargs, name: kwargs[name] * factor + plus}
+
+
 def _ledger_last_round_only(patch: Patcher, seed: int) -> None:
     import fedaudit.training as training
 
@@ -433,10 +437,10 @@ CATALOGUE: tuple[Fault, ...] = (
     Fault("fixed batch size (shuffling)", "the sampler", _fixed_batches),
     Fault("sampling with replacement", "the sampler", _with_replacement),
     Fault("sampler at twice the rate", "the sampler", _sampler_doubled),
-    Fault("ledger charges half the rate", "the ledger", _ledger(lambda kw: {**kw, "sample_rate": kw["sample_rate"] / 2})),
-    Fault("ledger charges q = B / N of all clients", "the ledger", _ledger(lambda kw: {**kw, "sample_rate": kw["sample_rate"] / 5})),
-    Fault("ledger charges one query fewer", "the ledger", _ledger(lambda kw: {**kw, "queries_per_round": kw["queries_per_round"] - 1})),
-    Fault("ledger charges sigma x 1.5", "the ledger", _ledger(lambda kw: {**kw, "noise_multiplier": kw["noise_multiplier"] * 1.5})),
+    Fault("ledger charges half the rate", "the ledger", _ledger(lambda kw: _scaled(kw, "sample_rate", 0.5))),
+    Fault("ledger charges q = B / N of all clients", "the ledger", _ledger(lambda kw: _scaled(kw, "sample_rate", 0.2))),
+    Fault("ledger charges one query fewer", "the ledger", _ledger(lambda kw: _scaled(kw, "queries_per_round", 1, -1))),
+    Fault("ledger charges sigma x 1.5", "the ledger", _ledger(lambda kw: _scaled(kw, "noise_multiplier", 1.5))),
     Fault("ledger charges only the last round", "the ledger", _ledger_last_round_only),
     Fault("keys from the run seed", "the key factory", _keys_from_the_seed),
     Fault("one run-seed stream per round (before secrets)", "the query sources", _one_round_stream),
@@ -463,7 +467,7 @@ NOT_MEASURED = (
 )
 
 
-# --- one trial ---------------------------------------------------------------------------------------------------------
+# --- one trial -------------------------------------------------------------------------------------------------------
 
 
 def trial(fault_name: str | None, seed: int, args: dict[str, Any], scratch: str) -> dict[str, Any]:
@@ -513,7 +517,7 @@ def trial(fault_name: str | None, seed: int, args: dict[str, Any], scratch: str)
     return {"fault": fault_name, "seed": seed, "flags": flags, "seconds": time.perf_counter() - began}
 
 
-# --- the table ---------------------------------------------------------------------------------------------------------
+# --- the table -------------------------------------------------------------------------------------------------------
 
 
 def _detectors(results: list[dict[str, Any]]) -> list[str]:
@@ -531,6 +535,8 @@ def print_table(results: list[dict[str, Any]], faults: list[str | None]) -> None
     header = f"{'fault':<48} {'runs':>4} {'any':>5} " + " ".join(f"{_short(d)[:9]:>9}" for d in detectors)
     print(header)
     for name in faults:
+        if not any(r["fault"] == name for r in results):
+            continue
         mine = [r for r in results if r["fault"] == name and "flags" in r]
         errors = sum(1 for r in results if r["fault"] == name and "error" in r)
         label = "correct runs (false alarms)" if name is None else name

@@ -16,7 +16,7 @@ import torch
 from fedaudit.algorithms import get_algorithm
 from fedaudit.algorithms.base import Algorithm, ClientData, setup_rounds
 from fedaudit.algorithms.fedssyn import generator_records
-from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions
+from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions, layout_for
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.data.sites import SiteReport, federation, is_sites, load_sites
@@ -172,7 +172,7 @@ def prepare(
         client_fraction=client_fraction,
         queries=queries,
         sample_rates=sample_rates,
-        canaries=_canaries(config, dataset, partition) if config.audit.canaries else None,
+        canaries=_canaries(config, dataset, partition, spec) if config.audit.canaries else None,
         sites=tuple(reports),
     )
 
@@ -213,8 +213,9 @@ def run_data(
     return dataset, _partition(config, dataset), []
 
 
-def _canaries(config: RunConfig, dataset: Dataset, partition: Partition) -> Canaries:
-    """The run's canaries; input canaries are held-out records, so there must be enough of them."""
+def _canaries(config: RunConfig, dataset: Dataset, partition: Partition, spec: ModelSpec) -> Canaries:
+    """The run's canaries; input canaries are held-out records, so there must be enough of them. Gradient canaries
+    lie in parts of the model where there are enough of them (:func:`fedaudit.canaries.layout_for`)."""
     count, kind = config.audit.canaries, config.audit.canary_kind
     if kind == "input" and count > partition.holdout.size:
         raise TrainingError(
@@ -222,7 +223,14 @@ def _canaries(config: RunConfig, dataset: Dataset, partition: Partition) -> Cana
             f"{partition.holdout.size}; use fewer canaries or a larger --holdout-fraction."
         )
     if kind != "input":
-        return Canaries.draw(count=count, kind=kind, seed=config.seed, num_clients=config.data.num_clients)
+        names = [name for name, p in build_model(spec).named_parameters() if p.requires_grad]
+        return Canaries.draw(
+            count=count,
+            kind=kind,
+            seed=config.seed,
+            num_clients=config.data.num_clients,
+            layout=layout_for(count, names),
+        )
     labels = dataset.train_y.numpy()
     return Canaries.draw(
         count=count,

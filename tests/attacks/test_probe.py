@@ -53,7 +53,17 @@ def test_the_reference_is_the_closed_form_of_a_linear_softmax():
     torch.testing.assert_close(clipped(got, 1e6), whole)
 
 
-@pytest.mark.parametrize(("algorithm", "arch"), [("fedavg", "mlp"), ("fedlap", "convnet"), ("fedssyn", "mlp")])
+@pytest.mark.parametrize(
+    ("algorithm", "arch"),
+    [
+        ("fedavg", "mlp"),
+        ("fedprox", "mlp"),
+        ("fedsgd", "mlp"),
+        ("scaffold", "mlp"),
+        ("fedlap", "convnet"),
+        ("fedssyn", "mlp"),
+    ],
+)
 def test_correct_queries_pass(algorithm, arch):
     check = probed(algorithm, arch)
     assert check.passed, check.sentence

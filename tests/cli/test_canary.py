@@ -39,19 +39,11 @@ def test_a_correct_run_is_not_flagged_and_its_audit_is_recorded(correct):
     assert metrics["epsilon_lower_bound"] <= metrics["accountant_epsilon"]
     assert metrics["epsilon_lower_bound_exceeds_accountant"] is False
     audit = metrics["canary_audit"]
-    # half of the 0.05 for the bounds over all canaries, half over the model's parts (MLP: the model, 4 tensors, 2
-    # layers, 2 kinds of parameter), each over 2 estimators x 3 views
-    assert set(audit["estimators"]) == {"one-run", "gdp"} and audit["per_estimator_confidence"] == 1 - 0.05 / 12
-    assert audit["per_part_confidence"] == pytest.approx(1 - 0.05 / (12 * 9))
-    assert set(audit["parts"]) == {"model", "layer net.1", "layer net.3", "kind weight", "kind bias"} | {
-        f"tensor net.{layer}.{kind}" for layer in (1, 3) for kind in ("weight", "bias")
-    }
-    assert audit["parts"]["model"]["canaries"] == 500 and sum(p["canaries"] for p in audit["parts"].values()) == 1000
+    # 1000 canaries are too few for the MLP's 8 parts (100 each): all of them span the model, as before parts
+    assert "layout" not in canaries and audit["parts"] == {} and audit["per_part_confidence"] is None
+    assert set(audit["estimators"]) == {"one-run", "gdp"} and audit["per_estimator_confidence"] == 1 - 0.05 / 6
     assert audit["views"] == ["update-projection-canary", "query-sum-canary", "query-llr-canary"]
-    assert metrics["epsilon_lower_bound"] == max(
-        [e["epsilon"] for e in audit["estimators"].values()]
-        + [p["epsilon_lower_bound"] for p in audit["parts"].values()]
-    )
+    assert metrics["epsilon_lower_bound"] == max(e["epsilon"] for e in audit["estimators"].values())
     for view in ("query-sum-canary", "query-llr-canary"):  # every noisy query seen: more power, still no flag
         query = json.loads((run / "attacks" / view / "metrics.json").read_text())
         assert metrics["auc"] < query["auc"] and query["epsilon_lower_bound"] <= query["accountant_epsilon"]
@@ -113,10 +105,11 @@ def test_canaries_do_not_change_what_the_accountant_says(correct, tmp_path):
     )
 
 
-def test_a_part_of_the_model_left_unclipped_shows_in_its_canaries(tmp_path, monkeypatch):
+def test_a_part_of_the_model_left_unclipped_shows_in_its_canaries(tmp_path, monkeypatch, fixed_secrets):
     """The gradient canaries' norm taken without their first tensor: the canaries inside that tensor are released
     unclipped (10 C), and that part's bound passes the accountant's epsilon where the bound over all canaries, whose
-    directions that tensor only partly holds, does not (10.4 against 5.7 when measured, 5.4 the accountant's)."""
+    directions that tensor only partly holds, does not (8.3 to 10.4 against 5.7 when measured, 5.4 the
+    accountant's)."""
     real = primitive.per_sample_norms
     monkeypatch.setattr(primitive, "per_sample_norms", lambda grads: real(dict(list(grads.items())[1:])))
     out = tmp_path / "run"
@@ -126,10 +119,19 @@ def test_a_part_of_the_model_left_unclipped_shows_in_its_canaries(tmp_path, monk
     assert invoke("attack", out, "--method", "canary").exit_code in (0, 1)
     metrics = json.loads((out / "attacks" / "query-llr-canary" / "metrics.json").read_text())
     audit, accountant = metrics["canary_audit"], metrics["accountant_epsilon"]
+    # half the 0.05 for the bounds over all canaries, half over the parts (the model, 4 tensors, 2 layers, 2 kinds),
+    # each over 2 estimators x 3 views
+    assert audit["per_estimator_confidence"] == 1 - 0.05 / 12
+    assert audit["per_part_confidence"] == pytest.approx(1 - 0.05 / (12 * 9))
+    assert set(audit["parts"]) == {"model", "layer net.1", "layer net.3", "kind weight", "kind bias"} | {
+        f"tensor net.{layer}.{kind}" for layer in (1, 3) for kind in ("weight", "bias")
+    }
+    assert audit["parts"]["model"]["canaries"] == 2500
     part = audit["parts"]["tensor net.1.weight"]
     assert part["epsilon_lower_bound"] > accountant
-    assert metrics["epsilon_lower_bound"] == part["epsilon_lower_bound"]
-    assert max(e["epsilon"] for e in audit["estimators"].values()) < part["epsilon_lower_bound"]
+    pooled = max(e["epsilon"] for e in audit["estimators"].values())
+    assert pooled < part["epsilon_lower_bound"]
+    assert metrics["epsilon_lower_bound"] == max(pooled, *(p["epsilon_lower_bound"] for p in audit["parts"].values()))
 
 
 @pytest.mark.parametrize(

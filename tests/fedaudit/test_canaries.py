@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedaudit.canaries import Canaries, canary_directions, canary_groups, group_of
+from fedaudit.canaries import CANARIES_PER_PART, Canaries, canary_directions, canary_groups, group_of, layout_for
 from fedaudit.seeding import Stream, make_generator
 
 SHAPES = {
@@ -54,10 +54,18 @@ def test_directions_are_unit_vectors_inside_their_part(layout):
 
 
 def test_the_layout_is_kept_with_the_canaries_and_older_runs_read_as_the_whole_model():
-    drawn = Canaries.draw(count=10, kind="gradient", seed=1, num_clients=2)
+    drawn = Canaries.draw(count=10, kind="gradient", seed=1, num_clients=2, layout="parts")
     assert drawn.layout == "parts"
     assert Canaries.from_arrays(drawn.to_arrays()).layout == "parts"
     older = {k: v for k, v in drawn.to_arrays().items() if k != "layout"}
     assert Canaries.from_arrays(older).layout == "model"
     with pytest.raises(ValueError, match="layout"):
         canary_directions(1, np.arange(2), SHAPES, layout="tensors")
+
+
+def test_canaries_are_laid_out_in_parts_only_where_every_part_gets_enough():
+    parts = len(canary_groups(list(SHAPES))) - 1  # 11 besides the whole model
+    enough = 2 * CANARIES_PER_PART * parts
+    assert layout_for(enough, list(SHAPES)) == "parts"
+    assert layout_for(enough - 2, list(SHAPES)) == "model"
+    assert layout_for(10**6, ["w"]) == "parts" and layout_for(10**6, []) == "model"
