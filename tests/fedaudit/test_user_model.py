@@ -121,3 +121,16 @@ def test_a_run_whose_factory_cannot_be_imported_says_so(models, tmp_path, monkey
 
     sys.modules.pop("mymodels", None)
     assert_user_error(invoke("attack", run, "--no-progress"), mentions="put the folder that holds it on PYTHONPATH")
+
+
+def test_the_sensitivity_probe_runs_a_users_model(models, tmp_path):
+    """verify --probe builds the user's model from its factory and probes the query on it: the Scale layer takes the
+    whole-model path, the GroupNorm model the layer-wise one; both add each record's gradient clipped to C."""
+    for factory in ("mymodels:tiny", "mymodels:grouped"):
+        run = tmp_path / factory.split(":")[1]
+        assert invoke("train", *BASE, "--model", factory, "--dp", "--rounds", "1", "--out", run).exit_code == 0
+        result = invoke("verify", run, "--probe")
+        assert result.exit_code == 0 and "PASS sensitivity" in result.output, result.output
+        outcomes = read_json(run / "verification.json")["checks"][0]["details"]["outcomes"]
+        cases = {o["case"] for o in outcomes}
+        assert "a gradient record in 1.gain" in cases or "a gradient record in 0.weight" in cases
