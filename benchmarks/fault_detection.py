@@ -559,7 +559,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--json", type=Path, help="also write every run's flags here")
-    parser.add_argument("--smoke", action="store_true", help="two faults, one seed each, two correct runs")
+    parser.add_argument("--smoke", action="store_true", help="one fault, one seed, one correct run")
     args = parser.parse_args()
     faults: list[str | None] = [f.name for f in CATALOGUE]
     if args.faults:
@@ -568,8 +568,8 @@ def main() -> None:
             parser.error(f"unknown faults: {', '.join(unknown)}")
         faults = list(args.faults)
     if args.smoke:
-        args.seeds, args.null, args.canaries, args.rounds, args.jobs = 1, 2, 100, 2, 1
-        faults = ["noise replaced by zeros", "norm without the first tensor"]
+        args.seeds, args.null, args.canaries, args.rounds, args.jobs = 1, 1, 100, 2, 1
+        faults = ["noise replaced by zeros"]
     settings = {"canaries": args.canaries, "rounds": args.rounds, "kept_queries": args.kept_queries}
     print(describe("cpu", 1), flush=True)
     print(
