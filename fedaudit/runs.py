@@ -179,6 +179,9 @@ class RandomnessRecord:
 
 
 MANIFEST_STATUSES = ("running", "complete", "interrupted", "failed")
+# manifest.json's fields that change when attacks and verify add their results to a signed run: its file hashes and
+# the time of its last write
+_GROWS_AFTER_SIGNING = frozenset({"files", "pending", "updated"})
 
 
 @dataclass(frozen=True)
@@ -957,20 +960,29 @@ class RunDirectory:
         return len(names)
 
     def signature_problems(self, public_key: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Whether the run was signed with ``public_key`` (raw Ed25519) and still holds what was signed: the problems,
-        and the files written since signing (attack results), which the signature does not cover."""
+        """Whether the run was signed with ``public_key`` (raw Ed25519) and still holds what was signed: every field of
+        the manifest (its file hashes aside, which grow with attack results) and every signed file. Returns the
+        problems, and the results written or rewritten since signing (attack results, and verify's own
+        verification.json, which every verify rewrites): computed from the run, they are not covered."""
         if not self.signature_path.is_file():
             return (f"{integrity.SIGNATURE} is missing: the run was not signed ('fedaudit sign')",), ()
         problems, signed = integrity.signature_problems(self.read_json(self.signature_path), public_key)
         recorded = None if signed is None else integrity.read_hashes(signed)
         if recorded is None:
             return tuple(problems or [f"{integrity.SIGNATURE} holds no file hashes"]), ()
-        changed = []
+        changed, rewritten = [], []
+        current = self.read_json(self.manifest_path)
+        for key in sorted((set(signed) | set(current)) - _GROWS_AFTER_SIGNING):
+            if signed.get(key) != current.get(key):
+                changed.append(f"{integrity.MANIFEST}'s {key} changed after the run was signed")
         for relative, expected in sorted(recorded[0].items()):
             path = self.path / relative
             if not path.is_file() or integrity.file_digest(path) != expected:
+                if relative == self.verification_path.name or relative.startswith(f"{self.attacks_dir.name}/"):
+                    rewritten.append(relative)  # a result computed from the run, rewritten by a later verify or attack
+                    continue
                 changed.append(f"{relative} changed after the run was signed")
-        unsigned = tuple(sorted(set(integrity.present_files(self.path)) - set(recorded[0])))
+        unsigned = tuple(sorted({*rewritten, *(set(integrity.present_files(self.path)) - set(recorded[0]))}))
         return tuple(changed), unsigned
 
     def settle(self) -> None:

@@ -255,6 +255,33 @@ def test_a_signed_run_verifies_with_its_key_only_and_not_once_a_file_is_forged(p
     assert "does not verify" in invoke("verify", run, "--public-key", public).output
 
 
+def test_verify_keeps_the_signature_it_checks_and_the_signature_covers_the_manifest(tmp_path):
+    """Sign a canary run whose attack already wrote verification.json, then verify, verify, attack, verify: each
+    passes (verify's own result is rewritten each time, and is listed as written after signing, like attack results).
+    A field of the manifest changed after signing fails, even with the hashes re-recorded."""
+    run = tmp_path / "run"
+    assert invoke("train", *FAST_ARGS, "--dp", "--canaries", "50", "--rounds", "1", "--out", run).exit_code == 0
+    assert invoke("attack", run, "--method", "canary").exit_code == 0 and (run / "verification.json").is_file()
+    private, public = _keys(tmp_path, "site")
+    assert invoke("sign", run, "--key", private).exit_code == 0
+    for command in (("verify",), ("verify",), ("attack", "--method", "canary"), ("verify",)):
+        if command[0] == "attack":
+            assert invoke(command[0], run, *command[1:]).exit_code == 0
+            continue
+        result = invoke("verify", run, "--public-key", public)
+        assert result.exit_code == 0 and "PASS signature" in result.output, result.output
+    assert "verification.json" in result.output.split("not signed (written after signing):")[1]
+    for field, value in (("dataset", {"name": "forged"}), ("created", "2020-01-01T00:00:00Z"), ("versions", {})):
+        forged = tmp_path / f"forged-{field}"
+        shutil.copytree(run, forged)
+        manifest = json.loads((forged / "manifest.json").read_text())
+        manifest[field] = {**manifest[field], **value} if isinstance(value, dict) and value else value
+        (forged / "manifest.json").write_text(json.dumps(manifest))
+        result = invoke("verify", forged, "--public-key", public)
+        assert result.exit_code == 1, result.output
+        assert f"FAIL signature: manifest.json's {field} changed after the run was signed" in result.output
+
+
 def test_signing_refuses_a_tampered_run_and_bad_keys(plain_run, tmp_path):
     run = copy(plain_run, tmp_path)
     (tmp_path / "junk.pem").write_text("not a key")
