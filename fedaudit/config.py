@@ -772,13 +772,15 @@ def load_config_file(path: str | Path, *, validate: bool = True) -> RunConfig:
     path = Path(path)
     is_json = path.suffix.lower() == ".json"
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"Cannot read the configuration file {path}: {exc.strerror or exc}.") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"The configuration file {path} is not a UTF-8 text file.") from exc
+        text = read_small_text(path, "configuration file")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     try:
-        data = json.loads(text) if is_json else yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader
+        data = json.loads(text) if is_json else load_yaml(text)
+    except RecursionError as exc:
+        raise ConfigError(f"The configuration file {path} nests deeper than fedaudit reads.") from exc
+    except YAMLRefused as exc:
+        raise ConfigError(f"The configuration file {path} {exc}.") from exc
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"The configuration file {path} is not valid {'JSON' if is_json else 'YAML'}.") from exc
     if data is None:
@@ -789,8 +791,52 @@ def load_config_file(path: str | Path, *, validate: bool = True) -> RunConfig:
     return config
 
 
+MAX_TEXT_BYTES = 1 << 20  # a configuration, policy or study file: far above any real one (a few kB)
+MAX_YAML_DEPTH = 32  # nesting of mappings and lists: a configuration has 3 levels, a study 5
+
+
+class YAMLRefused(yaml.YAMLError):
+    """A YAML document fedaudit will not load (aliases, or nesting too deep); the message completes "The file ..."."""
+
+
+def read_small_text(path: Path, what: str) -> str:
+    """A UTF-8 text file of at most :data:`MAX_TEXT_BYTES`, checked before it is read (a 500 MB file is one
+    sentence, not a full memory); a :class:`ValueError` with one sentence naming ``what`` it is otherwise."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_TEXT_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"Cannot read the {what} {path}: {exc.strerror or exc}.") from exc
+    if len(data) > MAX_TEXT_BYTES:
+        raise ValueError(f"The {what} {path} is larger than {MAX_TEXT_BYTES >> 20} MiB, which no {what} needs.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"The {what} {path} is not a UTF-8 text file.") from exc
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document with PyYAML's safe types (and YAML 1.2 floats), refusing aliases (whose expansion can
+    multiply a small file into gigabytes) and nesting beyond :data:`MAX_YAML_DEPTH` (:class:`YAMLRefused`)."""
+    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader
+
+
 class _YAMLLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, but ``1e-5`` is a float (YAML 1.2) rather than the string YAML 1.1 makes of it."""
+    """PyYAML's SafeLoader, but ``1e-5`` is a float (YAML 1.2) rather than the string YAML 1.1 makes of it, and
+    without aliases or deep nesting (see :func:`load_yaml`)."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise YAMLRefused("uses a YAML alias (*name), which fedaudit does not expand; write the value out")
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise YAMLRefused(f"nests deeper than {MAX_YAML_DEPTH} levels, which no fedaudit file needs")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _YAMLLoader.add_implicit_resolver(

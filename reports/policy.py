@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from fedaudit.config import YAMLRefused, load_yaml, read_small_text
 from fedaudit.reports.collect import LowFprRate, ReportError, RunSummary
 
 LIMITS: dict[str, str] = {
@@ -101,11 +102,18 @@ def overall(checks: list[Check]) -> str:
 
 
 def read_yaml(file: Path, what: str, error: type[ReportError] = ReportError) -> Any:
-    """The content of a YAML file (yaml.safe_load); unreadable or malformed is one sentence naming ``what`` it is."""
+    """The content of a YAML file (safe types, no aliases, bounded size and nesting: fedaudit.config.load_yaml);
+    unreadable, too large or malformed is one sentence naming ``what`` it is."""
     try:
-        return yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"Cannot read the {what} {file}: {getattr(exc, 'strerror', None) or exc}.") from exc
+        text = read_small_text(file, what)
+    except ValueError as exc:
+        raise error(str(exc)) from exc
+    try:
+        return load_yaml(text)
+    except RecursionError as exc:
+        raise error(f"The {what} {file} nests deeper than fedaudit reads.") from exc
+    except YAMLRefused as exc:
+        raise error(f"The {what} {file} {exc}.") from exc
     except yaml.YAMLError as exc:
         raise error(f"The {what} {file} is not valid YAML.") from exc
 

@@ -86,6 +86,10 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--config", "UNKNOWNKEY"),
     ("--config", "WRONGTYPE"),
     ("--config", "TAGGED"),
+    ("--config", "ALIASBOMB"),
+    ("--config", "DEEPYAML"),
+    ("--config", "DEEPJSON"),
+    ("--config", "HUGEYAML"),
     ("--engine", "deployment"),  # no --superlink
 )
 # your own data: --dataset KIND:NAME with a malformed file
@@ -181,6 +185,9 @@ REPORT_CASES: tuple[tuple[str, ...], ...] = (
     ("report", "FOREIGN", "--out", "OUT"),
     ("report", "RUN", "--out", "OUT", "--policy", "NOWHERE"),
     ("report", "RUN", "--out", "OUT", "--policy", "BADYAML"),
+    ("report", "RUN", "--out", "OUT", "--policy", "ALIASBOMB"),
+    ("report", "RUN", "--out", "OUT", "--policy", "DEEPYAML"),
+    ("report", "RUN", "--out", "OUT", "--policy", "HUGEYAML"),
 )
 POLICIES: tuple[str, ...] = (
     "max_attack_auc: 2",
@@ -316,6 +323,13 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
     (root / "unknown.yaml").write_text("no_such_section: 1\n")
     (root / "wrongtype.yaml").write_text("federated:\n  rounds: many\n")
     (root / "tagged.yaml").write_text("seed: !!python/object/apply:os.system ['echo pwned']\n")
+    # nine levels of anchors, each list holding the one above nine times (9^9 leaves once expanded), inside a known key
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    (root / "bomb.yaml").write_text("\n".join(bomb) + "\nseed: *a8\nmax_epsilon: *a8\n")
+    (root / "deep.yaml").write_text("seed: " + "[" * 60 + "]" * 60 + "\n")
+    (root / "deep.json").write_text('{"seed": ' + "[" * 5000 + "]" * 5000 + "}")
+    (root / "huge.yaml").write_text("# padding\n" * 120_000 + "seed: 1\n")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -375,6 +389,10 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
         "UNKNOWNKEY": root / "unknown.yaml",
         "WRONGTYPE": root / "wrongtype.yaml",
         "TAGGED": root / "tagged.yaml",
+        "ALIASBOMB": root / "bomb.yaml",
+        "DEEPYAML": root / "deep.yaml",
+        "DEEPJSON": root / "deep.json",
+        "HUGEYAML": root / "huge.yaml",
         "KEY": root / "key.pem",
         "NOWHERE": root / "nowhere",
         "OTHER": root / "other",
