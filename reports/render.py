@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -322,12 +323,23 @@ def code_spans(text: str) -> Markup:
     return Markup("".join(f"<code>{escape(p)}</code>" if i % 2 else str(escape(p)) for i, p in enumerate(parts)))
 
 
+_BARE_AMPERSAND = re.compile(r"&(?!(?:lt|gt|amp);)")
+_IMAGE_OPENING = re.compile(r"(?<!\\)!\[")  # ![ opens an image
+_LINK_TARGET = re.compile(r"\]\(")  # ]( joins a link's text to its target
+
+
 def md_text(value: Any) -> Any:
-    """A value as Markdown text that cannot open an HTML tag (a run named ``<script>`` stays text): ``<`` and ``>``
-    become entities, which Markdown shows as the characters. Idempotent, so a macro's output passes unchanged."""
+    """A value as Markdown text that cannot open an HTML tag (a run named ``<script>`` stays text) or smuggle a
+    link (a run named ``![p](https:&#47;&#47;host&#47;t.png)`` would become an image fetched from that host):
+    ``<``, ``>`` and every ``&`` that does not start one of those three entities become entities, and the ``!`` of
+    ``![`` and the ``(`` of ``](`` are backslash-escaped (no image or inline link can form), which Markdown shows as
+    the characters. Idempotent, so a macro's output passes unchanged."""
     if isinstance(value, PurePath):
         value = str(value)
-    return value.replace("<", "&lt;").replace(">", "&gt;") if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    value = _BARE_AMPERSAND.sub("&amp;", value).replace("<", "&lt;").replace(">", "&gt;")
+    return _LINK_TARGET.sub(r"]\\(", _IMAGE_OPENING.sub(r"\\![", value))
 
 
 def _environment(*, markdown: bool = False) -> Environment:

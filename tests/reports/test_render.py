@@ -183,3 +183,22 @@ def test_nothing_is_written_when_the_output_path_is_invalid(summaries, tmp_path,
         write_report(summaries, tmp_path / out, formats, None)
     assert tree_digest(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_a_run_named_as_markdown_stays_text_in_the_markdown_report(plain_run, tmp_path):
+    """A run folder named as a Markdown image whose URL hides its slashes in entities: rendered by two Markdown
+    renderers, the report fetches nothing from that host and shows the name as text."""
+    import shutil
+
+    import markdown
+    from helpers import invoke
+    from markdown_it import MarkdownIt
+
+    name = "![p](https:&#47;&#47;evil.example&#47;t.png)"
+    run = tmp_path / name
+    shutil.copytree(plain_run, run)
+    assert invoke("report", str(run), "--out", str(tmp_path / "r.md")).exit_code == 0
+    text = (tmp_path / "r.md").read_text()
+    for html in (markdown.markdown(text, extensions=["tables"]), MarkdownIt().enable("table").render(text)):
+        assert "<img" not in html and 'src="https' not in html
+        assert "evil.example" in html  # the name is still shown, as text
