@@ -179,6 +179,24 @@ class RandomnessRecord:
 
 
 MANIFEST_STATUSES = ("running", "complete", "interrupted", "failed")
+# The largest JSON or CSV file of a run that fedaudit reads whole: a run of 100,000 rounds writes a metrics.csv of about
+# 20 MB, and an attack's scores.csv on 70,000 records about 5 MB; a file beyond this was not written by fedaudit.
+MAX_RUN_TEXT_BYTES = 256 << 20
+
+
+def bounded_size(path: Path, limit: int | None = None) -> None:
+    """A :class:`RunError` naming ``path`` and its size when it is larger than ``limit`` (:data:`MAX_RUN_TEXT_BYTES`
+    by default; checked before it is read, so a file grown to gigabytes is one sentence rather than the machine's
+    memory)."""
+    limit = MAX_RUN_TEXT_BYTES if limit is None else limit
+    size = path.stat().st_size
+    if size > limit:
+        raise RunError(
+            f"{path} is {size / 2**20:,.1f} MiB, larger than any file fedaudit writes ({limit / 2**20:,.1f} MiB): it "
+            "was changed after the run was written."
+        )
+
+
 # manifest.json's fields that change when attacks and verify add their results to a signed run: its file hashes and
 # the time of its last write
 _GROWS_AFTER_SIGNING = frozenset({"files", "pending", "updated"})
@@ -758,13 +776,17 @@ class RunDirectory:
         self.put(self.config_path, json_bytes(config))
 
     def read_json(self, path: Path) -> Any:
-        """Read one of the run's JSON files; missing or malformed is a :class:`RunError`."""
+        """Read one of the run's JSON files; missing, too large (:data:`MAX_RUN_TEXT_BYTES`, checked before reading)
+        or malformed is a :class:`RunError`."""
         try:
+            bounded_size(path)
             return json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise RunError(f"{self.path} is not a complete fedaudit run: {path.name} is missing.") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RunError(f"{path} is corrupt (not valid JSON).") from exc
+        except RecursionError as exc:
+            raise RunError(f"{path} is corrupt (nested deeper than fedaudit writes).") from exc
         except OSError as exc:
             raise RunError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
 
@@ -1041,6 +1063,7 @@ class RunDirectory:
     def read_metrics(self) -> pd.DataFrame:
         if not self.metrics_path.is_file():
             return pd.DataFrame(columns=list(METRIC_COLUMNS))
+        bounded_size(self.metrics_path)
         return pd.read_csv(self.metrics_path)
 
     def write_privacy(self, ledger: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.privacy.randomness import CLIENT_SECRETS, NOISE_SEED, RUN_SEED
 from fedaudit.registry import ALGORITHMS, algorithm_label
-from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunError
+from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunError, bounded_size
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
@@ -746,10 +746,11 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         )
     roc = None
     try:
+        bounded_size(run.attacks_dir / record.name / "roc.csv")
         roc = pd.read_csv(run.attacks_dir / record.name / "roc.csv")
         if not {"fpr", "tpr"} <= set(roc.columns):
             roc = None
-    except (OSError, ValueError, pd.errors.ParserError):
+    except (RunError, OSError, ValueError, pd.errors.ParserError):
         roc = None
     if roc is None:
         notes.append(
@@ -800,6 +801,7 @@ def _reconstructions(run: RunDirectory, notes: list[Note]) -> tuple[Reconstructi
         folder = run.attacks_dir / name
         try:
             metrics = run.read_json(folder / "metrics.json")
+            bounded_size(folder / "records.csv")
             records = pd.read_csv(folder / "records.csv")
         except (RunError, OSError, ValueError, pd.errors.ParserError):
             metrics = None

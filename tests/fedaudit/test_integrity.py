@@ -437,3 +437,18 @@ def test_a_report_crashed_at_any_write_is_written_whole_by_the_same_command(dp_r
     for name in names:
         assert _without_times(tmp_path / "out" / name) == _without_times(tmp_path / "reference" / name), name
     assert invoke("report", dp_run, "--out", tmp_path / "out" / "r.md").exit_code == 2  # a whole report: refused
+
+
+@pytest.mark.parametrize("name", ["metrics.csv", "privacy.json", "config.json"])
+def test_a_run_file_grown_beyond_any_fedaudit_writes_is_one_sentence_before_it_is_read(
+    dp_run, tmp_path, monkeypatch, name
+):
+    """The size is checked before a run file is read whole (a 3 GB metrics.csv once took the report to 24 GB): here
+    with the limit lowered to a few kB, so that the test need not write gigabytes."""
+    run = copy(dp_run, tmp_path)
+    monkeypatch.setattr(runs, "MAX_RUN_TEXT_BYTES", 4096)
+    path = run / name
+    path.write_bytes(path.read_bytes() + b" " * 8192)
+    result = invoke("report", run, "--out", tmp_path / "r.md")
+    message = assert_user_error(result, mentions=name)
+    assert "larger than any file fedaudit writes" in message
