@@ -229,6 +229,8 @@ OTHER_CASES: tuple[tuple[str, ...], ...] = (
     ("verify", "RUN", "--public-key", "BADYAML"),
     ("sign", "RUN", "--key", "NOWHERE"),
     ("sign", "RUN", "--key", "BADYAML"),
+    ("sign", "RUN", "--key", "/dev/zero"),
+    ("verify", "RUN", "--public-key", "/dev/zero"),
     ("sign", "TAMPERED", "--key", "KEY"),
     ("sign", "NOWHERE", "--key", "KEY"),
     ("compare", "--out", "OUT/s", "--budget", "eps:x"),
