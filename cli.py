@@ -874,14 +874,12 @@ MAX_KEY_BYTES = 64 << 10  # a PEM Ed25519 key is about 120 bytes
 def _read_key(path: str) -> bytes:
     """A key file's bytes, at most :data:`MAX_KEY_BYTES` read (``/dev/zero`` is one sentence, not all of memory); an
     unreadable or larger one is one sentence."""
+    from fedaudit.config import read_small_bytes
+
     try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_KEY_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"Cannot read the key file {path}: {exc.strerror or exc}.") from exc
-    if len(data) > MAX_KEY_BYTES:
-        raise UserError(f"The key file {path} holds more than {MAX_KEY_BYTES >> 10} KiB, which no PEM key does.")
-    return data
+        return read_small_bytes(path, "key file", MAX_KEY_BYTES)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
 
 
 @main.command()

@@ -799,16 +799,25 @@ class YAMLRefused(yaml.YAMLError):
     """A YAML document fedaudit will not load (aliases, or nesting too deep); the message completes "The file ..."."""
 
 
-def read_small_text(path: Path, what: str) -> str:
-    """A UTF-8 text file of at most :data:`MAX_TEXT_BYTES`, checked before it is read (a 500 MB file is one
-    sentence, not a full memory); a :class:`ValueError` with one sentence naming ``what`` it is otherwise."""
+def read_small_bytes(path: str | Path, what: str, limit: int) -> bytes:
+    """A file of at most ``limit`` bytes, of which no more than ``limit + 1`` are ever read (a 500 MB file or
+    ``/dev/zero`` is one sentence, not a full memory); a :class:`ValueError` with one sentence naming ``what`` it is
+    otherwise."""
     try:
         with open(path, "rb") as file:
-            data = file.read(MAX_TEXT_BYTES + 1)
+            data = file.read(limit + 1)
     except OSError as exc:
         raise ValueError(f"Cannot read the {what} {path}: {exc.strerror or exc}.") from exc
-    if len(data) > MAX_TEXT_BYTES:
-        raise ValueError(f"The {what} {path} is larger than {MAX_TEXT_BYTES >> 20} MiB, which no {what} needs.")
+    if len(data) > limit:
+        size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit >> 10} KiB"
+        raise ValueError(f"The {what} {path} is larger than {size}, which no {what} needs.")
+    return data
+
+
+def read_small_text(path: Path, what: str) -> str:
+    """A UTF-8 text file of at most :data:`MAX_TEXT_BYTES` (:func:`read_small_bytes`); a :class:`ValueError` with
+    one sentence naming ``what`` it is otherwise."""
+    data = read_small_bytes(path, what, MAX_TEXT_BYTES)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
