@@ -312,6 +312,7 @@ class RunConfig:
                 raise ConfigError(f"Unknown configuration key '{key}'; expected one of: {', '.join(sections)}.")
             section_type = _SECTION_TYPES.get(key)
             if section_type is None:
+                _check_text(key, sections[key].type, value)
                 kwargs[key] = value
             else:
                 kwargs[key] = _build_section(section_type, key, value)
@@ -871,7 +872,19 @@ def _build_section(section_type: type, name: str, value: Any) -> Any:
             raise ConfigError(
                 f"Unknown key '{key}' in configuration section '{name}'; expected one of: {', '.join(sorted(known))}."
             )
+    for entry in fields(section_type):
+        if entry.name in value:
+            _check_text(f"{name}.{entry.name}", entry.type, value[entry.name])
     return section_type(**dict(value))
+
+
+def _check_text(key: str, annotation: Any, value: Any) -> None:
+    """A text field given something else (a list, a number, null where null is not allowed) is a
+    :class:`ConfigError` here, before any code compares or hashes it."""
+    if annotation == "str | None" and value is None:
+        return
+    if annotation in ("str", "str | None") and not isinstance(value, str):
+        raise ConfigError(f"Configuration key '{key}' must be text, not {value!r}.")
 
 
 def _host_port(address: Any) -> bool:

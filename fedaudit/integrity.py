@@ -106,6 +106,11 @@ def read_hashes(manifest: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, 
 
 def file_problems(root: Path, files: Mapping[str, str], pending: Mapping[str, str | None]) -> list[str]:
     """Every file of ``root`` that is in neither its committed nor its pending state, one sentence each."""
+    return [sentence for _, sentence in file_findings(root, files, pending)]
+
+
+def file_findings(root: Path, files: Mapping[str, str], pending: Mapping[str, str | None]) -> list[tuple[str, str]]:
+    """:func:`file_problems` as (relative path, sentence) pairs: which files a reader must not trust."""
     problems = []
     for relative in sorted(set(files) | set(pending)):
         path = root / relative
@@ -116,14 +121,15 @@ def file_problems(root: Path, files: Mapping[str, str], pending: Mapping[str, st
         if actual in allowed:
             continue
         if actual is None:
-            problems.append(f"{relative} is missing, though manifest.json records it")
+            sentence = f"{relative} is missing, though manifest.json records it"
         elif relative in files or pending.get(relative) is not None:
-            problems.append(f"{relative} was changed after fedaudit wrote it (its SHA-256 differs from manifest.json)")
+            sentence = f"{relative} was changed after fedaudit wrote it (its SHA-256 differs from manifest.json)"
         else:
-            problems.append(f"{relative} was not written by fedaudit (manifest.json does not record it)")
+            sentence = f"{relative} was not written by fedaudit (manifest.json does not record it)"
+        problems.append((relative, sentence))
     known = set(files) | set(pending)
     problems += [
-        f"{relative} was not written by fedaudit (manifest.json does not record it)"
+        (relative, f"{relative} was not written by fedaudit (manifest.json does not record it)")
         for relative in sorted(set(present_files(root)) - known)
     ]
     return problems

@@ -140,13 +140,15 @@ def _user_model(spec: ModelSpec) -> nn.Module:
         raise ModelError(
             f"--model {arch}: cannot import {module_name} ({exc}); put the folder that holds it on PYTHONPATH."
         ) from exc
+    except (Exception, SystemExit) as exc:  # the user's module: an error or an exit at import is bad input
+        raise ModelError(f"--model {arch}: importing {module_name} raised {_said(exc)}") from exc
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ModelError(f"--model {arch}: {module_name} has no function {factory_name}.")
     try:
         model = factory(tuple(spec.input_shape), spec.num_classes)
-    except Exception as exc:  # the user's code: any failure is theirs to fix, said in one sentence
-        raise ModelError(f"--model {arch}: the factory raised {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the user's code: any failure, exits included, is theirs to fix
+        raise ModelError(f"--model {arch}: the factory raised {_said(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise ModelError(f"--model {arch}: the factory returned a {type(model).__name__}, not a torch.nn.Module.")
     for name, layer in model.named_modules():
@@ -161,7 +163,39 @@ def _user_model(spec: ModelSpec) -> nn.Module:
             )
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelError(f"--model {arch}: the factory's model has no trainable parameters.")
+    _dry_run(model, spec)
     return model
+
+
+def _said(exc: BaseException) -> str:
+    """An exception of the user's code in a few words: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _dry_run(model: nn.Module, spec: ModelSpec) -> None:
+    """Two zero records through the user's model before any training: it must take the data's input shape and give
+    one output per class (a model with more outputs than classes would train without a word and mislabel every
+    record). In eval mode and without gradients, so no random number is drawn and nothing is learnt."""
+    training = model.training
+    records = torch.zeros(2, *spec.input_shape)
+    try:
+        model.eval()
+        with torch.no_grad():
+            output = model(records)
+    except (Exception, SystemExit) as exc:
+        raise ModelError(
+            f"--model {spec.arch}: the factory's model does not take records of shape {tuple(spec.input_shape)} "
+            f"({_said(exc)})."
+        ) from exc
+    finally:
+        model.train(training)
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != (2, spec.num_classes):
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ModelError(
+            f"--model {spec.arch}: the factory's model gives output {shape} for 2 records, but the data has "
+            f"{spec.num_classes} classes: it must return one logit per class, shape (2, {spec.num_classes})."
+        )
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -358,6 +358,25 @@ def _bound_test(value: Any) -> dict[str, Any] | None:
         return None
     if value["threshold"] is not None and value["inequality"] not in ("tpr", "tnr"):
         return None
+    counts = [value[key] for key in ("true_positives", "false_positives", "bound_members", "bound_nonmembers")]
+    if any(_count(c) is None or c < 0 for c in counts) or _number(value["delta"]) is None:
+        return None  # a test whose counts are not counts cannot be recomputed at another confidence
+    return dict(value)
+
+
+def _risk(value: Any) -> dict[str, Any] | None:
+    """An attack's "risk" entry, or None when it is not one fedaudit writes: "most_exposed" a list of records,
+    "tpr_at_fpr_per_client" rates by integer client id."""
+    if not isinstance(value, dict):
+        return None
+    exposed = value.get("most_exposed", [])
+    per_client = value.get("tpr_at_fpr_per_client", {})
+    if not isinstance(exposed, list) or not all(isinstance(row, dict) for row in exposed):
+        return None
+    if not isinstance(per_client, dict) or not all(
+        str(client).isdigit() and isinstance(entry, dict) for client, entry in per_client.items()
+    ):
+        return None
     return dict(value)
 
 
@@ -427,7 +446,7 @@ class AttackRecord:
             direction=data["direction"]
             if data.get("direction") in ("inverted", "as expected", "undetermined")
             else None,
-            risk=data["risk"] if isinstance(data.get("risk"), dict) else None,
+            risk=_risk(data.get("risk")),
             references=data["references"] if isinstance(data.get("references"), dict) else None,
         )
 
@@ -905,22 +924,33 @@ class RunDirectory:
     def integrity_problems(self) -> list[str]:
         """Every way the run differs from what fedaudit wrote: files changed, missing or added since their commit, a
         privacy ledger that its own events or config.json contradict; one sentence each (none: the run checks)."""
+        return [sentence for _, sentence in self.integrity_findings()]
+
+    def integrity_findings(self) -> list[tuple[str, str]]:
+        """:meth:`integrity_problems` as (file, sentence) pairs, so that a reader can leave untrusted files unread
+        (the manifest itself is named "manifest.json", a contradicted ledger "privacy.json")."""
         document = self.read_json(self.manifest_path)
         recorded = integrity.read_hashes(document) if isinstance(document, dict) else None
         if recorded is None:
-            return ["manifest.json records no SHA-256 of the run's files (written before fedaudit 0.9, or edited)"]
-        problems = integrity.file_problems(self.path, *recorded)
-        unreadable = any(p.startswith(("privacy.json ", "config.json ")) for p in problems)
+            return [
+                (
+                    integrity.MANIFEST,
+                    "manifest.json records no SHA-256 of the run's files (written before fedaudit 0.9, or edited)",
+                )
+            ]
+        findings = integrity.file_findings(self.path, *recorded)
+        unreadable = any(name in ("privacy.json", "config.json") for name, _ in findings)
         if self.privacy_path.is_file() and not unreadable:
             config = self.read_json(self.config_path) if self.config_path.is_file() else {}
             privacy = config.get("privacy") if isinstance(config, dict) else None
             ledger = self.read_json(self.privacy_path)
             done = document.get("rounds_done") if isinstance(document.get("rounds_done"), int) else 0
             if isinstance(ledger, dict):
-                problems += integrity.ledger_problems(ledger, privacy if isinstance(privacy, dict) else None, done)
+                problems = integrity.ledger_problems(ledger, privacy if isinstance(privacy, dict) else None, done)
             else:
-                problems.append("privacy.json is not a ledger (not a JSON object)")
-        return problems
+                problems = ["privacy.json is not a ledger (not a JSON object)"]
+            findings += [("privacy.json", problem) for problem in problems]
+        return findings
 
     def check_integrity(self, action: str) -> None:
         """Refuse to ``action`` a run whose files or ledger were changed: an :class:`IntegrityError` naming the
@@ -1064,7 +1094,15 @@ class RunDirectory:
         if not self.metrics_path.is_file():
             return pd.DataFrame(columns=list(METRIC_COLUMNS))
         bounded_size(self.metrics_path)
-        return pd.read_csv(self.metrics_path)
+        try:
+            metrics = pd.read_csv(self.metrics_path)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunError(f"{self.metrics_path} is not a readable CSV file ({first}).") from exc
+        for column in METRIC_COLUMNS:
+            if column in metrics.columns and not pd.api.types.is_numeric_dtype(metrics[column]):
+                raise RunError(f"{self.metrics_path}: its column {column!r} holds values that are not numbers.")
+        return metrics
 
     def write_privacy(self, ledger: dict[str, Any]) -> None:
         self.put(self.privacy_path, json_bytes(ledger))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedaudit.reports.collect import collect_runs
+from fedaudit.errors import UserError
+from fedaudit.reports.collect import TamperedRunError, collect_runs
 from fedaudit.reports.policy import load_policy
 from fedaudit.reports.render import ReportOutcome, output_paths, write_report
 
@@ -32,9 +33,18 @@ def build_report(
 
     Raises:
         ReportError: bad input, raised before anything is written.
+        TamperedRunError: a run whose files fedaudit did not write cannot even be laid out (exit code 1).
     """
     chosen = tuple(f.lower() for f in formats)
     output_paths(out, chosen, overwrite=overwrite)
     policy = load_policy(policy_file) if policy_file is not None else None
     runs = collect_runs(list(run_dirs))
-    return write_report(runs, out, chosen, policy)
+    try:
+        return write_report(runs, out, chosen, policy)
+    except UserError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        tampered = next((run for run in runs if run.integrity), None)
+        if tampered is None:
+            raise
+        raise TamperedRunError(tampered.path, tampered.integrity, exc) from exc

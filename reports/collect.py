@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,28 @@ from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunE
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
+CHANGED_NOTE = "The attack result {name} was changed after fedaudit wrote it (see the integrity check) and is left out."
 
 
 class ReportError(UserError):
     """Bad input to ``fedaudit report`` (one clear sentence)."""
+
+
+class TamperedRunError(ReportError):
+    """A run whose files are not those fedaudit wrote, and which cannot even be laid out: its integrity FAIL, in one
+    sentence and with the exit code of any FAIL (1)."""
+
+    exit_code = 1
+
+    def __init__(self, path: Path, problems: Sequence[str], reason: BaseException) -> None:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        why = str(reason).strip().rstrip(".")
+        if not isinstance(reason, UserError):  # a library's exception on the edited content: name its kind
+            why = f"{type(reason).__name__}: {why}" if why else type(reason).__name__
+        super().__init__(
+            f"{path}: FAIL: its files are not those fedaudit wrote: {problems[0]}{more}; and it cannot be laid out "
+            f"({why}), so no report was written."
+        )
 
 
 @dataclass(frozen=True)
@@ -469,7 +488,12 @@ def collect_run(path: Path) -> RunSummary:
 
 
 def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
-    integrity = tuple(run.integrity_problems())
+    """The integrity check comes first: a file it does not trust is never parsed, except the run's own records
+    (manifest, config, metrics, ledger) that every section needs, whose failure to parse is then the integrity
+    FAIL (:class:`TamperedRunError`), not a crash and not a bad-input error."""
+    findings = run.integrity_findings()
+    integrity = tuple(sentence for _, sentence in findings)
+    untrusted = frozenset(name for name, _ in findings)
     try:
         manifest = run.read_manifest()
         config = run.read_run_config()
@@ -477,16 +501,20 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         stored_ledger = run.read_privacy()
         ledger = None if stored_ledger is None else PrivacyLedger.from_dict(stored_ledger)
     except (RunError, AccountingError) as exc:
+        if integrity:
+            raise TamperedRunError(path, integrity, exc) from exc
         raise ReportError(f"{path}: {exc}" if isinstance(exc, AccountingError) else str(exc)) from exc
     notes: list[Note] = []
     try:
-        attacks = _attacks(path, notes)
-        reconstructions = _reconstructions(run, notes)
+        attacks = _attacks(path, notes, untrusted)
+        reconstructions = _reconstructions(run, notes, untrusted)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        if integrity:
+            raise TamperedRunError(path, integrity, exc) from exc
         raise ReportError(f"{path} holds malformed attack files ({type(exc).__name__}: {exc}).") from exc
     privacy = _privacy(config, manifest, ledger, path, notes)
     shares_synthetic = config.federated.algorithm in SYNTHETIC_ALGORITHMS
-    synthetic = _synthetic(run) if shares_synthetic else ()
+    synthetic = _synthetic(run, untrusted) if shares_synthetic else ()
     if shares_synthetic and not synthetic:
         notes.append(
             Note(
@@ -510,7 +538,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         tuple(notes),
         seedless_config(config.to_dict()),
         min(manifest.dataset.test_size, config.evaluation.eval_sample or manifest.dataset.test_size),
-        _verification(run, manifest.rounds_done),
+        None if run.verification_path.name in untrusted else _verification(run, manifest.rounds_done),
         integrity,
         sum(manifest.clients.num_examples),
         reconstructions,
@@ -710,10 +738,18 @@ def _privacy(
     )
 
 
-def _attacks(path: Path, notes: list[Note]) -> tuple[AttackSummary, ...]:
+def _changed(name: str, untrusted: frozenset[str]) -> bool:
+    """Whether any file of the attack result ``name`` is one the integrity check does not trust."""
+    return any(file.startswith(f"attacks/{name}/") for file in untrusted)
+
+
+def _attacks(path: Path, notes: list[Note], untrusted: frozenset[str] = frozenset()) -> tuple[AttackSummary, ...]:
     run = RunDirectory(path)
     results = []
     for name in run.attack_names():
+        if _changed(name, untrusted):
+            notes.append(Note(CHANGED_NOTE.format(name=name), ATTACK_HINT.format(path=path)))
+            continue
         try:
             record = run.read_attack(name)
         except RunError:
@@ -791,13 +827,15 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
 RECONSTRUCTION = "reconstruction"  # the method of attack --method reconstruction's results
 
 
-def _reconstructions(run: RunDirectory, notes: list[Note]) -> tuple[ReconstructionSummary, ...]:
+def _reconstructions(
+    run: RunDirectory, notes: list[Note], untrusted: frozenset[str] = frozenset()
+) -> tuple[ReconstructionSummary, ...]:
     """Every reconstruction result of the run (records.csv for the per-record numbers, images.safetensors for the
-    grid); a result whose files cannot be read is left out with a note."""
+    grid); a result whose files cannot be read, or were changed, is left out with a note."""
     found = []
     for name in run.attack_names():
-        if not name.startswith(f"{RECONSTRUCTION}-"):
-            continue
+        if not name.startswith(f"{RECONSTRUCTION}-") or _changed(name, untrusted):
+            continue  # a changed one is noted by _attacks
         folder = run.attacks_dir / name
         try:
             metrics = run.read_json(folder / "metrics.json")
@@ -856,8 +894,8 @@ def _reconstructed_images(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndar
 SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm", "fedssyn")  # their clients send synthetic sets, shown by the report
 
 
-def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:
-    """The synthetic sets clients sent, per client and round; unreadable files are skipped.
+def _synthetic(run: RunDirectory, untrusted: frozenset[str] = frozenset()) -> tuple[SyntheticSet, ...]:
+    """The synthetic sets clients sent, per client and round; unreadable or changed files are skipped.
 
     At most :data:`SYNTHETIC_ROUNDS` stored rounds are read, evenly spaced and always
     including the first and the last, so that a long run keeps a readable report.
@@ -868,6 +906,8 @@ def _synthetic(run: RunDirectory) -> tuple[SyntheticSet, ...]:
     sets = []
     for folder in rounds:
         for file in sorted(folder.glob("client-[0-9][0-9][0-9].safetensors")):
+            if file.relative_to(run.path).as_posix() in untrusted:
+                continue
             try:
                 tensors = load_file(str(file))
             except (SafetensorError, OSError, ValueError):

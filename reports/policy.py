@@ -118,6 +118,9 @@ def read_yaml(file: Path, what: str, error: type[ReportError] = ReportError) -> 
         raise error(f"The {what} {file} is not valid YAML.") from exc
 
 
+COUNTS = frozenset({"max_failed_conformance_checks"})  # limits that count something: whole numbers only
+
+
 def load_policy(path: str | Path) -> Policy:
     """Read a YAML policy; unknown keys and non-numeric limits are a :class:`ReportError`."""
     file = Path(path)
@@ -130,12 +133,14 @@ def load_policy(path: str | Path) -> Policy:
         if key not in known:
             raise ReportError(f"Unknown limit {key!r} in the policy file {file}; use {', '.join(known)}.")
         try:
-            number = float(value)
+            number = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
             raise ReportError(f"The limit {key} in the policy file {file} must be a number, got {value!r}.") from None
         if math.isnan(number):
             raise ReportError(f"The limit {key} in the policy file {file} must be a number, got {value!r}.")
         low, high, low_in, high_in, words = RANGES[key]
+        if key in COUNTS and not number.is_integer():
+            raise ReportError(f"The limit {key} in the policy file {file} must be {words}, got {value!r}.")
         above = number > low or (low_in and number == low)
         below = number < high or (high_in and number == high)
         if not (above and below):

@@ -328,18 +328,48 @@ _IMAGE_OPENING = re.compile(r"(?<!\\)!\[")  # ![ opens an image
 _LINK_TARGET = re.compile(r"\]\(")  # ]( joins a link's text to its target
 
 
+class MarkdownCode(str):
+    """A whole Markdown code span (:func:`md_code`): printed as it is, its text literal."""
+
+
+_BACKTICK_RUN = re.compile(r"`+")
+
+
+def md_code(value: Any) -> MarkdownCode:
+    """``value`` as one Markdown code span that shows its text literally (``<`` stays ``<``): fenced by more
+    backticks than the longest run inside it, padded where it starts or ends with one, on one line."""
+    text = str(value).replace("\r", " ").replace("\n", " ")
+    fence = "`" * (max((len(run) for run in _BACKTICK_RUN.findall(text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return MarkdownCode(f"{fence}{pad}{text}{pad}{fence}")
+
+
 def md_text(value: Any) -> Any:
     """A value as Markdown text that cannot open an HTML tag (a run named ``<script>`` stays text) or smuggle a
     link (a run named ``![p](https:&#47;&#47;host&#47;t.png)`` would become an image fetched from that host):
     ``<``, ``>`` and every ``&`` that does not start one of those three entities become entities, and the ``!`` of
     ``![`` and the ``(`` of ``](`` are backslash-escaped (no image or inline link can form), which Markdown shows as
-    the characters. Idempotent, so a macro's output passes unchanged."""
+    the characters. Text between a pair of single backticks is a code span, which Markdown shows literally, so it is
+    left as it is (a suggested command keeps its ``<``), but only where every renderer pairs the backticks as this
+    does: single ones, none escaped by a backslash; otherwise everything is escaped. Idempotent, so a macro's output
+    passes unchanged; a :class:`MarkdownCode` passes as it is."""
+    if isinstance(value, MarkdownCode):
+        return value
     if isinstance(value, PurePath):
         value = str(value)
     if not isinstance(value, str):
         return value
-    value = _BARE_AMPERSAND.sub("&amp;", value).replace("<", "&lt;").replace(">", "&gt;")
-    return _LINK_TARGET.sub(r"]\\(", _IMAGE_OPENING.sub(r"\\![", value))
+    parts = value.split("`")
+    paired = len(parts) % 2 == 1 and "\\`" not in value and "``" not in value
+    if not paired:
+        return _md_plain(value)
+    return "`".join(part if i % 2 else _md_plain(part) for i, part in enumerate(parts))
+
+
+def _md_plain(text: str) -> str:
+    """Text outside code spans, escaped as :func:`md_text` says."""
+    text = _BARE_AMPERSAND.sub("&amp;", text).replace("<", "&lt;").replace(">", "&gt;")
+    return _LINK_TARGET.sub(r"]\\(", _IMAGE_OPENING.sub(r"\\![", text))
 
 
 def _environment(*, markdown: bool = False) -> Environment:
@@ -356,6 +386,7 @@ def _environment(*, markdown: bool = False) -> Environment:
     )
     env.filters["fmt"] = fmt
     env.filters["code_spans"] = code_spans
+    env.filters["md_code"] = md_code
     env.filters["md_cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
     return env
 

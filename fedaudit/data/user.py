@@ -18,6 +18,8 @@ data it was trained on. Every problem is one sentence naming the file (docs/your
 
 from __future__ import annotations
 
+import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,34 @@ SPLIT_SEED = 0
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 DEFAULT_IMAGE_SIZE = 32
 MAX_IMAGE_SIZE = 512
+MAX_IMAGE_PIXELS = 64_000_000  # one image of the folder at most (a 30000 x 30000 PNG is a decompression bomb)
+CSV_BYTES_PER_BYTE = 8  # what pandas holds per byte of CSV text at most (float64 cells, short numbers)
+NPZ_MAGIC = b"PK\x03\x04"  # an .npz is a zip archive of .npy files
+
+
+def memory_budget() -> int:
+    """Bytes a dataset may take once read: half the memory the system has available now (all of it would leave
+    nothing to train with)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 1 << 34
+
+
+def _within_memory(path: Path, need: int, what: str) -> None:
+    """Refuse, before reading, data that would need more than :func:`memory_budget` once read."""
+    budget = memory_budget()
+    if need > budget:
+        raise DataError(
+            f"{path}: {what} would need {need / 1e9:.3g} GB of memory once read, more than the "
+            f"{budget / 1e9:.3g} GB fedaudit allows itself here (half of what is available)."
+        )
 
 
 def is_user_dataset(name: str) -> bool:
@@ -93,6 +123,12 @@ def standardise(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torc
 def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     if not path.is_file():
         raise DataError(f"--dataset npz:{path}: the file does not exist.")
+    with path.open("rb") as handle:
+        magic = handle.read(len(NPZ_MAGIC))
+    if magic != NPZ_MAGIC:
+        kind = "a single .npy array" if magic.startswith(b"\x93NUM") else "not a zip archive"
+        raise DataError(f"{path} is not an .npz file ({kind}); save the arrays with numpy.savez(path, x=..., y=...).")
+    _within_memory(path, _npz_bytes(path), "its arrays")
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
@@ -103,8 +139,8 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np
                 "(ragged lists become object arrays: pad or stack them first)."
             ) from exc
         raise DataError(f"{path} is not a readable .npz file ({exc}).") from exc
-    except (OSError, EOFError) as exc:
-        raise DataError(f"{path} is not a readable .npz file ({exc}).") from exc
+    except (OSError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError) as exc:
+        raise DataError(f"{path} is not a readable .npz file ({type(exc).__name__}: {exc}).") from exc
     missing = [key for key in ("x", "y") if key not in arrays]
     if missing:
         raise DataError(f"{path} has no array {missing[0]!r}; it needs x and y (and may hold x_test and y_test).")
@@ -118,6 +154,30 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np
     if x_test.shape[1:] != x.shape[1:]:
         raise DataError(f"{path}: x_test's records have shape {x_test.shape[1:]} but x's have {x.shape[1:]}.")
     return x, y, x_test, _labels(path, "y_test", arrays["y_test"], len(x_test))
+
+
+def _npz_bytes(path: Path) -> int:
+    """The bytes the arrays of an .npz take once loaded (and once more as float32), from each member's .npy header
+    and the archive's directory, read without decompressing any data: a compressed bomb is refused unread."""
+    total = 0
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    read_header = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = read_header(member)
+                count = int(np.prod(shape, dtype=object))
+                total += max(info.file_size, count * dtype.itemsize) + count * 4
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError) as exc:
+        raise DataError(f"{path} is not a readable .npz file ({type(exc).__name__}: {exc}).") from exc
+    return total
 
 
 def _images(path: Path, key: str, array: np.ndarray) -> np.ndarray:
@@ -163,6 +223,7 @@ def _read_csv(
         raise DataError(f"--dataset csv:{path} needs --label-column NAME, the column holding each record's class.")
     if not path.is_file():
         raise DataError(f"--dataset csv:{path}: the file does not exist.")
+    _within_memory(path, path.stat().st_size * CSV_BYTES_PER_BYTE, "its records")
     try:
         frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
@@ -180,8 +241,13 @@ def _read_csv(
     labels = frame[label_column]
     if not pd.api.types.is_numeric_dtype(labels):
         raise DataError(f"{path}: the label column {label_column!r} is not numeric; labels must be integers.")
-    if labels.isna().any() or features.isna().to_numpy().any():
-        raise DataError(f"{path} has empty cells; fill or drop them first.")
+    missing = frame.isna().to_numpy()
+    if missing.any():
+        row, column = np.argwhere(missing)[0]
+        raise DataError(
+            f"{path} has empty or NaN cells (the first: row {row + 1}, column {frame.columns[column]!r}); fill or "
+            "drop them first."
+        )
     x = _images(path, "the features", features.to_numpy(dtype=np.float64))
     return x, _labels(path, f"the label column {label_column!r}", labels.to_numpy(), len(x)), None, None
 
@@ -202,22 +268,41 @@ def _read_folder(path: Path, size: int) -> tuple[np.ndarray, np.ndarray, np.ndar
         if not images:
             raise DataError(f"The class folder {folder} holds no PNG or JPEG image.")
         files += [(image, label) for image in images]
-    pictures = []
-    for file, _ in files:
+    modes = [_image_mode(file) for file, _ in files]  # headers only: nothing decoded yet
+    grey = all(mode in ("L", "1", "I", "I;16", "F") for mode in modes)
+    mode, channels = ("L", 1) if grey else ("RGB", 3)
+    _within_memory(path, len(files) * channels * size * size * 4, f"{len(files)} images at {size} x {size}")
+    x = np.empty((len(files), channels, size, size), dtype=np.float32)
+    for i, (file, _) in enumerate(files):  # one full-size image in memory at a time
         try:
             with Image.open(file) as image:
-                image.load()
-                pictures.append(image.copy())
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+                resized = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
             raise DataError(f"{file} is not a readable image ({type(exc).__name__}).") from exc
-    grey = all(p.mode in ("L", "1", "I", "I;16", "F") for p in pictures)
-    mode, channels = ("L", 1) if grey else ("RGB", 3)
-    x = np.empty((len(pictures), channels, size, size), dtype=np.float32)
-    for i, picture in enumerate(pictures):
-        resized = picture.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
         pixels = np.asarray(resized, dtype=np.float32) / 255.0
         x[i] = pixels[None] if grey else pixels.transpose(2, 0, 1)
     return x, np.array([label for _, label in files], dtype=np.int64), None, None
+
+
+def _image_mode(file: Path) -> str:
+    """An image's mode from its header, refused before it is decoded when it is not an image or has more than
+    :data:`MAX_IMAGE_PIXELS` pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(file) as image:
+            width, height = image.size
+            mode = image.mode
+    except Image.DecompressionBombError as exc:  # Pillow's own limit, above ours: its sentence gives the size
+        raise DataError(f"{file} has more pixels than fedaudit decodes per image ({exc}).") from exc
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DataError(f"{file} is not a readable image ({type(exc).__name__}).") from exc
+    if width * height > MAX_IMAGE_PIXELS:
+        raise DataError(
+            f"{file} is {width} x {height} pixels, more than the {MAX_IMAGE_PIXELS:,} fedaudit decodes per image; "
+            "shrink it first."
+        )
+    return mode
 
 
 def _split(

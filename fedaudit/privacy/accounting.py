@@ -111,7 +111,7 @@ def _check_delta(delta: Any) -> float:
 
 
 def _check_accountant(accountant: Any) -> str:
-    if accountant not in ACCOUNTANTS:
+    if not isinstance(accountant, str) or accountant not in ACCOUNTANTS:
         raise AccountingError(f"accountant must be one of {', '.join(map(repr, ACCOUNTANTS))}, got {accountant!r}.")
     return accountant
 

@@ -90,6 +90,7 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--config", "DEEPYAML"),
     ("--config", "DEEPJSON"),
     ("--config", "HUGEYAML"),
+    ("--config", "ARCH_LIST"),  # model.arch: [1]
     ("--engine", "deployment"),  # no --superlink
 )
 # your own data: --dataset KIND:NAME with a malformed file
@@ -113,6 +114,27 @@ OWN_DATA: tuple[tuple[str, ...], ...] = (
     ("--dataset", "npz:GOOD", "--image-size", "16"),
     ("--dataset", "folder:EMPTY_CLASS", "--image-size", "0"),
     ("--dataset", "npz:GOOD", "--data-dir", "FOREIGN"),
+    ("--dataset", "npz:TRUNCATED_NPZ"),  # the first 300 bytes of a good one
+    ("--dataset", "npz:RANDOM_NPZ"),  # 100 random bytes: not "a pickled array"
+    ("--dataset", "npz:NPY_AS_NPZ"),  # one .npy array under an .npz name
+    ("--dataset", "npz:NPZ_BOMB"),  # a header that claims 8 TB
+    ("--dataset", "csv:NAN_CSV", "--label-column", "label"),  # literal nan cells
+    ("--dataset", "csv:SPARSE_CSV", "--label-column", "label"),  # 1 TB (sparse) of CSV
+    ("--dataset", "folder:BIG_IMAGE"),  # 9000 x 9000 pixels
+    ("--dataset", "folder:BOMB_IMAGE"),  # 30000 x 30000 pixels (Pillow's decompression-bomb limit)
+    ("--model", "user_models:thirteen_outputs"),  # 13 outputs for 10 classes
+    ("--model", "user_models:misfit"),  # a first layer that does not take the records
+    ("--model", "user_models:exits"),  # SystemExit(0) in the factory
+    ("--model", "exiting_module:factory"),  # SystemExit(0) when imported
+    ("--model", "user_models:not_a_tensor"),  # returns a tuple
+)
+# datasets: the same malformed files, read without training
+DATASETS_CASES: tuple[tuple[str, ...], ...] = (
+    ("datasets", "--dataset", "npz:TRUNCATED_NPZ"),
+    ("datasets", "--dataset", "npz:RANDOM_NPZ"),
+    ("datasets", "--dataset", "npz:NPZ_BOMB"),
+    ("datasets", "--dataset", "csv:NAN_CSV", "--label-column", "label"),
+    ("datasets", "--dataset", "folder:BOMB_IMAGE"),
 )
 ATTACK_CASES: tuple[tuple[str, ...], ...] = (
     ("attack", "RUN", "--signal", "entropy"),
@@ -210,6 +232,8 @@ POLICIES: tuple[str, ...] = (
     "max_epsilon: !!python/object/apply:os.system ['echo pwned']",
     "max_reconstruction_psnr: 0",
     "max_reconstruction_psnr: x",
+    "max_failed_conformance_checks: 1.5",  # a count
+    "max_epsilon: true",
 )
 EPSILON_CASES: tuple[tuple[str, ...], ...] = (
     ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0", "--steps", "10"),
@@ -262,7 +286,7 @@ def _cases() -> list[tuple[str, ...]]:
     own = [a for a in FAST_ARGS if a not in ("--dataset", "digits")]
     cases += [("train", *own, *args, "--out", "OUT/run") for args in OWN_DATA]
     cases += [("datasets", *(a for a in args if a != "--data-dir" and a != "FOREIGN")) for args in OWN_DATA[:6]]
-    cases += [*ATTACK_CASES, *FLOWER_LOG_CASES, *REPORT_CASES, *EPSILON_CASES, *OTHER_CASES]
+    cases += [*DATASETS_CASES, *ATTACK_CASES, *FLOWER_LOG_CASES, *REPORT_CASES, *EPSILON_CASES, *OTHER_CASES]
     cases += [("report", "RUN", "--out", "OUT", "--policy", f"POLICY{i}") for i in range(len(POLICIES))]
     return cases
 
@@ -270,8 +294,8 @@ def _cases() -> list[tuple[str, ...]]:
 CASES = _cases()
 
 
-def test_the_table_has_more_than_200_cases():
-    assert len(CASES) > 200
+def test_the_table_has_at_least_260_cases():
+    assert len(CASES) >= 260
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +356,9 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
     (root / "deep.yaml").write_text("seed: " + "[" * 60 + "]" * 60 + "\n")
     (root / "deep.json").write_text('{"seed": ' + "[" * 5000 + "]" * 5000 + "}")
     (root / "huge.yaml").write_text("# padding\n" * 120_000 + "seed: 1\n")
+    (root / "arch_list.yaml").write_text("model:\n  arch: [1]\n")
+    (root / "user_models.py").write_text(USER_MODELS)
+    (root / "exiting_module.py").write_text("raise SystemExit(0)\n")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -358,6 +385,20 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
     np.savez(root / "flower_version.npz", **{**flower.to_arrays(), "version": np.array(2)})
     np.savez(root / "flower_mismatch.npz", **{**flower.to_arrays(), "final_cosines": np.zeros(39)})
     np.savez(root / "flower_one_side.npz", **{**flower.to_arrays(), "included": np.ones(40, dtype=np.int8)})
+    (root / "truncated.npz").write_bytes((root / "good.npz").read_bytes()[:300])
+    (root / "random.npz").write_bytes(np.random.default_rng(1).bytes(100))
+    np.save(root / "single.npy", np.zeros((20, 4)))
+    (root / "single.npy").rename(root / "single.npz")
+    _claiming_npz(root / "bomb.npz", (10**12,))
+    (root / "nan.csv").write_text("a,b,label\n" + "".join(f"{i},nan,{i % 2}\n" for i in range(40)))
+    sparse_csv = tmp_path_factory.mktemp("sparse") / "sparse.csv"  # outside root, which every case hashes
+    with sparse_csv.open("wb") as sparse:
+        sparse.write(b"a,b,label\n")
+        sparse.truncate(10**12)
+    for folder, size in (("big_image", (9000, 9000)), ("bomb_image", (30000, 30000))):
+        for name in ("cat", "dog"):
+            (root / folder / name).mkdir(parents=True)
+            (root / folder / name / "0.png").write_bytes(_png_claiming(*size))
     (root / "records.csv").write_text("a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(40)))
     (root / "text.csv").write_text("a,b,label\n" + "".join(f"x{i},{i},{i % 2}\n" for i in range(40)))
     for folder, broken in (("empty_class", False), ("broken_image", True)):
@@ -380,6 +421,15 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
         "CSV": root / "records.csv",
         "TEXT_CSV": root / "text.csv",
         "EMPTY_CLASS": root / "empty_class",
+        "TRUNCATED_NPZ": root / "truncated.npz",
+        "RANDOM_NPZ": root / "random.npz",
+        "NPY_AS_NPZ": root / "single.npz",
+        "NPZ_BOMB": root / "bomb.npz",
+        "NAN_CSV": root / "nan.csv",
+        "SPARSE_CSV": sparse_csv,
+        "BIG_IMAGE": root / "big_image",
+        "BOMB_IMAGE": root / "bomb_image",
+        "ARCH_LIST": root / "arch_list.yaml",
         "BROKEN_IMAGE": root / "broken_image",
         "RUN": run,
         "TAMPERED": tampered,
@@ -407,6 +457,70 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
         (root / f"policy{i}.yaml").write_text(text + "\n")
         names[f"POLICY{i}"] = root / f"policy{i}.yaml"
     return names
+
+
+USER_MODELS = """from torch import nn
+
+
+def _flat(input_shape, outputs):
+    n = input_shape[0] * input_shape[1] * input_shape[2]
+    return nn.Sequential(nn.Flatten(), nn.Linear(n, outputs))
+
+
+def thirteen_outputs(input_shape, num_classes):
+    return _flat(input_shape, 13)
+
+
+def misfit(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(7, num_classes))
+
+
+def exits(input_shape, num_classes):
+    raise SystemExit(0)
+
+
+class Pair(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x), self.inner(x)
+
+
+def not_a_tensor(input_shape, num_classes):
+    return Pair(_flat(input_shape, num_classes))
+"""
+
+
+def _claiming_npz(path: Path, shape: tuple[int, ...]) -> None:
+    """An .npz whose x.npy header claims ``shape`` (float64) over a few bytes of data: what a decompression bomb's
+    header says, without the gigabytes."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    labels = io.BytesIO()
+    np.save(labels, np.zeros(2, dtype=np.int64))
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", header.getvalue() + bytes(64))
+        archive.writestr("y.npy", labels.getvalue())
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` grey pixels (over one row of data): Pillow reads the size
+    from the header before it decodes anything."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
 
 
 def _flower_log():
@@ -454,7 +568,26 @@ def _resolve(arg: str, names: dict[str, Path]) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=[" ".join(c).replace(" ".join(FAST_ARGS), "FAST") for c in CASES])
 def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(workspace, case):
+    """... and takes less than 1 GB more memory than the process held before: its peak resident size may rise above
+    the larger of its earlier peak and what it held before plus 1 GB only if the case itself took more (a case that
+    stays under an earlier, higher peak is not seen, so the cases that read files are each far below it here)."""
     root = workspace["RUN"].parent
     before = tree_digest(root)
+    held, peak = _resident_bytes(), _peak_bytes()
     assert_user_error(invoke(*(_resolve(a, workspace) for a in case)))
     assert tree_digest(root) == before
+    assert _peak_bytes() <= max(peak, held + (1 << 30)), f"peak {_peak_bytes() / 2**30:.2f} GiB"
+
+
+def _resident_bytes() -> int:
+    """This process's resident set now (Linux /proc)."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes() -> int:
+    """This process's peak resident set so far (ru_maxrss is in KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

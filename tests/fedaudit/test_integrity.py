@@ -318,6 +318,42 @@ def test_a_second_writer_is_told_who_holds_the_run(plain_run, tmp_path):
     assert invoke("attack", run, "--no-progress").exit_code == 0
 
 
+def test_writers_that_really_overlap_get_one_sentence_naming_the_holder(plain_run, tmp_path):
+    """Another process resumes the run (its own interpreter, holding the lock while it trains); while it does, a
+    second `train --resume` and an `attack` are each refused in one sentence naming that process's pid, and the
+    holder finishes its rounds undisturbed. (Two commands started together often do not overlap at all: the lock is
+    held from the moment a command has loaded, about 2 s of a 14 s `attack` here, so the second may run after.)"""
+    import subprocess
+    import sys
+    import time
+
+    run = copy(plain_run, tmp_path)
+    code = "import sys; from fedaudit.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "train", "--resume", str(run), "--rounds", "60", "--no-progress"]
+    holder = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    try:
+        named = f"pid {holder.pid} (fedaudit train --resume)"
+        deadline = time.monotonic() + 120
+        while holder.poll() is None and time.monotonic() < deadline:
+            if (run / ".fedaudit.lock").is_file() and (run / ".fedaudit.lock").read_text().startswith(named):
+                break
+            time.sleep(0.01)
+        assert holder.poll() is None, "the holder finished before it could be overlapped"
+        for args in (("train", "--resume", run, "--rounds", "61", "--no-progress"), ("attack", run, "--no-progress")):
+            line = assert_user_error(invoke(*args), mentions=f"in use by {named}")
+            assert holder.poll() is None, "the holder finished while the second writer ran: no overlap was tested"
+            assert line.endswith("try again when it has finished.")
+        assert holder.wait(timeout=300) == 0, holder.stderr.read()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert read_json(run / "manifest.json")["rounds_done"] == 60
+    assert RunDirectory(run).integrity_problems() == []
+
+
 def test_an_unfinished_run_is_attacked_only_at_a_finished_round(plain_run, tmp_path):
     run = copy(plain_run, tmp_path)
     manifest = read_json(run / "manifest.json")
@@ -450,5 +486,103 @@ def test_a_run_file_grown_beyond_any_fedaudit_writes_is_one_sentence_before_it_i
     path = run / name
     path.write_bytes(path.read_bytes() + b" " * 8192)
     result = invoke("report", run, "--out", tmp_path / "r.md")
-    message = assert_user_error(result, mentions=name)
+    message = assert_user_error(result, mentions=f"{name} was changed after fedaudit wrote it", exit_code=1)
     assert "larger than any file fedaudit writes" in message
+    assert not (tmp_path / "r.md").exists()
+
+
+# ------------------------------------------------------------------ edits that parse: the integrity check comes first
+
+
+def _renamed_bound_count(metrics: dict) -> None:
+    test = metrics["epsilon_lower_bound_test"]
+    test["false_positivez"] = test.pop("false_positives")
+
+
+def _exposed_as_text(metrics: dict) -> None:
+    metrics["risk"]["most_exposed"] = "x"
+
+
+def _client_named_in_words(metrics: dict) -> None:
+    rates = metrics["risk"]["tpr_at_fpr_per_client"]
+    rates["first"] = rates.pop(next(iter(rates)))
+
+
+def _count_as_text(metrics: dict) -> None:
+    metrics["epsilon_lower_bound_test"]["bound_members"] = "many"
+
+
+@pytest.fixture(scope="module")
+def attacked_run(plain_run, tmp_path_factory) -> Path:
+    run = copy(plain_run, tmp_path_factory.mktemp("attacked"))
+    assert invoke("attack", run, "--signal", "loss", "--method", "threshold", "--no-progress").exit_code == 0
+    return run
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [_renamed_bound_count, _exposed_as_text, _client_named_in_words, _count_as_text],
+    ids=["bound-key-renamed", "exposed-records-text", "client-id-text", "count-text"],
+)
+def test_a_valid_json_edit_of_an_attack_result_is_named_and_never_read(attacked_run, tmp_path, edit):
+    """The issue's case (a renamed key of an attack's metrics.json took `report` to a traceback): the integrity check
+    names the file, the result is left out unread, and the report is written with its FAIL (exit 1). With the hashes
+    re-recorded by a forger, the malformed entries read as absent and the report is written (exit 0)."""
+    run = copy(attacked_run, tmp_path)
+    path = run / "attacks" / "loss-threshold" / "metrics.json"
+    metrics = read_json(path)
+    edit(metrics)
+    path.write_text(json.dumps(metrics))
+    result = invoke("report", run, "--out", tmp_path / "report", "--format", "md")
+    assert result.exit_code == 1, result.output
+    assert "attacks/loss-threshold/metrics.json was changed after fedaudit wrote it" in result.output
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "The attack result loss-threshold was changed after fedaudit wrote it" in markdown
+    rehash(run)
+    forged = invoke("report", run, "--out", tmp_path / "forged", "--format", "md")
+    assert forged.exit_code == 0, forged.output
+    assert "Traceback" not in forged.output
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("config.json", "{not json"),
+        ("config.json", json.dumps({"model": {"arch": None}})),
+        ("config.json", json.dumps({"federated": {"algorithm": ["fedavg"]}})),
+        ("metrics.csv", "round,test_accuracy\n1,high\n"),
+        ("metrics.csv", ""),
+        ("privacy.json", json.dumps({"accountant": ["rdp"]})),
+    ],
+    ids=["not-json", "arch-null", "algorithm-list", "metrics-text", "metrics-empty", "accountant-list"],
+)
+def test_a_corrupt_record_of_the_run_is_its_integrity_fail_not_bad_input(dp_run, tmp_path, name, content):
+    """config.json, metrics.csv or privacy.json that cannot be read, edited after training: the report cannot be laid
+    out, and says why in one sentence with the exit code of an integrity FAIL (1), not 2 as for a bad option; it
+    writes nothing."""
+    run = copy(dp_run, tmp_path)
+    path = run / name
+    if content.startswith("{") and name != "metrics.csv" and "not json" not in content:
+        merged = read_json(path)
+        for section, values in json.loads(content).items():
+            merged[section] = {**merged[section], **values} if isinstance(merged[section], dict) else values
+        content = json.dumps(merged)
+    path.write_text(content)
+    before = tree_digest(tmp_path)
+    line = assert_user_error(
+        invoke("report", run, "--out", tmp_path / "report"), mentions=f"{name} was changed", exit_code=1
+    )
+    assert "FAIL: its files are not those fedaudit wrote" in line and "no report was written" in line
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_forged_configuration_that_is_not_text_is_one_sentence(dp_run, tmp_path):
+    """The same edits with the hashes re-recorded: no integrity problem to name, so a bad configuration (exit 2),
+    in one sentence and not a traceback."""
+    for key, value in (("model", {"arch": None}), ("federated", {"algorithm": ["fedavg"]})):
+        run = copy(dp_run, tmp_path, f"run-{key}")
+        config = read_json(run / "config.json")
+        config[key].update(value)
+        (run / "config.json").write_text(json.dumps(config))
+        rehash(run)
+        assert_user_error(invoke("report", run, "--out", tmp_path / "report"), mentions="must be text")

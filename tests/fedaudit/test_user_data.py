@@ -133,7 +133,10 @@ def test_a_csv_reads_its_feature_columns_and_label_column(tmp_path):
     frame["outcome"] = np.arange(100) % 2
     frame.loc[3, "dose"] = None
     frame.to_csv(path, index=False)
-    with pytest.raises(DataError, match="empty cells"):
+    with pytest.raises(DataError, match=r"empty or NaN cells \(the first: row 4, column 'dose'\)"):
+        load_dataset(f"csv:{path}", label_column="outcome")
+    path.write_text(path.read_text().replace(",,", ",nan,"))  # written out: not empty, but no number either
+    with pytest.raises(DataError, match=r"empty or NaN cells \(the first: row 4, column 'dose'\)"):
         load_dataset(f"csv:{path}", label_column="outcome")
 
 

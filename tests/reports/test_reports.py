@@ -698,4 +698,14 @@ def test_markup_in_names_and_sources_stays_text_in_markdown(plain_run, tmp_path)
     out = tmp_path / "r.md"
     assert invoke("report", run, "--out", out).exit_code == 0
     markdown = out.read_text()
-    assert "<img" not in markdown and "&lt;img src=x onerror=alert(1)&gt;" in markdown
+    assert "&lt;img src=x onerror=alert(1)&gt;" in markdown  # in prose: as entities
+    assert "`<img src=x onerror=alert(1)>`" in markdown  # in a code span: literal, as Markdown shows it
+    import markdown as python_markdown
+    from markdown_it import MarkdownIt
+
+    for html in (
+        python_markdown.markdown(markdown, extensions=["tables"]),
+        MarkdownIt().enable("table").render(markdown),
+    ):
+        assert "<img" not in html and "&amp;lt;" not in html, html
+        assert "<code>&lt;img src=x onerror=alert(1)&gt;</code>" in html

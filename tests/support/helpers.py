@@ -182,9 +182,10 @@ def with_keys(data, keys, round_index: int = 0, device: str = "cpu"):
     return replace(data, draws=QueryDraws(keys, round_index, torch.device(device)))
 
 
-def assert_user_error(result, *, mentions: str | None = None) -> str:
-    """Exit code 2 and exactly one line on stderr, starting with 'Error:', without a traceback."""
-    assert result.exit_code == 2, result.output
+def assert_user_error(result, *, mentions: str | None = None, exit_code: int = 2) -> str:
+    """Exit code 2 (or ``exit_code``: 1 for a run that fails its integrity check) and exactly one line on stderr,
+    starting with 'Error:', without a traceback."""
+    assert result.exit_code == exit_code, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("Error: "), result.stderr
