@@ -28,13 +28,12 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.func import functional_call
 
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
-from fedaudit.attacks.metrics import CONFIDENCE, Bootstrap, bootstrap, roc
+from fedaudit.attacks.metrics import CONFIDENCE, Bootstrap, auc_score, bootstrap, roc
 from fedaudit.canaries import LAYOUTS, Canaries, canary_directions, canary_groups, group_of
 from fedaudit.data import Dataset
 from fedaudit.models import ModelSpec, build_model, initial_params
@@ -365,7 +364,7 @@ def canary_audit(
             [bound.epsilon for bound in bounds.values()] + [part["epsilon_lower_bound"] for part in by_part.values()]
         )
         curve = roc(included[informative], scores[informative])
-        auc = float(roc_auc_score(included[informative], scores[informative]))
+        auc = auc_score(included[informative], scores[informative])
         estimate = (
             gaussian_estimate(inside, outside, delta=delta, seed=split_seed)
             if len(inside) > 1 and len(outside) > 1

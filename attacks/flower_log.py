@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sklearn.metrics import roc_auc_score
 
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
-from fedaudit.attacks.metrics import CONFIDENCE, DEFAULT_RESAMPLES, Bootstrap, bootstrap, roc
+from fedaudit.attacks.metrics import CONFIDENCE, DEFAULT_RESAMPLES, Bootstrap, auc_score, bootstrap, roc
 from fedaudit.canary_log import FORMAT, VERSION, CanaryLog, read_log
 from fedaudit.privacy.accounting import SGMEvent, compute_epsilon
 from fedaudit.runs import atomic_write_bytes, csv_bytes, json_bytes
@@ -179,7 +178,7 @@ def audit(
             "score": view.score,
             "num_members": int(inside.size),
             "num_nonmembers": int(outside.size),
-            "auc": float(roc_auc_score(included, score)),
+            "auc": auc_score(included, score),
             "auc_ci95": list(Bootstrap.interval(auc_boot.auc)),
             "epsilon_lower_bound": bound,
             "estimators": {name: b.to_dict() for name, b in bounds.items()},

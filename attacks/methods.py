@@ -20,10 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.neural_network import MLPClassifier
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import QuantileTransformer
 
 from fedaudit.attacks.metrics import rates_at_fpr
 
@@ -65,7 +61,13 @@ def run_method(
 
 
 def classifier_attack(signal: np.ndarray, member: np.ndarray, attack_train: np.ndarray, *, seed: int) -> MethodOutput:
-    """Fit an MLP on the rank-standardised signal of the attack-training half; score every record with P(member)."""
+    """Fit an MLP on the rank-standardised signal of the attack-training half; score every record with P(member).
+    scikit-learn is imported here, by the one method that needs it (2-3 s of start-up the others do not pay)."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import QuantileTransformer
+
     features = signal.reshape(-1, 1)
     random_state = seed % 2**32
     model = make_pipeline(
@@ -78,7 +80,7 @@ def classifier_attack(signal: np.ndarray, member: np.ndarray, attack_train: np.n
         # A network stopped at max_iter is still a valid attack; whether it converged goes into metrics.json.
         warnings.simplefilter("ignore", ConvergenceWarning)
         model.fit(features[attack_train], member[attack_train])
-    mlp: MLPClassifier = model[-1]
+    mlp = model[-1]
     return MethodOutput(
         scores=model.predict_proba(features)[:, list(mlp.classes_).index(1)],
         audit=~attack_train,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import norm
 
+from fedaudit.attacks.metrics import auc_score
+
 _TINY = 1e-30
 
 
@@ -98,8 +100,6 @@ def tune_a(refs_z: np.ndarray, z_in: np.ndarray, *, gamma: float = 1.0) -> float
     """The offline parameter a, as Privacy Meter tunes it: attack reference 0 with the others on the population
     records (members: those reference 0 trained on) and keep the a of the grid 0, 0.1, .., 1 with the highest AUC
     (the first on ties). None with fewer than two references or a degenerate population."""
-    from sklearn.metrics import roc_auc_score
-
     refs_z, z_in = np.asarray(refs_z, float), np.asarray(z_in, bool)
     if len(refs_z) < 2:
         return None
@@ -114,7 +114,7 @@ def tune_a(refs_z: np.ndarray, z_in: np.ndarray, *, gamma: float = 1.0) -> float
             refs_z[0][usable], refs_z[1:, usable], refs_z[0][usable], refs_z[1:, usable], a=a, gamma=gamma,
             x_out=out[:, usable], z_out=out[:, usable],
         )  # fmt: skip
-        auc = float(roc_auc_score(member, scores))
+        auc = auc_score(member, scores)
         if auc > best_auc:
             best, best_auc = a, auc
     return best

@@ -18,14 +18,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.metrics import roc_auc_score
 
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, read_canaries, run_views
 from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
 from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
-from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, bootstrap_groups, risk, summarize
+from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, auc_score, bootstrap_groups, risk, summarize
 from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
 from fedaudit.attacks.reconstruction import (
     ReconstructionOptions,
@@ -752,7 +751,7 @@ def _per_client(
         intervals = {k: list(boot.interval(boot.auc)) for k, boot in zip(scored, boots)}
         for k in clients:
             both = members[k] | others
-            auc = float(roc_auc_score(ev.member[both], scores[both])) if k in intervals else None
+            auc = auc_score(ev.member[both], scores[both]) if k in intervals else None
             table[str(k)] = {
                 "auc": auc,
                 "auc_ci95": intervals.get(k),

@@ -288,9 +288,11 @@ def test_participation_with_client_sampling(tmp_path):
     }
 
 
-def test_the_old_discount_for_client_sampling_is_caught(tmp_path, monkeypatch):
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_the_old_discount_for_client_sampling_is_caught(tmp_path, monkeypatch, accountant):
     """A ledger that discounts each round's first query to p q and charges clients for rounds they sat out (the
-    accounting of FedLAP-DP's paper) under-charges a client chosen in every round: verify FAILs it."""
+    accounting of FedLAP-DP's paper) under-charges a client chosen in every round: verify FAILs it, against the
+    exact RDP for an RDP ledger and against dp-accounting's PLD lower bound for a PRV one."""
     import fedaudit.training as training
     from fedaudit.privacy.accounting import SGMEvent
 
@@ -307,13 +309,14 @@ def test_the_old_discount_for_client_sampling_is_caught(tmp_path, monkeypatch):
         }
 
     monkeypatch.setattr(training, "_round_privacy_events", discounted)
-    run = train(tmp_path / "run", "--rounds", "6", "--client-fraction", "0.6")
+    run = train(tmp_path / "run", "--rounds", "6", "--client-fraction", "0.6", "--accountant", accountant)
     monkeypatch.undo()
     verification = verify(run)
     participation = verification.check("sampling").details["participation"]
     assert 6 in participation  # this seed chooses some client in every round
     ledger = verification.check("ledger")
     assert not ledger.passed and "spend" in ledger.sentence
+    assert ("optimistic discretisation" in ledger.sentence) == (accountant == "prv"), ledger.sentence
     uncovered = {int(k) for k, client in ledger.details["clients"].items() if not client["covered"]}
     assert uncovered == {k for k, count in enumerate(participation) if count == 6}
 
@@ -327,8 +330,12 @@ def test_the_rdp_recomputation_matches_the_ledger_of_a_correct_run(correct):
         says = ledger["per_client"][k]["epsilon"]
         assert client["ledger"] == says
         assert client["rdp"] == pytest.approx(says, rel=1e-6)  # exact RDP at a superset of the ledger's orders
-        assert client["rdp_dp_accounting"] == pytest.approx(says, rel=1e-3)  # dp-accounting's own, conservative
-        assert client["pld_lower"] <= client["pld"] < client["rdp"]
+    # dp-accounting's own accountants, for the client that spends most (seconds a client: not for every one)
+    most = max(clients, key=lambda k: clients[k]["rdp"])
+    assert {k for k, client in clients.items() if "pld" in client} == {most}
+    client = clients[most]
+    assert client["rdp_dp_accounting"] == pytest.approx(client["ledger"], rel=1e-3)  # conservative
+    assert client["pld_lower"] <= client["pld"] < client["rdp"]
 
 
 def _gaussian_epsilon(mu: float, delta: float) -> float:

@@ -424,8 +424,17 @@ def test_a_study_can_ask_for_reference_model_attacks(tmp_path):
 
 def test_the_plan_estimates_the_time_from_one_timed_round_and_a_long_study_needs_yes(tmp_path, monkeypatch):
     """The estimate is the timed first round times the rounds left (FedAvg and FedLAP timed once each, with and
-    without DP); past the limit the study is refused before anything is written unless --yes, or in CI."""
+    without DP); past the limit the study is refused before anything is written unless --yes, or in CI, where it
+    starts: takes its lock, writes study.json and carries out its runs (here up to the point where the runs would
+    be trained, which the other tests of this file do in full)."""
     import fedaudit.study as study_module
+    from fedaudit.reports.render import ReportOutcome
+
+    started = []
+
+    def carry_out(folder, study, planned, *args, **kwargs):
+        started.append((folder, len(planned)))
+        return ReportOutcome((), {}, None)
 
     timed = []
 
@@ -444,6 +453,8 @@ def test_the_plan_estimates_the_time_from_one_timed_round_and_a_long_study_needs
     assert "about 32 s (training 32 s, attacks 0 s;" in result.stdout
     assert_user_error(result, mentions="--yes")
     assert not (tmp_path / "out").exists()
+    assert started == []
+    monkeypatch.setattr(study_module, "_carry_out", carry_out)
     monkeypatch.setenv("CI", "true")
     small = ("--algorithm", "fedavg", "--seed", "0", "--no-equal-data-access")
     result = compare("--study", study, "--out", tmp_path / "ci", *small)
@@ -451,6 +462,8 @@ def test_the_plan_estimates_the_time_from_one_timed_round_and_a_long_study_needs
     monkeypatch.delenv("CI")
     result = compare("--study", study, "--out", tmp_path / "yes", *small, "--yes")
     assert result.exit_code == 0, result.output
+    assert started == [(tmp_path / "ci", 2), (tmp_path / "yes", 2)]  # 2 budgets x 1 seed of FedAvg each
+    assert all((folder / "study.json").is_file() for folder, _ in started)
 
 
 def test_durations_are_said_in_the_unit_a_reader_expects():
