@@ -16,6 +16,7 @@ import pytest
 from helpers import FAST_ARGS, assert_user_error, invoke, read_json, rehash, tree_digest
 
 import fedaudit.runs as runs
+from fedaudit.integrity import LOCK as LOCK_NAME
 from fedaudit.runs import RunDirectory
 
 # A DP-FedAvg canary run that keeps what crossed the wire: every kind of file a run writes.
@@ -253,6 +254,23 @@ def test_a_signed_run_verifies_with_its_key_only_and_not_once_a_file_is_forged(p
     signature["manifest"]["rounds_done"] = 1
     (run / "signature.json").write_text(json.dumps(signature))
     assert "does not verify" in invoke("verify", run, "--public-key", public).output
+
+
+def test_a_signed_run_with_any_file_changed_fails_verify_even_with_its_hashes_re_recorded(plain_run, tmp_path):
+    """Every file of a signed run in turn, the manifest and the signature included: one byte flipped (and, but for
+    the manifest, every hash re-recorded as a forger would), and `verify --public-key` fails."""
+    signed = copy(plain_run, tmp_path, "signed")
+    private, public = _keys(tmp_path, "site")
+    assert invoke("sign", signed, "--key", private).exit_code == 0
+    names = sorted(p.relative_to(signed).as_posix() for p in signed.rglob("*") if p.is_file() and p.name != LOCK_NAME)
+    assert {"manifest.json", "signature.json", "model.safetensors", "config.json"} <= set(names)
+    for name in names:
+        run = copy(signed, tmp_path, f"forged-{name.replace('/', '-')}")
+        flip_middle_byte(run / name)
+        if name not in ("manifest.json", "signature.json"):
+            rehash(run)
+        result = invoke("verify", run, "--public-key", public)
+        assert result.exit_code != 0 and "PASS signature" not in result.output, (name, result.output)
 
 
 def test_verify_keeps_the_signature_it_checks_and_the_signature_covers_the_manifest(tmp_path):
