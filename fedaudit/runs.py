@@ -364,6 +364,39 @@ def _bound_test(value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
+def _canary_audit(value: Any) -> dict[str, Any] | None:
+    """An attack's "canary_audit" entry, or None when it is not one fedaudit writes in the parts a report shows:
+    its counts, kind and threat model, its estimate with a two-number interval, each estimator's epsilon, and its
+    bound by the number of guesses."""
+    if not isinstance(value, dict):
+        return None
+    estimate = value.get("estimate")
+    estimators = value.get("estimators")
+    guesses = value.get("bound_by_guesses", [])
+    well_formed = (
+        _count(value.get("canaries")) is not None
+        and isinstance(value.get("canary_kind"), (str, type(None)))
+        and "canary_kind" in value
+        and isinstance(value.get("threat_model"), str)
+        and _number(value.get("per_estimator_confidence")) is not None
+        and (value.get("informative_canaries") is None or _count(value.get("informative_canaries")) is not None)
+        and (estimate is None or (isinstance(estimate, dict) and _interval(estimate.get("ci95")) is not None))
+        and isinstance(estimators, dict)
+        and all(
+            isinstance(estimators.get(name), dict) and _number(estimators[name].get("epsilon")) is not None
+            for name in ("one-run", "gdp")
+        )
+        and isinstance(guesses, list)
+        and all(
+            isinstance(point, dict)
+            and _count(point.get("guesses")) is not None
+            and _number(point.get("epsilon")) is not None
+            for point in guesses
+        )
+    )
+    return dict(value) if well_formed else None
+
+
 def _risk(value: Any) -> dict[str, Any] | None:
     """An attack's "risk" entry, or None when it is not one fedaudit writes: "most_exposed" a list of records,
     "tpr_at_fpr_per_client" rates by integer client id."""
@@ -417,6 +450,16 @@ class AttackRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str) -> AttackRecord:
+        """The result in ``data`` (metrics.json), its directory called ``name``.
+
+        Raises:
+            RunError: a canary audit whose entry, or whose bound, is not what fedaudit writes (a report could not
+                show it; an ordinary attack's malformed numbers read as None instead).
+        """
+        if "canary_audit" in data and (
+            _canary_audit(data["canary_audit"]) is None or _number(data.get("epsilon_lower_bound")) is None
+        ):
+            raise RunError(f"attacks/{name}/metrics.json holds a canary audit that is not one fedaudit writes.")
         signal, _, method = name.partition("-round-")[0].rpartition("-")
         rates = data.get("tpr_at_fpr") if isinstance(data.get("tpr_at_fpr"), dict) else {}
         held_out = data.get("advantage_held_out") if isinstance(data.get("advantage_held_out"), dict) else {}
@@ -442,7 +485,7 @@ class AttackRecord:
             accountant_epsilon=_number(data.get("accountant_epsilon")),
             num_members=_count(data.get("num_members")),
             num_nonmembers=_count(data.get("num_nonmembers")),
-            canary_audit=data["canary_audit"] if isinstance(data.get("canary_audit"), dict) else None,
+            canary_audit=_canary_audit(data.get("canary_audit")),
             direction=data["direction"]
             if data.get("direction") in ("inverted", "as expected", "undetermined")
             else None,

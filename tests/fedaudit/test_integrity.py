@@ -604,3 +604,36 @@ def test_a_forged_configuration_that_is_not_text_is_one_sentence(dp_run, tmp_pat
         (run / "config.json").write_text(json.dumps(config))
         rehash(run)
         assert_user_error(invoke("report", run, "--out", tmp_path / "report"), mentions="must be text")
+
+
+@pytest.fixture(scope="module")
+def canary_audited(trained, tmp_path_factory) -> Path:
+    run = copy(trained("--dp", "--rounds", "1", "--canaries", "50"), tmp_path_factory.mktemp("canary"))
+    assert invoke("attack", run, "--method", "canary", "--no-progress").exit_code == 0
+    return run
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda audit: audit["canary_audit"]["estimators"].pop("gdp"),
+        lambda audit: audit["canary_audit"]["bound_by_guesses"].append({"guesses": "all", "epsilon": 1.0}),
+        lambda audit: audit["canary_audit"].pop("canary_kind"),
+        lambda audit: audit["canary_audit"]["estimate"].update(ci95=None),
+        lambda audit: audit.update(epsilon_lower_bound=None),
+    ],
+    ids=["estimator-removed", "guesses-text", "kind-removed", "interval-null", "bound-null"],
+)
+def test_a_forged_canary_audit_is_left_out_not_laid_out(canary_audited, tmp_path, forge):
+    """A canary audit's metrics.json edited by a forger who re-records the hashes (so that the integrity check has
+    nothing to name): the result is left out with a note, and the report is written, without a traceback."""
+    run = copy(canary_audited, tmp_path)
+    path = run / "attacks" / "update-projection-canary" / "metrics.json"
+    audit = read_json(path)
+    forge(audit)
+    path.write_text(json.dumps(audit))
+    rehash(run)
+    result = invoke("report", run, "--out", tmp_path / "report", "--format", "md", "--format", "html")
+    assert result.exit_code in (0, 1), result.output
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "The attack result update-projection-canary is unreadable and is left out." in markdown
