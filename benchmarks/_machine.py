@@ -2,14 +2,22 @@
 
 Figures are only comparable on the same device with the same thread count, so each script names them: the
 accelerator (its name, memory and CUDA version) or the CPU model, the cores, torch's version and its threads.
+
+torch is imported only where the line needs it (an accelerator's properties, this process's thread count): a script
+that only starts ``fedaudit`` processes names the CPU and the threads those run with, and reads torch's version from
+its installed metadata, without spending seconds importing torch itself.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def cpu_model() -> str:
@@ -23,13 +31,23 @@ def cpu_model() -> str:
     return os.uname().machine
 
 
+def torch_version() -> str:
+    """torch's version: the imported module's, or where torch is not imported, its installed distribution's."""
+    torch = sys.modules.get("torch")
+    return torch.__version__ if torch is not None else importlib.metadata.version("torch")
+
+
 def describe(device: str | torch.device = "cpu", threads: int | None = None) -> str:
     """``device: ...`` naming where the figures below were measured; ``threads`` where they ran in other processes."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
+    if str(device).partition(":")[0] == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.device(device))
         where = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda})"
     else:
         where = f"CPU, {cpu_model()}"
-    threads = torch.get_num_threads() if threads is None else threads
-    return f"device: {where}; {os.cpu_count()} CPU cores; torch {torch.__version__}, {threads} torch thread(s)"
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    return f"device: {where}; {os.cpu_count()} CPU cores; torch {torch_version()}, {threads} torch thread(s)"

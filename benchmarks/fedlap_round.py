@@ -91,7 +91,8 @@ def main() -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="smallest sizes (seconds): digits (8x8, ConvNet depth 2) instead of Fashion-MNIST, width 8, R_i=1",
+        help="smallest sizes (seconds): digits (8x8, ConvNet depth 2) instead of Fashion-MNIST, width 8, "
+        "R_i = L = R_b = J = 1 (T = 1), 1 image per class, 1 server epoch",
     )
     args = parser.parse_args()
     if args.smoke:
@@ -105,8 +106,27 @@ def main() -> None:
         0, data.x.to(device), data.y.to(device), draws=QueryDraws(SeededKeys(1, 0), 0, torch.device(device))
     )
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, data: {source}, N_k={data.num_examples}")
+    data_config = DataConfig(dataset="fashion-mnist")  # its defaults: B = 256, the paper's learning rates
+    loops = FedLAPConfig(trajectories=args.trajectories, augment=args.augment)
+    if args.smoke:
+        loops = replace(loops, max_loops=1, real_batches=1, image_steps=1, ipc=1, server_epochs=1)
+    lap = RunConfig(
+        data=data_config,
+        federated=FederatedConfig(algorithm="fedlap", rounds=1),
+        privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
+        fedlap=loops,
+    ).resolved()
+    assert lap.federated.batch_size == 256, lap.federated.batch_size
+    queries = FedLAP().queries_per_round(lap, data.num_examples)
+    avg = RunConfig(
+        data=data_config,
+        federated=FederatedConfig(algorithm="fedavg", rounds=1, local_steps=queries),
+        privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
+    ).resolved()
+    f = lap.fedlap
     print(
-        f"FedLAP-DP: R_i={args.trajectories}, L=5, R_b=10, J=5, ipc=10, B=256, sigma=1, C=1, augment={args.augment}; "
+        f"FedLAP-DP: R_i={f.trajectories}, L={f.max_loops}, R_b={f.real_batches}, J={f.image_steps}, ipc={f.ipc}, "
+        f"B=256, sigma=1, C=1, augment={args.augment}; "
         f"DP-FedAvg: the same number of DP queries (--local-steps), B=256, sigma=1, C=0.1"
     )
     header = (
@@ -120,20 +140,6 @@ def main() -> None:
         torch.manual_seed(0)
         model = build_model(spec).to(device)
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
-        data_config = DataConfig(dataset="fashion-mnist")  # its defaults: B = 256, the paper's learning rates
-        lap = RunConfig(
-            data=data_config,
-            federated=FederatedConfig(algorithm="fedlap", rounds=1),
-            privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
-            fedlap=FedLAPConfig(trajectories=args.trajectories, augment=args.augment),
-        ).resolved()
-        assert lap.federated.batch_size == 256, lap.federated.batch_size
-        queries = FedLAP().queries_per_round(lap, data.num_examples)
-        avg = RunConfig(
-            data=data_config,
-            federated=FederatedConfig(algorithm="fedavg", rounds=1, local_steps=queries),
-            privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
-        ).resolved()
 
         watch = Stopwatch(device)
         originals = (fedlap_module.dp_gradient, FedLAP._image_step, fedlap_module.fit_in_ball)

@@ -72,11 +72,13 @@ def main() -> None:
     parser.add_argument("--parallel-clients", type=int, default=1, help="clients trained at once (threads)")
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument(
-        "--smoke", action="store_true", help="smallest sizes (seconds): digits, 20 clients, 2 rounds, one setting"
+        "--smoke",
+        action="store_true",
+        help="smallest sizes (seconds): digits, 20 clients, 2 rounds of 1 local epoch, one setting (with its floor)",
     )
     args = parser.parse_args()
     if args.smoke:
-        args.clients, args.rounds, args.dataset, args.client_fraction = [20], [2], "digits", 0.2
+        args.clients, args.rounds, args.dataset, args.client_fraction, args.local_epochs = [20], [2], "digits", 0.2, 1
         args.eval_every, args.eval_sample, args.floor = 2, 100, True
     if len(args.rounds) != len(args.clients):
         parser.error("give one --rounds per --clients")

@@ -21,6 +21,7 @@ SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"
 # Each script's table: text its header line holds, and a pattern (re.MULTILINE) one of the lines after it matches.
 # A new script needs an entry here.
 TABLES: dict[str, tuple[str, str]] = {
+    "accounting.py": ("previous/ours", r"^\s+0\.7\s+0\.01\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d\.\de-\d+$"),
     "attack_signals.py": ("previous/ours", r"^\s+8\s+\d"),
     "attack_strength.py": ("attacks on the final model", r"^\s+RMIA offline, K=1\s+AUC \d"),
     "audit_power.py": ("verify (s)", r"^digits\s+fedavg\s+gradient\s+\S+\s+\d"),
@@ -37,7 +38,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "per_client_intervals.py": ("per client (s)", r"^\s+20\s+\d"),
     "per_sample_grads.py": ("GSM/ours", r"^\s+8\s+\d"),
     "query_recording.py": ("median (s)", r"^with recording\s+\d"),
-    "reconstruction.py": ("null PSNR dB", r"^digits\s+fedsgd\s+1\s+1\s+2\s+none\s+-\s+8\s+\d+\.\d+ \["),
+    "reconstruction.py": ("null PSNR dB", r"^digits\s+fedsgd\s+1\s+1\s+2\s+none\s+-\s+2\s+\d+\.\d+ \["),
     "scale.py": ("peak RSS (MB)", r"^\s+20\s+2\s+every 2, 100 records\s+\d"),
     "twins.py": ("max rel. diff", r"^\s+8\s+\d+\s+8\s"),
     "utility.py": ("DP-FedAvg acc %", r"^1\s+\d"),
