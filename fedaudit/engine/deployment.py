@@ -491,23 +491,36 @@ class DeploymentEngine:
         return True
 
     def _map_sites(self) -> None:
-        """Ask every connected SuperNode which client it hosts, until each client has one (or the wait is over)."""
+        """Ask every SuperNode which client it hosts as soon as it connects (SuperNodes that connect while others
+        are still answering are asked at once, not after them), until each client has one and every node asked has
+        answered (or the wait is over). A node that went away meanwhile (a dead site's stale entry) is left out."""
         from flwr.app import ConfigRecord, Message, RecordDict
 
         deadline = time.monotonic() + self.wait_seconds
+        task = ConfigRecord({"config": self.config_json})
         asked: set[int] = set()
+        pending: dict[str, int] = {}  # message id -> node
         claims: dict[int, list[int]] = {}
         while True:
-            nodes = [n for n in self._grid.get_node_ids() if n not in asked]
+            nodes = [] if self._mapped() else [n for n in self._grid.get_node_ids() if n not in asked]
             if nodes:
                 asked.update(nodes)
-                task = ConfigRecord({"config": self.config_json})
-                requests = {n: Message(RecordDict({"task": task}), message_type="query", dst_node_id=n) for n in nodes}
-                for node, reply in self._hellos(requests, deadline).items():
+                hellos = [Message(RecordDict({"task": task}), message_type="query", dst_node_id=n) for n in nodes]
+                pending.update(zip(self._grid.push_messages(hellos), nodes))
+            if pending:
+                for reply in self._grid.pull_messages(list(pending)):
+                    node = pending.pop(reply.metadata.reply_to_message_id)
+                    if reply.has_error():
+                        if int(reply.error.code) == NODE_UNAVAILABLE:
+                            continue
+                        raise DeploymentError(
+                            f"The SuperNode {node} could not say which client it hosts: {reply.error.reason}"
+                        )
                     self._check_site(node, reply, claims)
-            if all(client in self._node_of for client in range(self.num_clients)):
+            late = time.monotonic() > deadline
+            if self._mapped() and (not pending or late):
                 return
-            if time.monotonic() > deadline:
+            if late:
                 missing = [client for client in range(self.num_clients) if client not in self._node_of]
                 raise DeploymentError(
                     f"No SuperNode hosts client {missing[0]} after {self.wait_seconds:g} s ({len(self._node_of)} of "
@@ -516,26 +529,9 @@ class DeploymentEngine:
                 )
             time.sleep(POLL_SECONDS)
 
-    def _hellos(self, requests: dict[int, Any], deadline: float) -> dict[int, Any]:
-        """Replies of the nodes that answered; a node that went away meanwhile (a dead site's stale entry) is left
-        out."""
-        sent = dict(zip(self._grid.push_messages(list(requests.values())), requests))
-        answers: dict[int, Any] = {}
-        pending = set(sent)
-        while pending and time.monotonic() <= deadline:
-            for reply in self._grid.pull_messages(list(pending)):
-                pending.discard(reply.metadata.reply_to_message_id)
-                node = sent[reply.metadata.reply_to_message_id]
-                if reply.has_error():
-                    if int(reply.error.code) == NODE_UNAVAILABLE:
-                        continue
-                    raise DeploymentError(
-                        f"The SuperNode {node} could not say which client it hosts: {reply.error.reason}"
-                    )
-                answers[node] = reply
-            if pending:
-                time.sleep(POLL_SECONDS)
-        return answers
+    def _mapped(self) -> bool:
+        """Whether every client has a SuperNode."""
+        return all(client in self._node_of for client in range(self.num_clients))
 
     def _check_site(self, node: int, reply: Any, claims: dict[int, list[int]]) -> None:
         site = reply.content["site"]

@@ -1,8 +1,9 @@
 """A real Flower deployment on 127.0.0.1 for tests: TLS files, one SuperLink and SuperNodes as separate processes.
 
 Every process is started in its own process group with its output in a log file (never a pipe: Flower's
-grandchildren would hold it open), and :meth:`Federation.close` stops each group by the pid the test got from
-``Popen``, also when the test fails.
+grandchildren would hold it open), and :meth:`Federation.close` (a test's SuperNodes) and :meth:`SuperLink.close`
+stop each group by the pid the test got from ``Popen``, also when the test fails. One SuperLink may serve the
+federations of several tests in turn (started once for them), each test starting and stopping its own SuperNodes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what they start by name
+
+# flower-supernode, declaring the heartbeat interval that its first argument gives (Flower's own CLI always declares
+# HEARTBEAT_DEFAULT_INTERVAL, 30 s; the SuperLink accepts any from HEARTBEAT_MIN_INTERVAL, 10 s, and declares a
+# SuperNode that sent none for two intervals offline)
+SUPERNODE_WITH_HEARTBEAT = """
+import sys
+import flwr.supercore.heartbeat as heartbeat
+import flwr.supernode.fleet_http_connection as fleet
+heartbeat.HEARTBEAT_DEFAULT_INTERVAL = fleet.HEARTBEAT_DEFAULT_INTERVAL = float(sys.argv.pop(1))
+from flwr.supernode.cli import flower_supernode
+sys.exit(flower_supernode())
+"""
 
 
 def make_tls_files(directory: Path, host: str = "127.0.0.1") -> dict[str, Path]:
@@ -88,84 +101,144 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class Federation:
-    """One TLS SuperLink (``--isolation process``: fedaudit is the server) and SuperNodes, on 127.0.0.1."""
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """``argv`` in its own process group (a new session), its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def __init__(self, directory: Path, *, task_poll_seconds: float | None = 0.1) -> None:
-        """``task_poll_seconds``: how often each SuperNode's SuperExec asks for new work (Flower's default, 1 s, when
-        None; tests use 0.1 s so that rounds start sooner)."""
+
+def _env(home: Path, task_poll_seconds: float | None = None) -> dict[str, str]:
+    """The environment of a Flower process: this venv's programs first, its own FLWR_HOME, no telemetry."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    if task_poll_seconds is not None:
+        env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(task_poll_seconds)
+    return env
+
+
+def _stop_groups(processes: list[subprocess.Popen], timeout: float = 20) -> None:
+    """Stop the process group of each of ``processes`` (started by :func:`_spawn`), by the pid the test got: SIGTERM
+    to every group at once (each shuts down on its own, so they stop together rather than one after the other),
+    SIGKILL to a process still running after ``timeout`` s, and to what is left of every group (its SuperExec,
+    ClientApps)."""
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+class SuperLink:
+    """A TLS SuperLink on 127.0.0.1 (``--isolation process``: fedaudit is the server), in its own process group; it
+    serves the :class:`Federation` of one test after another."""
+
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.task_poll_seconds = task_poll_seconds
         self.tls = make_tls_files(directory / "certs")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.processes: dict[str, subprocess.Popen] = {}
-
-    def _env(self, name: str) -> dict[str, str]:
-        home = self.directory / "flwr-home" / name
-        home.mkdir(parents=True, exist_ok=True)
-        env = {
-            **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "FLWR_HOME": str(home),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "OMP_NUM_THREADS": "1",
-        }
-        if self.task_poll_seconds is not None:
-            env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(self.task_poll_seconds)
-        return env
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        with open(self.directory / f"{name}.log", "ab") as log:
-            process = subprocess.Popen(
-                argv, env=self._env(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.processes[name] = process
-        return process
-
-    def start_superlink(self) -> None:
         tls = self.tls
-        self._spawn(
-            "superlink",
+        self.process = _spawn(
             [
                 str(BIN / "flower-superlink"),
                 *("--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])),
                 *("--ssl-keyfile", str(tls["key"]), "--host", "127.0.0.1", "--port", str(self.port)),
                 *("--isolation", "process", "--disable-runtime-dependency-installation"),
             ],
+            _env(directory / "flwr-home"),
+            directory / "superlink.log",
         )
-        context = ssl.create_default_context(cafile=str(tls["ca"]))
+        try:
+            self._wait()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait(self) -> None:
+        context = ssl.create_default_context(cafile=str(self.tls["ca"]))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"https://{self.address}/health", verify=context, timeout=2).status_code == 200:
                     return
-            if self.processes["superlink"].poll() is not None:
+            if self.process.poll() is not None:
                 break
-            time.sleep(0.3)
-        raise RuntimeError(f"the SuperLink did not come up: {self.log('superlink')}")
+            time.sleep(0.1)
+        raise RuntimeError(f"the SuperLink did not come up: {self.log()}")
+
+    def log(self) -> str:
+        path = self.directory / "superlink.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
+
+    def close(self) -> None:
+        """Stop the SuperLink's process group."""
+        _stop_groups([self.process])
+
+
+class Federation:
+    """One test's SuperNodes on a :class:`SuperLink`: each in its own process group, every one stopped by
+    :meth:`close`."""
+
+    def __init__(self, superlink: SuperLink, directory: Path, *, task_poll_seconds: float | None = 0.1) -> None:
+        """``task_poll_seconds``: how often each SuperNode's SuperExec asks for new work (Flower's default, 1 s, when
+        None; tests use 0.1 s so that rounds start sooner)."""
+        self.superlink = superlink
+        self.directory = directory
+        self.task_poll_seconds = task_poll_seconds
+        self.tls = superlink.tls
+        self.address = superlink.address
+        self.processes: dict[str, subprocess.Popen] = {}  # the current process of each name
+        self.spawned: list[subprocess.Popen] = []  # every process started, a killed site's too
+        directory.mkdir(parents=True, exist_ok=True)
 
     def secret_path(self, client: int) -> Path:
         """Where the site of ``client`` keeps its secret (unless its node config names another file)."""
         return self.directory / f"site-{client}" / "secret.json"
 
     def start_supernode(
-        self, client: int, node_config: str | None = None, *, public_noise: bool = False
+        self,
+        client: int,
+        node_config: str | None = None,
+        *,
+        public_noise: bool = False,
+        heartbeat_seconds: float | None = None,
     ) -> subprocess.Popen:
         """A SuperNode hosting ``client``; its node config, unless given: ``client-id=CLIENT`` and its secret's file
-        (:meth:`secret_path`), with ``public-noise=true`` when the site lets the server choose a --noise-seed."""
+        (:meth:`secret_path`), with ``public-noise=true`` when the site lets the server choose a --noise-seed.
+        ``heartbeat_seconds``: the heartbeat interval it declares instead of Flower's 30 s (at least 10 s), for a
+        site that is going to die: the SuperLink then says it is gone after twice that, not after a minute."""
         config = node_config or f'client-id={client} secret="{self.secret_path(client)}"'
         if public_noise:
             config += " public-noise=true"
-        return self._spawn(
-            f"supernode-{client}",
-            [
-                str(BIN / "flower-supernode"),
-                *("--superlink", self.address, "--root-certificates", str(self.tls["ca"])),
-                *("--port", str(free_port()), "--node-config", config),
-            ],
-        )
+        name = f"supernode-{client}"
+        program = [str(BIN / "flower-supernode")]
+        if heartbeat_seconds is not None:
+            program = [sys.executable, "-c", SUPERNODE_WITH_HEARTBEAT, str(heartbeat_seconds)]
+        argv = [
+            *program,
+            *("--superlink", self.address, "--root-certificates", str(self.tls["ca"])),
+            *("--port", str(free_port()), "--node-config", config),
+        ]
+        env = _env(self.directory / "flwr-home" / name, self.task_poll_seconds)
+        self.processes[name] = process = _spawn(argv, env, self.directory / f"{name}.log")
+        self.spawned.append(process)
+        return process
 
     def kill(self, name: str) -> None:
         """SIGKILL one process (a site that dies), and reap it so that its children notice."""
@@ -178,19 +251,8 @@ class Federation:
         return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
 
     def close(self) -> None:
-        """Stop every process group the federation started: SuperNodes first, then the SuperLink."""
-        for name in sorted(self.processes, key=lambda n: n == "superlink"):
-            process = self.processes[name]
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)  # what is left of the group (its SuperExec, ClientApps)
+        """Stop the process group of every SuperNode started, all at once (each tells the SuperLink it leaves)."""
+        _stop_groups(self.spawned)
 
 
 class RayHead:

@@ -1,5 +1,5 @@
-"""A Flower deployment: a TLS SuperLink and three SuperNodes as separate processes on 127.0.0.1, one per client (or one
-per site that keeps its own records).
+"""A Flower deployment: a TLS SuperLink and SuperNodes as separate processes on 127.0.0.1, one per client (or one per
+site that keeps its own records). The module's tests share the SuperLink; each starts and stops its own SuperNodes.
 
 fedaudit is the server; each SuperNode's node config names its client and the file of its secret. With a public
 --noise-seed (which the sites allow) the runs must equal the local engine's, byte for byte; by default each site
@@ -12,13 +12,20 @@ from __future__ import annotations
 import json
 
 import pytest
-from federation import Federation
+from federation import Federation, SuperLink
 from helpers import FAST_ARGS, assert_user_error, engine_independent_digest, update_distances
 
 pytest.importorskip("flwr.superlink.grid", reason="the flower extra is not installed")  # `make test` installs it
 
 CLIENTS = 3
-DP = (*FAST_ARGS, "--num-clients", str(CLIENTS), "--rounds", "2", "--dp")
+SITES = 2  # where two sites show what three would: every ClientApp is a process of its own (seconds to start)
+
+
+def dp_args(clients: int) -> tuple[str, ...]:
+    return (*FAST_ARGS, "--num-clients", str(clients), "--rounds", "2", "--dp")
+
+
+DP = dp_args(CLIENTS)
 BASE = (*DP, "--noise-seed", "0")  # public noise, so that a deployment's run can equal the local engine's
 ALGORITHMS = {
     "fedavg": ("--algorithm", "fedavg"),
@@ -30,12 +37,22 @@ ALGORITHMS = {
 }
 
 
-@pytest.fixture
-def federation(tmp_path):
-    """A running SuperLink with no SuperNodes yet; every process it starts is stopped, by pid, after the test."""
-    fed = Federation(tmp_path / "federation")
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory):
+    """One running SuperLink for the module's tests; stopped, by pid, after the last of them."""
+    link = SuperLink(tmp_path_factory.mktemp("superlink"))
     try:
-        fed.start_superlink()
+        yield link
+    finally:
+        link.close()
+
+
+@pytest.fixture
+def federation(superlink, tmp_path):
+    """The SuperLink with no SuperNodes of this test yet; every SuperNode the test starts is stopped, by pid, after
+    it."""
+    fed = Federation(superlink, tmp_path / "federation")
+    try:
         yield fed
     finally:
         fed.close()
@@ -82,7 +99,8 @@ def test_each_site_draws_its_noise_from_a_secret_the_server_never_holds(tmp_path
         assert sorted(entry["rounds"]) == ["0", "1"]  # the rounds it answered, each once
         secret = bytes.fromhex(entry["secret"])
         secrets += [secret, client_key(secret, randomness["run_id"], client)]
-    kept = [p for p in [*deployed.rglob("*"), *federation.directory.rglob("*")] if p.is_file()]
+    kept = [deployed, federation.directory, federation.superlink.directory]
+    kept = [p for folder in kept for p in folder.rglob("*") if p.is_file()]
     kept = [p for p in kept if not p.name.startswith("secret.json") and not p.name.startswith(".secret.json")]
     for path in kept:
         data = path.read_bytes()
@@ -99,7 +117,6 @@ def test_each_site_draws_its_noise_from_a_secret_the_server_never_holds(tmp_path
 
 
 def test_a_client_claimed_twice_is_refused(tmp_path, cli, federation):
-    federation.start_supernode(0)
     federation.start_supernode(1)
     federation.start_supernode(2, node_config="client-id=1")
     out = tmp_path / "run"
@@ -144,9 +161,9 @@ def test_bad_deployment_options_are_one_sentence(tmp_path, cli, extra, mentions)
 def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp_path, cli, federation, monkeypatch):
     from fedaudit.engine.deployment import DeploymentEngine
 
-    for client in range(CLIENTS):
-        federation.start_supernode(client, public_noise=True)
-    args = (*BASE, *ALGORITHMS["fedlap"])
+    for client in range(SITES):  # the site that dies declares Flower's shortest heartbeat interval (10 s, not 30 s)
+        federation.start_supernode(client, public_noise=True, heartbeat_seconds=10 if client == 1 else None)
+    args = (*dp_args(SITES), "--noise-seed", "0", *ALGORITHMS["fedlap"])
     local, deployed = tmp_path / "local", tmp_path / "deployed"
     assert cli("train", *args, "--out", local).exit_code == 0
 
@@ -155,6 +172,9 @@ def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp
     def kill_in_round_two(self, requests, round_number, deadline):
         if round_number == 2:
             federation.kill("supernode-1")  # SIGKILL: the site is gone without a word
+            # the site comes back (a new node id) while the server waits for the dead one's heartbeat (20 s); the
+            # server knows nothing of it until it resumes
+            federation.start_supernode(1, public_noise=True)
         return exchange(self, requests, round_number, deadline)
 
     monkeypatch.setattr(DeploymentEngine, "_exchange", kill_in_round_two)
@@ -165,14 +185,13 @@ def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp
     assert (manifest["status"], manifest["rounds_done"]) == ("failed", 1)
 
     monkeypatch.undo()
-    federation.start_supernode(1, public_noise=True)  # the site is back (a new node id)
     result = cli("train", "--resume", deployed, "--wait-seconds", "120", "--no-progress")
     assert result.exit_code == 0, result.output + federation.log("supernode-1")
     assert engine_independent_digest(deployed) == engine_independent_digest(local)
     assert (deployed / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
     ledgers = [json.loads((run / "privacy.json").read_text()) for run in (deployed, local)]
     assert ledgers[0] == ledgers[1]
-    assert len(list((deployed / "transmitted").glob("round-*/client-*.safetensors"))) == 2 * CLIENTS
+    assert len(list((deployed / "transmitted").glob("round-*/client-*.safetensors"))) == 2 * SITES
 
 
 def test_a_site_whose_data_changed_during_the_run_is_refused(monkeypatch):
@@ -218,7 +237,7 @@ def test_a_site_whose_data_changed_during_the_run_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 5])
-def test_at_most_parallel_clients_sites_are_at_work_at_once(window):
+def test_at_most_parallel_clients_sites_are_at_work_at_once(window, monkeypatch):
     """With --parallel-clients N the engine keeps at most N messages outstanding and sends the next one as soon as a
     reply comes; without it every selected site gets its round at once (a stand-in grid answers one reply per
     pull, oldest first)."""
@@ -227,6 +246,7 @@ def test_at_most_parallel_clients_sites_are_at_work_at_once(window):
     from fedaudit.config import RunConfig
     from fedaudit.engine import deployment
 
+    monkeypatch.setattr(deployment, "POLL_SECONDS", 0.0)  # the stand-in grid answers at once
     engine = deployment.DeploymentEngine(RunConfig(parallel_clients=window), num_clients=5, membership=[])
     outstanding: list[str] = []
     most = 0
@@ -249,8 +269,8 @@ def test_at_most_parallel_clients_sites_are_at_work_at_once(window):
 
 
 def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_are(tmp_path, cli, federation):
-    """Three sites, each with its own file and no file in common; this process (the server) is never allowed to read
-    a data file. DP-FedAvg equals the same run trained here from the three files, byte for byte, and the attack
+    """Two sites, each with its own file and no file in common; this process (the server) is never allowed to read
+    a data file. DP-FedAvg equals the same run trained here from the two files, byte for byte, and the attack
     computed at the sites gives the local attack's scores; a site whose records changed is refused. (FedLAP-DP's
     messages, with client state and what crossed the wire, are the kill-and-resume test's: a site's own file changes
     where the records come from, not what the algorithm sends.)"""
@@ -263,7 +283,7 @@ def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_a
     digits = load_digits()
     x, y = digits.images.astype(np.float32)[:, None], digits.target
     files = []
-    for k, part in enumerate(np.array_split(np.random.default_rng(1).permutation(len(y)), CLIENTS)):
+    for k, part in enumerate(np.array_split(np.random.default_rng(1).permutation(len(y)), SITES)):
         folder = tmp_path / f"site-{k}"
         folder.mkdir()
         np.savez(folder / "records.npz", x=x[part], y=y[part])
@@ -274,15 +294,13 @@ def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_a
     sites = ("--dataset", "sites", "--rounds", "1")
     local_sites = tuple(f"--site-data=npz:{f}" for f in files)
     local, deployed = tmp_path / "fedavg-local", tmp_path / "fedavg-deployed"
-    assert cli("train", *BASE, *ALGORITHMS["fedavg"], *sites, *local_sites, "--out", local).exit_code == 0
+    base = (*dp_args(SITES), "--noise-seed", "0", *ALGORITHMS["fedavg"], *sites)
+    assert cli("train", *base, *local_sites, "--out", local).exit_code == 0
     attack = ("--signal", "loss", "--signal", "grad-norm", "--method", "threshold", "--no-progress")
     real = user.read_records
     user.read_records = sites_module.read_records = lambda *a, **k: pytest.fail("the server read a data file")
     try:
-        result = cli(
-            "train", *BASE, *ALGORITHMS["fedavg"], *sites, *deployment_args(federation), "--wait-seconds", "120",
-            "--out", deployed,
-        )  # fmt: skip
+        result = cli("train", *base, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
         assert result.exit_code == 0, result.output + federation.log("supernode-0")
         assert engine_independent_digest(deployed) == engine_independent_digest(local)
         config = json.loads((deployed / "config.json").read_text())
@@ -296,7 +314,7 @@ def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_a
         for table in ("scores.csv", "roc.csv"):
             mine = (deployed / "attacks" / result / table).read_bytes()
             assert mine == (local / "attacks" / result / table).read_bytes(), (result, table)
-    changed = np.load(files[2])
-    np.savez(files[2], x=changed["x"], y=(changed["y"] + 1) % 10)  # the site's records are no longer the run's
+    changed = np.load(files[-1])
+    np.savez(files[-1], x=changed["x"], y=(changed["y"] + 1) % 10)  # the site's records are no longer the run's
     line = assert_user_error(cli("attack", deployed, *attack, *deployment_args(federation)[2:]))
-    assert "Client 2's site holds other records than the run was trained on" in line
+    assert f"Client {SITES - 1}'s site holds other records than the run was trained on" in line

@@ -1,5 +1,10 @@
 """The Flower engine: clients on Flower's simulation runtime (Ray) give the same run as the local engine, byte for
-byte."""
+byte.
+
+The test of training and resuming starts Ray on this machine for each of its simulations, as a run without
+--ray-address does; the other simulations run on a Ray cluster (a head with one CPU) that the module starts once:
+starting Ray is about ten seconds of a simulation that does it.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,18 @@ ARGS = (
     *"--init previous --client-fraction 0.6 --save-transmitted".split(),
 )
 READ_JSON = json.loads
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A Ray head started here stands for a cluster (one CPU); stopped, by pid, after the module's last test."""
+    from federation import RayHead
+
+    head = RayHead(tmp_path_factory.mktemp("ray"), cpus=1)
+    try:
+        yield head
+    finally:
+        head.close()
 
 
 def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cli, monkeypatch, fixed_secrets):
@@ -85,16 +102,16 @@ def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cl
     ],
     ids=["fedssyn", "fedgm", "feddm"],
 )
-def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra, fixed_secrets):
+def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra, fixed_secrets, ray_cluster):
     args = (*FAST_ARGS, "--rounds", "2", "--save-transmitted", *extra)
     local, flower = tmp_path / "local", tmp_path / "flower"
     assert cli("train", *args, "--out", local).exit_code == 0
-    result = cli("train", *args, "--engine", "flower", "--out", flower)
+    result = cli("train", *args, "--engine", "flower", "--ray-address", ray_cluster.address, "--out", flower)
     assert result.exit_code == 0, result.output
     assert engine_independent_digest(flower) == engine_independent_digest(local)
 
 
-def test_simulated_clients_draw_their_noise_from_the_run_directorys_secrets(tmp_path, cli):
+def test_simulated_clients_draw_their_noise_from_the_run_directorys_secrets(tmp_path, cli, ray_cluster):
     """The same seed and settings on other records: the simulation's clients send updates as far from the local
     engine's as independent noise makes them, from secrets kept in the run directory, readable by its owner only."""
     args = (*FAST_ARGS, "--dp", "--rounds", "1", "--num-clients", "2", "--partition", "iid", "--seed", "7")
@@ -102,8 +119,9 @@ def test_simulated_clients_draw_their_noise_from_the_run_directorys_secrets(tmp_
     local, flower = tmp_path / "local", tmp_path / "flower"
     assert cli("train", *args, "--dataset", f"npz:{first}", "--save-transmitted", "--out", local).exit_code == 0
     result = cli(
-        "train", *args, "--dataset", f"npz:{second}", "--save-transmitted", "--engine", "flower", "--out", flower
-    )
+        "train", *args, "--dataset", f"npz:{second}", "--save-transmitted", "--engine", "flower",
+        "--ray-address", ray_cluster.address, "--out", flower,
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert stat.S_IMODE((flower / "client-secrets.json").stat().st_mode) == 0o600
     assert all(d >= 1.2 for d in update_distances(local, flower)), update_distances(local, flower)
@@ -118,31 +136,18 @@ def test_without_flower_installed_the_engine_is_a_user_error(tmp_path, cli, monk
     assert not out.exists()
 
 
-def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path, cli, fixed_secrets):
-    """A Ray head started here stands for a cluster: the clients run on its workers, with the resources asked for.
-    DP-SCAFFOLD: the server's control variate goes to the clients with the model, and theirs come back."""
-    from federation import RayHead
-
+def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path, cli, fixed_secrets, ray_cluster):
+    """A Ray head started here stands for a cluster: the clients run on its workers, with the resources asked for
+    (half a CPU each: two at once on the head's one). DP-SCAFFOLD: the server's control variate goes to the clients
+    with the model, and theirs come back."""
+    head = ray_cluster
     args = (*FAST_ARGS, "--rounds", "2", "--dp", "--algorithm", "scaffold", "--client-fraction", "0.6")
     local, cluster = tmp_path / "local", tmp_path / "cluster"
     assert cli("train", *args, "--out", local).exit_code == 0
-    head = RayHead(tmp_path / "ray")
-    try:
-        result = cli(
-            "train",
-            *args,
-            "--engine",
-            "flower",
-            "--ray-address",
-            head.address,
-            "--client-cpus",
-            "0.5",
-            "--out",
-            cluster,
-        )
-        assert result.exit_code == 0, result.output + head.log.read_text(errors="replace")[-2000:]
-    finally:
-        head.close()
+    result = cli(
+        "train", *args, "--engine", "flower", "--ray-address", head.address, "--client-cpus", "0.5", "--out", cluster
+    )
+    assert result.exit_code == 0, result.output + head.log.read_text(errors="replace")[-2000:]
     assert engine_independent_digest(cluster) == engine_independent_digest(local)
     flower = json.loads((cluster / "config.json").read_text())["flower"]
     assert (flower["ray_address"], flower["client_cpus"]) == (head.address, 0.5)
