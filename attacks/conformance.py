@@ -136,10 +136,11 @@ def recorded_spend(queries: Mapping[tuple[float, float], int], delta: float) -> 
     """The epsilon at ``delta`` of ``count`` queries at each (noise multiplier, sampling rate), composed with no
     amplification beyond each query's own Poisson sampling. A noise multiplier of 0 spends an infinite epsilon."""
     groups = _groups(queries)
+    rdp_dp_accounting, pld = _dp_accounting_spend(groups, delta)
     return Spend(
         rdp=_rdp_spend(groups, delta),
-        rdp_dp_accounting=_dp_accounting_spend(groups, delta)[0],
-        pld=_dp_accounting_spend(groups, delta)[1],
+        rdp_dp_accounting=rdp_dp_accounting,
+        pld=pld,
         pld_lower=_pld_lower_spend(groups, delta),
     )
 

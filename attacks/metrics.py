@@ -64,11 +64,8 @@ def roc(member: np.ndarray, score: np.ndarray) -> ROC:
     scikit-learn's ``roc_curve(member, score, drop_intermediate=False)`` gives, to the bit (tested against it),
     without importing scikit-learn (2-3 s of every attack's start-up)."""
     fps, tps, thresholds = _counts_at_thresholds(member, score)
-    return ROC(
-        fpr=np.concatenate([[0.0], fps]) / fps[-1],
-        tpr=np.concatenate([[0.0], tps]) / tps[-1],
-        thresholds=np.concatenate([[np.inf], thresholds.astype(np.float64)]),
-    )
+    fpr, tpr = _rates(fps, tps)
+    return ROC(fpr=fpr, tpr=tpr, thresholds=np.concatenate([[np.inf], thresholds.astype(np.float64)]))
 
 
 def auc_score(member: np.ndarray, score: np.ndarray) -> float:
@@ -82,9 +79,13 @@ def auc_score(member: np.ndarray, score: np.ndarray) -> float:
     if len(fps) > 2:
         corners = np.flatnonzero(np.r_[True, np.logical_or(np.diff(fps, 2), np.diff(tps, 2)), True])
         fps, tps = fps[corners], tps[corners]
-    fpr = np.concatenate([[0.0], fps]) / fps[-1]
-    tpr = np.concatenate([[0.0], tps]) / tps[-1]
+    fpr, tpr = _rates(fps, tps)
     return float(np.trapezoid(tpr, fpr))
+
+
+def _rates(fps: np.ndarray, tps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """FPR and TPR at each threshold, after (0, 0)."""
+    return np.concatenate([[0.0], fps]) / fps[-1], np.concatenate([[0.0], tps]) / tps[-1]
 
 
 def _counts_at_thresholds(member: np.ndarray, score: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -456,9 +456,8 @@ class AttackRecord:
             RunError: a canary audit whose entry, or whose bound, is not what fedaudit writes (a report could not
                 show it; an ordinary attack's malformed numbers read as None instead).
         """
-        if "canary_audit" in data and (
-            _canary_audit(data["canary_audit"]) is None or _number(data.get("epsilon_lower_bound")) is None
-        ):
+        canary_audit = _canary_audit(data.get("canary_audit"))
+        if "canary_audit" in data and (canary_audit is None or _number(data.get("epsilon_lower_bound")) is None):
             raise RunError(f"attacks/{name}/metrics.json holds a canary audit that is not one fedaudit writes.")
         signal, _, method = name.partition("-round-")[0].rpartition("-")
         rates = data.get("tpr_at_fpr") if isinstance(data.get("tpr_at_fpr"), dict) else {}
@@ -485,7 +484,7 @@ class AttackRecord:
             accountant_epsilon=_number(data.get("accountant_epsilon")),
             num_members=_count(data.get("num_members")),
             num_nonmembers=_count(data.get("num_nonmembers")),
-            canary_audit=_canary_audit(data.get("canary_audit")),
+            canary_audit=canary_audit,
             direction=data["direction"]
             if data.get("direction") in ("inverted", "as expected", "undetermined")
             else None,
