@@ -55,9 +55,12 @@ def test_a_correct_run_is_not_flagged_and_its_audit_is_recorded(correct):
 
 
 def test_the_query_views_with_shuffled_inclusion_bits_prove_nothing(correct):
-    """The null side of the query views on a real run's scores: 200 shuffles of the inclusion bits among the
-    informative canaries give a positive rigorous bound in at most 5% of them and an estimate whose interval
-    reaches 0 in at least 95%, for the sum and the likelihood-ratio scores alike."""
+    """The null side of the query views on a real run's scores, for the sum and the likelihood-ratio scores alike:
+    200 shuffles of the inclusion bits among the informative canaries give a positive rigorous bound in at most 5% of
+    them, and 1000 shuffles give an estimate whose 95% interval lies above 0 in at most 5% of them. The percentile
+    interval's lower end exceeds the null's 0 in about 3% of shuffles (2.5% nominal; 2.6-3.1% measured on four runs of
+    1000 shuffles), so 5% of 1000 is 3.5 standard deviations away; with 200 shuffles the same limit failed on one CPU's
+    scores in CI by chance (12 of 200)."""
     from fedaudit.attacks.audit import gaussian_estimate, split_audit
     from fedaudit.attacks.canary import query_scores, read_canaries
     from fedaudit.runs import RunDirectory
@@ -68,16 +71,17 @@ def test_the_query_views_with_shuffled_inclusion_bits_prove_nothing(correct):
     bits = canaries.included[informative].astype(int)
     level = 1 - 0.05 / 6
     for scores in (summed[informative], llr[informative]):
-        positive = covered = 0
-        for seed in range(200):
+        positive = above = 0
+        for seed in range(1000):
             shuffled = np.random.default_rng(seed).permutation(bits)
             inside, outside = scores[shuffled == 1], scores[shuffled == 0]
-            positive += any(
-                split_audit(inside, outside, estimator=name, delta=1e-5, confidence=level, seed=seed).epsilon > 0
-                for name in ("one-run", "gdp")
-            )
-            covered += gaussian_estimate(inside, outside, delta=1e-5, seed=seed, resamples=200).ci95[0] == 0.0
-        assert positive <= 10 and covered >= 190, (positive, covered)
+            if seed < 200:
+                positive += any(
+                    split_audit(inside, outside, estimator=name, delta=1e-5, confidence=level, seed=seed).epsilon > 0
+                    for name in ("one-run", "gdp")
+                )
+            above += gaussian_estimate(inside, outside, delta=1e-5, seed=seed, resamples=200).ci95[0] > 0.0
+        assert positive <= 10 and above <= 50, (positive, above)
 
 
 def policy_verdict(run: Path, folder: Path) -> tuple[int, str]:
