@@ -298,3 +298,48 @@ def evaluation_counts(
     # read back once (a read per batch would make a GPU wait for every batch), summed in batch order in float64
     total_loss = float(torch.stack(losses).double().cpu().sum())
     return int(torch.stack(rights).sum()), total_loss, len(y)
+
+
+class SGD:
+    """SGD with momentum (no dampening, weight decay or Nesterov), for every algorithm's steps.
+
+    The arithmetic of torch.optim.SGD's single-tensor path, which it takes on CPU: the same parameters after every
+    step, bit for bit. torch.optim's step imports TorchDynamo, the compiler, on its first call: 1.7 s of a 2-core
+    machine at the start of every process that trains (a Flower ClientApp is a new process every round), for a graph
+    break that fedaudit, which never compiles, does not need.
+    """
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0) -> None:
+        self.params: list[torch.Tensor] = list(params)
+        self.lr, self.momentum = float(lr), float(momentum)
+        self._buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients: set them to None, or zero them in place (detached from any graph)."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """p <- p - lr * b, with b <- momentum * b + grad (b = grad at a parameter's first step)."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if self.momentum != 0:
+                buffer = self._buffers[i]
+                if buffer is None:
+                    buffer = self._buffers[i] = grad.detach().clone()
+                else:
+                    buffer.mul_(self.momentum).add_(grad)
+                grad = buffer
+            p.add_(grad, alpha=-self.lr)

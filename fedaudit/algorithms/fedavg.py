@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedaudit.algorithms.base import (
+    SGD,
     ClientData,
     ClientMessage,
     RoundContext,
@@ -88,7 +89,7 @@ class FedAvg:
         fed = ctx.config.federated
         load_params(model, global_params)
         model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=ctx.cosine_lr(fed.client_lr), momentum=fed.momentum)
+        optimizer = SGD(model.parameters(), lr=ctx.cosine_lr(fed.client_lr), momentum=fed.momentum)
         if ctx.config.privacy.dp:
             events, metrics = self._train_dp(model, optimizer, global_params, data, ctx, generator, correction)
         else:
@@ -124,7 +125,7 @@ class FedAvg:
     def _train_plain(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: SGD,
         global_params: TensorDict,
         data: ClientData,
         ctx: RoundContext,
@@ -159,7 +160,7 @@ class FedAvg:
     def _train_dp(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: SGD,
         global_params: TensorDict,
         data: ClientData,
         ctx: RoundContext,

@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.algorithms.base import (
+    SGD,
     ClientData,
     ClientMessage,
     RoundContext,
@@ -67,7 +68,7 @@ class FedDM:
         labels = classes.repeat_interleave(dm.dm_ipc)
         members = {int(c): torch.nonzero(data.y == c).flatten() for c in classes}
         images = real_images(data, classes, dm.dm_ipc, generator).requires_grad_(True)
-        optimizer = torch.optim.SGD([images], lr=dm.dm_lr, momentum=0.5)
+        optimizer = SGD([images], lr=dm.dm_lr, momentum=0.5)
         head = _last_linear(model)
         first = last = None
         for _ in range(dm.dm_iterations):

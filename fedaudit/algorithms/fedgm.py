@@ -35,7 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ServerResult, TensorDict, num_classes
+from fedaudit.algorithms.base import (
+    SGD,
+    ClientData,
+    ClientMessage,
+    RoundContext,
+    ServerResult,
+    TensorDict,
+    num_classes,
+)
 from fedaudit.algorithms.fedlap import matched_names, matching_loss, real_images
 from fedaudit.config import FedGMConfig, RunConfig
 from fedaudit.models import fresh_params
@@ -119,7 +127,7 @@ class FedGM:
         images = torch.cat([r["images"].to(ctx.device) for r in received])
         labels = torch.cat([r["labels"].to(ctx.device) for r in received])
         params = {name: p.detach().clone().requires_grad_(True) for name, p in global_params.items()}
-        optimizer = torch.optim.SGD(list(params.values()), lr=ctx.config.federated.client_lr, momentum=SERVER_MOMENTUM)
+        optimizer = SGD(list(params.values()), lr=ctx.config.federated.client_lr, momentum=SERVER_MOMENTUM)
         losses = []
         steps = ctx.config.fedgm.server_steps if len(labels) else 0
         order = torch.empty(0, dtype=torch.long)
@@ -175,12 +183,12 @@ def distil(
         shape = (len(labels), *data.x.shape[1:])
         start = torch.randn(shape, generator=generator, device=generator.device, dtype=data.x.dtype).to(data.x.device)
     images = start.requires_grad_(True)
-    image_opt = torch.optim.SGD([images], lr=gm.distill_lr, momentum=0.5)
+    image_opt = SGD([images], lr=gm.distill_lr, momentum=0.5)
     matched = matched_names(model, global_params)
     first = last = None
     for _ in range(gm.distill_iterations):
         params = {name: p.requires_grad_(True) for name, p in fresh_params(model, global_params, generator).items()}
-        net_opt = torch.optim.SGD(list(params.values()), lr=NET_LR)
+        net_opt = SGD(list(params.values()), lr=NET_LR)
         for _ in range(gm.distill_steps):
             total = images.new_zeros(())
             for c in classes:

@@ -23,6 +23,7 @@ from torch.func import functional_call
 
 from fedaudit.algorithms.base import (
     EVAL_BATCH,
+    SGD,
     ClientData,
     ClientMessage,
     RoundContext,
@@ -124,7 +125,7 @@ class _Matching:
     generator: torch.Generator
     images: torch.Tensor  # the synthetic images, a leaf that requires grad
     labels: torch.Tensor
-    image_opt: torch.optim.Optimizer
+    image_opt: SGD
     lr: float  # the client's learning rate this round
     matched: list[str]  # the parameters whose gradients are matched (matched_names)
 
@@ -178,7 +179,7 @@ class FedLAP:
             generator=generator,
             images=images,
             labels=synthetic.labels,
-            image_opt=torch.optim.SGD([images], lr=lap.image_lr, momentum=0.5),
+            image_opt=SGD([images], lr=lap.image_lr, momentum=0.5),
             lr=ctx.cosine_lr(ctx.config.federated.client_lr),
             matched=matched_names(model, global_params),
         )
@@ -369,7 +370,7 @@ class FedLAP:
         r."""
         lap = ctx.config.fedlap
         params = {name: p.detach().clone().requires_grad_(True) for name, p in global_params.items()}
-        optimizer = torch.optim.SGD(list(params.values()), lr=lr)
+        optimizer = SGD(list(params.values()), lr=lr)
         best_loss, best_distance = self._real_loss(model, params, data), 0.0
         for _ in range(lap.server_epochs):
             order = torch.randperm(len(synthetic.labels), generator=generator, device=generator.device)
@@ -446,7 +447,7 @@ def fit_in_ball(
     The radius is exceeded by at most one step (see :class:`Fit`).
     """
     params = {name: p.detach().clone().requires_grad_(True) for name, p in start.items()}
-    optimizer = torch.optim.SGD(list(params.values()), lr=lr)
+    optimizer = SGD(list(params.values()), lr=lr)
     steps = 0
     distance = before = flat_distance(params, origin)
     for _ in range(epochs):
