@@ -28,14 +28,28 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what they start by name
 
-# flower-supernode, declaring the heartbeat interval that its first argument gives (Flower's own CLI always declares
-# HEARTBEAT_DEFAULT_INTERVAL, 30 s; the SuperLink accepts any from HEARTBEAT_MIN_INTERVAL, 10 s, and declares a
-# SuperNode that sent none for two intervals offline)
-SUPERNODE_WITH_HEARTBEAT = """
+# flower-supernode with two of Flower's constants replaced, each unless its argument is "-": the heartbeat interval it
+# declares (Flower's own CLI always declares HEARTBEAT_DEFAULT_INTERVAL, 30 s; the SuperLink accepts any from
+# HEARTBEAT_MIN_INTERVAL, 10 s, and declares a SuperNode that sent none for two intervals offline), and the longest
+# wait between its requests for messages (Flower waits 3 s after a pull that found none, 0.5 s between looks for a
+# reply: on average 2 s of every exchange of a test's federation; 0.2 s costs an idle node a request every 0.2 s)
+SUPERNODE = """
 import sys
+import time
 import flwr.supercore.heartbeat as heartbeat
 import flwr.supernode.fleet_http_connection as fleet
-heartbeat.HEARTBEAT_DEFAULT_INTERVAL = fleet.HEARTBEAT_DEFAULT_INTERVAL = float(sys.argv.pop(1))
+import flwr.supernode.start_client_internal as internal
+heartbeat_seconds, poll_seconds = sys.argv.pop(1), sys.argv.pop(1)
+if heartbeat_seconds != "-":
+    heartbeat.HEARTBEAT_DEFAULT_INTERVAL = fleet.HEARTBEAT_DEFAULT_INTERVAL = float(heartbeat_seconds)
+if poll_seconds != "-":
+    class Time:
+        def __getattr__(self, name):
+            return getattr(time, name)
+        @staticmethod
+        def sleep(seconds):
+            time.sleep(min(seconds, float(poll_seconds)))
+    internal.time = Time()
 from flwr.supernode.cli import flower_supernode
 sys.exit(flower_supernode())
 """
@@ -195,12 +209,21 @@ class Federation:
     """One test's SuperNodes on a :class:`SuperLink`: each in its own process group, every one stopped by
     :meth:`close`."""
 
-    def __init__(self, superlink: SuperLink, directory: Path, *, task_poll_seconds: float | None = 0.1) -> None:
+    def __init__(
+        self,
+        superlink: SuperLink,
+        directory: Path,
+        *,
+        task_poll_seconds: float | None = 0.1,
+        message_poll_seconds: float | None = 0.2,
+    ) -> None:
         """``task_poll_seconds``: how often each SuperNode's SuperExec asks for new work (Flower's default, 1 s, when
-        None; tests use 0.1 s so that rounds start sooner)."""
+        None; tests use 0.1 s so that rounds start sooner); ``message_poll_seconds``: the longest wait of a SuperNode
+        between its requests to the SuperLink (Flower's 3 s when None; see :data:`SUPERNODE`)."""
         self.superlink = superlink
         self.directory = directory
         self.task_poll_seconds = task_poll_seconds
+        self.message_poll_seconds = message_poll_seconds
         self.tls = superlink.tls
         self.address = superlink.address
         self.processes: dict[str, subprocess.Popen] = {}  # the current process of each name
@@ -227,9 +250,8 @@ class Federation:
         if public_noise:
             config += " public-noise=true"
         name = f"supernode-{client}"
-        program = [str(BIN / "flower-supernode")]
-        if heartbeat_seconds is not None:
-            program = [sys.executable, "-c", SUPERNODE_WITH_HEARTBEAT, str(heartbeat_seconds)]
+        replaced = (heartbeat_seconds, self.message_poll_seconds)
+        program = [sys.executable, "-c", SUPERNODE, *("-" if value is None else str(value) for value in replaced)]
         argv = [
             *program,
             *("--superlink", self.address, "--root-certificates", str(self.tls["ca"])),
