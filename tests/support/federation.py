@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what
 # declares (Flower's own CLI always declares HEARTBEAT_DEFAULT_INTERVAL, 30 s; the SuperLink accepts any from
 # HEARTBEAT_MIN_INTERVAL, 10 s, and declares a SuperNode that sent none for two intervals offline), and the longest
 # wait between its requests for messages (Flower waits 3 s after a pull that found none, 0.5 s between looks for a
-# reply: on average 2 s of every exchange of a test's federation; 0.2 s costs an idle node a request every 0.2 s)
+# reply: 1-2 s of every exchange of a test's federation; 0.2 s costs an idle node a request every 0.2 s)
 SUPERNODE = """
 import sys
 import time
@@ -43,12 +43,13 @@ heartbeat_seconds, poll_seconds = sys.argv.pop(1), sys.argv.pop(1)
 if heartbeat_seconds != "-":
     heartbeat.HEARTBEAT_DEFAULT_INTERVAL = fleet.HEARTBEAT_DEFAULT_INTERVAL = float(heartbeat_seconds)
 if poll_seconds != "-":
+    longest = float(poll_seconds)
     class Time:
         def __getattr__(self, name):
             return getattr(time, name)
         @staticmethod
         def sleep(seconds):
-            time.sleep(min(seconds, float(poll_seconds)))
+            time.sleep(min(seconds, longest))
     internal.time = Time()
 from flwr.supernode.cli import flower_supernode
 sys.exit(flower_supernode())
