@@ -33,7 +33,7 @@ from fedaudit.attacks.runner import AttackOptions, expected_results, results_cur
 from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
 from fedaudit.integrity import RunLock
-from fedaudit.registry import ALGORITHMS, algorithm_label
+from fedaudit.registry import ALGORITHMS, EQUAL_ACCESS_REFERENCE, algorithm_label
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.policy import Policy, load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
@@ -169,16 +169,13 @@ class Study:
                 "a study's budgets set them for every run."
             )
         if self.equal_data_access:
-            if "fedlap" not in self.algorithms:
+            if EQUAL_ACCESS_REFERENCE not in self.algorithms:
                 raise StudyError(
                     "Equal data access gives the gradient-sharing baselines as many DP queries per round as "
                     "FedLAP makes, so the study must include fedlap."
                 )
-            if "fedsgd" in self.algorithms:
-                raise StudyError(
-                    "fedsgd makes one query per round and cannot be run at equal data access; drop it or "
-                    "turn equal data access off."
-                )
+            for name in self.algorithms:
+                _check_equal_access(name)
         for name in self.formats:
             if name not in FORMATS:
                 raise StudyError(f"Unknown report format {name!r}; choose from {', '.join(FORMATS)}.")
@@ -326,13 +323,22 @@ def _own_sections(config: RunConfig, algorithm: str) -> RunConfig:
     return replace(config, **{name: getattr(defaults, name) for name in OWN_SECTIONS if name != algorithm})
 
 
+def _check_equal_access(name: str) -> None:
+    """An algorithm that takes one step a round (FedSGD) cannot be given more queries."""
+    if ALGORITHMS[name].one_step:
+        raise StudyError(
+            f"{name} makes one query per round and cannot be run at equal data access; drop it or "
+            "turn equal data access off."
+        )
+
+
 def _equal_data_access(run: PlannedRun) -> PlannedRun:
     """FedAvg/FedProx/SCAFFOLD run as many local steps (DP queries) per round as FedLAP's worst case under the same
     budget."""
-    if run.algorithm not in ("fedavg", "fedprox", "scaffold"):
+    if not ALGORITHMS[run.algorithm].local_sgd:
         return run
     try:
-        queries = data_access(run.config, algorithm="fedlap").queries
+        queries = data_access(run.config, algorithm=EQUAL_ACCESS_REFERENCE).queries
     except ConfigError as exc:
         raise StudyError(f"FedLAP's query count for equal data access cannot be computed: {exc}") from exc
     return replace(run, config=replace(run.config, federated=replace(run.config.federated, local_steps=queries)))

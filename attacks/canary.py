@@ -38,6 +38,7 @@ from fedaudit.canaries import LAYOUTS, Canaries, canary_directions, canary_group
 from fedaudit.data import Dataset
 from fedaudit.models import ModelSpec, build_model, initial_params
 from fedaudit.privacy.primitive import per_sample_gradients
+from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC
 from fedaudit.runs import RunDirectory, load_tensors
 from fedaudit.seeding import Stream, derive_seed
 
@@ -79,7 +80,8 @@ QUERY_VIEWS = (QUERY_SUM, QUERY_LLR)
 def canary_views(kind: str, algorithm: str, queries: bool = False) -> tuple[View, ...]:
     """The views a run's canaries are audited in: what crossed the wire, for input canaries the final model, and
     for a run with a query log (``queries``) every noisy query."""
-    wire = SYNTHETIC if algorithm == "fedlap" else UPDATES
+    entry = ALGORITHMS.get(algorithm)
+    wire = SYNTHETIC if entry is not None and entry.wire == WIRE_SYNTHETIC else UPDATES
     views = (wire, FINAL_LOSS) if kind == "input" else (wire,)
     return views + QUERY_VIEWS if queries else views
 
@@ -334,6 +336,8 @@ def canary_audit(
     )
     split_seed = derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT)
     queried = query_scores(run, canaries, rounds) if any(v in QUERY_VIEWS for v in views) else None
+    entry = ALGORITHMS.get(algorithm)
+    mixed = entry is not None and entry.generation_rounds > 0  # synthetic records first: the updates are the wire
     audits = []
     for view in views:
         informative = np.ones(canaries.count, dtype=bool)
@@ -343,7 +347,7 @@ def canary_audit(
             scores = queried[0] if view is QUERY_SUM else queried[1]
             informative = queried[2]
         else:
-            scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed, updates_only=algorithm == "fedssyn")
+            scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed, updates_only=mixed)
             informative = np.isin(canaries.client, sorted(_senders(run, rounds)))
         inside, outside = scores[informative & (included == 1)], scores[informative & (included == 0)]
         if not len(inside) or not len(outside):

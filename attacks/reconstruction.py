@@ -56,12 +56,11 @@ from fedaudit.attacks.metrics import rate_interval
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition
 from fedaudit.models import ModelSpec, build_model, initial_params
+from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC, AlgorithmEntry
 from fedaudit.runs import Manifest, RunDirectory, csv_bytes, load_tensors, tensors_bytes
 from fedaudit.seeding import Stream, derive_seed
 
 METHOD = "reconstruction"
-GRADIENT_ALGORITHMS = ("fedavg", "fedprox", "fedsgd", "scaffold")
-SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm")  # and Fedssyn's first round
 UPDATE_SIGNAL, SYNTHETIC_SIGNAL = "update-inversion", "synthetic-nearest"
 DEFAULT_ITERATIONS = 250  # Adam steps per start
 DEFAULT_RESTARTS = 4  # random starts; the one whose update matches best is kept
@@ -474,7 +473,7 @@ class ReconstructionPlan:
 
 def view_of_round(algorithm: str, round_number: int) -> str:
     """What a client of ``algorithm`` sent in a round: a model update or a synthetic set."""
-    if algorithm in SYNTHETIC_ALGORITHMS or (algorithm == "fedssyn" and round_number == 1):
+    if ALGORITHMS[algorithm].sends_synthetic(round_number):
         return SYNTHETIC_SIGNAL
     return UPDATE_SIGNAL
 
@@ -484,7 +483,7 @@ def plan_targets(run: RunDirectory, config: RunConfig, manifest: Manifest, targe
     a run without saved transmissions, a round or client that does not exist, a client that did not take part, a
     missing starting model or an unsupported model is an :class:`AttackError` (one sentence), before any work."""
     algorithm = config.federated.algorithm
-    if algorithm not in (*GRADIENT_ALGORITHMS, *SYNTHETIC_ALGORITHMS, "fedssyn"):
+    if algorithm not in ALGORITHMS:
         raise AttackError(f"{run.path} is a {algorithm} run, which --method {METHOD} cannot attack.")
     rounds_spec, client = parse_target(target)
     done = manifest.rounds_done
@@ -592,7 +591,7 @@ def _check_update(run: RunDirectory, config: RunConfig, manifest: Manifest, targ
             f"round {number} started from, so its updates cannot be inverted."
         )
     algorithm = config.federated.algorithm
-    if algorithm == "fedssyn" and not _share(run, number, target.client):
+    if ALGORITHMS[algorithm].generation_rounds and not _share(run, number, target.client):
         raise AttackError(
             f"{run.path} does not hold the synthetic share client {target.client} trained on in round {number} "
             f"(no checkpoints/round-NNNN-clients.safetensors up to round {number - 1} has it)."
@@ -625,18 +624,24 @@ def _share(run: RunDirectory, round_number: int, client: int) -> dict[str, torch
     return {"images": state["synthetic/images"], "labels": state["synthetic/labels"]}
 
 
+def _local_algorithm(config: RunConfig) -> AlgorithmEntry:
+    """The algorithm whose local training made a run's updates: the run's own, or the inner algorithm of one that
+    runs another after its generation rounds (Fedssyn's ``--inner-algorithm``)."""
+    entry = ALGORITHMS[config.federated.algorithm]
+    return ALGORITHMS[config.fedssyn.inner_algorithm] if entry.inner_algorithms else entry
+
+
 def recipe(config: RunConfig, records: int, round_number: int) -> LocalTraining:
     """The recipe of local training of a client with ``records`` records in ``round_number``, as the run's
     configuration tells the server (without SCAFFOLD's control variates, which :func:`local_training` adds)."""
     fed, privacy = config.federated, config.privacy
-    algorithm, rounds, index = fed.algorithm, fed.rounds, round_number - 1
-    inner = config.fedssyn.inner_algorithm if algorithm == "fedssyn" else algorithm
-    if algorithm == "fedssyn":  # the inner algorithm's rounds start after the generation round
-        rounds, index = rounds - 1, index - 1
+    generation = ALGORITHMS[fed.algorithm].generation_rounds  # the inner algorithm's rounds start after them
+    rounds, index = fed.rounds - generation, round_number - 1 - generation
+    inner = _local_algorithm(config)
     lr = fed.client_lr
     if fed.lr_schedule != "constant":
         lr = lr * 0.5 * (1.0 + math.cos(math.pi * index / rounds))
-    if inner == "fedsgd":
+    if inner.one_step:
         steps = 1
     elif fed.local_steps is not None:
         steps = fed.local_steps
@@ -647,8 +652,8 @@ def recipe(config: RunConfig, records: int, round_number: int) -> LocalTraining:
         batch_size=fed.batch_size,
         lr=lr,
         momentum=fed.momentum,
-        mu=fed.mu if inner == "fedprox" else 0.0,
-        full_batch=inner == "fedsgd" and not privacy.dp,
+        mu=fed.mu if inner.proximal else 0.0,
+        full_batch=inner.one_step and not privacy.dp,
         max_grad_norm=privacy.max_grad_norm if privacy.dp else None,
     )
 
@@ -659,8 +664,7 @@ def local_training(
     """The recipe of client ``target.client``'s local training in ``target.round``, as the run's configuration
     and its checkpoints (SCAFFOLD's control variates c and c_k of the round's start) tell the server."""
     training = recipe(config, manifest.clients.num_examples[target.client], target.round)
-    inner = config.fedssyn.inner_algorithm if config.federated.algorithm == "fedssyn" else config.federated.algorithm
-    if inner != "scaffold":
+    if not _local_algorithm(config).control_variates:
         return training
     server = run.load_server_state(target.round - 1) if target.round > 1 else {}
     clients = run.client_states_at(target.round - 1, clients=[target.client]) if target.round > 1 else {}
@@ -677,7 +681,7 @@ def estimate_seconds(
 ) -> float:
     """About how long the audit of ``targets`` updates of clients with ``records`` records takes here: a few
     iterations of the attack on a random update, timed, scaled to its iterations, starts and null."""
-    if config.federated.algorithm in SYNTHETIC_ALGORITHMS or not targets:
+    if ALGORITHMS[config.federated.algorithm].wire == WIRE_SYNTHETIC or not targets:
         return 0.0
     records = min(records, MAX_RECORDS)
     model = build_model(spec)
@@ -894,7 +898,7 @@ def _invert_update(
     )
     start = {name: start[name].to(torch.float32) for name, _ in model.named_parameters()}
     training = local_training(run, config, manifest, target, start)
-    share = _share(run, target.round, target.client) if config.federated.algorithm == "fedssyn" else {}
+    share = _share(run, target.round, target.client) if ALGORITHMS[config.federated.algorithm].generation_rounds else {}
     known = (share["images"].to(torch.float32), share["labels"].long()) if share else None
     unknown = manifest.clients.num_examples[target.client]
     box = pixel_range(dataset.train_x)

@@ -228,7 +228,7 @@ class FedDMConfig:
     dm_radius: float = 5.0  # rho: networks are sampled on the sphere of this radius around w_g; the server's ball
 
 
-FEDSSYN_INNER = ("fedavg", "fedprox", "scaffold", "fedsgd")
+FEDSSYN_INNER = ALGORITHMS["fedssyn"].inner_algorithms
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,8 @@ class RunConfig:
     def dp_randomness(self) -> bool:
         """Whether the clients make random choices whose secrecy a guarantee rests on: record-level DP (noise and
         Poisson samples) or FedGM's label DP (randomized response)."""
-        return bool(self.privacy.dp) or (self.federated.algorithm == "fedgm" and self.fedgm.label_epsilon is not None)
+        entry = ALGORITHMS.get(self.federated.algorithm)
+        return bool(self.privacy.dp) or (entry is not None and entry.label_dp and self.fedgm.label_epsilon is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/YAML serialisable; the site data as a list, as JSON reads it back)."""

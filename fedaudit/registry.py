@@ -22,6 +22,15 @@ from typing import Any
 _DP_SGD_DATASET_CLIENT_LR = MappingProxyType({"digits": 0.5})
 _DP_SGD_DATASET_MAX_GRAD_NORM = MappingProxyType({"digits": 1.0})
 
+# What a client sends the server (``AlgorithmEntry.wire``): model updates, or synthetic sets (images and labels).
+WIRE_UPDATES = "updates"
+WIRE_SYNTHETIC = "synthetic"
+# What a run's guarantee protects (``AlgorithmEntry.dp_unit``): a record (record-level DP-SGD, ``--dp``), a label
+# (FedGM's label DP), or nothing (no DP variant).
+DP_RECORD = "record"
+DP_LABEL = "label"
+DP_NONE = "none"
+
 
 def load(target: str) -> Any:
     """The object that ``"package.module:attribute"`` names."""
@@ -43,7 +52,16 @@ class AlgorithmEntry:
         dataset_client_lr: per-dataset overrides of ``client_lr``.
         dataset_max_grad_norm: per-dataset overrides of ``max_grad_norm``.
         options: the configuration fields (``section.field``) that only this algorithm reads.
-        record_dp: whether it has a record-level DP variant (``--dp``); FedGM's guarantee is label DP instead.
+        colour: its colour in every figure of a report.
+        wire: what its clients send (:data:`WIRE_UPDATES` or :data:`WIRE_SYNTHETIC`) once the rounds of
+            ``generation_rounds`` are over.
+        generation_rounds: the first rounds, in which its clients send synthetic records instead (Fedssyn's one).
+        dp_unit: what its guarantee protects (:data:`DP_RECORD`, :data:`DP_LABEL` or :data:`DP_NONE`).
+        local_sgd: its clients take local SGD steps on the server's model (``--local-epochs``, ``--local-steps``).
+        one_step: its clients take one step, on their whole data without DP (FedSGD).
+        proximal: its local steps add the proximal term mu (FedProx).
+        control_variates: its local steps are corrected by control variates (SCAFFOLD).
+        inner_algorithms: the algorithms it can run after its generation rounds (``--inner-algorithm``).
     """
 
     name: str
@@ -56,7 +74,34 @@ class AlgorithmEntry:
     dataset_client_lr: Mapping[str, float] = field(default_factory=dict)
     dataset_max_grad_norm: Mapping[str, float] = field(default_factory=dict)
     options: tuple[str, ...] = ()
-    record_dp: bool = True
+    colour: str = ""
+    wire: str = WIRE_UPDATES
+    generation_rounds: int = 0
+    dp_unit: str = DP_RECORD
+    local_sgd: bool = False
+    one_step: bool = False
+    proximal: bool = False
+    control_variates: bool = False
+    inner_algorithms: tuple[str, ...] = ()
+
+    @property
+    def record_dp(self) -> bool:
+        """Whether it has a record-level DP variant (``--dp``); FedGM's guarantee is label DP instead."""
+        return self.dp_unit == DP_RECORD
+
+    @property
+    def label_dp(self) -> bool:
+        """Whether its guarantee is label DP (FedGM's ``--label-epsilon``)."""
+        return self.dp_unit == DP_LABEL
+
+    @property
+    def shares_synthetic(self) -> bool:
+        """Whether its clients send synthetic sets in some round."""
+        return self.wire == WIRE_SYNTHETIC or self.generation_rounds > 0
+
+    def sends_synthetic(self, round_number: int) -> bool:
+        """Whether its clients send a synthetic set (not a model update) in round ``round_number`` (from 1)."""
+        return self.wire == WIRE_SYNTHETIC or round_number <= self.generation_rounds
 
     def default_client_lr(self, dataset: str) -> float:
         return self.dataset_client_lr.get(dataset, self.client_lr)
@@ -94,7 +139,15 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
     {
         entry.name: entry
         for entry in (
-            _sgd("fedavg", "FedAvg", "local SGD, mean model delta", "fedaudit.algorithms.fedavg:FedAvg", 0.1),
+            _sgd(
+                "fedavg",
+                "FedAvg",
+                "local SGD, mean model delta",
+                "fedaudit.algorithms.fedavg:FedAvg",
+                0.1,
+                colour="#1f77b4",
+                local_sgd=True,
+            ),
             _sgd(
                 "fedprox",
                 "FedProx",
@@ -102,14 +155,28 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 "fedaudit.algorithms.fedavg:FedProx",
                 0.2,
                 options=("federated.mu",),
+                colour="#ff7f0e",
+                local_sgd=True,
+                proximal=True,
             ),
-            _sgd("fedsgd", "FedSGD", "one local step per round", "fedaudit.algorithms.fedavg:FedSGD", 0.1),
+            _sgd(
+                "fedsgd",
+                "FedSGD",
+                "one local step per round",
+                "fedaudit.algorithms.fedavg:FedSGD",
+                0.1,
+                colour="#2ca02c",
+                one_step=True,
+            ),
             _sgd(
                 "scaffold",
                 "SCAFFOLD",
                 "FedAvg with control variates against client drift (twice the upload)",
                 "fedaudit.algorithms.scaffold:Scaffold",
                 0.1,
+                colour="#d62728",
+                local_sgd=True,
+                control_variates=True,
             ),
             _sgd(
                 "fedssyn",
@@ -119,6 +186,9 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 "fedaudit.algorithms.fedssyn:Fedssyn",
                 0.1,
                 options=("fedssyn.*", "federated.mu"),
+                colour="#9467bd",
+                generation_rounds=1,
+                inner_algorithms=("fedavg", "fedprox", "scaffold", "fedsgd"),
             ),
             AlgorithmEntry(
                 name="fedlap",
@@ -130,6 +200,8 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 max_grad_norm=1.0,
                 dataset_client_lr=MappingProxyType({"digits": 0.02}),  # measured: see FEDLAP_DATASET_DEFAULTS
                 options=("fedlap.*",),
+                colour="#8c564b",
+                wire=WIRE_SYNTHETIC,
             ),
             AlgorithmEntry(
                 name="fedgm",
@@ -141,7 +213,9 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 client_lr=0.01,
                 max_grad_norm=1.0,
                 options=("fedgm.*",),
-                record_dp=False,
+                colour="#e377c2",
+                wire=WIRE_SYNTHETIC,
+                dp_unit=DP_LABEL,
             ),
             AlgorithmEntry(
                 name="feddm",
@@ -153,12 +227,17 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 client_lr=0.01,
                 max_grad_norm=1.0,
                 options=("feddm.*", "fedlap.server_epochs"),
-                record_dp=False,
+                colour="#17becf",
+                wire=WIRE_SYNTHETIC,
+                dp_unit=DP_NONE,
             ),
         )
     }
 )
 DEFAULT_ALGORITHM = "fedavg"
+# The algorithm whose DP queries per round a study's equal data access gives the local-SGD baselines (the FedLAP-DP
+# paper's comparison).
+EQUAL_ACCESS_REFERENCE = "fedlap"
 
 
 def algorithm(name: str) -> AlgorithmEntry:

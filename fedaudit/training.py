@@ -39,6 +39,7 @@ from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
 from fedaudit.privacy.randomness import ClientKeys, RunRandomness, new_run_id
+from fedaudit.registry import ALGORITHMS
 from fedaudit.runs import (
     ClientsRecord,
     DatasetRecord,
@@ -684,7 +685,7 @@ def _run_rounds(
 
 
 def _round_line(row: dict[str, Any], rounds: int, *, dp: bool, config: RunConfig) -> str:
-    label_epsilon = config.fedgm.label_epsilon if config.federated.algorithm == "fedgm" else None
+    label_epsilon = config.fedgm.label_epsilon if ALGORITHMS[config.federated.algorithm].label_dp else None
     if dp:
         eps_text = f"epsilon {row['epsilon']:.3f}"
     elif label_epsilon is not None:

@@ -513,7 +513,8 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
             raise TamperedRunError(path, integrity, exc) from exc
         raise ReportError(f"{path} holds malformed attack files ({type(exc).__name__}: {exc}).") from exc
     privacy = _privacy(config, manifest, ledger, path, notes)
-    shares_synthetic = config.federated.algorithm in SYNTHETIC_ALGORITHMS
+    entry = ALGORITHMS.get(config.federated.algorithm)
+    shares_synthetic = entry is not None and entry.shares_synthetic
     synthetic = _synthetic(run, untrusted) if shares_synthetic else ()
     if shares_synthetic and not synthetic:
         notes.append(
@@ -645,8 +646,8 @@ def _has_record_dp(algorithm: str) -> bool:
 
 def _label_dp(config: RunConfig) -> str | None:
     """FedGM's label-DP statement ("label DP, epsilon E (mechanism)"), or None for a run without one."""
-    gm = config.fedgm
-    if config.federated.algorithm != "fedgm" or gm.label_epsilon is None:
+    gm, entry = config.fedgm, ALGORITHMS.get(config.federated.algorithm)
+    if entry is None or not entry.label_dp or gm.label_epsilon is None:
         return None
     return f"label DP, epsilon {gm.label_epsilon:g} ({gm.label_mechanism})"
 
@@ -889,9 +890,6 @@ def _reconstructed_images(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndar
     if any(t is None for t in shown) or shown[0].ndim != 4 or shown[0].shape != shown[1].shape:
         return None
     return shown
-
-
-SYNTHETIC_ALGORITHMS = ("fedlap", "fedgm", "feddm", "fedssyn")  # their clients send synthetic sets, shown by the report
 
 
 def _synthetic(run: RunDirectory, untrusted: frozenset[str] = frozenset()) -> tuple[SyntheticSet, ...]:

@@ -45,20 +45,9 @@ DODGE_TOTAL = 0.15  # the widest spread of the offsets, whatever the number of a
 NO_DP = "no DP"
 NO_DP_WIDTH = 0.22  # width of the no-DP panel beside the epsilon axis, relative to it
 
-# One colour per algorithm, the same in every figure: eight of matplotlib's tab10 (not its grey, which marks the
-# accountant).
-ALGORITHM_COLOURS: Mapping[str, str] = MappingProxyType(
-    {
-        "fedavg": "#1f77b4",
-        "fedprox": "#ff7f0e",
-        "fedsgd": "#2ca02c",
-        "scaffold": "#d62728",
-        "fedssyn": "#9467bd",
-        "fedlap": "#8c564b",
-        "fedgm": "#e377c2",
-        "feddm": "#17becf",
-    }
-)
+# One colour per algorithm (its registry entry's), the same in every figure: eight of matplotlib's tab10 (not its grey,
+# which marks the accountant).
+ALGORITHM_COLOURS: Mapping[str, str] = MappingProxyType({entry.name: entry.colour for entry in ALGORITHMS.values()})
 # Every way a report names a known algorithm (configuration name, label, DP label), lower-cased, to its name.
 _ALGORITHM_NAMES: Mapping[str, str] = MappingProxyType(
     {

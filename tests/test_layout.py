@@ -179,3 +179,66 @@ def test_every_error_class_is_a_user_error() -> None:
         ]
     assert len(errors) >= 11
     assert [cls for cls in errors if not issubclass(cls, UserError)] == []
+
+
+# Where an algorithm's name may still be compared with or used as a key, and how often: the algorithm modules and the
+# registry own every fact about an algorithm. What is left names an algorithm's own configuration section (its
+# defaults, its validation, what it resolves before training, its report note), until each algorithm module owns
+# its section.
+NAMED_OUTSIDE = {
+    "fedaudit.config": 5,
+    "fedaudit.setup": 1,
+    "fedaudit.attacks.conformance": 1,
+    "fedaudit.reports.collect": 1,
+}
+
+
+def algorithm_name_uses(source: str, names: frozenset[str]) -> list[int]:
+    """The lines where ``source`` compares something with an algorithm's name (``==``, ``!=``, ``in``, also inside
+    a tuple, list or set) or keys a dict literal by two or more algorithm names."""
+
+    def names_one(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str) and node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_one(element) for element in node.elts)
+        return isinstance(node, ast.Starred) and names_one(node.value)
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(names_one(n) for n in (node.left, *node.comparators)):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Dict) and sum(k is not None and names_one(k) for k in node.keys) >= 2:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_algorithm_names_are_compared_only_where_the_algorithm_s_facts_live() -> None:
+    from fedaudit.registry import ALGORITHMS
+
+    names = frozenset(ALGORITHMS)
+    found = {}
+    for name, path in MODULES.items():
+        if name.startswith("fedaudit.algorithms") or name == "fedaudit.registry":
+            continue
+        lines = algorithm_name_uses(path.read_text(encoding="utf-8"), names)
+        if lines:
+            found[name] = lines
+    assert {name: len(lines) for name, lines in found.items()} == NAMED_OUTSIDE, found
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        'if config.federated.algorithm == "fedlap":\n    pass\n',
+        'wire = "synthetic" if algorithm in ("fedgm", "feddm") else "updates"\n',
+        'ok = name not in {*BASE, "scaffold"}\n',
+        'COLOURS = {"fedavg": "#000", "fedprox": "#111"}\n',
+        'x = "fedssyn" != algorithm\n',
+    ],
+)
+def test_the_name_check_sees_a_planted_comparison(planted: str) -> None:
+    from fedaudit.registry import ALGORITHMS
+
+    assert algorithm_name_uses(planted, frozenset(ALGORITHMS)) == [1]
+    assert algorithm_name_uses('label = "fedavg"\nhelp = "see fedlap"\n', frozenset(ALGORITHMS)) == []

@@ -116,3 +116,29 @@ def test_every_train_option_sets_one_configuration_field_and_every_field_has_an_
     every_field |= {f"{section}.{f.name}" for section, kind in _SECTION_TYPES.items() for f in fields(kind)}
     assert every_field - set(mapped) == {"privacy.calibrated"}  # set by calibration, never by hand
     assert set(mapped) <= every_field
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_an_entry_s_facts_agree_with_its_implementation(name: str) -> None:
+    """What the registry says of an algorithm's local training is what its class does (read off the class, not the
+    entry), so that the attacks and reports that read the entry simulate and describe the algorithm that ran."""
+    from fedaudit.algorithms.fedavg import FedProx
+    from fedaudit.algorithms.scaffold import Scaffold
+
+    entry = ALGORITHMS[name]
+    implementation = registry.load(entry.implementation)
+    assert entry.one_step == bool(getattr(implementation, "single_step", False))
+    assert entry.proximal == issubclass(implementation, FedProx)
+    assert entry.control_variates == issubclass(implementation, Scaffold)
+    assert not (entry.one_step and entry.local_sgd)
+    assert entry.wire in (registry.WIRE_UPDATES, registry.WIRE_SYNTHETIC)
+    assert entry.dp_unit in (registry.DP_RECORD, registry.DP_LABEL, registry.DP_NONE)
+    assert entry.shares_synthetic == any(entry.sends_synthetic(r) for r in range(1, 4))
+    for inner in entry.inner_algorithms:  # an inner algorithm sends updates from its first round
+        assert not ALGORITHMS[inner].shares_synthetic and not ALGORITHMS[inner].inner_algorithms
+
+
+def test_every_algorithm_has_a_colour_of_its_own() -> None:
+    colours = [entry.colour for entry in ALGORITHMS.values()]
+    assert all(len(c) == 7 and c.startswith("#") and int(c[1:], 16) >= 0 for c in colours)
+    assert len(set(colours)) == len(colours)
