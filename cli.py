@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -450,8 +449,7 @@ def train(
     Options and examples: docs/train.md; what each algorithm computes: docs/algorithms.md; every file of the run
     directory: docs/run-directory.md.
     """
-    from fedaudit import training
-    from fedaudit.config import RunConfig, load_config_file
+    from fedaudit import api
     from fedaudit.setup import TrainingError, data_access
 
     progress = show_progress(progress)
@@ -471,30 +469,22 @@ def train(
                 "--superlink, --root-certificates, --insecure, --wait-seconds, --round-timeout) may be given with "
                 f"it, not --{extra[0].replace('_', '-')}."
             )
-        result = training.resume(
+        result = api.resume(
             resume_dir,
             rounds=options.get("rounds"),
             device=options.get("device"),
-            settings={name: options.get(name) for name in RESUME_SETTINGS},
             progress=progress,
+            **{name: options.get(name) for name in RESUME_SETTINGS},
         )
     else:
         if out is None and not equal_data_access:
             raise TrainingError("--out is required: the directory the run is written to.")
-        config = load_config_file(config_file, validate=False) if config_file else RunConfig()
-        if config.privacy.calibrated:
-            # A config.json of a --target-epsilon run: its sigma was calibrated for that run's rounds, rates and
-            # budget. An explicit --noise-multiplier replaces the budget; otherwise sigma is calibrated afresh
-            # (the same configuration gives the same sigma), so no override can push epsilon past the target.
-            forget = {"target_epsilon": None} if "noise_multiplier" in given else {"noise_multiplier": None}
-            config = replace(config, privacy=replace(config.privacy, calibrated=False, **forget))
-        config = config.with_overrides({option_field(name): options[name] for name in options})
-        config.validate()  # the file and the options together: an option may complete what the file leaves open
+        config = api.run_config(config_file, **options)
         if equal_data_access:
             for line in data_access(config).lines():
                 click.echo(line)
             return
-        result = training.train(config, out, overwrite=overwrite, progress=progress)
+        result = api.train(config, out, overwrite=overwrite, progress=progress)
     eps = f", epsilon {result.epsilon:.3f}" if result.epsilon != float("inf") else ""
     click.echo(f"Run written to {Path(result.run_dir)} (test accuracy {result.test_accuracy:.4f}{eps})")
     from fedaudit.runs import RunDirectory
@@ -717,27 +707,15 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
         return
     if not run_dirs:
         raise UserError("Give at least one run directory, or --flower-log LOG.")
-    from fedaudit.attacks.methods import DEFAULT_METHODS
-    from fedaudit.attacks.reconstruction import ReconstructionOptions, console_table
-    from fedaudit.attacks.runner import AttackOptions, results_table, run_attacks
-    from fedaudit.attacks.signals import DEFAULT_SIGNALS
+    from fedaudit import api
+    from fedaudit.attacks.reconstruction import console_table
+    from fedaudit.attacks.runner import results_table
 
     options["progress"] = show_progress(options["progress"])
     options["sites"] = _site_connection(
         options.pop("superlink"), options.pop("root_certificates"), options.pop("insecure")
     )
-    reconstruction = ReconstructionOptions(
-        iterations=options.pop("iterations"),
-        restarts=options.pop("restarts"),
-        psnr_threshold=options.pop("psnr_threshold"),
-    )
-    chosen = AttackOptions(
-        signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
-        methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)),
-        reconstruction=reconstruction,
-        **options,
-    )
-    results = run_attacks(run_dirs, chosen, echo=click.echo)
+    results = api.attack(run_dirs, signals=signals, methods=methods, echo=click.echo, **options)
     membership = results_table(results)
     if not membership.empty:
         click.echo(membership.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
@@ -837,12 +815,12 @@ def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None, probe: 
     a family-wise level of 0.001: exit code 1 when a check fails. With --probe, the sensitivity probe too (an exact
     check). What each check computes: docs/audit.md.
     """
-    from fedaudit.attacks.runner import verify_runs
+    from fedaudit import api
     from fedaudit.integrity import public_key_bytes
 
     key = None if public_key is None else public_key_bytes(_read_key(public_key), public_key)
     failed = False
-    for outcome in verify_runs(run_dirs, seed=seed, public_key=key, probe=probe):
+    for outcome in api.verify(run_dirs, seed=seed, public_key=key, probe=probe):
         click.echo(f"{outcome.path}: {'PASS' if outcome.passed else 'FAIL'}")
         for problem in outcome.integrity:
             click.echo(f"  FAIL integrity: {problem}.")
@@ -963,9 +941,9 @@ def report(
     HTML, Markdown or PDF; the sections and how policies are judged: docs/report.md; what each number means:
     docs/audit.md.
     """
-    from fedaudit.reports import build_report
+    from fedaudit import api
 
-    _finish_report(build_report(run_dirs, out=out, formats=formats, policy_file=policy_file, overwrite=overwrite))
+    _finish_report(api.report(run_dirs, out, formats=formats, policy=policy_file, overwrite=overwrite))
 
 
 def _finish_report(outcome: Any) -> None:
@@ -1147,7 +1125,8 @@ def compare(
     finished runs and attacks are kept, interrupted runs resume. The study directory's layout:
     docs/run-directory.md; equal data access: docs/algorithms.md; study files and examples: docs/compare.md.
     """
-    from fedaudit.study import run_study, study_from_options
+    from fedaudit import api
+    from fedaudit.study import study_from_options
 
     study = study_from_options(
         study_file,
@@ -1162,7 +1141,7 @@ def compare(
         policy=policy,
         audits=audits,
     )
-    _finish_report(run_study(study, out, overwrite=overwrite, progress=show_progress(progress), yes=yes))
+    _finish_report(api.compare(study, out, overwrite=overwrite, progress=show_progress(progress), yes=yes))
 
 
 compare.params.extend(param for param in train.params if param.name in COMPARE_BASE_OPTIONS)
