@@ -18,7 +18,8 @@ from fedaudit.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 # Where each installed package lives in the repository (pyproject.toml's package-dir mapping).
 SOURCES = {"fedaudit": ROOT / "fedaudit", "fedaudit.attacks": ROOT / "attacks", "fedaudit.reports": ROOT / "reports"}
-LINKS = {"fedaudit.cli": ROOT / "cli.py", "fedaudit.study": ROOT / "study.py"}  # application modules beside them
+# The application modules beside them: the command line, the studies, the Python API.
+LINKS = {"fedaudit.cli": ROOT / "cli.py", "fedaudit.study": ROOT / "study.py", "fedaudit.api": ROOT / "api.py"}
 # The layers above the training core: the attacks, the reports, and the application modules that call all three
 # (the command line, the studies, and the Python API the command line is a layer over).
 CORE_EXCLUDED = ("fedaudit.attacks", "fedaudit.reports", "fedaudit.cli", "fedaudit.study", "fedaudit.api")
