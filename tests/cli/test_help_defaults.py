@@ -1,0 +1,106 @@
+"""What ``fedaudit train --help`` shows as each option's default is what the configuration does: a literal default
+equals the configuration field's, and a default that depends on the dataset, the algorithm or DP names every value
+the configuration resolves to (so a changed default that the help text does not follow fails here)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import pytest
+
+from fedaudit.cli import train
+from fedaudit.config import RunConfig, option_field
+from fedaudit.registry import ALGORITHMS
+
+# Defaults that say what happens rather than a value (resolved at run time from the data, the machine or the
+# clients): nothing to compare.
+DESCRIBED = {
+    "noise_seed",
+    "image_size",
+    "depth",
+    "label_epsilon",
+    "synthetic_per_client",
+    "keep_checkpoints",
+    "eval_sample",
+    "ray_address",
+    "client_gpus",
+    "parallel_clients",
+}
+DATASETS = ("digits", "fashion-mnist", "mnist", "cifar10")
+
+
+def shown_defaults() -> dict[str, str]:
+    shown = {}
+    for param in train.params:
+        found = re.search(r"\[default(?: with --dp)?: ([^\]]+)\]$", getattr(param, "help", None) or "")
+        if found and param.name != "progress":
+            shown[param.name] = found.group(1)
+    return shown
+
+
+def field_value(config: RunConfig, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def resolved_values(name: str) -> set[Any]:
+    """Every value the option's field takes once the configuration is resolved, over datasets, algorithms and DP."""
+    values = set()
+    for dataset, algorithm, dp in itertools.product(DATASETS, ALGORITHMS, (False, True)):
+        if dp and not ALGORITHMS[algorithm].record_dp:
+            continue
+        overrides = {"federated.algorithm": algorithm, "data.dataset": dataset, "privacy.dp": dp}
+        config = RunConfig().with_overrides({**overrides, "federated.rounds": 2}).resolved()
+        values.add(field_value(config, option_field(name)))
+    return values - {None}
+
+
+def mentions(text: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return ("on" if value else "off") in text.split()
+    if isinstance(value, (int, float)):
+        numbers = re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?:e-?\d+)?(?![\w.])", text)
+        return any(float(number) == pytest.approx(value) for number in numbers)
+    return re.search(rf"(?<![\w-]){re.escape(str(value))}(?![\w-])", text) is not None
+
+
+def test_every_default_train_shows_is_checked_here() -> None:
+    shown = shown_defaults()
+    assert len(shown) >= 70
+    assert DESCRIBED <= set(shown)
+
+
+@pytest.mark.parametrize("name", sorted(set(shown_defaults()) - DESCRIBED))
+def test_a_shown_default_is_the_configuration_s(name: str) -> None:
+    text = shown_defaults()[name]
+    literal = field_value(RunConfig(), option_field(name))
+    if literal is not None:
+        if isinstance(literal, (int, float)) and not isinstance(literal, bool):
+            assert float(text) == pytest.approx(literal), (text, literal)
+        elif isinstance(literal, bool):
+            assert text == ("on" if literal else "off"), (text, literal)
+        else:
+            assert text == str(literal), (text, literal)
+        return
+    values = resolved_values(name)
+    assert values, f"--{name} shows a default ({text!r}) that the configuration never resolves"
+    missing = sorted((v for v in values if not mentions(text, v)), key=str)
+    assert not missing, f"--{name} shows [default: {text}] but resolves to {missing} too"
+
+
+@pytest.mark.parametrize(
+    "planted, name",
+    [
+        ("Communication rounds M. [default: 12]", "rounds"),
+        ("Channels (ConvNet) or hidden units (MLP). [default: 128; 16 on digits]", "width"),
+        ("Client learning rate eta_c. [default: 0.1]", "lr"),
+    ],
+)
+def test_a_help_text_gone_stale_is_caught(planted: str, name: str, monkeypatch) -> None:
+    (param,) = [p for p in train.params if p.name == name]
+    monkeypatch.setattr(param, "help", planted)
+    with pytest.raises(AssertionError):
+        test_a_shown_default_is_the_configuration_s(name)
