@@ -46,8 +46,10 @@ NO_DP = "no DP"
 NO_DP_WIDTH = 0.22  # width of the no-DP panel beside the epsilon axis, relative to it
 
 # One colour per algorithm (its registry entry's), the same in every figure: eight of matplotlib's tab10 (not its grey,
-# which marks the accountant).
-ALGORITHM_COLOURS: Mapping[str, str] = MappingProxyType({entry.name: entry.colour for entry in ALGORITHMS.values()})
+# which marks the accountant). An entry without one gets a colour from its name (algorithm_colour).
+ALGORITHM_COLOURS: Mapping[str, str] = MappingProxyType(
+    {entry.name: entry.colour for entry in ALGORITHMS.values() if entry.colour}
+)
 # Every way a report names a known algorithm (configuration name, label, DP label), lower-cased, to its name.
 _ALGORITHM_NAMES: Mapping[str, str] = MappingProxyType(
     {
