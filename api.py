@@ -83,6 +83,11 @@ def run_config(config: RunConfig | str | Path | None = None, **options: Any) -> 
     return base
 
 
+def _paths(runs: str | Path | Sequence[str | Path]) -> list[str | Path]:
+    """One run directory or several, as a list."""
+    return [runs] if isinstance(runs, (str, Path)) else list(runs)
+
+
 def _is_setting(name: str) -> bool:
     try:
         option_field(name)
@@ -166,12 +171,16 @@ def attack(
     Returns:
         One result per attack, signal and target, each with its metrics (AUC, intervals, epsilon lower bound).
     """
+    from fedaudit.attacks import AttackError
     from fedaudit.attacks.methods import DEFAULT_METHODS
     from fedaudit.attacks.reconstruction import ReconstructionOptions
     from fedaudit.attacks.runner import AttackOptions, run_attacks
     from fedaudit.attacks.signals import DEFAULT_SIGNALS
 
-    paths = [runs] if isinstance(runs, (str, Path)) else list(runs)
+    known = {field.name for field in dataclasses.fields(AttackOptions)} - {"signals", "methods", "reconstruction"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise AttackError(f"No attack option is called {unknown[0]!r}; the names are: {', '.join(sorted(known))}.")
     chosen = AttackOptions(
         signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
         methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)),
@@ -179,7 +188,7 @@ def attack(
         progress=progress,
         **options,
     )
-    return run_attacks(paths, chosen, echo=echo)
+    return run_attacks(_paths(runs), chosen, echo=echo)
 
 
 def verify(
@@ -194,8 +203,7 @@ def verify(
     writes ``RUN/verification.json``."""
     from fedaudit.attacks.runner import verify_runs
 
-    paths = [runs] if isinstance(runs, (str, Path)) else list(runs)
-    return iter(verify_runs(paths, seed=seed, public_key=public_key, probe=probe))
+    return iter(verify_runs(_paths(runs), seed=seed, public_key=public_key, probe=probe))
 
 
 def report(
@@ -210,8 +218,7 @@ def report(
     file its checks and verdict (PASS, FAIL or INCONCLUSIVE)."""
     from fedaudit.reports.build import build_report
 
-    paths = [runs] if isinstance(runs, (str, Path)) else list(runs)
-    return build_report(paths, out=out, formats=formats, policy_file=policy, overwrite=overwrite)
+    return build_report(_paths(runs), out=out, formats=formats, policy_file=policy, overwrite=overwrite)
 
 
 def compare(

@@ -17,6 +17,7 @@ from scipy.stats import norm
 
 import fedaudit
 from fedaudit import api
+from fedaudit.attacks import AttackError
 from fedaudit.config import ConfigError
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
@@ -90,6 +91,8 @@ def test_a_setting_that_cannot_work_is_the_command_s_sentence() -> None:
         api.run_config(rounds=0)
     with pytest.raises(ConfigError, match=r"^No setting is called 'no_such_option'; the names are train's options"):
         api.run_config(no_such_option=1)
+    with pytest.raises(AttackError, match=r"^No attack option is called 'max_record'; the names are: "):
+        api.attack("nowhere", max_record=10)
 
 
 @pytest.mark.parametrize("mu", [0.5, 1.0, 2.0])
