@@ -73,12 +73,15 @@ def run_config(config: RunConfig | str | Path | None = None, **options: Any) -> 
         # gives the same sigma), so no setting on top can push epsilon past the target.
         forget = {"target_epsilon": None} if options.get("noise_multiplier") is not None else {"noise_multiplier": None}
         base = dataclasses.replace(base, privacy=dataclasses.replace(base.privacy, calibrated=False, **forget))
-    unknown = [name for name in options if not _is_setting(name)]
-    if unknown:
-        raise ConfigError(
-            f"No setting is called {unknown[0]!r}; the names are train's options with '_' for '-' (see docs/train.md)."
-        )
-    base = base.with_overrides({option_field(name): value for name, value in options.items()})
+    overrides = {}
+    for name, value in options.items():
+        try:
+            overrides[option_field(name)] = value
+        except KeyError:
+            raise ConfigError(
+                f"No setting is called {name!r}; the names are train's options with '_' for '-' (see docs/train.md)."
+            ) from None
+    base = base.with_overrides(overrides)
     base.validate()  # the file and the options together: an option may complete what the file leaves open
     return base
 
@@ -86,14 +89,6 @@ def run_config(config: RunConfig | str | Path | None = None, **options: Any) -> 
 def _paths(runs: str | Path | Sequence[str | Path]) -> list[str | Path]:
     """One run directory or several, as a list."""
     return [runs] if isinstance(runs, (str, Path)) else list(runs)
-
-
-def _is_setting(name: str) -> bool:
-    try:
-        option_field(name)
-    except KeyError:
-        return False
-    return True
 
 
 def train(
