@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import Result
 from helpers import FAST_ARGS, invoke, same_secrets
+from zygote import Zygote
 
 torch.set_num_threads(1)
 
@@ -25,6 +26,22 @@ def fixed_secrets() -> Iterator[None]:
     test's own ``monkeypatch``, so that its ``undo()`` keeps them."""
     with same_secrets():
         yield
+
+
+# What a `fedaudit` process imports before it works: its command line, training, the attacks and the reports.
+FEDAUDIT_IMPORTS = ["torch", "fedaudit.cli", "fedaudit.training", "fedaudit.attacks.runner", "fedaudit.reports.render"]
+
+
+@pytest.fixture(scope="session")
+def fedaudit_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """A zygote that imported fedaudit once (tests/support/zygote.py): the tests that start `fedaudit` as processes of
+    their own (killed by their pid, or run as a page's shell blocks) fork them from it instead of importing torch and
+    fedaudit again for each. Its ``bin`` holds a ``fedaudit`` shim to put first on PATH. Stopped by its pid."""
+    zygote = Zygote(tmp_path_factory.mktemp("zygote"), {"fedaudit": "fedaudit.cli:main"}, FEDAUDIT_IMPORTS)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
 
 
 @pytest.fixture

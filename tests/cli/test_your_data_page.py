@@ -1,6 +1,7 @@
 """docs/your-data.md's walk-throughs, run as a user runs them: every shell block of the page, in order, in a fresh
 folder with this environment's ``fedaudit`` on the PATH, and every Python block whose first line names a file saved
-under that name first. The page and this test cannot drift apart."""
+under that name first. The page and this test cannot drift apart. Each ``fedaudit`` command is a process of its own,
+forked from the session's zygote of fedaudit (its imports done once) through the zygote's ``fedaudit`` shim."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from zygote import Zygote
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "your-data.md"
 
@@ -19,12 +22,14 @@ def blocks() -> list[tuple[str, str]]:
     return re.findall(r"^```(\w+)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
 
-def test_every_walkthrough_of_the_page_runs_as_written(tmp_path: Path) -> None:
+def test_every_walkthrough_of_the_page_runs_as_written(tmp_path: Path, fedaudit_zygote: Zygote) -> None:
     found = blocks()
     assert [language for language, _ in found] == ["bash", "bash", "python", "bash"]
     env = {
         **os.environ,
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "PATH": os.pathsep.join(
+            [str(fedaudit_zygote.bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+        ),
         "OMP_NUM_THREADS": "1",
     }
     for language, body in found:

@@ -25,8 +25,24 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from zygote import Zygote
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what they start by name
+
+# What a ClientApp process imports before its first message, imported once by the zygote of a SuperLink's
+# federations (tests/support/zygote.py): Flower's flwr-clientapp, torch and fedaudit's ClientApp with the algorithms
+# it runs. Each ClientApp still is a process of its own, started by Flower's SuperExec by name.
+CLIENTAPP = {"flwr-clientapp": "flwr.supernode.cli.flwr_clientapp:flwr_clientapp"}
+CLIENTAPP_IMPORTS = [
+    "torch",
+    "flwr.supernode.cli.flwr_clientapp",
+    "flwr.clientapp",
+    "flwr.app",
+    "fedaudit.engine.deployment",
+    "fedaudit.signals",
+    "fedaudit.algorithms.fedavg",
+    "fedaudit.algorithms.fedlap",
+]
 
 # flower-supernode with two of Flower's constants replaced, each unless its argument is "-": the heartbeat interval it
 # declares (Flower's own CLI always declares HEARTBEAT_DEFAULT_INTERVAL, 30 s; the SuperLink accepts any from
@@ -122,12 +138,14 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _env(home: Path, task_poll_seconds: float | None = None) -> dict[str, str]:
-    """The environment of a Flower process: this venv's programs first, its own FLWR_HOME, no telemetry."""
+def _env(home: Path, task_poll_seconds: float | None = None, first: Path | None = None) -> dict[str, str]:
+    """The environment of a Flower process: ``first`` (a zygote's shims) and this venv's programs first on PATH, its
+    own FLWR_HOME, no telemetry."""
     home.mkdir(parents=True, exist_ok=True)
+    path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {
         **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PATH": path if first is None else f"{first}{os.pathsep}{path}",
         "FLWR_HOME": str(home),
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -161,25 +179,28 @@ def _stop_groups(processes: list[subprocess.Popen], timeout: float = 20) -> None
 
 class SuperLink:
     """A TLS SuperLink on 127.0.0.1 (``--isolation process``: fedaudit is the server), in its own process group; it
-    serves the :class:`Federation` of one test after another."""
+    serves the :class:`Federation` of one test after another, whose SuperNodes start their ClientApps from one
+    :class:`Zygote` that the SuperLink keeps with it."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.tls = make_tls_files(directory / "certs")
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        tls = self.tls
-        self.process = _spawn(
-            [
-                str(BIN / "flower-superlink"),
-                *("--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])),
-                *("--ssl-keyfile", str(tls["key"]), "--host", "127.0.0.1", "--port", str(self.port)),
-                *("--isolation", "process", "--disable-runtime-dependency-installation"),
-            ],
-            _env(directory / "flwr-home"),
-            directory / "superlink.log",
-        )
+        self.zygote = Zygote(directory / "zygote", CLIENTAPP, CLIENTAPP_IMPORTS)
+        self.process: subprocess.Popen | None = None
         try:
+            self.tls = make_tls_files(directory / "certs")
+            self.port = free_port()
+            self.address = f"127.0.0.1:{self.port}"
+            tls = self.tls
+            self.process = _spawn(
+                [
+                    str(BIN / "flower-superlink"),
+                    *("--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])),
+                    *("--ssl-keyfile", str(tls["key"]), "--host", "127.0.0.1", "--port", str(self.port)),
+                    *("--isolation", "process", "--disable-runtime-dependency-installation"),
+                ],
+                _env(directory / "flwr-home"),
+                directory / "superlink.log",
+            )
             self._wait()
         except BaseException:
             self.close()
@@ -192,7 +213,7 @@ class SuperLink:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"https://{self.address}/health", verify=context, timeout=2).status_code == 200:
                     return
-            if self.process.poll() is not None:
+            if self.process is None or self.process.poll() is not None:
                 break
             time.sleep(0.1)
         raise RuntimeError(f"the SuperLink did not come up: {self.log()}")
@@ -202,8 +223,12 @@ class SuperLink:
         return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
 
     def close(self) -> None:
-        """Stop the SuperLink's process group."""
-        _stop_groups([self.process])
+        """Stop the SuperLink's process group, then the zygote."""
+        try:
+            if self.process is not None:
+                _stop_groups([self.process])
+        finally:
+            self.zygote.close()
 
 
 class Federation:
@@ -258,7 +283,7 @@ class Federation:
             *("--superlink", self.address, "--root-certificates", str(self.tls["ca"])),
             *("--port", str(free_port()), "--node-config", config),
         ]
-        env = _env(self.directory / "flwr-home" / name, self.task_poll_seconds)
+        env = _env(self.directory / "flwr-home" / name, self.task_poll_seconds, self.superlink.zygote.bin)
         self.processes[name] = process = _spawn(argv, env, self.directory / f"{name}.log")
         self.spawned.append(process)
         return process
