@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.attacks.audit import CanaryBound, GaussianEstimate, epsilon_from_gdp, epsilon_one_run, gaussian_estimate
+from fedaudit.attacks.canary.estimators import CanaryBound, GaussianEstimate, epsilon_from_gdp, epsilon_one_run, gaussian_estimate
 from fedaudit.attacks.metrics import EpsilonBound, auc_score, epsilon_lower_bound
 from fedaudit.config import ConfigError, RunConfig, load_config_file, option_field
 
@@ -167,10 +167,10 @@ def attack(
         One result per attack, signal and target, each with its metrics (AUC, intervals, epsilon lower bound).
     """
     from fedaudit.attacks import AttackError
-    from fedaudit.attacks.methods import DEFAULT_METHODS
-    from fedaudit.attacks.reconstruction import ReconstructionOptions
+    from fedaudit.attacks.reconstruction.attack import ReconstructionOptions
+    from fedaudit.attacks.registry import DEFAULT_METHODS
     from fedaudit.attacks.runner import AttackOptions, run_attacks
-    from fedaudit.attacks.signals import DEFAULT_SIGNALS
+    from fedaudit.attacks.membership.signals import DEFAULT_SIGNALS
 
     known = {field.name for field in dataclasses.fields(AttackOptions)} - {"signals", "methods", "reconstruction"}
     unknown = sorted(set(options) - known)

@@ -708,7 +708,7 @@ def attack(run_dirs: tuple[str, ...], signals: tuple[str, ...], methods: tuple[s
     if not run_dirs:
         raise UserError("Give at least one run directory, or --flower-log LOG.")
     from fedaudit import api
-    from fedaudit.attacks.reconstruction import console_table
+    from fedaudit.attacks.reconstruction.attack import console_table
     from fedaudit.attacks.runner import results_table
 
     options["progress"] = show_progress(options["progress"])
@@ -733,7 +733,7 @@ def _attack_flower_log(
     options: dict[str, Any],
 ) -> None:
     """``attack --flower-log LOG``: the canary audit of a Flower app's log (docs/flower-apps.md)."""
-    from fedaudit.attacks.flower_log import audit_log, check_out, console_table, default_out, write_results
+    from fedaudit.attacks.canary.flower_log import audit_log, check_out, console_table, default_out, write_results
     from fedaudit.config import MAX_SEED
 
     if flower_log is None:

@@ -27,8 +27,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
-from fedaudit.attacks.reconstruction import ReconstructionOptions
+from fedaudit.attacks.reconstruction.attack import ReconstructionOptions
+from fedaudit.attacks.registry import RECONSTRUCTION_METHOD as RECONSTRUCTION
+from fedaudit.attacks.registry import REFERENCE
 from fedaudit.attacks.runner import AttackOptions, expected_results, results_current, run_attacks, target_round
 from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
@@ -575,7 +576,7 @@ def estimate_study(
                 signal_seconds = _time_signals(setup, attack)
             records = 2 * min(attack.max_records, sum(len(c) for c in setup.partition.clients))
             attacks += signal_seconds * records
-            if any(m in ("rmia", "lira") for m in attack.methods):  # reference models: a run's training each
+            if attack.of(REFERENCE):  # reference models: a run's training each
                 attacks += attack.references * per_round.get(key, 0.0) * rounds
             if RECONSTRUCTION in attack.methods:
                 if key not in rebuild_seconds:
@@ -586,8 +587,8 @@ def estimate_study(
 
 def _time_reconstruction(setup: Setup, attack: AttackOptions) -> float:
     """Seconds of a run's reconstruction audit: every client of the attacked rounds, each update timed on a few
-    iterations of the attack and scaled (:func:`fedaudit.attacks.reconstruction.estimate_seconds`)."""
-    from fedaudit.attacks.reconstruction import estimate_seconds, parse_target
+    iterations of the attack and scaled (:func:`fedaudit.attacks.reconstruction.attack.estimate_seconds`)."""
+    from fedaudit.attacks.reconstruction.attack import estimate_seconds, parse_target
     from fedaudit.setup import clients_per_round
 
     config = setup.config
@@ -602,7 +603,7 @@ def _time_reconstruction(setup: Setup, attack: AttackOptions) -> float:
 
 def _time_signals(setup: Setup, attack: AttackOptions) -> float:
     """Seconds per record of the attacks' loss and gradient-norm signals with the run's model, on 256 records."""
-    from fedaudit.attacks.signals import compute_signals
+    from fedaudit.attacks.membership.signals import compute_signals
     from fedaudit.models import build_model
 
     model = build_model(setup.spec).to(setup.device)

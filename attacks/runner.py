@@ -21,21 +21,32 @@ import torch
 
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.canary import METHOD, VIEWS, canary_audit, read_canaries, run_views
-from fedaudit.attacks.membership import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
-from fedaudit.attacks.methods import DEFAULT_METHODS, METHODS, MethodOutput, run_method
+from fedaudit.attacks.canary.audit import VIEWS, canary_audit, read_canaries, run_views
+from fedaudit.attacks.membership.evaluation import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
+from fedaudit.attacks.membership.methods import MethodOutput, run_method
 from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, auc_score, bootstrap_groups, risk, summarize
-from fedaudit.attacks.reconstruction import METHOD as RECONSTRUCTION
-from fedaudit.attacks.reconstruction import (
+from fedaudit.attacks.reconstruction.attack import (
     ReconstructionOptions,
     ReconstructionPlan,
     plan_targets,
     reconstruct,
     result_files,
 )
-from fedaudit.attacks.reconstruction import parse_target as reconstruction_target
-from fedaudit.attacks.references import MAX_REFERENCES, reference_signals, references
-from fedaudit.attacks.signals import (
+from fedaudit.attacks.reconstruction.attack import parse_target as reconstruction_target
+from fedaudit.attacks.membership.references import MAX_REFERENCES, reference_signals, references
+from fedaudit.attacks.registry import (
+    ATTACKS,
+    CANARY,
+    CANARY_METHOD,
+    DEFAULT_METHODS,
+    MEMBERSHIP,
+    RECONSTRUCTION,
+    RECONSTRUCTION_METHOD,
+    REFERENCE,
+    AttackEntry,
+    attack,
+)
+from fedaudit.attacks.membership.signals import (
     DEFAULT_SIGNALS,
     OUTPUT_SIGNALS,
     SIGNALS,
@@ -45,8 +56,8 @@ from fedaudit.attacks.signals import (
     nearest_distance,
     oriented,
 )
-from fedaudit.attacks.sites import SiteConnection, Sites, SiteScorer, refuse, site_signals
-from fedaudit.attacks.sites import evaluation_set as sites_evaluation_set
+from fedaudit.attacks.membership.sites import SiteConnection, Sites, SiteScorer, refuse, site_signals
+from fedaudit.attacks.membership.sites import evaluation_set as sites_evaluation_set
 from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.data.sites import is_sites
@@ -68,7 +79,6 @@ from fedaudit.setup import resolve_device, run_data
 # bootstrap's resamples are mostly repeats of the same few records and do not cover at 95% (a federation of many
 # small clients has many such; the audit says so instead of computing an interval that means nothing).
 MIN_CLIENT_MEMBERS = 5
-REFERENCE_METHODS: tuple[str, ...] = ("rmia", "lira")
 DEFAULT_REFERENCES = 4
 RESULT_FORMAT = "fedaudit-attack"
 RESULT_FORMAT_VERSION = 2
@@ -106,12 +116,15 @@ class AttackOptions:
     @property
     def membership(self) -> bool:
         """Whether a membership attack or a canary audit is asked for (anything but a reconstruction)."""
-        return any(m != RECONSTRUCTION for m in self.methods)
+        return any(attack(m).family != RECONSTRUCTION for m in self.methods)
+
+    def of(self, *families: str) -> list[str]:
+        """The methods asked for of ``families`` (the registry's), in the order given."""
+        return [m for m in self.methods if attack(m).family in families]
 
     def validate(self) -> None:
         """Raise :class:`AttackError` with one sentence for the first invalid option."""
-        known_methods = (*METHODS, *REFERENCE_METHODS, METHOD, RECONSTRUCTION)
-        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, known_methods)):
+        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, tuple(ATTACKS))):
             if not given:
                 raise AttackError(f"Give at least one --{kind}; choose from {', '.join(known)}.")
             for name in given:
@@ -119,7 +132,7 @@ class AttackOptions:
                     raise AttackError(f"Unknown --{kind} {name!r}; choose from {', '.join(known)}.")
         if self.target is not None and not isinstance(self.target, str):
             raise AttackError(f"--target must be final, all or round:N, got {self.target!r}.")
-        if RECONSTRUCTION in self.methods:
+        if self.of(RECONSTRUCTION):
             reconstruction_target(self.target)
             self.reconstruction.validate()
         if self.membership:
@@ -136,7 +149,7 @@ class AttackOptions:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise AttackError(f"{option} must be an integer of at least {least}, got {value!r}.")
-        if any(m in REFERENCE_METHODS for m in self.methods):
+        if self.of(REFERENCE):
             if not isinstance(self.references, int) or isinstance(self.references, bool) or self.references < 1:
                 raise AttackError(f"--references must be an integer of at least 1, got {self.references!r}.")
             if self.references > MAX_REFERENCES:
@@ -146,16 +159,18 @@ class AttackOptions:
                     f"--online needs an even number of --references (each audited record in half), got "
                     f"{self.references}."
                 )
-            if parse_target(self.membership_target) != "final":
+            final_only = [name for name, entry in ATTACKS.items() if entry.final_only]
+            if parse_target(self.membership_target) != "final" and set(final_only) & set(self.methods):
                 raise AttackError(
-                    "--method rmia and lira attack the final model (--target final), whose recipe the "
+                    f"--method {' and '.join(final_only)} attack the final model (--target final), whose recipe the "
                     "reference models repeat."
                 )
-            if "rmia" in self.methods and not set(self.signals) & set(OUTPUT_SIGNALS):
-                raise AttackError(
-                    "--method rmia needs a signal of the model's output (loss, confidence or "
-                    "logit-confidence), the probability of the true label it compares."
-                )
+            for name in self.methods:
+                if attack(name).output_signals_only and not set(self.signals) & set(OUTPUT_SIGNALS):
+                    raise AttackError(
+                        f"--method {name} needs a signal of the model's output (loss, confidence or "
+                        "logit-confidence), the probability of the true label it compares."
+                    )
         if self.seed is not None and self.seed > MAX_SEED:
             raise AttackError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.")
         if not isinstance(self.per_layer, bool):
@@ -172,15 +187,15 @@ def parse_target(text: str) -> str | int:
         return int(number)
     if value.startswith("round:") and ":client:" in value:
         raise AttackError(
-            f"--target {text!r} names a client, which only --method {RECONSTRUCTION} attacks; give the membership "
-            "attacks final, all or round:N."
+            f"--target {text!r} names a client, which only --method {RECONSTRUCTION_METHOD} attacks; give the "
+            "membership attacks final, all or round:N."
         )
     raise AttackError(f"--target {text!r} is not understood; use final, all or round:N with a round number N >= 1.")
 
 
 def target_round(options: AttackOptions) -> int | None:
     """The round number ``--target`` names (round:N, round:N:client:K), if any."""
-    if RECONSTRUCTION in options.methods and not options.membership:
+    if options.of(RECONSTRUCTION) and not options.membership:
         rounds, _ = reconstruction_target(options.target)
         return rounds if isinstance(rounds, int) else None
     rounds = parse_target(options.membership_target)
@@ -279,9 +294,9 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     targets = attack_targets(run, target, done) if target is not None else ()
     for target in targets:
         run.load_model(None if target.final else target.round)  # fail now on missing or mismatched weights
-    plan = plan_targets(run, config, manifest, options.target) if RECONSTRUCTION in options.methods else None
+    plan = plan_targets(run, config, manifest, options.target) if options.of(RECONSTRUCTION) else None
     accountant = _accountant_epsilon(run, config, max([done, *(t.round for t in targets)]))
-    if METHOD in options.methods:
+    if options.of(CANARY):
         if not config.privacy.dp:
             raise AttackError(
                 f"{run.path} was trained without DP, so --method canary has no accountant's epsilon to "
@@ -342,7 +357,7 @@ def _sites_data(
             f"{run.path} keeps its records at its sites: give the connection to them (--superlink HOST:PORT with "
             "--root-certificates CA or --insecure), so that each site scores its own records."
         )
-    unsupported = [m for m in options.methods if m in (*REFERENCE_METHODS, RECONSTRUCTION)]
+    unsupported = options.of(REFERENCE, RECONSTRUCTION)
     if unsupported or SYNTHETIC_SIGNAL in options.signals:
         what = f"--method {unsupported[0]}" if unsupported else f"--signal {SYNTHETIC_SIGNAL}"
         raise refuse(what, run.path)
@@ -413,7 +428,7 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
     device = resolve_device(options.device)
     repeatable(device)
     results = []
-    methods = [m for m in options.methods if m not in (METHOD, RECONSTRUCTION)]
+    methods = options.of(MEMBERSHIP, REFERENCE)
     with ExitStack() as stack:
         scorer = None
         if methods and prepared.sites is not None and not prepared.sites.local:
@@ -423,7 +438,7 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
                 options.sites(prepared.config, prepared.membership, manifest.dataset.fingerprint)
             )
         results += _membership_attacks(prepared, options, methods, device, scorer)
-    if METHOD in options.methods:
+    if options.of(CANARY):
         results += _canary(prepared)
     if prepared.reconstruction is not None:
         results += _reconstructions(prepared, options)
@@ -440,8 +455,8 @@ def _membership_attacks(
     """Every (signal, method) of the membership attacks against every target (the sites of a sites run score their
     own records)."""
     results: list[AttackResult] = []
-    plain = [m for m in methods if m not in REFERENCE_METHODS]
-    with_references = [m for m in methods if m in REFERENCE_METHODS]
+    plain = [m for m in methods if attack(m).family == MEMBERSHIP]
+    with_references = [m for m in methods if attack(m).family == REFERENCE]
     x = y = None
     if methods and (prepared.sites is None or prepared.sites.local):
         x, y = prepared.records()
@@ -575,7 +590,7 @@ def _canary(prepared: PreparedRun) -> list[AttackResult]:
             "format_version": RESULT_FORMAT_VERSION,
             "run": str(run.path),
             "signal": view.signal,
-            "method": METHOD,
+            "method": CANARY_METHOD,
             "target": "final" if view.signal == "loss" else "all rounds",
             "round": done,
             "seed": prepared.seed,
@@ -639,9 +654,9 @@ def _reference_attacks(
     results = []
     for signal in options.signals:
         for method in methods:
-            if (method == "rmia" and signal not in OUTPUT_SIGNALS) or signal == SYNTHETIC_SIGNAL:
+            if not _takes(attack(method), signal):
                 continue  # synthetic-distance reads no model, so reference models have nothing to compare
-            output = compared.output(method, signal, signals.values[signal])
+            output = attack(method).load()(compared, signal, signals.values[signal])
             results.append(_result(prepared, target, signals, signal, method, output, options))
     return results
 
@@ -771,6 +786,14 @@ def _per_client(
 CANARY_NAMES = tuple(view.name for view in VIEWS)
 
 
+def _takes(entry: AttackEntry, signal: str) -> bool:
+    """Whether ``entry`` attacks with ``signal`` (RMIA compares output probabilities; the reference attacks compare
+    models, which the distance to the synthetic records does not read)."""
+    return (not entry.output_signals_only or signal in OUTPUT_SIGNALS) and (
+        entry.synthetic_signal or signal != SYNTHETIC_SIGNAL
+    )
+
+
 def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int]:
     """The result directories ``options`` would write for ``run`` as it stands, each with the round it attacks
     (empty when the run cannot be attacked)."""
@@ -783,7 +806,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         )
         planned = (
             plan_targets(run, run.read_run_config(), manifest, options.target).targets
-            if RECONSTRUCTION in options.methods
+            if options.of(RECONSTRUCTION)
             else ()
         )
     except (RunError, AttackError):
@@ -793,12 +816,11 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         for target in targets
         for signal in options.signals
         for method in options.methods
-        if method not in (METHOD, RECONSTRUCTION)
-        and (method not in REFERENCE_METHODS or target.final)
-        and (method != "rmia" or signal in OUTPUT_SIGNALS)
-        and (method not in REFERENCE_METHODS or signal != SYNTHETIC_SIGNAL)
+        if attack(method).per_signal
+        and (not attack(method).final_only or target.final)
+        and _takes(attack(method), signal)
     }
-    if METHOD in options.methods:
+    if options.of(CANARY):
         try:
             views = run_views(run)
         except (RunError, AttackError):
@@ -829,7 +851,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
         "per_layer": options.per_layer,
     }
     for name, round_number in names.items():
-        if name.startswith(f"{RECONSTRUCTION}-"):
+        if name.startswith(f"{RECONSTRUCTION_METHOD}-"):
             if not _reconstruction_current(run, name, round_number, seed, options):
                 return False
             continue
@@ -845,7 +867,11 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
                 record.settings.get(k) != v
                 for k, v in (expected if name not in CANARY_NAMES else {"seed": seed}).items()
             )
-            or (name.rpartition("-")[2] in REFERENCE_METHODS and not _same_references(record.references, options))
+            or (
+                name.rpartition("-")[2] in ATTACKS
+                and attack(name.rpartition("-")[2]).family == REFERENCE
+                and not _same_references(record.references, options)
+            )
         ):
             return False
     return bool(names)
@@ -924,7 +950,7 @@ def _attack_runs(paths: Sequence[str | Path], options: AttackOptions, echo: Echo
         for result in run_results:
             write_result(run.run, result)
         echo(f"{len(run_results)} result(s) written to {run.run.attacks_dir}")
-        if METHOD in options.methods and any(run.run.queries_dir.glob("round-*.safetensors")):
+        if options.of(CANARY) and any(run.run.queries_dir.glob("round-*.safetensors")):
             _verify_canary_run(run, echo)
         results += run_results
     return results
@@ -933,7 +959,7 @@ def _attack_runs(paths: Sequence[str | Path], options: AttackOptions, echo: Echo
 def _verify_canary_run(prepared: PreparedRun, echo: Echo) -> None:
     """The conformance checks of a canary run, beside its canary audit (what ``fedaudit verify`` writes), so that
     the report sees both; a run whose records cannot be checked says why in one line and keeps its results."""
-    from fedaudit.attacks.conformance import verify
+    from fedaudit.attacks.conformance.checks import verify
 
     try:
         verification = verify(prepared.run, seed=prepared.seed)
@@ -952,7 +978,7 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
     rows = []
     for result in results:
         m = result.metrics
-        if m.get("method") == RECONSTRUCTION:
+        if m.get("method") == RECONSTRUCTION_METHOD:
             continue
         rows.append(
             {
@@ -1016,11 +1042,11 @@ def verify_runs(
 ) -> list[VerifyOutcome]:
     """``fedaudit verify``: every run's files and ledger against its manifest, its signature against ``public_key``,
     then the conformance checks of its mechanism (and, with ``probe``, the sensitivity probe of its DP query:
-    attacks/probe.py), written to its verification.json. Every run is read and checked before anything is written,
+    attacks/conformance/probe.py), written to its verification.json. Every run is read and checked before anything is written,
     so bad input leaves nothing behind; a run whose files fail is not verified further and nothing is written into
     it."""
-    from fedaudit.attacks.conformance import Verification, verify
-    from fedaudit.attacks.probe import probe_run
+    from fedaudit.attacks.conformance.checks import Verification, verify
+    from fedaudit.attacks.conformance.probe import probe_run
 
     outcomes = []
     for path in run_dirs:

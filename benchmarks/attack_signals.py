@@ -29,7 +29,7 @@ from _machine import describe
 from opacus import GradSampleModule
 from twins import convnet_and_opacus_twin
 
-from fedaudit.attacks.signals import compute_signals
+from fedaudit.attacks.membership.signals import compute_signals
 from fedaudit.privacy.primitive import per_sample_gradients, per_sample_norms
 
 

@@ -475,7 +475,7 @@ def trial(fault_name: str | None, seed: int, args: dict[str, Any], scratch: str)
     import torch
     from click.testing import CliRunner
 
-    from fedaudit.attacks.probe import probe_run
+    from fedaudit.attacks.conformance.probe import probe_run
     from fedaudit.cli import main
     from fedaudit.runs import RunDirectory
 

@@ -41,7 +41,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 from sklearn.datasets import load_digits
 from torch import nn
 
-from fedaudit.attacks.flower_log import audit_log, write_results
+from fedaudit.attacks.canary.flower_log import audit_log, write_results
 from fedaudit.flower import CanaryClients, canary_client_count
 from fedaudit.privacy.accounting import calibrate_noise_multiplier
 

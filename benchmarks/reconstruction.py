@@ -35,8 +35,8 @@ from _machine import describe
 
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedSGD
-from fedaudit.attacks.image_quality import assign, pair_quality, pixel_range, quality_summary, to_pixels
-from fedaudit.attacks.reconstruction import (
+from fedaudit.attacks.reconstruction.image_quality import assign, pair_quality, pixel_range, quality_summary, to_pixels
+from fedaudit.attacks.reconstruction.attack import (
     DEFAULT_PSNR_THRESHOLD,
     LocalTraining,
     ReconstructionOptions,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedaudit.seeding import Stream, make_generator, numpy_rng
+from fedaudit.seeding import Stream, derive_seeds, numpy_rng
 
 GRADIENT_CANARY_NORM = 10.0  # a gradient canary's per-example gradient norm, in units of the clipping norm C
 LAYOUTS = ("model", "parts")  # where gradient canaries' directions lie: the whole model, or parts of it in turn
@@ -163,18 +163,14 @@ class Canaries:
         )
 
 
-def canary_directions(
-    seed: int,
-    indices: np.ndarray,
-    shapes: dict[str, torch.Size],
-    device: torch.device | str = "cpu",
-    layout: str = "model",
-) -> dict[str, torch.Tensor]:
-    """Unit directions u_i of the canaries ``indices``, split by parameter: name -> [len(indices), *shape].
+def canary_rows(seed: int, indices: np.ndarray, shapes: dict[str, torch.Size], layout: str = "model") -> torch.Tensor:
+    """Unit directions u_i of the canaries ``indices`` as rows over the parameters ``shapes`` (in their order), on the
+    CPU: [len(indices), total].
 
-    Each direction is drawn on the CPU from its own stream (seed, CANARY, i), so it is the same whichever client,
-    device or engine asks for it; in the "parts" layout its coordinates outside canary i's part
-    (:func:`group_of`) are set to zero before it is normalised.
+    Each direction is drawn from its own stream (seed, CANARY, i), so it is the same whichever client, device or
+    engine asks for it; in the "parts" layout its coordinates outside canary i's part (:func:`group_of`) are set to
+    zero before it is normalised. The seeds are derived for all canaries at once and one generator is reseeded for
+    each (the same draws as a generator per canary, without a generator's and a seed's set-up per canary).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown canary layout {layout!r}.")
@@ -182,8 +178,12 @@ def canary_directions(
     groups = canary_groups(list(shapes)) if layout == "parts" else ()
     masks: dict[str, torch.Tensor] = {}
     rows = torch.empty(len(indices), total)
+    seeds = derive_seeds(seed, Stream.CANARY, np.asarray(indices, dtype=np.int64)).tolist()
+    generator = torch.Generator()
     for row, i in enumerate(indices):
-        direction = torch.randn(total, generator=make_generator(seed, Stream.CANARY, int(i)))
+        generator.manual_seed(seeds[row])
+        direction = rows[row]
+        torch.randn(total, generator=generator, out=direction)
         if groups:
             group = group_of(int(i), groups)
             if group.name not in masks:
@@ -193,8 +193,21 @@ def canary_directions(
                         for name, shape in shapes.items()
                     ]
                 )
-            direction = direction * masks[group.name]
-        rows[row] = direction / direction.norm()
+            direction.mul_(masks[group.name])
+        direction.div_(torch.linalg.vector_norm(direction))
+    return rows
+
+
+def canary_directions(
+    seed: int,
+    indices: np.ndarray,
+    shapes: dict[str, torch.Size],
+    device: torch.device | str = "cpu",
+    layout: str = "model",
+) -> dict[str, torch.Tensor]:
+    """Unit directions u_i of the canaries ``indices`` (:func:`canary_rows`), split by parameter: name ->
+    [len(indices), *shape] on ``device``."""
+    rows = canary_rows(seed, indices, shapes, layout)
     split, start = {}, 0
     for name, shape in shapes.items():
         size = int(torch.Size(shape).numel())

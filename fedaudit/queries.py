@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedaudit.canaries import canary_directions
+from fedaudit.canaries import canary_rows
 from fedaudit.privacy.primitive import LossFn, Query, per_sample_gradients
 from fedaudit.seeding import Stream, make_generator
 
@@ -243,8 +243,7 @@ class QueryLog:
 
 def _flat_directions(seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size], layout: str) -> torch.Tensor:
     """The unit directions u_i of the canaries ``chunk`` in the parameters ``shapes``, one row each, in their order."""
-    split = canary_directions(seed, chunk, shapes, layout=layout)
-    return torch.cat([split[name].reshape(len(chunk), -1) for name in shapes], dim=1)
+    return canary_rows(seed, chunk, shapes, layout)
 
 
 def subsampled_gaussian_llr(o: torch.Tensor, rate: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

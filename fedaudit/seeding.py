@@ -69,6 +69,56 @@ def derive_seed(seed: int, stream: Stream, *keys: int) -> int:
     return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
 
 
+# numpy's SeedSequence constants (numpy/random/bit_generator.pyx): derive_seeds repeats its hash for many keys at once.
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_MULT_L, _MIX_MULT_R, _XSHIFT, _POOL_SIZE = 0xCA01F9DD, 0x4973F715, 16, 4
+
+
+def derive_seeds(seed: int, stream: Stream, keys: np.ndarray) -> np.ndarray:
+    """:func:`derive_seed` of a one-key stream for every key in ``keys`` at once (int64, equal to it seed by seed).
+
+    SeedSequence's entropy mixing and state generation, done on uint32 arrays (one lane per key) instead of once per
+    key in Python: a canary run derives a seed for every canary of every client in every round.
+    """
+    stream = Stream(stream)
+    if STREAM_KEYS[stream] != 1:
+        raise ValueError(f"derive_seeds takes one-key streams; {stream.name} takes {STREAM_KEYS[stream]}.")
+    keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+    if not 0 <= int(seed) <= MAX_SEED or (keys.size and (keys.min() < 0 or keys.max() > MAX_SEED)):
+        raise ValueError(f"Seeds and keys must be integers in [0, {MAX_SEED}].")
+    lanes = keys.size
+    u32 = np.uint32
+    entropy = [np.full(lanes, seed, u32), np.full(lanes, int(stream), u32), keys.astype(u32)]
+    hash_a = np.full(lanes, _INIT_A, u32)
+
+    def hashmix(value: np.ndarray) -> np.ndarray:
+        nonlocal hash_a
+        value = value ^ hash_a
+        hash_a = hash_a * u32(_MULT_A)
+        value = value * hash_a
+        return value ^ (value >> u32(_XSHIFT))
+
+    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        result = u32(_MIX_MULT_L) * x - u32(_MIX_MULT_R) * y
+        return result ^ (result >> u32(_XSHIFT))
+
+    with np.errstate(over="ignore"):
+        pool = [hashmix(entropy[i] if i < len(entropy) else np.zeros(lanes, u32)) for i in range(_POOL_SIZE)]
+        for source in range(_POOL_SIZE):
+            for target in range(_POOL_SIZE):
+                if source != target:
+                    pool[target] = mix(pool[target], hashmix(pool[source]))
+        hash_b = np.full(lanes, _INIT_B, u32)
+        state = []
+        for word in range(2):
+            value = pool[word] ^ hash_b
+            hash_b = hash_b * u32(_MULT_B)
+            value = value * hash_b
+            state.append(value ^ (value >> u32(_XSHIFT)))
+    combined = (state[0].astype(np.uint64) << np.uint64(31)) ^ state[1].astype(np.uint64)
+    return (combined & np.uint64((1 << 63) - 1)).astype(np.int64)
+
+
 def make_generator(seed: int, stream: Stream, *keys: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A torch generator on ``device`` seeded by :func:`derive_seed`."""
     generator = torch.Generator(device=device)

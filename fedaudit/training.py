@@ -455,7 +455,7 @@ def isolated_round(
 ) -> ClientMessage:
     """One first round of client 0 at the global ``params``, as the training loop runs a client (no server state,
     no canaries), with ``keys`` for its draws and ``records`` in place of its own where given; nothing is written.
-    The sandbox of the sensitivity probe (attacks/probe.py), which intercepts the round's DP queries."""
+    The sandbox of the sensitivity probe (attacks/conformance/probe.py), which intercepts the round's DP queries."""
     device = setup.device
     if records is None:
         own = client_data(replace(setup, canaries=None), 0)

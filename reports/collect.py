@@ -15,8 +15,9 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from scipy.stats import norm
 
-from fedaudit.attacks.image_quality import quality_summary
+from fedaudit.attacks.reconstruction.image_quality import quality_summary
 from fedaudit.attacks.metrics import rate_interval, threshold_bounds
+from fedaudit.attacks.registry import RECONSTRUCTION_METHOD
 from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
@@ -825,7 +826,7 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
     )
 
 
-RECONSTRUCTION = "reconstruction"  # the method of attack --method reconstruction's results
+RECONSTRUCTION = RECONSTRUCTION_METHOD  # the method of attack --method reconstruction's results
 
 
 def _reconstructions(

@@ -10,7 +10,7 @@ import pytest
 import scipy.stats
 from scipy.optimize import brentq
 
-from fedaudit.attacks.audit import (
+from fedaudit.attacks.canary.estimators import (
     bound_by_guesses,
     epsilon_from_gdp,
     epsilon_one_run,

@@ -22,7 +22,7 @@ import fedaudit.algorithms.fedavg as fedavg
 import fedaudit.privacy.primitive as primitive
 import fedaudit.training as training
 from fedaudit.attacks import AttackError
-from fedaudit.attacks.conformance import CHECKS, PLD_INTERVAL, Verification, recorded_spend, verify
+from fedaudit.attacks.conformance.checks import CHECKS, PLD_INTERVAL, Verification, recorded_spend, verify
 from fedaudit.privacy.accounting import rdp_epsilon
 from fedaudit.runs import RunDirectory
 

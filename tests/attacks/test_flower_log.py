@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 
 from fedaudit.attacks import AttackError
-from fedaudit.attacks.audit import epsilon_from_gdp, epsilon_one_run, gdp_epsilon
-from fedaudit.attacks.flower_log import LEVEL, accountant_epsilon, audit, audit_log, view_scores, write_results
+from fedaudit.attacks.canary.estimators import epsilon_from_gdp, epsilon_one_run, gdp_epsilon
+from fedaudit.attacks.canary.flower_log import LEVEL, accountant_epsilon, audit, audit_log, view_scores, write_results
 from fedaudit.canary_log import FORMAT, CanaryLog, CanaryLogError, read_log
 
 DELTA = 1e-5

@@ -13,7 +13,7 @@ from scipy import stats
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 from sklearn.datasets import load_digits
 
-from fedaudit.attacks.image_quality import (
+from fedaudit.attacks.reconstruction.image_quality import (
     PSNR_CAP,
     assign,
     mean_interval,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedaudit.attacks import AttackError
-from fedaudit.attacks.membership import build_evaluation_set
+from fedaudit.attacks.membership.evaluation import build_evaluation_set
 from fedaudit.data import Partition
 
 # ---------------------------------------------------------------------------- evaluation sets

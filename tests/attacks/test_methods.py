@@ -9,8 +9,8 @@ import pytest
 from scipy.stats import norm
 from sklearn.metrics import roc_auc_score
 
-from fedaudit.attacks.methods import FPR_TOLERANCES, classifier_attack, population_attack, run_method
-from fedaudit.attacks.signals import oriented
+from fedaudit.attacks.membership.methods import FPR_TOLERANCES, classifier_attack, population_attack, run_method
+from fedaudit.attacks.membership.signals import oriented
 
 
 def labels(n_members: int, n_nonmembers: int) -> np.ndarray:
@@ -35,7 +35,7 @@ def test_classifier_fits_on_attack_train_and_finds_non_monotone_leakage() -> Non
     # members sit in a band, non-members on both sides of it: no single threshold separates them
     values = np.concatenate([rng.normal(0, 0.3, n), rng.choice([-2.0, 2.0], n) + rng.normal(0, 0.3, n)])
     attack_train = rng.random(2 * n) < 0.5
-    out = classifier_attack(values, member, attack_train, seed=0)
+    out = classifier_attack(values, values, member, attack_train, seed=0)
     np.testing.assert_array_equal(out.audit, ~attack_train)
     audited = roc_auc_score(member[out.audit], out.scores[out.audit])
     assert audited > 0.95
@@ -49,7 +49,7 @@ def test_population_thresholds_hold_the_false_positive_tolerance() -> None:
     member = labels(n, n)
     score = np.concatenate([rng.normal(1, 1, n), rng.normal(0, 1, n)])
     attack_train = rng.random(2 * n) < 0.5
-    out = population_attack(score, member, attack_train)
+    out = population_attack(score, score, member, attack_train)
     rows = out.details["population"]
     assert [r["fpr_tolerance"] for r in rows] == list(FPR_TOLERANCES)
     reference = score[attack_train & (member == 0)]

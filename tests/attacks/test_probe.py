@@ -16,7 +16,7 @@ from torch import nn
 import fedaudit.algorithms.fedavg as fedavg
 import fedaudit.privacy.primitive as primitive
 from fedaudit.attacks import AttackError
-from fedaudit.attacks.probe import clipped, probe_config, reference_gradient, sensitivity_check
+from fedaudit.attacks.conformance.probe import clipped, probe_config, reference_gradient, sensitivity_check
 from fedaudit.config import RunConfig
 
 
@@ -227,7 +227,7 @@ def test_an_algorithm_that_clips_on_its_own_fails(monkeypatch):
         return [], {"local_steps": 1.0}
 
     monkeypatch.setattr(fedavg.FedAvg, "_train_dp", own_step)
-    from fedaudit.attacks.probe import _NoQuery
+    from fedaudit.attacks.conformance.probe import _NoQuery
 
     with pytest.raises(_NoQuery, match="made no DP query through the DP primitive"):
         probe_config(config())

@@ -8,7 +8,7 @@ import pytest
 from scipy.stats import norm
 from sklearn.metrics import roc_auc_score
 
-from fedaudit.attacks.reference_attacks import lira_scores, rmia_marginal, rmia_scores, tune_a
+from fedaudit.attacks.membership.reference_attacks import lira_scores, rmia_marginal, rmia_scores, tune_a
 
 
 def slow_rmia(target_x, refs_x, target_z, refs_z, *, a, gamma, online, x_out=None, z_out=None):

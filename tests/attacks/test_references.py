@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import FAST_ARGS, assert_user_error, invoke
 
-from fedaudit.attacks.references import inclusion_matrix
+from fedaudit.attacks.membership.references import inclusion_matrix
 
 ATTACK = ("--signal", "loss", "--method", "rmia", "--method", "lira", "--no-progress")
 

@@ -16,7 +16,7 @@ from helpers import FAST_ARGS, invoke
 import fedaudit.algorithms.base as base
 import fedaudit.privacy.primitive as primitive
 import fedaudit.privacy.randomness as randomness
-from fedaudit.attacks.conformance import Verification, verify
+from fedaudit.attacks.conformance.checks import Verification, verify
 from fedaudit.privacy.randomness import SeededKeys
 from fedaudit.runs import RunDirectory
 from fedaudit.seeding import Stream, make_generator

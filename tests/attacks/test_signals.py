@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedaudit.attacks.signals import PER_LAYER_PREFIX, compute_signals, oriented
+from fedaudit.attacks.membership.signals import PER_LAYER_PREFIX, compute_signals, oriented
 from fedaudit.models import ModelSpec, build_model
 
 # ---------------------------------------------------------------------------- signals

@@ -384,7 +384,7 @@ def test_a_model_with_nan_weights_is_refused_in_one_sentence(plain_run, tmp_path
 def test_a_client_with_too_few_audited_members_gets_no_interval_and_says_why():
     """A federation of many small clients: a client with fewer than MIN_CLIENT_MEMBERS audited members is reported
     with its counts and the reason, not with a bootstrap interval over a handful of repeated records."""
-    from fedaudit.attacks.membership import EvaluationSet
+    from fedaudit.attacks.membership.evaluation import EvaluationSet
     from fedaudit.attacks.runner import MIN_CLIENT_MEMBERS, _per_client
 
     rng = np.random.default_rng(0)

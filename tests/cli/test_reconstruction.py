@@ -15,7 +15,7 @@ import torch
 from helpers import FAST_ARGS, invoke, read_json
 from skimage.metrics import peak_signal_noise_ratio
 
-from fedaudit.attacks.image_quality import pixel_range, to_pixels
+from fedaudit.attacks.reconstruction.image_quality import pixel_range, to_pixels
 from fedaudit.data import load_dataset
 from fedaudit.runs import RunDirectory, load_tensors
 
@@ -105,7 +105,7 @@ def test_every_client_of_the_first_and_final_round_is_attacked_and_hashed(attack
 def test_the_recipe_read_from_the_run_gives_the_update_that_was_sent(recipe, tmp_path) -> None:
     """What the attack reads of a run (config.json, the round's starting checkpoint, SCAFFOLD's control variates,
     Fedssyn's dealt share) simulates, at the client's own records, exactly the update it sent, round after round."""
-    from fedaudit.attacks.reconstruction import ReconstructionTarget, _share, local_training, simulate_update
+    from fedaudit.attacks.reconstruction.attack import ReconstructionTarget, _share, local_training, simulate_update
     from fedaudit.data import Partition
     from fedaudit.models import build_model, initial_params
 

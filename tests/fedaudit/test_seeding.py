@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedaudit.seeding import Stream, derive_seed, make_generator, numpy_rng, repeatable
+from fedaudit.seeding import STREAM_KEYS, Stream, derive_seed, derive_seeds, make_generator, numpy_rng, repeatable
 
 
 def test_streams_are_distinct_and_stable():
@@ -80,6 +80,26 @@ def test_derive_seed_is_injective_on_every_combination_a_run_uses():
             value = derive_seed(seed, stream, *keys)
             assert value not in seen, (seen.get(value), (seed, stream, *keys))
             seen[value] = (seed, stream, *keys)
+
+
+@pytest.mark.parametrize("stream", [s for s in Stream if STREAM_KEYS[s] == 1], ids=lambda s: s.name)
+def test_derive_seeds_is_derive_seed_for_every_key(stream: Stream) -> None:
+    """The vectorised SeedSequence hash against numpy's own, one key at a time: the edges of the key range and
+    random keys, for the edge seeds and random ones."""
+    rng = np.random.default_rng(int(stream))
+    keys = np.concatenate([[0, 1, 2**32 - 1], rng.integers(0, 2**32, 500)])
+    for seed in (0, 1, 2**32 - 1, *rng.integers(0, 2**32, 3).tolist()):
+        expected = [derive_seed(int(seed), stream, int(key)) for key in keys]
+        assert derive_seeds(int(seed), stream, keys).tolist() == expected
+    assert derive_seeds(0, stream, np.array([], dtype=np.int64)).size == 0
+
+
+def test_derive_seeds_refuses_what_derive_seed_refuses() -> None:
+    for seed, keys in ((-1, [0]), (0, [-1]), (2**32, [0]), (0, [2**32])):
+        with pytest.raises(ValueError):
+            derive_seeds(seed, Stream.CANARY, np.array(keys))
+    with pytest.raises(ValueError):
+        derive_seeds(0, Stream.CLIENT, np.array([0]))
 
 
 def test_negative_seeds_are_refused():

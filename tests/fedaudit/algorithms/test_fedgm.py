@@ -140,7 +140,7 @@ def test_bad_fedgm_options_are_one_sentence(tmp_path, cli, extra, mentions):
 
 
 def test_nearest_distance_equals_the_loop() -> None:
-    from fedaudit.attacks.signals import nearest_distance
+    from fedaudit.attacks.membership.signals import nearest_distance
 
     generator = torch.Generator().manual_seed(0)
     x, synthetic = torch.randn(7, 1, 4, 4, generator=generator), torch.randn(5, 1, 4, 4, generator=generator)

@@ -73,7 +73,7 @@ def test_each_site_draws_its_noise_from_a_secret_the_server_never_holds(tmp_path
     no public stream in the kept queries."""
     import stat
 
-    from fedaudit.attacks.conformance import verify
+    from fedaudit.attacks.conformance.checks import verify
     from fedaudit.privacy.randomness import client_key
     from fedaudit.runs import RunDirectory
 

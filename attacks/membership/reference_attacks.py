@@ -1,5 +1,5 @@
 """RMIA and LiRA: membership scores that compare a record's signal on the target model with its signal on reference
-models (attacks/references.py). Pure numpy; higher scores mean "more likely a member".
+models (attacks/membership/references.py). Pure numpy; higher scores mean "more likely a member".
 
 - **LiRA** (Carlini et al., S&P 2022), on the logit-scaled confidence phi = log p_y / (1 - p_y) (or another signal).
   Offline: a Gaussian N(mu_out(x), sigma_out^2) fitted to the references that did not train on x, with one variance

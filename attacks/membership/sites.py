@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.membership import EvaluationSet
+from fedaudit.attacks.membership.evaluation import EvaluationSet
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition
 from fedaudit.data.sites import locate

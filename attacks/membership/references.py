@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +32,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.membership import EvaluationSet
-from fedaudit.attacks.methods import MethodOutput
-from fedaudit.attacks.reference_attacks import lira_scores, rmia_scores, tune_a
-from fedaudit.attacks.signals import OUTPUT_SIGNALS, Signals, compute_signals, oriented
+from fedaudit.attacks.membership.evaluation import EvaluationSet
+from fedaudit.attacks.membership.methods import MethodOutput
+from fedaudit.attacks.membership.reference_attacks import lira_scores, rmia_scores, tune_a
+from fedaudit.attacks.membership.signals import OUTPUT_SIGNALS, Signals, compute_signals, oriented
 from fedaudit.config import MAX_SEED, AuditConfig, RunConfig
 from fedaudit.data import Dataset
 from fedaudit.errors import UserError
@@ -317,9 +318,9 @@ class ReferenceSignals:
     def count(self) -> int:
         return len(self.refs_z)
 
-    def output(self, method: str, signal: str, target: np.ndarray) -> MethodOutput:
-        """RMIA or LiRA scores of the audited records on ``signal`` (``target``: its values on the target model)."""
-        details = {
+    def details(self) -> dict[str, Any]:
+        """What every result of these references says about them."""
+        return {
             "references": {
                 "count": self.count,
                 "mode": "online" if self.online else "offline",
@@ -327,23 +328,32 @@ class ReferenceSignals:
                 "population_records": int(self.refs_z.shape[1]),
             }
         }
-        if method == "lira":
-            scores = lira_scores(oriented(signal, target), oriented(signal, self.values[signal]), self.x_in)
-            details["references"]["model"] = "Gaussian, one variance for all records" + (
-                "" if self.online else ", one-sided (offline)"
-            )
-        else:
-            scores = rmia_scores(
-                probability(signal, target),
-                probability(signal, self.values[signal]),
-                self.target_z,
-                self.refs_z,
-                a=self.a,
-                online=self.online,
-                z_out=~self.z_in,
-            )
-            details["references"].update(a=None if self.online else self.a, a_tuned=self.a_tuned, gamma=1.0)
-        return MethodOutput(scores=scores, audit=np.ones(scores.size, dtype=bool), details=details)
+
+
+def lira_attack(compared: ReferenceSignals, signal: str, target: np.ndarray) -> MethodOutput:
+    """LiRA scores of the audited records on ``signal`` (``target``: its values on the target model)."""
+    details = compared.details()
+    scores = lira_scores(oriented(signal, target), oriented(signal, compared.values[signal]), compared.x_in)
+    details["references"]["model"] = "Gaussian, one variance for all records" + (
+        "" if compared.online else ", one-sided (offline)"
+    )
+    return MethodOutput(scores=scores, audit=np.ones(scores.size, dtype=bool), details=details)
+
+
+def rmia_attack(compared: ReferenceSignals, signal: str, target: np.ndarray) -> MethodOutput:
+    """RMIA scores of the audited records on ``signal`` (``target``: its values on the target model)."""
+    details = compared.details()
+    scores = rmia_scores(
+        probability(signal, target),
+        probability(signal, compared.values[signal]),
+        compared.target_z,
+        compared.refs_z,
+        a=compared.a,
+        online=compared.online,
+        z_out=~compared.z_in,
+    )
+    details["references"].update(a=None if compared.online else compared.a, a_tuned=compared.a_tuned, gamma=1.0)
+    return MethodOutput(scores=scores, audit=np.ones(scores.size, dtype=bool), details=details)
 
 
 def reference_signals(

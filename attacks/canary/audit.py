@@ -13,7 +13,7 @@ Three scores, one per kind of canary and view of the run (docs/audit.md):
 - input canaries, only the final model is seen (black-box): score_i = -loss of the canary record, with the label it
   was trained with, on the final model. Result directory ``loss-canary``.
 
-The scores of included and excluded canaries then give two lower bounds (attacks/audit.py): the one-run bound and
+The scores of included and excluded canaries then give two lower bounds (attacks/canary/estimators.py): the one-run bound and
 the Gaussian-DP bound, each with its threshold chosen on one half of the canaries and judged on the other, each at
 confidence 1 - 0.05 / 2 so that the larger holds at 95%. Canaries are records, so the accountant's epsilon is the
 one they are judged against.
@@ -32,8 +32,9 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
+from fedaudit.attacks.canary.estimators import bound_by_guesses, gaussian_estimate, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, Bootstrap, auc_score, bootstrap, roc
+from fedaudit.attacks.registry import CANARY_METHOD
 from fedaudit.canaries import LAYOUTS, Canaries, canary_directions, canary_groups, group_of
 from fedaudit.data import Dataset
 from fedaudit.models import ModelSpec, build_model, initial_params
@@ -43,7 +44,7 @@ from fedaudit.runs import RunDirectory, load_tensors
 from fedaudit.seeding import Stream, derive_seed
 
 ESTIMATORS = ("one-run", "gdp")
-METHOD = "canary"
+METHOD = CANARY_METHOD  # the registry's name of this attack
 _CHUNK = 256  # canaries whose directions are held in memory at once
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.image_quality import (
+from fedaudit.attacks.reconstruction.image_quality import (
     MIN_SSIM_SIDE,
     assign,
     nearest,
@@ -53,6 +53,7 @@ from fedaudit.attacks.image_quality import (
     to_pixels,
 )
 from fedaudit.attacks.metrics import rate_interval
+from fedaudit.attacks.registry import RECONSTRUCTION_METHOD
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition
 from fedaudit.models import ModelSpec, build_model, initial_params
@@ -60,7 +61,7 @@ from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC, AlgorithmEntry
 from fedaudit.runs import Manifest, RunDirectory, csv_bytes, load_tensors, tensors_bytes
 from fedaudit.seeding import Stream, derive_seed
 
-METHOD = "reconstruction"
+METHOD = RECONSTRUCTION_METHOD  # the registry's name of this attack
 UPDATE_SIGNAL, SYNTHETIC_SIGNAL = "update-inversion", "synthetic-nearest"
 DEFAULT_ITERATIONS = 250  # Adam steps per start
 DEFAULT_RESTARTS = 4  # random starts; the one whose update matches best is kept

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from fedaudit.attacks import AttackError, Draw
-from fedaudit.attacks.audit import bound_by_guesses, gaussian_estimate, split_audit
+from fedaudit.attacks.canary.estimators import bound_by_guesses, gaussian_estimate, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, DEFAULT_RESAMPLES, Bootstrap, auc_score, bootstrap, roc
 from fedaudit.canary_log import FORMAT, VERSION, CanaryLog, read_log
 from fedaudit.privacy.accounting import SGMEvent, compute_epsilon

@@ -1,4 +1,5 @@
-"""Attack methods: turn a per-record signal into membership scores, and say which records they are judged on.
+"""Membership attack methods (the registry's membership family): turn a per-record signal into membership scores, and
+say which records they are judged on. Each takes ``(signal, score, member, attack_train, *, seed)``.
 
 - ``threshold``: the oriented signal itself, every threshold (the ROC); judged on all records.
 - ``classifier``: the paper's trained attack, a small neural network fitted on the
@@ -22,9 +23,8 @@ from typing import Any
 import numpy as np
 
 from fedaudit.attacks.metrics import rates_at_fpr
+from fedaudit.attacks.registry import ATTACKS, MEMBERSHIP, of_family
 
-METHODS: tuple[str, ...] = ("threshold", "classifier", "population")
-DEFAULT_METHODS: tuple[str, ...] = ("threshold", "classifier")
 FPR_TOLERANCES: tuple[float, ...] = (0.001, 0.01, 0.05, 0.1, 0.2, 0.5)
 CLASSIFIER_HIDDEN: tuple[int, ...] = (32, 32)
 CLASSIFIER_MAX_ITER = 500
@@ -42,7 +42,7 @@ class MethodOutput:
 def run_method(
     method: str, signal: np.ndarray, score: np.ndarray, member: np.ndarray, attack_train: np.ndarray, *, seed: int
 ) -> MethodOutput:
-    """Apply ``method`` to one signal.
+    """Apply the membership attack ``method`` (its entry in attacks/registry.py) to one signal.
 
     Args:
         signal: the raw signal of every record (the classifier's input).
@@ -51,16 +51,22 @@ def run_method(
         attack_train: the records an attack may fit on (classifier, population).
         seed: seeds the classifier.
     """
-    if method == "threshold":
-        return MethodOutput(scores=score, audit=np.ones(score.size, dtype=bool))
-    if method == "classifier":
-        return classifier_attack(signal, member, attack_train, seed=seed)
-    if method == "population":
-        return population_attack(score, member, attack_train)
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    entry = ATTACKS.get(method)
+    if entry is None or entry.family != MEMBERSHIP:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(of_family(MEMBERSHIP))}")
+    return entry.load()(signal, score, member, attack_train, seed=seed)
 
 
-def classifier_attack(signal: np.ndarray, member: np.ndarray, attack_train: np.ndarray, *, seed: int) -> MethodOutput:
+def threshold_attack(
+    signal: np.ndarray, score: np.ndarray, member: np.ndarray, attack_train: np.ndarray, *, seed: int
+) -> MethodOutput:
+    """The oriented signal itself as the score: every threshold of it is the ROC, judged on every record."""
+    return MethodOutput(scores=score, audit=np.ones(score.size, dtype=bool))
+
+
+def classifier_attack(
+    signal: np.ndarray, score: np.ndarray, member: np.ndarray, attack_train: np.ndarray, *, seed: int
+) -> MethodOutput:
     """Fit an MLP on the rank-standardised signal of the attack-training half; score every record with P(member).
     scikit-learn is imported here, by the one method that needs it (2-3 s of start-up the others do not pay)."""
     from sklearn.exceptions import ConvergenceWarning
@@ -97,7 +103,13 @@ def classifier_attack(signal: np.ndarray, member: np.ndarray, attack_train: np.n
 
 
 def population_attack(
-    score: np.ndarray, member: np.ndarray, attack_train: np.ndarray, tolerances: Sequence[float] = FPR_TOLERANCES
+    signal: np.ndarray,
+    score: np.ndarray,
+    member: np.ndarray,
+    attack_train: np.ndarray,
+    *,
+    seed: int = 0,
+    tolerances: Sequence[float] = FPR_TOLERANCES,
 ) -> MethodOutput:
     """Thresholds at the (1 - alpha) quantiles of the attack-training non-members' scores, evaluated on the audit half.
 

@@ -41,7 +41,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.attacks import AttackError
-from fedaudit.attacks.conformance import Check
+from fedaudit.attacks.conformance.checks import Check
 
 PROBED_QUERIES = 2  # DP queries probed per sandboxed round (FedSSyn's first is its class counts, its second a VAE step)
 BASE_ROWS = 3  # records of the base batch D
