@@ -19,12 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.attacks.canary.estimators import CanaryBound, GaussianEstimate, epsilon_from_gdp, epsilon_one_run, gaussian_estimate
+from fedaudit.attacks.canary.estimators import (
+    CanaryBound,
+    GaussianEstimate,
+    epsilon_from_gdp,
+    epsilon_one_run,
+    gaussian_estimate,
+)
 from fedaudit.attacks.metrics import EpsilonBound, auc_score, epsilon_lower_bound
 from fedaudit.config import ConfigError, RunConfig, load_config_file, option_field
 
 if TYPE_CHECKING:  # each command imports what it runs when called (torch among it), so importing this is quick
-    from fedaudit.attacks.runner import AttackResult, VerifyOutcome
+    from fedaudit.attacks.conformance.verify import VerifyOutcome
+    from fedaudit.attacks.runner import AttackResult
     from fedaudit.reports.render import ReportOutcome
     from fedaudit.study import Study
     from fedaudit.training import TrainResult
@@ -167,10 +174,10 @@ def attack(
         One result per attack, signal and target, each with its metrics (AUC, intervals, epsilon lower bound).
     """
     from fedaudit.attacks import AttackError
+    from fedaudit.attacks.membership.signals import DEFAULT_SIGNALS
     from fedaudit.attacks.reconstruction.attack import ReconstructionOptions
     from fedaudit.attacks.registry import DEFAULT_METHODS
     from fedaudit.attacks.runner import AttackOptions, run_attacks
-    from fedaudit.attacks.membership.signals import DEFAULT_SIGNALS
 
     known = {field.name for field in dataclasses.fields(AttackOptions)} - {"signals", "methods", "reconstruction"}
     unknown = sorted(set(options) - known)
@@ -196,7 +203,7 @@ def verify(
     """Check runs (``fedaudit verify``): each run's outcome, as soon as it is checked, with its integrity, its
     signature (with ``public_key``, raw Ed25519 bytes), and for a DP canary run the recomputed mechanism checks;
     writes ``RUN/verification.json``."""
-    from fedaudit.attacks.runner import verify_runs
+    from fedaudit.attacks.conformance.verify import verify_runs
 
     return iter(verify_runs(_paths(runs), seed=seed, public_key=public_key, probe=probe))
 

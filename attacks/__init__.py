@@ -1,4 +1,13 @@
-"""Membership inference attacks on trained runs (signals, attacks, metrics)."""
+"""The audits of trained runs (``fedaudit attack`` and ``fedaudit verify``), one sub-package per family.
+
+- ``registry``: every attack of ``--method``: its family, what it needs from a run, what it writes.
+- ``runner``: ``fedaudit attack``: check the runs, run the registry's attacks family by family, write the results.
+- ``metrics``: what every family reports: ROC and AUC with intervals, TPR at low FPR, epsilon lower bounds.
+- ``membership/``: membership inference (evaluation sets, signals, methods, reference models, sites).
+- ``canary/``: canary audits of fedaudit's runs and of Flower apps' canary logs.
+- ``reconstruction/``: rebuilding a client's records from what it sent.
+- ``conformance/``: ``fedaudit verify``: the mechanism checked against its ledger.
+"""
 
 import enum
 

@@ -37,9 +37,10 @@ class AttackEntry:
         needs: what it needs from a run.
         writes: the result directories it writes under ``RUN_DIR/attacks/``.
         implementation: ``"module:function"``: a membership attack's takes ``(signal, score, member, attack_train,
-            *, seed)`` (attacks/methods.py), a reference attack's ``(reference_signals, signal, target_values)``
-            (attacks/references.py), both returning a ``MethodOutput``; the canary audit's and the reconstruction's
-            are the functions their families run (attacks/canary.py, attacks/reconstruction.py).
+            *, seed)`` (attacks/membership/methods.py), a reference attack's ``(compared, signal, target)``
+            (attacks/membership/references.py), both returning a ``MethodOutput``; the canary audit's and the
+            reconstruction's are the functions their families run (attacks/canary/audit.py,
+            attacks/reconstruction/attack.py).
         default: run when no ``--method`` is given.
         final_only: attacks the final model only (its recipe is what the reference models repeat).
         output_signals_only: needs a signal of the model's output (the probability of the true label it compares).
@@ -77,7 +78,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "the signal itself as the score, at every threshold (the ROC); judged on every audited record",
             _RECORDS,
             "<signal>-threshold[-round-N]",
-            "fedaudit.attacks.methods:threshold_attack",
+            "fedaudit.attacks.membership.methods:threshold_attack",
             default=True,
         ),
         AttackEntry(
@@ -86,7 +87,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "a small neural network fitted on the rank-standardised signal of the attack-training half",
             _RECORDS,
             "<signal>-classifier[-round-N]",
-            "fedaudit.attacks.methods:classifier_attack",
+            "fedaudit.attacks.membership.methods:classifier_attack",
             default=True,
         ),
         AttackEntry(
@@ -95,7 +96,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "thresholds at quantiles of the attack-training non-members' signal, for fixed false-positive rates",
             _RECORDS,
             "<signal>-population[-round-N]",
-            "fedaudit.attacks.methods:population_attack",
+            "fedaudit.attacks.membership.methods:population_attack",
         ),
         AttackEntry(
             "rmia",
@@ -103,7 +104,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "RMIA: the record's probability of its label on the target against the reference models and population",
             f"{_RECORDS}; reference models trained with the run's recipe on population records",
             "<signal>-rmia",
-            "fedaudit.attacks.references:rmia_attack",
+            "fedaudit.attacks.membership.references:rmia_attack",
             final_only=True,
             output_signals_only=True,
             synthetic_signal=False,
@@ -114,7 +115,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "LiRA: the record's signal on the target against Gaussians fitted on the reference models' signals",
             f"{_RECORDS}; reference models trained with the run's recipe on population records",
             "<signal>-lira",
-            "fedaudit.attacks.references:lira_attack",
+            "fedaudit.attacks.membership.references:lira_attack",
             final_only=True,
             synthetic_signal=False,
         ),
@@ -124,7 +125,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "the run's canaries scored in every view the run allows, with epsilon estimates and lower bounds",
             "a run trained with --canaries (its canaries and, for the query views, its query log)",
             "<view>-canary",
-            "fedaudit.attacks.canary:canary_audit",
+            "fedaudit.attacks.canary.audit:canary_audit",
         ),
         AttackEntry(
             RECONSTRUCTION_METHOD,
@@ -132,7 +133,7 @@ ATTACKS: dict[str, AttackEntry] = {
             "rebuild a client's records from what it sent, with PSNR and SSIM against its real records",
             "a run trained with --save-transmitted (what crossed the wire)",
             "reconstruction-round-N-client-K",
-            "fedaudit.attacks.reconstruction:reconstruct",
+            "fedaudit.attacks.reconstruction.attack:reconstruct",
         ),
     )
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +22,14 @@ import torch
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary.audit import VIEWS, canary_audit, read_canaries, run_views
-from fedaudit.attacks.membership.evaluation import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES, EvaluationSet, build_evaluation_set
+from fedaudit.attacks.membership.evaluation import (
+    DEFAULT_MAX_RECORDS,
+    NONMEMBER_SOURCES,
+    EvaluationSet,
+    build_evaluation_set,
+)
 from fedaudit.attacks.membership.methods import MethodOutput, run_method
-from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, auc_score, bootstrap_groups, risk, summarize
-from fedaudit.attacks.reconstruction.attack import (
-    ReconstructionOptions,
-    ReconstructionPlan,
-    plan_targets,
-    reconstruct,
-    result_files,
-)
-from fedaudit.attacks.reconstruction.attack import parse_target as reconstruction_target
 from fedaudit.attacks.membership.references import MAX_REFERENCES, reference_signals, references
-from fedaudit.attacks.registry import (
-    ATTACKS,
-    CANARY,
-    CANARY_METHOD,
-    DEFAULT_METHODS,
-    MEMBERSHIP,
-    RECONSTRUCTION,
-    RECONSTRUCTION_METHOD,
-    REFERENCE,
-    AttackEntry,
-    attack,
-)
 from fedaudit.attacks.membership.signals import (
     DEFAULT_SIGNALS,
     OUTPUT_SIGNALS,
@@ -58,6 +42,27 @@ from fedaudit.attacks.membership.signals import (
 )
 from fedaudit.attacks.membership.sites import SiteConnection, Sites, SiteScorer, refuse, site_signals
 from fedaudit.attacks.membership.sites import evaluation_set as sites_evaluation_set
+from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, auc_score, bootstrap_groups, risk, summarize
+from fedaudit.attacks.reconstruction.attack import (
+    ReconstructionOptions,
+    ReconstructionPlan,
+    plan_targets,
+    reconstruct,
+    result_files,
+)
+from fedaudit.attacks.reconstruction.attack import parse_target as reconstruction_target
+from fedaudit.attacks.registry import (
+    ATTACKS,
+    CANARY,
+    CANARY_METHOD,
+    DEFAULT_METHODS,
+    MEMBERSHIP,
+    RECONSTRUCTION,
+    RECONSTRUCTION_METHOD,
+    REFERENCE,
+    AttackEntry,
+    attack,
+)
 from fedaudit.config import MAX_SEED, RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.data.sites import is_sites
@@ -116,11 +121,12 @@ class AttackOptions:
     @property
     def membership(self) -> bool:
         """Whether a membership attack or a canary audit is asked for (anything but a reconstruction)."""
-        return any(attack(m).family != RECONSTRUCTION for m in self.methods)
+        return any(_family(m) != RECONSTRUCTION for m in self.methods)
 
     def of(self, *families: str) -> list[str]:
-        """The methods asked for of ``families`` (the registry's), in the order given."""
-        return [m for m in self.methods if attack(m).family in families]
+        """The methods asked for of ``families`` (the registry's), in the order given (an unknown name is of none:
+        :meth:`validate` names it)."""
+        return [m for m in self.methods if _family(m) in families]
 
     def validate(self) -> None:
         """Raise :class:`AttackError` with one sentence for the first invalid option."""
@@ -175,6 +181,12 @@ class AttackOptions:
             raise AttackError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.")
         if not isinstance(self.per_layer, bool):
             raise AttackError(f"--per-layer must be true or false, got {self.per_layer!r}.")
+
+
+def _family(method: str) -> str | None:
+    """The registry's family of ``method``, None for a name it does not know."""
+    entry = ATTACKS.get(method)
+    return None if entry is None else entry.family
 
 
 def parse_target(text: str) -> str | int:
@@ -960,6 +972,7 @@ def _verify_canary_run(prepared: PreparedRun, echo: Echo) -> None:
     """The conformance checks of a canary run, beside its canary audit (what ``fedaudit verify`` writes), so that
     the report sees both; a run whose records cannot be checked says why in one line and keeps its results."""
     from fedaudit.attacks.conformance.checks import verify
+    from fedaudit.attacks.conformance.verify import write_verification
 
     try:
         verification = verify(prepared.run, seed=prepared.seed)
@@ -1017,75 +1030,3 @@ def _rate(entry: dict[str, Any]) -> str:
     if entry.get("fpr") is not None:
         return f"n/e (FPR reached {entry['fpr']:.3f})"
     return f"n/e (<{entry['nonmembers_needed']} non-members)"
-
-
-@dataclass(frozen=True)
-class VerifyOutcome:
-    """What ``fedaudit verify`` found about one run: its files and ledger, its signature (when a key is given) and
-    the conformance of its mechanism (None when the run has nothing to check or its files failed)."""
-
-    path: Path
-    integrity: tuple[str, ...]
-    signature: tuple[str, ...] | None
-    unsigned: tuple[str, ...]  # files written after the run was signed (attack results): not covered, not failed
-    verification: Any
-    skipped: str | None = None  # why the conformance checks did not run
-
-    @property
-    def passed(self) -> bool:
-        conformance = self.verification is None or self.verification.passed
-        return not self.integrity and not self.signature and conformance
-
-
-def verify_runs(
-    run_dirs: Sequence[str | Path], *, seed: int, public_key: bytes | None = None, probe: bool = False
-) -> list[VerifyOutcome]:
-    """``fedaudit verify``: every run's files and ledger against its manifest, its signature against ``public_key``,
-    then the conformance checks of its mechanism (and, with ``probe``, the sensitivity probe of its DP query:
-    attacks/conformance/probe.py), written to its verification.json. Every run is read and checked before anything is written,
-    so bad input leaves nothing behind; a run whose files fail is not verified further and nothing is written into
-    it."""
-    from fedaudit.attacks.conformance.checks import Verification, verify
-    from fedaudit.attacks.conformance.probe import probe_run
-
-    outcomes = []
-    for path in run_dirs:
-        run = RunDirectory(path)
-        run.read_manifest()
-        with run.lock("fedaudit verify", shared=True):
-            problems = tuple(run.integrity_problems())
-            signature, unsigned = (None, ()) if public_key is None else run.signature_problems(public_key)
-            verification, skipped = None, None
-            if problems:
-                skipped = "its files are not those fedaudit wrote"
-            elif (public_key is not None or probe) and not run.queries_dir.is_dir():
-                skipped = "it was trained without --canaries, so it has no query log to check"
-                if probe:
-                    verification = Verification(checks=[probe_run(run)], level=0.001, per_check_level=0.001)
-            else:
-                verification = verify(run, seed=seed)
-                if probe:
-                    verification = replace(verification, checks=[*verification.checks, probe_run(run)])
-        outcomes.append(VerifyOutcome(Path(path), problems, signature, unsigned, verification, skipped))
-    for outcome in outcomes:
-        if outcome.verification is not None:
-            run = RunDirectory(outcome.path)
-            with run.lock("fedaudit verify"):
-                write_verification(run, outcome.verification, seed)
-    return outcomes
-
-
-def write_verification(run: RunDirectory, verification: Any, seed: int) -> None:
-    """verification.json: the checks, the round they saw, the seed and the version."""
-    run.put(
-        run.verification_path,
-        json_bytes(
-            {
-                **verification.to_dict(),
-                "rounds": run.read_manifest().rounds_done,
-                "seed": seed,
-                "fedaudit_version": fedaudit.__version__,
-                "created": now_iso(),
-            }
-        ),
-    )

@@ -4,7 +4,7 @@ and Opacus' GradSampleModule.
 All sides compute the L2 norm of every example's loss gradient (all parameters,
 no clipping) for the same examples on the paper's ConvNet (28x28 input, depth 3)
 at widths 32 and 128, in batches, in the same run. "ours" is
-``attacks.signals.compute_signals(..., ["grad-norm"])`` (layer-wise norms from
+``fedaudit.attacks.membership.signals.compute_signals(..., ["grad-norm"])`` (layer-wise norms from
 ``fedaudit.privacy.primitive.per_sample_sq_norms``); "previous" is the code path
 it replaced (torch.func per-sample gradients of the whole model, then their
 norms); "opacus" is a forward and backward pass of a GradSampleModule per batch,

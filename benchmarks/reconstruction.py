@@ -35,7 +35,6 @@ from _machine import describe
 
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedSGD
-from fedaudit.attacks.reconstruction.image_quality import assign, pair_quality, pixel_range, quality_summary, to_pixels
 from fedaudit.attacks.reconstruction.attack import (
     DEFAULT_PSNR_THRESHOLD,
     LocalTraining,
@@ -43,6 +42,7 @@ from fedaudit.attacks.reconstruction.attack import (
     _random_like,
     attack_update,
 )
+from fedaudit.attacks.reconstruction.image_quality import assign, pair_quality, pixel_range, quality_summary, to_pixels
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset, locate_dataset
 from fedaudit.models import ModelSpec, build_model, default_depth

@@ -7,7 +7,8 @@ tiny losses of well-fitted members stay distinct instead of rounding to 0.
 The white-box signal is the L2 norm of the per-example gradient of the loss
 with respect to all trainable parameters, from the shared DP primitive
 (:func:`fedaudit.privacy.primitive.per_sample_sq_norms`, layer by layer) without clipping.
-How the audit reads them (orientation, the signal of what crossed the wire) is in :mod:`fedaudit.attacks.membership.signals`.
+How the audit reads them (orientation, the signal of what crossed the wire) is in
+:mod:`fedaudit.attacks.membership.signals`.
 """
 
 from __future__ import annotations

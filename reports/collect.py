@@ -15,8 +15,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from scipy.stats import norm
 
-from fedaudit.attacks.reconstruction.image_quality import quality_summary
 from fedaudit.attacks.metrics import rate_interval, threshold_bounds
+from fedaudit.attacks.reconstruction.image_quality import quality_summary
 from fedaudit.attacks.registry import RECONSTRUCTION_METHOD
 from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError

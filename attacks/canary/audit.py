@@ -13,10 +13,10 @@ Three scores, one per kind of canary and view of the run (docs/audit.md):
 - input canaries, only the final model is seen (black-box): score_i = -loss of the canary record, with the label it
   was trained with, on the final model. Result directory ``loss-canary``.
 
-The scores of included and excluded canaries then give two lower bounds (attacks/canary/estimators.py): the one-run bound and
-the Gaussian-DP bound, each with its threshold chosen on one half of the canaries and judged on the other, each at
-confidence 1 - 0.05 / 2 so that the larger holds at 95%. Canaries are records, so the accountant's epsilon is the
-one they are judged against.
+The scores of included and excluded canaries then give two lower bounds (attacks/canary/estimators.py): the one-run
+bound and the Gaussian-DP bound, each with its threshold chosen on one half of the canaries and judged on the other,
+each at confidence 1 - 0.05 / 2 so that the larger holds at 95%. Canaries are records, so the accountant's epsilon is
+the one they are judged against.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ with the code it checks (no import of ``fedaudit.privacy``; its own per-example 
   almost none); the recorded rate is that rate; and each round's participants are ceil(p K) clients chosen
   uniformly.
 - **secrecy**: the noise and the sample of every kept query are tested against every stream the run's public
-  material can produce, and, where the clients' secrets are at hand, traced to them (:mod:`fedaudit.attacks.conformance.secrecy`).
+  material can produce, and, where the clients' secrets are at hand, traced to them
+  (:mod:`fedaudit.attacks.conformance.secrecy`).
 - **ledger**: what each client's recorded queries spend, with no amplification by client sampling (the server sees
   who took part), must not exceed what the ledger says: exact RDP at dp-accounting's orders for an RDP ledger, and
   dp-accounting's PLD (optimistic, a lower bound) for any ledger (see :class:`Spend`). Every round's recorded

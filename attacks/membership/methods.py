@@ -46,7 +46,7 @@ def run_method(
 
     Args:
         signal: the raw signal of every record (the classifier's input).
-        score: the signal oriented so that higher means member (see ``attacks.signals.oriented``).
+        score: the signal oriented so that higher means member (see ``fedaudit.attacks.membership.signals.oriented``).
         member: 1 for members, 0 for non-members.
         attack_train: the records an attack may fit on (classifier, population).
         seed: seeds the classifier.

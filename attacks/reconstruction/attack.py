@@ -42,6 +42,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedaudit.attacks import AttackError, Draw
+from fedaudit.attacks.metrics import rate_interval
 from fedaudit.attacks.reconstruction.image_quality import (
     MIN_SSIM_SIDE,
     assign,
@@ -52,7 +53,6 @@ from fedaudit.attacks.reconstruction.image_quality import (
     ssim_window,
     to_pixels,
 )
-from fedaudit.attacks.metrics import rate_interval
 from fedaudit.attacks.registry import RECONSTRUCTION_METHOD
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition

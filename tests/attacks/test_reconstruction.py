@@ -17,7 +17,6 @@ from helpers import loop_grads, with_keys
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedProx, FedSGD
 from fedaudit.algorithms.scaffold import Scaffold
-from fedaudit.attacks.reconstruction.image_quality import assign, pair_quality, pixel_range, to_pixels
 from fedaudit.attacks.reconstruction.attack import (
     LocalTraining,
     ReconstructionOptions,
@@ -29,6 +28,7 @@ from fedaudit.attacks.reconstruction.attack import (
     recover_labels,
     simulate_update,
 )
+from fedaudit.attacks.reconstruction.image_quality import assign, pair_quality, pixel_range, to_pixels
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.models import ModelSpec, build_model
@@ -55,7 +55,7 @@ def _config(algorithm: str, **federated) -> RunConfig:
 
 
 def _training(config: RunConfig, records: int, round_index: int, rounds: int, correction=None) -> LocalTraining:
-    """The recipe as the server reads it from a run's configuration (what fedaudit.attacks.reconstruction.attack does)."""
+    """The recipe as the server reads it from a run's configuration (as fedaudit.attacks.reconstruction.attack does)."""
     fed = config.federated
     lr = fed.client_lr * 0.5 * (1.0 + math.cos(math.pi * round_index / rounds))
     steps = 1 if fed.algorithm == "fedsgd" else fed.local_epochs * max(1, records // fed.batch_size)

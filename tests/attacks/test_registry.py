@@ -13,7 +13,7 @@ import pytest
 from helpers import invoke
 
 import fedaudit.attacks.registry as registry
-from fedaudit.attacks.methods import MethodOutput
+from fedaudit.attacks.membership.methods import MethodOutput
 from fedaudit.attacks.registry import ATTACKS, CANARY, MEMBERSHIP, RECONSTRUCTION, REFERENCE, AttackEntry
 from fedaudit.attacks.runner import AttackOptions, expected_results
 from fedaudit.runs import RunDirectory

@@ -61,8 +61,8 @@ def test_the_query_views_with_shuffled_inclusion_bits_prove_nothing(correct):
     interval's lower end exceeds the null's 0 in about 3% of shuffles (2.5% nominal; 2.6-3.1% measured on four runs of
     1000 shuffles), so 5% of 1000 is 3.5 standard deviations away; with 200 shuffles the same limit failed on one CPU's
     scores in CI by chance (12 of 200)."""
-    from fedaudit.attacks.canary.estimators import gaussian_estimate, split_audit
     from fedaudit.attacks.canary.audit import query_scores, read_canaries
+    from fedaudit.attacks.canary.estimators import gaussian_estimate, split_audit
     from fedaudit.runs import RunDirectory
 
     run = RunDirectory(correct[0])

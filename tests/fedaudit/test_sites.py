@@ -196,8 +196,8 @@ def test_an_attack_that_would_reach_the_sites_needs_its_connection_complete(tmp_
 def test_the_audit_of_sites_draws_as_many_held_out_records_as_members_from_every_site(site_files):
     """Members and non-members are the same mixture of sites, and a client is compared with its own site's held-out
     records: with sites of different classes, anything else would measure the site, not membership."""
-    from fedaudit.attacks.runner import _per_client
     from fedaudit.attacks.membership.sites import evaluation_set
+    from fedaudit.attacks.runner import _per_client
 
     specs = tuple(f"npz:{f}" for f in site_files)
     _, partition, reports = load_sites(specs, seed=0, holdout_fraction=0.1)
