@@ -2,18 +2,21 @@
 line naming the device, cores, torch version and threads its figures come from.
 
 Each script runs as its own process from an empty working directory, with ``--out`` inside it where the script has
-that option, so that a smoke run leaves nothing in the repository.
+that option, so that a smoke run leaves nothing in the repository. The process is forked from a zygote that imported
+torch and fedaudit once (tests/support/zygote.py) and runs the script as ``python SCRIPT`` would; what the script
+starts itself (``fedaudit`` commands, its own children) starts as it would for a user.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from zygote import Zygote
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))  # _name.py: shared code
@@ -25,6 +28,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "attack_signals.py": ("previous/ours", r"^\s+8\s+\d"),
     "attack_strength.py": ("attacks on the final model", r"^\s+RMIA offline, K=1\s+AUC \d"),
     "audit_power.py": ("verify (s)", r"^digits\s+fedavg\s+gradient\s+\S+\s+\d"),
+    "canary_directions.py": ("previous/ours", r"^\s+8\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+True$"),
     "demo_spread.py": ("spread", r"^dp-fedavg\s+accuracy\s+\d"),
     "engine_overhead.py": ("s_per_round", r"^digits dp-fedavg\s+local\s+\d"),
     "fault_detection.py": ("probe", r"^noise replaced by zeros\s+1\s+1\.00"),
@@ -51,22 +55,46 @@ def test_every_script_has_a_table() -> None:
     assert {script.name for script in SCRIPTS} == set(TABLES)
 
 
+# What most scripts import before they work; each script imports the rest itself.
+IMPORTS = ["torch", "numpy", "pandas", "fedaudit.training", "fedaudit.attacks.runner", "fedaudit.setup"]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """A zygote whose programs are the scripts (each its own entry), stopped by its pid after the module's tests."""
+    zygote = Zygote(tmp_path_factory.mktemp("scripts"), {str(s): str(s) for s in SCRIPTS}, IMPORTS)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.name)
-def test_smoke(script: Path, tmp_path: Path) -> None:
+def test_smoke(script: Path, tmp_path: Path, scripts: Zygote) -> None:
     """``python SCRIPT --smoke`` exits 0, prints its table, and writes only into --out under the working directory."""
     assert script.name in TABLES, f"describe the table of {script.name} in TABLES"
     header, row = TABLES[script.name]
-    argv = [sys.executable, str(script), "--smoke"]
+    args = ["--smoke"]
     if re.search(r'add_argument\(\s*"--out"', script.read_text()):
-        argv += ["--out", str(tmp_path / "out")]
+        args += ["--out", str(tmp_path / "out")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    lines = done.stdout.splitlines()
+    logs = tmp_path.parent / f"{tmp_path.name}-output"
+    logs.mkdir()
+    out, err = logs / "stdout", logs / "stderr"
+    process = scripts.start(str(script), args, cwd=tmp_path, env=env, stdout=out, stderr=err)
+    try:
+        code = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    lines = stdout.splitlines()
     at = next((i for i, line in enumerate(lines) if header in line), None)
-    assert at is not None, f"no header line with {header!r}:\n{done.stdout}"
-    assert re.search(r"^device: .+; \d+ CPU cores; torch \S+, \d+ torch thread", done.stdout, re.MULTILINE), (
-        f"no line naming the device the figures were measured on:\n{done.stdout}"
+    assert at is not None, f"no header line with {header!r}:\n{stdout}"
+    assert re.search(r"^device: .+; \d+ CPU cores; torch \S+, \d+ torch thread", stdout, re.MULTILINE), (
+        f"no line naming the device the figures were measured on:\n{stdout}"
     )
-    assert re.search(row, "\n".join(lines[at + 1 :]), re.MULTILINE), f"no row matching {row!r}:\n{done.stdout}"
+    assert re.search(row, "\n".join(lines[at + 1 :]), re.MULTILINE), f"no row matching {row!r}:\n{stdout}"
     assert {p.name for p in tmp_path.iterdir()} <= {"out"}, "wrote into the working directory"

@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -77,13 +78,11 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
-def _search_path(request: dict) -> list[str]:
+def _search_path(request: dict, base: list[str]) -> list[str]:
     """The module search path the program would start with: its own folder, the PYTHONPATH it was given, then the
-    interpreter's (without the zygote's own folder and PYTHONPATH)."""
-    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    interpreter's own entries (``base``)."""
     given = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    rest = [p for p in sys.path[1:] if p not in own]
-    return [os.path.dirname(request["argv"][0]), *given, *rest]
+    return [os.path.dirname(request["argv"][0]), *given, *base]
 
 
 def _die_with_shim(conn: socket.socket) -> None:
@@ -93,23 +92,27 @@ def _die_with_shim(conn: socket.socket) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int]) -> None:
+def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int], base: list[str]) -> None:
     """In the forked child: become the program the shim was started as, and die with the shim."""
     listener.close()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
-    sys.path[:] = _search_path(request)
+    sys.path[:] = _search_path(request, base)
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
     threading.Thread(target=_die_with_shim, args=(conn,), daemon=True).start()
-    module, _, function = request["entry"].partition(":")
+    entry = request["entry"]
     code = 0
     try:
-        result = getattr(importlib.import_module(module), function)()
-        code = result if isinstance(result, int) else 0
+        if entry.endswith(".py"):  # a script, run as `python SCRIPT` runs it
+            runpy.run_path(entry, run_name="__main__")
+        else:
+            module, _, function = entry.partition(":")
+            result = getattr(importlib.import_module(module), function)()
+            code = result if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported as the program would report it, then the exit status
@@ -125,13 +128,15 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
 
 def serve(path: str, preload: list[str]) -> None:
     """The zygote's loop: import ``preload``, then fork a child for every request and report its exit status."""
+    base = sys.path[1:]  # the interpreter's own search path (the zygote runs without PYTHONPATH): each child's follows
     for module in preload:
         importlib.import_module(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
     children: dict[int, socket.socket] = {}
-    while True:
+    parent = os.getppid()
+    while os.getppid() == parent:  # a zygote whose test process died (killed past its finalisers) ends with it
         ready, _, _ = select.select([listener], [], [], 0.05)
         if ready:
             conn, _ = listener.accept()
@@ -142,7 +147,10 @@ def serve(path: str, preload: list[str]) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(conn, listener, request, fds)
+                try:
+                    _child(conn, listener, request, fds, base)
+                finally:
+                    os._exit(1)  # a child never returns into the zygote's loop
             for fd in fds:
                 os.close(fd)
             with contextlib.suppress(OSError):
@@ -160,6 +168,7 @@ def serve(path: str, preload: list[str]) -> None:
                 with contextlib.suppress(OSError):
                     conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
                 conn.close()
+    os.killpg(0, signal.SIGKILL)
 
 
 class Zygote:
@@ -174,6 +183,8 @@ class Zygote:
         self.bin = directory / "bin"
         self.bin.mkdir(exist_ok=True)
         for program, entry in entries.items():
+            if os.sep in program:  # a script's path, started with start() only: no shim (it would overwrite it)
+                continue
             shim = self.bin / program
             header = f"#!{sys.executable} -S\nZYGOTE = {str(self.socket)!r}\nENTRY = {entry!r}\n"
             shim.write_text(header + SHIM)
@@ -184,7 +195,9 @@ class Zygote:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                # without PYTHONPATH: a child gets its own, before the interpreter's path (a test process's may name
+                # anything, even site-packages, which the interpreter then leaves out of its own path: Ray adds to it)
+                env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"},
             )
         deadline = time.monotonic() + 120
         while not self.socket.exists():
@@ -194,10 +207,18 @@ class Zygote:
             time.sleep(0.05)
 
     def start(
-        self, program: str, args: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None
+        self,
+        program: str,
+        args: list[str],
+        *,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+        stdout: Path | None = None,
+        stderr: Path | None = None,
     ) -> Forked:
-        """``program`` (one of the entries) with ``args``, forked now, its output discarded: a handle with the
-        child's own pid, as :class:`subprocess.Popen` would give (the test's connection plays the shim)."""
+        """``program`` (one of the entries: a name, or a script's path that is its own entry) with ``args``, forked
+        now, its output written to ``stdout`` and ``stderr`` (files) or discarded: a handle with the child's own pid,
+        as :class:`subprocess.Popen` would give (the test's connection plays the shim)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(self.socket))
         request = {
@@ -207,8 +228,10 @@ class Zygote:
             "env": dict(os.environ if env is None else env),
         }
         body = json.dumps(request).encode()
-        with open(os.devnull, "r+b") as null:
-            fds = array.array("i", [null.fileno()] * FDS)
+        with contextlib.ExitStack() as files:
+            null = files.enter_context(open(os.devnull, "r+b"))
+            out, err = (null if path is None else files.enter_context(open(path, "wb")) for path in (stdout, stderr))
+            fds = array.array("i", [null.fileno(), out.fileno(), err.fileno()])
             conn.sendmsg([len(body).to_bytes(8, "big") + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         return Forked(conn)
 

@@ -1,0 +1,90 @@
+"""The tests' zygote (tests/support/zygote.py): its children are processes of their own that run the program as it
+would run, die with their shims and report their exit status; a script entry leaves the script untouched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from zygote import Zygote
+
+PROGRAM = """
+import os, sys, time
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "env", os.environ.get("ZYGOTE_TEST"), "pid", os.getpid(), flush=True)
+print("on stderr", file=sys.stderr, flush=True)
+if "wait" in sys.argv:
+    time.sleep(60)
+sys.exit(3)
+"""
+
+
+def test_children_run_the_program_as_their_own_process_and_die_with_their_shim(tmp_path: Path) -> None:
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    zygote = Zygote(tmp_path / "zygote", {"program": "runpy:run_path", str(script): str(script)}, [])
+    try:
+        out, err = tmp_path / "out", tmp_path / "err"
+        child = zygote.start(
+            str(script), ["a", "b"], cwd=tmp_path, env={**os.environ, "ZYGOTE_TEST": "yes"}, stdout=out, stderr=err
+        )
+        assert child.wait(timeout=60) == 3
+        said = out.read_text()
+        assert f"argv ['a', 'b'] cwd {tmp_path} env yes pid {child.pid}" in said
+        assert child.pid != os.getpid() and err.read_text() == "on stderr\n"
+        assert script.read_text() == PROGRAM and sorted(p.name for p in zygote.bin.iterdir()) == ["program"]
+
+        waiting = zygote.start(str(script), ["wait"])
+        assert waiting.poll() is None
+        os.kill(waiting.pid, signal.SIGKILL)
+        assert waiting.wait(timeout=30) == -signal.SIGKILL
+
+        env = {**os.environ, "PATH": f"{zygote.bin}{os.pathsep}{os.environ['PATH']}"}
+        shim = subprocess.Popen(["program"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            shim.stdout.readline()  # runpy.run_path() without a path: the child fails, and says so with its status
+            assert shim.wait(timeout=30) == 1
+        finally:
+            if shim.poll() is None:
+                shim.kill()
+                shim.wait()
+    finally:
+        zygote.close()
+    assert zygote.process.poll() is not None
+
+
+def test_a_child_dies_with_its_shim(tmp_path: Path) -> None:
+    """The shim's process group killed (a SuperNode killed with its children): the forked program goes too."""
+    (tmp_path / "program_entry.py").write_text(
+        f"import runpy\ndef main():\n    runpy.run_path({str(tmp_path / 'program.py')!r}, run_name='__main__')\n"
+    )
+    (tmp_path / "program.py").write_text(PROGRAM)
+    zygote = Zygote(tmp_path / "zygote", {"program": "program_entry:main"}, [])
+    try:
+        env = {**os.environ, "PATH": f"{zygote.bin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(tmp_path)}
+        shim = subprocess.Popen(["program", "wait"], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            child = int(shim.stdout.readline().split()[-1])
+            assert child != shim.pid
+            os.killpg(shim.pid, signal.SIGKILL)
+            shim.wait()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and _alive(child):
+                time.sleep(0.05)
+            assert not _alive(child)
+        finally:
+            if shim.poll() is None:
+                os.killpg(shim.pid, signal.SIGKILL)
+                shim.wait()
+    finally:
+        zygote.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
