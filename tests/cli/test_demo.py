@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import CHROMIUM_FLAGS, binary
 from PIL import Image
+from zygote import Zygote
 
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.summary import fmt, interval
@@ -36,9 +37,11 @@ def _readme_rows() -> dict[str, list[str]]:
     return rows
 
 
-def _demo_commands(run: Path) -> list[str]:
-    """The commands `make demo` runs, with this interpreter's virtual environment and ``run`` as its output."""
-    venv = Path(sys.executable).parent.parent
+def _demo_commands(run: Path, venv: Path | None = None) -> list[str]:
+    """The commands `make demo` runs, with ``run`` as its output and ``venv/bin/fedaudit`` as the program: this
+    interpreter's virtual environment's, or the session zygote's shim (a `fedaudit` process forked from a zygote that
+    imported fedaudit once: tests/support/zygote.py)."""
+    venv = venv or Path(sys.executable).parent.parent
     listing = subprocess.run(
         ["make", "-s", "-n", "demo", f"RUN={run}", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
@@ -48,12 +51,12 @@ def _demo_commands(run: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
+def demo(tmp_path_factory, fedaudit_zygote: Zygote) -> Path:
     """The demo's runs and report, made by the Makefile's own commands."""
     if shutil.which("make") is None:
         pytest.skip("the demo is defined in the Makefile")
     out = tmp_path_factory.mktemp("demo") / "demo"
-    for command in _demo_commands(out):
+    for command in _demo_commands(out, fedaudit_zygote.bin.parent):
         done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, f"{shlex.split(command)[:3]}: {done.stderr[-2000:]}"
     return out
@@ -174,7 +177,7 @@ def test_the_demo_report_opens_with_the_verdict_and_the_guarantee_above_the_firs
     assert top is not None and len(top) > 16  # text and tables were drawn there, not a blank page
 
 
-def test_a_readme_or_a_demo_gone_stale_by_more_than_the_spread_fails(demo, tmp_path):
+def test_a_readme_or_a_demo_gone_stale_by_more_than_the_spread_fails(demo, tmp_path, fedaudit_zygote: Zygote):
     """The check has power: the README's accuracy moved by 0.02, or the run without DP trained for 5 rounds instead
     of the Makefile's 15, is caught; the DP model with a bound above 0 is caught."""
     readme = _readme_rows()
@@ -184,7 +187,8 @@ def test_a_readme_or_a_demo_gone_stale_by_more_than_the_spread_fails(demo, tmp_p
     assert _stale("FedAvg (no DP)", moved, row)
     assert _stale("DP-FedAvg", readme["DP-FedAvg"], [*readme["DP-FedAvg"][:4], "0.2, 0, 0.2"])
     out = tmp_path / "demo"
-    train, attack = [c for c in _demo_commands(out) if "--out" not in c or f"{out}/fedavg " in c][:2]
+    commands = _demo_commands(out, fedaudit_zygote.bin.parent)
+    train, attack = [c for c in commands if "--out" not in c or f"{out}/fedavg " in c][:2]
     short = train.replace("--rounds 15", "--rounds 5")
     assert short != train
     for command in (short, attack.replace(f" {out}/dp-fedavg", "")):
