@@ -1,4 +1,5 @@
-"""The machine a benchmark's figures come from, in one line that every script prints above its table.
+"""The machine a benchmark's figures come from, in one line that every script prints above its table; and the
+``fedaudit`` program the scripts that start fedaudit commands start.
 
 Figures are only comparable on the same device with the same thread count, so each script names them: the
 accelerator (its name, memory and CUDA version) or the CPU model, the cores, torch's version and its threads.
@@ -10,6 +11,7 @@ its installed metadata, without spending seconds importing torch itself.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import sys
@@ -51,3 +53,30 @@ def describe(device: str | torch.device = "cpu", threads: int | None = None) -> 
 
         threads = torch.get_num_threads()
     return f"device: {where}; {os.cpu_count()} CPU cores; torch {torch_version()}, {threads} torch thread(s)"
+
+
+_PROGRAM: list[str] = []  # the fedaudit program given with --fedaudit, if any
+
+
+def add_program_option(parser: argparse.ArgumentParser) -> None:
+    """``--fedaudit PROGRAM``: the fedaudit program the script starts, to measure another installation's."""
+    parser.add_argument(
+        "--fedaudit",
+        metavar="PROGRAM",
+        help="the fedaudit program to start (another installation's, to compare them) [default: the one beside this "
+        "interpreter]",
+    )
+
+
+def use_program(program: str | None) -> None:
+    """Start ``program`` (the value of --fedaudit) for every fedaudit command from now on; None: the default."""
+    _PROGRAM[:] = [] if program is None else [program]
+
+
+def fedaudit_command() -> list[str]:
+    """The fedaudit command line's start: --fedaudit's program, else the one beside this interpreter, else
+    ``python -m fedaudit.cli``."""
+    if _PROGRAM:
+        return list(_PROGRAM)
+    script = Path(sys.executable).with_name("fedaudit")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "fedaudit.cli"]

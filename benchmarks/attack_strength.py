@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _machine import describe
+from _machine import add_program_option, describe, fedaudit_command, use_program
 
 # Settings that make a non-DP FedAvg run leak (loss threshold AUC >= 0.6): few records per client (the rest of the
 # training split is held out), a wide MLP, many rounds at a constant step. Digits reaches 0.6 only with 144 members,
@@ -39,11 +38,6 @@ SMOKE = (
     "--model mlp --width 8 --depth 1 --num-clients 2 --partition iid --rounds 1 --local-epochs 1 --batch-size 16 "
     "--lr 0.1 --lr-schedule constant --holdout-fraction 0.9"
 )
-
-
-def fedaudit_command() -> list[str]:
-    script = Path(sys.executable).with_name("fedaudit")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "fedaudit.cli"]
 
 
 def call(args: list[str], env: dict[str, str]) -> float:
@@ -93,7 +87,9 @@ def main() -> None:
         action="store_true",
         help="smallest sizes (seconds): digits only, the DP run only, K=1, an MLP of width 8 on 2 clients for 1 round",
     )
+    add_program_option(parser)
     args = parser.parse_args()
+    use_program(args.fedaudit)
     if args.smoke:
         args.datasets, args.references = ["digits"], [1]
     with tempfile.TemporaryDirectory(prefix="attack-strength-") as scratch:

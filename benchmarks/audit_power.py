@@ -23,18 +23,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _machine import describe
-
-
-def fedaudit_command() -> list[str]:
-    """The fedaudit CLI of the interpreter running this script."""
-    script = Path(sys.executable).with_name("fedaudit")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "fedaudit.cli"]
+from _machine import add_program_option, describe, fedaudit_command, use_program
 
 
 def main() -> None:
@@ -61,7 +54,9 @@ def main() -> None:
         help="smallest sizes (seconds): digits, FedAvg, gradient canaries, epsilon 8 only; 100 canaries, 1 round of "
         "1 local epoch, width 8",
     )
+    add_program_option(parser)
     args = parser.parse_args()
+    use_program(args.fedaudit)
     if args.smoke:
         args.datasets, args.algorithms, args.kinds, args.epsilons = ["digits"], ["fedavg"], ["gradient"], [8.0]
         args.canaries, args.input_canaries, args.rounds, args.local_epochs, args.width = 100, 20, 1, 1, 8

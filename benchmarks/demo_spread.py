@@ -23,11 +23,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from _machine import describe
+from _machine import add_program_option, describe, fedaudit_command, use_program
 
 from fedaudit.reports.collect import collect_runs
 
@@ -56,7 +55,7 @@ FIGURES = (
 
 def demo_commands(out: Path) -> dict[str, list[str]]:
     """The Makefile's demo commands for ``out``, by run name: its training and its attack."""
-    venv = Path(sys.executable).parent.parent
+    venv = Path(fedaudit_command()[0]).parent.parent  # the Makefile runs VENV/bin/fedaudit
     listing = subprocess.run(
         ["make", "-s", "-n", "demo", f"RUN={out}", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
@@ -102,7 +101,9 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="one DP run and one kernel setting, 1 round, 100 records attacked"
     )
+    add_program_option(parser)
     args = parser.parse_args()
+    use_program(args.fedaudit)
     kernels = dict(list(KERNELS.items())[:1]) if args.smoke else KERNELS
     smoke = {"train": " --rounds 1", "attack": " --max-records 100 --bootstrap 20"}
     repeats, extra = (1, smoke) if args.smoke else (args.repeats, {})

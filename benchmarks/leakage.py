@@ -30,13 +30,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
-from _machine import describe
+from _machine import add_program_option, describe, fedaudit_command, use_program
 
 SIGNALS = ("loss", "grad-norm")
 METHODS = ("threshold", "classifier")
@@ -47,12 +46,6 @@ SMOKE_FEDLAP = [
     *("--ipc", "1", "--server-epochs", "1"),
 ]
 SMOKE_FEDAVG = ["--local-epochs", "1"]
-
-
-def fedaudit_command() -> list[str]:
-    """The fedaudit CLI of the interpreter running this script."""
-    script = Path(sys.executable).with_name("fedaudit")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "fedaudit.cli"]
 
 
 def run(args: list[str], env: dict[str, str]) -> None:
@@ -142,7 +135,9 @@ def main() -> None:
         help="smallest sizes (seconds): digits instead of Fashion-MNIST, three of the four runs (not DP-FedAvg), "
         "1 round each, width 8, FedAvg's 1 local epoch, FedLAP's loops at 1 (1 image per class), 100 records attacked",
     )
+    add_program_option(parser)
     args = parser.parse_args()
+    use_program(args.fedaudit)
     if args.smoke:
         args.rounds, args.fedlap_rounds, args.width, args.max_records = 1, 1, 8, 100
     with tempfile.TemporaryDirectory(prefix="leakage-") as scratch:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _machine import describe
+from _machine import add_program_option, describe, fedaudit_command, use_program
 
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedSGD
@@ -184,7 +183,7 @@ def fedlap_cells(out: Path, epsilons: tuple[float | None, ...], smoke: bool) -> 
         ]
         began = time.perf_counter()
         for argv in (train, ["attack", str(run), "--method", "reconstruction", "--device", "cpu", "--no-progress"]):
-            done = subprocess.run([sys.executable, "-m", "fedaudit.cli", *argv], capture_output=True, text=True)
+            done = subprocess.run([*fedaudit_command(), *argv], capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"fedaudit {argv[0]} failed: {done.stderr[-2000:]}")
         last = collect_run(run).reconstruction_rounds[-1]
@@ -233,7 +232,9 @@ def main() -> None:
         help="smallest sizes (seconds): digits, B 1 and 4, no DP and epsilon 1, 2 records pooled per cell, 10 "
         "iterations; FedLAP-DP at epsilon 1",
     )
+    add_program_option(parser)
     args = parser.parse_args()
+    use_program(args.fedaudit)
     torch.set_num_threads(1)
     if args.smoke:
         args.datasets, args.iterations, args.restarts = ["digits"], 10, 1

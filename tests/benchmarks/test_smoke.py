@@ -3,8 +3,8 @@ line naming the device, cores, torch version and threads its figures come from.
 
 Each script runs as its own process from an empty working directory, with ``--out`` inside it where the script has
 that option, so that a smoke run leaves nothing in the repository. The process is forked from a zygote that imported
-torch and fedaudit once (tests/support/zygote.py) and runs the script as ``python SCRIPT`` would; what the script
-starts itself (``fedaudit`` commands, its own children) starts as it would for a user.
+torch and fedaudit once (tests/support/zygote.py) and runs the script as ``python SCRIPT`` would; a script that starts
+``fedaudit`` commands is given the zygote's ``fedaudit`` (``--fedaudit``), whose commands are forked from it too.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ IMPORTS = ["torch", "numpy", "pandas", "fedaudit.training", "fedaudit.attacks.ru
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
     """A zygote whose programs are the scripts (each its own entry), stopped by its pid after the module's tests."""
-    zygote = Zygote(tmp_path_factory.mktemp("scripts"), {str(s): str(s) for s in SCRIPTS}, IMPORTS)
+    programs = {**{str(s): str(s) for s in SCRIPTS}, "fedaudit": "fedaudit.cli:main"}
+    zygote = Zygote(tmp_path_factory.mktemp("scripts"), programs, IMPORTS)
     try:
         yield zygote
     finally:
@@ -75,8 +76,11 @@ def test_smoke(script: Path, tmp_path: Path, scripts: Zygote) -> None:
     assert script.name in TABLES, f"describe the table of {script.name} in TABLES"
     header, row = TABLES[script.name]
     args = ["--smoke"]
-    if re.search(r'add_argument\(\s*"--out"', script.read_text()):
+    source = script.read_text()
+    if re.search(r'add_argument\(\s*"--out"', source):
         args += ["--out", str(tmp_path / "out")]
+    if "add_program_option(parser)" in source:  # the fedaudit commands it starts fork from the zygote too
+        args += ["--fedaudit", str(scripts.bin / "fedaudit")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     logs = tmp_path.parent / f"{tmp_path.name}-output"
     logs.mkdir()
