@@ -7,7 +7,9 @@ it hands its argument list, working directory, environment and standard streams 
 zygote over a Unix socket, and the zygote forks a child that runs the program's own entry point with them. The child is
 a real process running Flower's own code; it dies with its shim (a SuperNode's process group killed takes its
 ClientApps with it, as it would without the zygote), the shim forwards SIGTERM and SIGINT to it, and the shim exits
-with the child's exit status. The zygote itself is stopped by its pid (:meth:`Zygote.close`), also when a test fails.
+with the child's exit status. A test may also start a program itself (:meth:`Zygote.start`: the child's own pid, its
+output in files), and a script's path may be a program of its own (run as ``python SCRIPT`` runs it). The zygote
+itself is stopped by its pid (:meth:`Zygote.close`), also when a test fails, and ends when its test process dies.
 
 The zygote only imports: it starts no thread and creates no gRPC channel or torch thread pool before it forks, so each
 child starts from the state a fresh interpreter would have after the same imports. Python reseeds ``random`` in a
@@ -96,8 +98,9 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
     """In the forked child: become the program the shim was started as, and die with the shim."""
     listener.close()
     for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     os.chdir(request["cwd"])
     sys.path[:] = _search_path(request, base)
     os.environ.clear()
@@ -192,6 +195,7 @@ class Zygote:
         with open(directory / "zygote.log", "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, __file__, str(self.socket), *preload],
+                stdin=subprocess.DEVNULL,  # descriptors 0-2 taken: a received one is never one of them
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
