@@ -806,6 +806,11 @@ def _takes(entry: AttackEntry, signal: str) -> bool:
     )
 
 
+def _writes(entry: AttackEntry, target: Target, signal: str) -> bool:
+    """Whether ``entry`` writes a result of its own for ``signal`` against ``target``."""
+    return entry.per_signal and (not entry.final_only or target.final) and _takes(entry, signal)
+
+
 def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int]:
     """The result directories ``options`` would write for ``run`` as it stands, each with the round it attacks
     (empty when the run cannot be attacked)."""
@@ -828,9 +833,7 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         for target in targets
         for signal in options.signals
         for method in options.methods
-        if attack(method).per_signal
-        and (not attack(method).final_only or target.final)
-        and _takes(attack(method), signal)
+        if _writes(attack(method), target, signal)
     }
     if options.of(CANARY):
         try:
@@ -879,11 +882,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
                 record.settings.get(k) != v
                 for k, v in (expected if name not in CANARY_NAMES else {"seed": seed}).items()
             )
-            or (
-                name.rpartition("-")[2] in ATTACKS
-                and attack(name.rpartition("-")[2]).family == REFERENCE
-                and not _same_references(record.references, options)
-            )
+            or (_family(name.rpartition("-")[2]) == REFERENCE and not _same_references(record.references, options))
         ):
             return False
     return bool(names)
