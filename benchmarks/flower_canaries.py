@@ -171,7 +171,8 @@ def study(args: argparse.Namespace) -> None:
         num_supernodes=NODES,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 1, "include_dashboard": False, "logging_level": logging.ERROR},
+            # address "local": a Ray instance of its own, even where `ray start` left a cluster on this machine
+            "init_args": {"address": "local", "num_cpus": 1, "include_dashboard": False, "logging_level": logging.ERROR},
         },
     )
     simulation = time.perf_counter() - started

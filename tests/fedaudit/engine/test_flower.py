@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -166,3 +167,20 @@ def test_bad_ray_options_are_one_sentence(tmp_path, cli, extra, mentions):
     out = tmp_path / "run"
     assert_user_error(cli("train", *FAST_ARGS, *extra, "--out", out), mentions=mentions)
     assert not out.exists()
+
+
+def test_every_simulation_this_project_starts_asks_for_a_ray_instance_of_its_own():
+    """Ray joins the cluster that `ray start` left on the machine (this module's head, while it runs) when a
+    simulation names no address, and then refuses its num_cpus: the engine, the tests' and benchmarks' apps and the
+    documented example each say "local" (or the --ray-address the user gave)."""
+    root = Path(__file__).resolve().parents[3]
+    callers = [
+        path
+        for pattern in ("fedaudit/**/*.py", "tests/support/*.py", "benchmarks/*.py", "docs/*.md")
+        for path in root.glob(pattern)
+        if "run_simulation(" in path.read_text()
+    ]
+    assert {path.name for path in callers} >= {"flower.py", "flower_digits.py", "flower_canaries.py", "flower-apps.md"}
+    for path in callers:
+        text = path.read_text()
+        assert '"address": "local"' in text or 'address="local"' in text, f"{path}: a simulation without an address"
