@@ -487,7 +487,7 @@ def train(
         result = api.train(config, out, overwrite=overwrite, progress=progress)
     eps = f", epsilon {result.epsilon:.3f}" if result.epsilon != float("inf") else ""
     click.echo(f"Run written to {Path(result.run_dir)} (test accuracy {result.test_accuracy:.4f}{eps})")
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     privacy = RunDirectory(result.run_dir).read_run_config().privacy
     if privacy.calibrated:
@@ -875,14 +875,14 @@ def sign(run_dirs: tuple[str, ...], key: str) -> None:
     RUN_DIR/signature.json holds the signature over the manifest (every file's SHA-256); 'fedaudit verify
     --public-key' checks it. A run whose files do not check is refused. See docs/run-directory.md (tamper evidence).
     """
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     pem = _read_key(key)
     for path in run_dirs:
         run = RunDirectory(path)
         run.read_manifest()
         with run.lock("fedaudit sign"):
-            run.sign(pem, key)
+            run.seal.sign(pem, key)
         click.echo(f"Signed {run.signature_path}")
 
 
@@ -897,12 +897,12 @@ def export(run_dir: str, out: str) -> None:
     and reported; it leaves out client-secrets.json, whose holder could remove the clients' noise, so it cannot be
     resumed. A run whose files do not check is refused. See docs/run-directory.md.
     """
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     run = RunDirectory(run_dir)
     run.read_manifest()
     with run.lock("fedaudit export", shared=True):
-        count = run.export(out)
+        count = run.seal.export(out)
     left = " (client-secrets.json left out)" if run.secrets_path.exists() else ""
     click.echo(f"Exported {run.path} to {out}: {count} files{left}.")
 

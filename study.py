@@ -38,7 +38,7 @@ from fedaudit.registry import ALGORITHMS, EQUAL_ACCESS_REFERENCE, algorithm_labe
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.policy import Policy, load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
-from fedaudit.runs import RunDirectory, RunError, atomic_write_json, now_iso, remove_stale_temporaries
+from fedaudit.rundir import RunDirectory, RunError, atomic_write_json, now_iso, remove_stale_temporaries
 from fedaudit.setup import Setup, data_access, prepare
 from fedaudit.training import resume, time_first_round, train_setup
 
@@ -454,7 +454,7 @@ def _settle_results(directory: Path) -> None:
     run = RunDirectory(directory)
     with run.lock("fedaudit compare"):
         remove_stale_temporaries(directory, ("attacks",))
-        run.check_integrity("attack")
+        run.seal.check("attack")
         run.settle()
 
 

@@ -68,7 +68,7 @@ from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.data.sites import is_sites
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
-from fedaudit.runs import (
+from fedaudit.rundir import (
     RunDirectory,
     RunError,
     csv_bytes,
@@ -271,7 +271,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     """Read and check a run directory, load its data and draw the evaluation set; writes nothing."""
     run = RunDirectory(path)
     manifest = run.read_manifest()
-    run.check_integrity("attack")
+    run.seal.check("attack")
     done = manifest.rounds_done
     config = run.read_run_config()
     if done < 1:
@@ -404,7 +404,7 @@ def _planted_records(run: RunDirectory, num_records: int) -> np.ndarray | None:
 
 def attack_targets(run: RunDirectory, target: str | int, done: int) -> tuple[Target, ...]:
     """The models to attack; only rounds the manifest has committed count as saved."""
-    saved = [r for r in run.saved_rounds() if r <= done]
+    saved = [r for r in run.checkpoints.rounds() if r <= done]
     if target == "final":
         return (Target(round=done, final=True),)
     if target == "all":
@@ -871,7 +871,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
                 return False
             continue
         try:
-            record = run.read_attack(name)
+            record = run.attacks.read(name)
         except RunError:
             return False
         if (

@@ -477,7 +477,7 @@ def trial(fault_name: str | None, seed: int, args: dict[str, Any], scratch: str)
 
     from fedaudit.attacks.conformance.probe import probe_run
     from fedaudit.cli import main
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     torch.set_num_threads(1)
     fault = next((f for f in CATALOGUE if f.name == fault_name), None)

@@ -172,7 +172,12 @@ def study(args: argparse.Namespace) -> None:
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             # address "local": a Ray instance of its own, even where `ray start` left a cluster on this machine
-            "init_args": {"address": "local", "num_cpus": 1, "include_dashboard": False, "logging_level": logging.ERROR},
+            "init_args": {
+                "address": "local",
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "logging_level": logging.ERROR,
+            },
         },
     )
     simulation = time.perf_counter() - started

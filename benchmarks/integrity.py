@@ -25,7 +25,7 @@ from _machine import describe
 
 from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
 from fedaudit.privacy import accounting
-from fedaudit.runs import RunDirectory, atomic_write_bytes, atomic_write_json
+from fedaudit.rundir import RunDirectory, atomic_write_bytes, atomic_write_json
 from fedaudit.training import train
 
 
@@ -88,12 +88,12 @@ def main() -> None:
             for p in every:
                 p.read_bytes()
 
-        assert not run.integrity_problems()
+        assert not run.seal.problems()
         commit, plain = _median(hashed_commit, args.repeats), _median(plain_commit, args.repeats)
 
         def cold_check() -> None:  # as in a fresh `fedaudit report`: no epsilon computed yet in this process
             accounting._epsilon_cached.cache_clear()
-            run.integrity_problems()
+            run.seal.problems()
 
         check, read = _median(cold_check, args.repeats), _median(read_all, args.repeats)
     round_bytes = sum(len(d) for d in contents.values())

@@ -95,7 +95,7 @@ class CanaryLog:
 
     def write(self, path: str | Path) -> None:
         """Write the log atomically (a temporary file in the same folder, then a rename)."""
-        from fedaudit.runs import atomic_write_bytes
+        from fedaudit.rundir import atomic_write_bytes
 
         atomic_write_bytes(Path(path), self.to_bytes())
 

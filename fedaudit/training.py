@@ -40,7 +40,7 @@ from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_
 from fedaudit.privacy.layers import fallback_layers
 from fedaudit.privacy.randomness import ClientKeys, RunRandomness, new_run_id
 from fedaudit.registry import ALGORITHMS
-from fedaudit.runs import (
+from fedaudit.rundir import (
     ClientsRecord,
     DatasetRecord,
     Manifest,
@@ -183,7 +183,7 @@ def _resume(
     echo: Echo,
 ) -> TrainResult:
     remove_stale_temporaries(run.path)  # half-written files of the interrupted process
-    run.check_integrity("resume")
+    run.seal.check("resume")
     run.settle()
     manifest = run.read_manifest()
     config = run.read_run_config()
@@ -215,12 +215,12 @@ def _resume(
     run.write_config(setup.config.to_dict())
     state = _TrainingState(params=_initial_params(setup), ledger=_resumed_ledger(run, setup.config, done))
     if done > 0:
-        stored_params, _checkpoint = run.load_checkpoint(done, setup.device)
+        stored_params, _checkpoint = run.checkpoints.load(done, setup.device)
         # safetensors returns names sorted; keep the model's order, which fixes the order of floating-point sums
         state.params = {name: stored_params[name] for name in state.params}
         state.states = ClientStates(run, setup.device, upto=done)
-        state.server_state = run.load_server_state(done, setup.device)
-        state.server_kept = run.load_server_state(done, setup.device, kept=True)
+        state.server_state = run.states.load_server(done, setup.device)
+        state.server_kept = run.states.load_server(done, setup.device, kept=True)
     state.rows = run.read_metrics().to_dict("records")[:done]
     manifest = _manifest(setup, rounds_done=done, created=manifest.created, randomness=randomness)
     if done == setup.config.federated.rounds:
@@ -259,7 +259,7 @@ class ClientStates:
 
     def __init__(self, run: RunDirectory | None = None, device: str | torch.device = "cpu", upto: int = 0) -> None:
         self.run, self.device = run, device
-        self.where: dict[int, int] = {} if run is None else run.client_state_index(upto)  # client -> its round file
+        self.where: dict[int, int] = {} if run is None else run.states.index(upto)  # client -> its round file
         self.changed: dict[int, TensorDict] = {}  # changed since the last commit
 
     def __bool__(self) -> bool:
@@ -272,7 +272,7 @@ class ClientStates:
         stored = {k: self.where[k] for k in wanted if k not in self.changed and k in self.where}
         if stored:
             assert self.run is not None
-            found.update(self.run.read_client_states(stored, self.device))
+            found.update(self.run.states.read(stored, self.device))
         return found
 
     def set(self, client: int, state: TensorDict) -> None:
@@ -287,9 +287,9 @@ class ClientStates:
         needs: those of clients the next round's file does not hold (round ``number``'s file, if it is the next, holds
         the states it changed). They move to that file, the oldest kept round's, where every kept round finds them."""
         assert self.run is not None, "only a run directory's rounds are removed"
-        nxt = set(self.changed) if removed + 1 == number else self.run.clients_with_states(removed + 1)
-        clients = self.run.clients_with_states(removed) - nxt
-        return self.run.load_client_states(removed, self.device, clients) if clients else {}
+        nxt = set(self.changed) if removed + 1 == number else self.run.states.clients_in(removed + 1)
+        clients = self.run.states.clients_in(removed) - nxt
+        return self.run.states.load(removed, self.device, clients) if clients else {}
 
     def committed(self, number: int, carried: Mapping[int, TensorDict], into: int) -> None:
         """Round ``number``'s file now holds the states it changed, and round ``into``'s the ``carried`` ones: from now
@@ -589,7 +589,7 @@ class _RoundLoop:
         state.states.committed(outcome.round, carried, outcome.round - keep + 1 if keep is not None else outcome.round)
         if keep is not None and outcome.round > keep:
             # only once the round is committed: a resume from round N - 1 still finds what round N - K's files held
-            run.remove([p for old in range(1, outcome.round - keep + 1) for p in run.checkpoint_files(old)])
+            run.remove([p for old in range(1, outcome.round - keep + 1) for p in run.checkpoints.files(old)])
         return manifest
 
     def _write_round(
@@ -602,7 +602,7 @@ class _RoundLoop:
     ) -> Manifest:
         run, config, number = self.run, self.setup.config, outcome.round
         assert run is not None
-        run.save_checkpoint(
+        run.checkpoints.save(
             number,
             outcome.params,
             {**_checkpoint_state(config.seed, number), "clients": clients, "server": outcome.server_metrics},
@@ -612,18 +612,18 @@ class _RoundLoop:
         if carried and into == number:
             states = {**carried, **states}
         if states:
-            run.save_client_states(number, states)
+            run.states.save(number, states)
         if carried and into < number:
-            run.save_client_states(into, {**carried, **run.load_client_states(into, self.setup.device)})
+            run.states.save(into, {**carried, **run.states.load(into, self.setup.device)})
         if state.server_state:
-            run.save_server_state(number, state.server_state)
+            run.states.save_server(number, state.server_state)
         if state.server_kept:
-            run.save_server_state(number, state.server_kept, kept=True)
+            run.states.save_server(number, state.server_kept, kept=True)
         if config.save_transmitted:
             for msg in outcome.messages:
-                run.save_transmitted(number, msg.client_id, msg.payload)
+                run.wire.save(number, msg.client_id, msg.payload)
         if self.setup.canaries is not None:
-            run.save_queries(number, {msg.client_id: msg.audit for msg in outcome.messages})
+            run.queries.save(number, {msg.client_id: msg.audit for msg in outcome.messages})
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         run.write_metrics(state.rows)
         if state.ledger is not None:

@@ -23,7 +23,7 @@ from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.privacy.randomness import CLIENT_SECRETS, NOISE_SEED, RUN_SEED
 from fedaudit.registry import ALGORITHMS, algorithm_label
-from fedaudit.runs import AttackRecord, Manifest, RateRecord, RunDirectory, RunError, bounded_size
+from fedaudit.rundir import AttackRecord, Manifest, RateRecord, RunDirectory, RunError, bounded_size
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
 ATTACK_HINT = "run `fedaudit attack {path}` (add `--target all` for the AUC after every round)"
@@ -492,7 +492,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
     """The integrity check comes first: a file it does not trust is never parsed, except the run's own records
     (manifest, config, metrics, ledger) that every section needs, whose failure to parse is then the integrity
     FAIL (:class:`TamperedRunError`), not a crash and not a bad-input error."""
-    findings = run.integrity_findings()
+    findings = run.seal.findings()
     integrity = tuple(sentence for _, sentence in findings)
     untrusted = frozenset(name for name, _ in findings)
     try:
@@ -748,12 +748,12 @@ def _changed(name: str, untrusted: frozenset[str]) -> bool:
 def _attacks(path: Path, notes: list[Note], untrusted: frozenset[str] = frozenset()) -> tuple[AttackSummary, ...]:
     run = RunDirectory(path)
     results = []
-    for name in run.attack_names():
+    for name in run.attacks.names():
         if _changed(name, untrusted):
             notes.append(Note(CHANGED_NOTE.format(name=name), ATTACK_HINT.format(path=path)))
             continue
         try:
-            record = run.read_attack(name)
+            record = run.attacks.read(name)
         except RunError:
             notes.append(
                 Note(f"The attack result {name} is unreadable and is left out.", ATTACK_HINT.format(path=path))
@@ -835,7 +835,7 @@ def _reconstructions(
     """Every reconstruction result of the run (records.csv for the per-record numbers, images.safetensors for the
     grid); a result whose files cannot be read, or were changed, is left out with a note."""
     found = []
-    for name in run.attack_names():
+    for name in run.attacks.names():
         if not name.startswith(f"{RECONSTRUCTION}-") or _changed(name, untrusted):
             continue  # a changed one is noted by _attacks
         folder = run.attacks_dir / name

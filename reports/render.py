@@ -38,7 +38,7 @@ from fedaudit.reports.summary import (
     summary_rows,
 )
 from fedaudit.reports.verdict import run_verdict
-from fedaudit.runs import (
+from fedaudit.rundir import (
     RUN_FORMAT,
     atomic_write_bytes,
     atomic_write_json,

@@ -40,7 +40,7 @@ from fedaudit.data import Dataset
 from fedaudit.models import ModelSpec, build_model, initial_params
 from fedaudit.privacy.primitive import per_sample_gradients
 from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC
-from fedaudit.runs import RunDirectory, load_tensors
+from fedaudit.rundir import RunDirectory, load_tensors
 from fedaudit.seeding import Stream, derive_seed
 
 ESTIMATORS = ("one-run", "gdp")
@@ -90,7 +90,7 @@ def canary_views(kind: str, algorithm: str, queries: bool = False) -> tuple[View
 def run_views(run: RunDirectory) -> tuple[View, ...]:
     """:func:`canary_views` of a canary run as it stands on disk."""
     return canary_views(
-        read_canaries(run).kind, run.read_run_config().federated.algorithm, run.queries_path(1).is_file()
+        read_canaries(run).kind, run.read_run_config().federated.algorithm, run.queries.path(1).is_file()
     )
 
 
@@ -141,7 +141,7 @@ def _round_start(run: RunDirectory, spec: ModelSpec, round_number: int, run_seed
     """The global model round ``round_number`` started from (round 1's is rebuilt from the run's seed)."""
     if round_number == 1:
         return initial_params(spec, run_seed)
-    return run.load_checkpoint(round_number - 1)[0]
+    return run.checkpoints.load(round_number - 1)[0]
 
 
 def _sent_vector(
@@ -227,16 +227,16 @@ def query_scores(run: RunDirectory, canaries: Canaries, rounds: int) -> tuple[np
     total, llr = np.zeros(canaries.count), np.zeros(canaries.count)
     queries, variance = np.zeros(canaries.count), np.zeros(canaries.count)
     for round_number in range(1, rounds + 1):
-        if not run.queries_path(round_number).is_file():
+        if not run.queries.path(round_number).is_file():
             raise AttackError(
-                f"{run.path} has no query log for round {round_number} ({run.queries_path(round_number)}), so its "
+                f"{run.path} has no query log for round {round_number} ({run.queries.path(round_number)}), so its "
                 "query view cannot be audited; it was changed after training."
             )
-        for client, log in run.load_queries(round_number).items():
+        for client, log in run.queries.load(round_number).items():
             ids = log["canary_ids"].numpy().astype(np.int64)
             if len(ids) and (ids.min() < 0 or ids.max() >= canaries.count or (canaries.client[ids] != client).any()):
                 raise AttackError(
-                    f"{run.queries_path(round_number)} logs canaries for client {client} that are not its own."
+                    f"{run.queries.path(round_number)} logs canaries for client {client} that are not its own."
                 )
             projected = log["projected"].numpy() > 0 if "projected" in log else np.ones(len(log["rate"]), dtype=bool)
             total[ids] += log["sum"].numpy()

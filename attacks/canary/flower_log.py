@@ -33,7 +33,7 @@ from fedaudit.attacks.canary.estimators import bound_by_guesses, gaussian_estima
 from fedaudit.attacks.metrics import CONFIDENCE, DEFAULT_RESAMPLES, Bootstrap, auc_score, bootstrap, roc
 from fedaudit.canary_log import FORMAT, VERSION, CanaryLog, read_log
 from fedaudit.privacy.accounting import SGMEvent, compute_epsilon
-from fedaudit.runs import atomic_write_bytes, csv_bytes, json_bytes
+from fedaudit.rundir import atomic_write_bytes, csv_bytes, json_bytes
 from fedaudit.seeding import Stream, derive_seed
 
 ESTIMATORS = ("one-run", "gdp")

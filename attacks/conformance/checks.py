@@ -56,7 +56,7 @@ from fedaudit.attacks import AttackError
 from fedaudit.attacks.conformance.secrecy import KeptQuery, PublicMaterial, secrecy
 from fedaudit.canaries import GRADIENT_CANARY_NORM, LAYOUTS, canary_directions
 from fedaudit.models import build_model
-from fedaudit.runs import RunDirectory, RunError
+from fedaudit.rundir import RunDirectory, RunError
 
 CHECKS = ("log", "noise", "clipping", "sampling", "secrecy", "ledger")
 PLD_INTERVAL = 1e-3  # dp-accounting's PLD discretisation: about 0.1 s a client
@@ -389,7 +389,7 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
     if manifest.rounds_done < 1:
         raise AttackError(f"{run.path} has no completed round to verify.")
     for number in range(1, manifest.rounds_done + 1):
-        if not run.queries_path(number).is_file():
+        if not run.queries.path(number).is_file():
             raise AttackError(f"{run.path} {_NO_LOG} (round {number} has none).")
     try:
         kind = str(arrays["kind"])
@@ -489,7 +489,7 @@ def _read_logs(run: RunDirectory, facts: _Run) -> _Logs:
     kept_seen = 0
     for number in range(1, facts.rounds + 1):
         try:
-            by_client = run.load_queries(number)
+            by_client = run.queries.load(number)
         except RunError as exc:
             raise AttackError(str(exc)) from exc
         participants[number] = sorted(by_client)

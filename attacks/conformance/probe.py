@@ -428,7 +428,7 @@ class _NoQuery(AttackError):
 
 
 def probe_run(run: Any) -> Check:
-    """The ``sensitivity`` check of a run directory (a :class:`fedaudit.runs.RunDirectory`): its configuration
+    """The ``sensitivity`` check of a run directory (a :class:`fedaudit.rundir.RunDirectory`): its configuration
     probed at the initial model and at its final one."""
     config = run.read_run_config()
     final = None

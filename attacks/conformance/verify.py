@@ -12,7 +12,7 @@ from typing import Any
 import fedaudit
 from fedaudit.attacks.conformance.checks import Verification, verify
 from fedaudit.attacks.conformance.probe import probe_run
-from fedaudit.runs import RunDirectory, json_bytes, now_iso
+from fedaudit.rundir import RunDirectory, json_bytes, now_iso
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ def verify_runs(
         run = RunDirectory(path)
         run.read_manifest()
         with run.lock("fedaudit verify", shared=True):
-            problems = tuple(run.integrity_problems())
-            signature, unsigned = (None, ()) if public_key is None else run.signature_problems(public_key)
+            problems = tuple(run.seal.problems())
+            signature, unsigned = (None, ()) if public_key is None else run.seal.signature_problems(public_key)
             verification, skipped = None, None
             if problems:
                 skipped = "its files are not those fedaudit wrote"

@@ -58,7 +58,7 @@ from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition
 from fedaudit.models import ModelSpec, build_model, initial_params
 from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC, AlgorithmEntry
-from fedaudit.runs import Manifest, RunDirectory, csv_bytes, load_tensors, tensors_bytes
+from fedaudit.rundir import Manifest, RunDirectory, csv_bytes, load_tensors, tensors_bytes
 from fedaudit.seeding import Stream, derive_seed
 
 METHOD = RECONSTRUCTION_METHOD  # the registry's name of this attack
@@ -586,7 +586,7 @@ def _check_update(run: RunDirectory, config: RunConfig, manifest: Manifest, targ
     """What simulating this update reads must be there: the round's starting model, SCAFFOLD's control variates,
     Fedssyn's share, and an update that fits the model; and the client must not average too many records."""
     number = target.round
-    if number > 1 and not run.checkpoint_path(number - 1).is_file():
+    if number > 1 and not run.checkpoints.path(number - 1).is_file():
         raise AttackError(
             f"{run.path} no longer keeps the checkpoint of round {number - 1} (--keep-checkpoints), the global model "
             f"round {number} started from, so its updates cannot be inverted."
@@ -619,7 +619,7 @@ def _share(run: RunDirectory, round_number: int, client: int) -> dict[str, torch
     round 1 or for other algorithms)."""
     if round_number < 2:
         return {}
-    state = run.client_states_at(round_number - 1, clients=[client]).get(client, {})
+    state = run.states.at(round_number - 1, clients=[client]).get(client, {})
     if "synthetic/images" not in state or "synthetic/labels" not in state:
         return {}
     return {"images": state["synthetic/images"], "labels": state["synthetic/labels"]}
@@ -667,8 +667,8 @@ def local_training(
     training = recipe(config, manifest.clients.num_examples[target.client], target.round)
     if not _local_algorithm(config).control_variates:
         return training
-    server = run.load_server_state(target.round - 1) if target.round > 1 else {}
-    clients = run.client_states_at(target.round - 1, clients=[target.client]) if target.round > 1 else {}
+    server = run.states.load_server(target.round - 1) if target.round > 1 else {}
+    clients = run.states.at(target.round - 1, clients=[target.client]) if target.round > 1 else {}
     own_control = clients.get(target.client, {})
     correction = {
         name: server.get(name, torch.zeros_like(p)) - own_control.get(name, torch.zeros_like(p))
@@ -895,7 +895,7 @@ def _invert_update(
     start = (
         initial_params(spec, config.seed)
         if target.round == 1
-        else {name: t for name, t in run.load_checkpoint(target.round - 1)[0].items()}
+        else {name: t for name, t in run.checkpoints.load(target.round - 1)[0].items()}
     )
     start = {name: start[name].to(torch.float32) for name, _ in model.named_parameters()}
     training = local_training(run, config, manifest, target, start)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from fedaudit.canaries import Canaries, canary_directions
 from fedaudit.data import load_dataset
 from fedaudit.models import build_model
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 
 def _train_and_attack(out: Path, *extra: str) -> RunDirectory:
@@ -29,7 +29,7 @@ def _train_and_attack(out: Path, *extra: str) -> RunDirectory:
 
 def _round_start(run: RunDirectory, round_number: int) -> dict[str, torch.Tensor]:
     if round_number > 1:
-        return load_file(str(run.checkpoint_path(round_number - 1)))
+        return load_file(str(run.checkpoints.path(round_number - 1)))
     from fedaudit.models import initial_params
 
     return initial_params(run.model_spec(), run.read_run_config().seed)

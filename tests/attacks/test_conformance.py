@@ -24,7 +24,7 @@ import fedaudit.training as training
 from fedaudit.attacks import AttackError
 from fedaudit.attacks.conformance.checks import CHECKS, PLD_INTERVAL, Verification, recorded_spend, verify
 from fedaudit.privacy.accounting import rdp_epsilon
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 CANARY_RUN = (*FAST_ARGS, *"--dp --canaries 200 --noise-multiplier 1".split())
 
@@ -447,10 +447,10 @@ def _tamper(run: RunDirectory, tmp_path: Path, change: Callable[[dict[str, torch
     """A copy of ``run`` whose round-1 log of its first client has been changed in place by ``change``."""
     copy = RunDirectory(tmp_path / "tampered")
     shutil.copytree(run.path, copy.path)
-    logs = copy.load_queries(1)
+    logs = copy.queries.load(1)
     kept = next(k for k, log in logs.items() if "kept0/params" in log)
     change(logs[kept])
-    copy.save_queries(1, logs)
+    copy.queries.save(1, logs)
     return copy
 
 

@@ -16,7 +16,7 @@ import fedaudit.attacks.registry as registry
 from fedaudit.attacks.membership.methods import MethodOutput
 from fedaudit.attacks.registry import ATTACKS, CANARY, MEMBERSHIP, RECONSTRUCTION, REFERENCE, AttackEntry
 from fedaudit.attacks.runner import AttackOptions, expected_results
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 MEMBERSHIP_PARAMETERS = ["signal", "score", "member", "attack_train", "seed"]
 

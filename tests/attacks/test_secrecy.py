@@ -18,7 +18,7 @@ import fedaudit.privacy.primitive as primitive
 import fedaudit.privacy.randomness as randomness
 from fedaudit.attacks.conformance.checks import Verification, verify
 from fedaudit.privacy.randomness import SeededKeys
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 from fedaudit.seeding import Stream, make_generator
 
 SEED = 5

@@ -16,7 +16,7 @@ from helpers import assert_user_error, invoke, rehash, tree_digest
 from sklearn.metrics import roc_auc_score
 
 from fedaudit.data import load_dataset
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 # A deliberately overfit run: 2 clients with about 21 records each (97% of digits held out), a wide MLP,
 # 3 rounds of 100 local epochs. Digits generalises well, so leakage needs this few records per client.
@@ -247,7 +247,7 @@ def _truncated_weights(run):
 def _float64_weights(run):
     from safetensors.torch import load_file, save_file
 
-    from fedaudit.runs import tensors_metadata
+    from fedaudit.rundir import tensors_metadata
 
     path = run / "model.safetensors"
     metadata = tensors_metadata(path)
@@ -370,7 +370,7 @@ def test_a_model_with_nan_weights_is_refused_in_one_sentence(plain_run, tmp_path
     run = tmp_path / "run"
     shutil.copytree(plain_run, run)
     path = run / "model.safetensors"
-    from fedaudit.runs import tensors_metadata
+    from fedaudit.rundir import tensors_metadata
 
     metadata = tensors_metadata(path)
     weights = {name: torch.full_like(t, float("nan")) for name, t in load_file(str(path)).items()}

@@ -63,7 +63,7 @@ def test_the_query_views_with_shuffled_inclusion_bits_prove_nothing(correct):
     scores in CI by chance (12 of 200)."""
     from fedaudit.attacks.canary.audit import query_scores, read_canaries
     from fedaudit.attacks.canary.estimators import gaussian_estimate, split_audit
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     run = RunDirectory(correct[0])
     canaries = read_canaries(run)
@@ -367,7 +367,7 @@ def _bounds(out: Path) -> dict[str, tuple[float, float]]:
 def test_fedssyn_logs_and_audits_every_query_of_both_phases(tmp_path):
     """The generation round's class counts (rate 1, metadata only) and generator steps (rate B_g / floor(rho N_k)),
     then the classifier's steps at B / (N_k + n~): all logged, all verified, none flagged."""
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     out = tmp_path / "run"
     assert invoke("train", *SSYN_RUN, "--out", out).exit_code == 0
@@ -376,13 +376,13 @@ def test_fedssyn_logs_and_audits_every_query_of_both_phases(tmp_path):
     assert all(check["passed"] for check in verification["checks"]), verification
     run = RunDirectory(out)
     sizes = run.read_manifest().clients.num_examples
-    for client, log in run.load_queries(1).items():
+    for client, log in run.queries.load(1).items():
         m = int(0.75 * sizes[client])
         steps = 5 * (m // 64)
         assert log["projected"].tolist() == [0.0] + [1.0] * steps
         assert log["rate"].tolist() == pytest.approx([1.0] + [64 / m] * steps)
         assert log["records"][0] == m and not any(name.startswith("kept") for name in log)
-    for client, log in run.load_queries(2).items():
+    for client, log in run.queries.load(2).items():
         assert log["rate"].tolist() == pytest.approx([32 / (sizes[client] + 40)] * len(log["rate"]))
         assert log["projected"].all()
     bounds = _bounds(out)

@@ -24,7 +24,7 @@ from zygote import Forked, Zygote
 
 from fedaudit.integrity import LOCK
 from fedaudit.reports.render import PARTIAL
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 SLOW = (*FAST_ARGS, "--rounds", "4", "--local-epochs", "4")  # long enough to be caught in its rounds
 TIMEOUT = 120
@@ -94,7 +94,7 @@ def test_kill_9_at_any_moment_then_the_same_command_again_gives_the_same_run(ref
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
     if out.exists():
-        assert RunDirectory(out).integrity_problems() == []
+        assert RunDirectory(out).seal.problems() == []
         result = invoke("train", "--resume", out, "--no-progress")
     else:
         result = invoke("train", *SLOW, "--out", out)
@@ -105,7 +105,7 @@ def test_kill_9_at_any_moment_then_the_same_command_again_gives_the_same_run(ref
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert not list(out.rglob("*.tmp"))
-    assert RunDirectory(out).integrity_problems() == []
+    assert RunDirectory(out).seal.problems() == []
 
 
 def test_a_run_being_trained_refuses_a_second_writer_naming_its_pid(reference, tmp_path, spawn):
@@ -171,7 +171,7 @@ def assert_same_tree(done: Path, reference: Path) -> None:
     for name in theirs:
         assert ours[name] == theirs[name], name
     for manifest in done.rglob("manifest.json"):
-        assert RunDirectory(manifest.parent).integrity_problems() == [], manifest.parent
+        assert RunDirectory(manifest.parent).seal.problems() == [], manifest.parent
 
 
 def killed_then_again(

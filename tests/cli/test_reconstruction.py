@@ -17,7 +17,7 @@ from skimage.metrics import peak_signal_noise_ratio
 
 from fedaudit.attacks.reconstruction.image_quality import pixel_range, to_pixels
 from fedaudit.data import load_dataset
-from fedaudit.runs import RunDirectory, load_tensors
+from fedaudit.rundir import RunDirectory, load_tensors
 
 # FedSGD over 400 clients of three or four digits each, two of them a round: each update averages a few records
 SMALL_CLIENTS = ("--algorithm", "fedsgd", "--partition", "iid", "--num-clients", "400", "--client-fraction", "0.005")
@@ -48,7 +48,7 @@ def test_every_client_of_the_first_and_final_round_is_attacked_and_hashed(attack
     }
     assert _results(attacked) == sorted(f"reconstruction-round-{r}-client-{c}" for r, c in sent)
     run = RunDirectory(attacked)
-    assert run.integrity_problems() == []
+    assert run.seal.problems() == []
     files = read_json(attacked / "manifest.json")["files"]
     for name in _results(attacked):
         for file in ("records.csv", "images.safetensors", "metrics.json"):
@@ -124,7 +124,9 @@ def test_the_recipe_read_from_the_run_gives_the_update_that_was_sent(recipe, tmp
     for number in range(first, 4):
         for file in sorted((run_dir / "transmitted" / f"round-{number:04d}").iterdir()):
             client = int(file.stem.split("-")[1])
-            start = initial_params(run.model_spec(), config.seed) if number == 1 else run.load_checkpoint(number - 1)[0]
+            start = (
+                initial_params(run.model_spec(), config.seed) if number == 1 else run.checkpoints.load(number - 1)[0]
+            )
             start = {name: start[name] for name, _ in model.named_parameters()}
             training = local_training(run, config, manifest, ReconstructionTarget(number, client), start)
             own = torch.from_numpy(partition.clients[client].copy())
@@ -162,7 +164,7 @@ def test_the_same_seed_rebuilds_the_same_records_and_one_client_can_be_named(att
     assert "1 result(s) written" in result.stdout
     same = (copy / "attacks" / name / "records.csv").read_bytes()
     assert same == (attacked / "attacks" / name / "records.csv").read_bytes()
-    assert RunDirectory(copy).integrity_problems() == []
+    assert RunDirectory(copy).seal.problems() == []
 
 
 def test_the_report_shows_the_reconstruction_and_judges_the_policy_on_its_interval(attacked, tmp_path) -> None:

@@ -58,7 +58,7 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tmp_path, monkeypatc
 
 def test_resume_after_interrupt_between_the_round_files(tmp_path, monkeypatch, dp_run, cli, fixed_secrets):
     """Ctrl-C after privacy.json but before manifest.json (the commit point) was written for round 2."""
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     real = RunDirectory.write_privacy
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import FAST_ARGS, assert_user_error, invoke, read_json, rehash, tree_digest
 
-import fedaudit.runs as runs
+import fedaudit.rundir.files as runs
 from fedaudit.integrity import LOCK as LOCK_NAME
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 # A DP-FedAvg canary run that keeps what crossed the wire: every kind of file a run writes.
 FULL = ("--dp", "--rounds", "2", "--canaries", "200", "--save-transmitted")
@@ -51,7 +51,7 @@ def test_a_correct_run_checks_and_records_every_file(full_run):
     manifest = read_json(full_run / "manifest.json")
     assert sorted(manifest["files"]) == written_files(full_run)
     assert "pending" not in manifest
-    assert RunDirectory(full_run).integrity_problems() == []
+    assert RunDirectory(full_run).seal.problems() == []
     kinds = {name.split("/")[0] for name in manifest["files"]}
     assert {"config.json", "privacy.json", "checkpoints", "transmitted", "queries", "canaries.npz"} <= kinds
 
@@ -70,10 +70,10 @@ def test_every_file_edited_in_turn_is_caught_and_named(full_run, tmp_path, edit)
             path.write_bytes(original[: len(original) - 1])
         else:
             path.unlink()
-        problems = RunDirectory(run).integrity_problems()
+        problems = RunDirectory(run).seal.problems()
         assert problems and problems[0].startswith(name), (name, problems)
         path.write_bytes(original)
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
 
 
 def test_an_added_file_is_caught(full_run, tmp_path):
@@ -81,7 +81,7 @@ def test_an_added_file_is_caught(full_run, tmp_path):
     forged = run / "attacks" / "loss-threshold" / "metrics.json"
     forged.parent.mkdir(parents=True)
     forged.write_text(json.dumps({"auc": 0.5}))
-    assert RunDirectory(run).integrity_problems() == [
+    assert RunDirectory(run).seal.problems() == [
         "attacks/loss-threshold/metrics.json was not written by fedaudit (manifest.json does not record it)"
     ]
 
@@ -164,7 +164,7 @@ def test_attacking_verifying_and_extending_a_run_keep_it_checked(full_run, tmp_p
     assert invoke("attack", run, "--no-progress").exit_code == 0
     assert invoke("verify", run).exit_code == 0
     assert invoke("train", "--resume", run, "--rounds", "3", "--no-progress").exit_code == 0
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
     assert sorted(read_json(run / "manifest.json")["files"]) == written_files(run)
 
 
@@ -202,7 +202,7 @@ def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(
         invoke("train", *FAST_ARGS, "--dp", "--rounds", "3", "--out", run)
     monkeypatch.undo()
     if run.exists():
-        assert RunDirectory(run).integrity_problems() == []
+        assert RunDirectory(run).seal.problems() == []
         result = invoke("train", "--resume", run, "--no-progress")
     else:
         result = invoke("train", *FAST_ARGS, "--dp", "--rounds", "3", "--out", run)
@@ -210,7 +210,7 @@ def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     for name in ("model.safetensors", "privacy.json", "checkpoints/round-0003.safetensors"):
         assert (run / name).read_bytes() == (reference / name).read_bytes()
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
     assert not [p for p in run.rglob("*.tmp")]
 
 
@@ -369,7 +369,7 @@ def test_writers_that_really_overlap_get_one_sentence_naming_the_holder(plain_ru
             holder.kill()
             holder.wait()
     assert read_json(run / "manifest.json")["rounds_done"] == 60
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
 
 
 def test_an_unfinished_run_is_attacked_only_at_a_finished_round(plain_run, tmp_path):
@@ -414,11 +414,11 @@ def test_keep_checkpoints_keeps_the_last_rounds_and_resumes_exactly(trained, tmp
     result = invoke("train", *FAST_ARGS, *constant, "--rounds", "2", "--keep-checkpoints", "1", "--out", run)
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0002.json", "round-0002.safetensors"]
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
     assert invoke("train", "--resume", run, "--rounds", "3", "--no-progress").exit_code == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0003.json", "round-0003.safetensors"]
     assert (run / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
     assert_user_error(invoke("attack", run, "--target", "round:2", "--no-progress"), mentions="saved rounds: 3")
 
 
@@ -459,12 +459,12 @@ def test_an_attack_crashed_at_any_write_gives_the_same_results_when_given_again(
     with pytest.raises(_Killed):
         invoke("attack", run, "--no-progress")
     monkeypatch.undo()
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
     assert invoke("attack", run, "--no-progress").exit_code == 0
     for result in sorted((reference / "attacks").glob("*/*")):
         relative = result.relative_to(reference)
         assert _without_times(run / relative) == _without_times(result), relative
-    assert not list(run.rglob("*.tmp")) and RunDirectory(run).integrity_problems() == []
+    assert not list(run.rglob("*.tmp")) and RunDirectory(run).seal.problems() == []
 
 
 @pytest.mark.parametrize("write", range(5))  # the marker, the report, summary.csv, groups.csv, summary.json

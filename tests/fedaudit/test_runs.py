@@ -1,4 +1,4 @@
-"""fedaudit.runs: the typed manifest records, RunDirectory's checked readers, atomic writes and canonical files."""
+"""fedaudit.rundir: the typed manifest records, RunDirectory's checked readers, atomic writes and canonical files."""
 
 from __future__ import annotations
 
@@ -20,12 +20,11 @@ import torch
 from helpers import read_json
 from safetensors.torch import load_file
 
-import fedaudit.runs as runs
+import fedaudit.rundir.files as runs
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.models import ModelSpec
-from fedaudit.runs import (
-    BOUND_TEST_KEYS,
+from fedaudit.rundir import (
     FORMAT_VERSION,
     RUN_FORMAT,
     ClientsRecord,
@@ -41,6 +40,7 @@ from fedaudit.runs import (
     save_tensors,
     tensors_metadata,
 )
+from fedaudit.rundir.attack_records import BOUND_TEST_KEYS
 
 FILE_TAGS = ("format", "format_version", "updated", "files")  # written by write_manifest around Manifest.to_dict()
 
@@ -424,7 +424,7 @@ def test_load_model_rebuilds_the_final_model_from_safetensors(plain_run):
 @pytest.mark.parametrize("damage", ["missing tensor", "extra tensor", "wrong shape"])
 def test_load_model_refuses_weights_that_do_not_fit_the_manifest(plain_run, tmp_path, damage):
     run = RunDirectory(shutil.copytree(plain_run, tmp_path / "run"))
-    weights = load_file(str(run.checkpoint_path(1)))
+    weights = load_file(str(run.checkpoints.path(1)))
     name = sorted(weights)[0]
     if damage == "missing tensor":
         del weights[name]
@@ -432,22 +432,22 @@ def test_load_model_refuses_weights_that_do_not_fit_the_manifest(plain_run, tmp_
         weights["extra.weight"] = torch.zeros(2)
     else:
         weights[name] = torch.zeros(*weights[name].shape[:-1], weights[name].shape[-1] + 1)
-    save_tensors(run.checkpoint_path(1), weights, {"round": "1"})
+    save_tensors(run.checkpoints.path(1), weights, {"round": "1"})
     with pytest.raises(RunError, match="do not fit the mlp model") as caught:
         run.load_model(round_number=1)
-    assert str(run.checkpoint_path(1)) in str(caught.value)
+    assert str(run.checkpoints.path(1)) in str(caught.value)
 
 
 def test_load_model_refuses_a_final_model_of_another_round(plain_run, tmp_path):
     run = RunDirectory(shutil.copytree(plain_run, tmp_path / "run"))
-    save_tensors(run.model_path, load_file(str(run.checkpoint_path(2))), {"round": "2"})
+    save_tensors(run.model_path, load_file(str(run.checkpoints.path(2))), {"round": "2"})
     with pytest.raises(RunError, match="model.safetensors is from round 2 but manifest.json records 3"):
         run.load_model()
 
 
 def test_load_model_of_a_corrupt_file(plain_run, tmp_path):
     run = RunDirectory(shutil.copytree(plain_run, tmp_path / "run"))
-    run.checkpoint_path(1).write_bytes(b"not safetensors at all")
+    run.checkpoints.path(1).write_bytes(b"not safetensors at all")
     with pytest.raises(RunError, match="corrupt or not a safetensors file"):
         run.load_model(round_number=1)
     with pytest.raises(RunError, match="does not exist"):
@@ -479,8 +479,8 @@ def test_attack_record_reads_the_current_format_and_format_1(tmp_path):
     (tmp_path / "attacks" / "loss-classifier" / "metrics.json").write_text(
         json.dumps({"auc": 0.5, "tpr_at_fpr": {"0.01": 0.02}, "epsilon_lower_bound": 1.0})
     )
-    assert run.attack_names() == ["grad-norm-threshold-round-3", "loss-classifier"]
-    record = run.read_attack("grad-norm-threshold-round-3")
+    assert run.attacks.names() == ["grad-norm-threshold-round-3", "loss-classifier"]
+    record = run.attacks.read("grad-norm-threshold-round-3")
     assert (record.signal, record.method, record.round, record.format_version) == ("grad-norm", "threshold", 3, 2)
     assert record.settings == {
         "seed": 0,
@@ -491,7 +491,7 @@ def test_attack_record_reads_the_current_format_and_format_1(tmp_path):
     }
     assert record.tpr_at_fpr["0.01"].ci95 == (0.01, 0.1) and record.tpr_at_fpr["0.001"] is None
     assert record.advantage_held_out_ci95 == (0.02, 0.18) and record.epsilon_lower_bound_test["inequality"] == "tpr"
-    old = run.read_attack("loss-classifier")
+    old = run.attacks.read("loss-classifier")
     assert (old.signal, old.method, old.round) == ("loss", "classifier", None)  # from the directory's name
     assert old.tpr_at_fpr["0.01"] == RateRecord(tpr=0.02, detailed=False)
     assert old.epsilon_lower_bound == 1.0 and old.epsilon_lower_bound_test is None  # format 1: no test recorded
@@ -502,7 +502,7 @@ def test_a_malformed_attack_record_is_a_run_error(tmp_path):
     folder.mkdir(parents=True)
     (folder / "metrics.json").write_text(json.dumps({"tpr_at_fpr": {"0.01": {"tpr": 0.1, "nonmembers_needed": "x"}}}))
     with pytest.raises(RunError, match="nonmembers_needed"):
-        RunDirectory(tmp_path).read_attack("loss-threshold")
+        RunDirectory(tmp_path).attacks.read("loss-threshold")
     (folder / "metrics.json").write_text("{not json")
     with pytest.raises(RunError, match="not valid JSON"):
-        RunDirectory(tmp_path).read_attack("loss-threshold")
+        RunDirectory(tmp_path).attacks.read("loss-threshold")

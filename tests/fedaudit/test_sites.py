@@ -136,7 +136,7 @@ def test_a_sites_run_records_hashes_and_is_audited_site_by_site(site_files, tmp_
     assert set(np.asarray(scores["label"]).tolist()) == {-1}  # no label leaves a site
     # the signals are each site's, computed on its own records in the evaluation set's order
     from fedaudit.attacks.runner import AttackOptions, prepare_run
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     prepared = prepare_run(run, AttackOptions(signals=("loss",), methods=("threshold",)))
     assert set(prepared.evaluation.source.tolist()) == {"train"}  # members and the sites' held-out records

@@ -24,7 +24,7 @@ import fedaudit
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.privacy.accounting import epsilon_per_round
-from fedaudit.runs import METRIC_COLUMNS
+from fedaudit.rundir import METRIC_COLUMNS
 from fedaudit.setup import select_clients
 
 # ---------------------------------------------------------------------------- the run directory

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import FAST_ARGS, assert_user_error, invoke, read_json
 
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 
 MODULE = '''
 import math
@@ -90,7 +90,7 @@ def test_a_users_model_trains_with_dp_is_attacked_and_reported(models, tmp_path)
     assert invoke("attack", run, "--no-progress").exit_code == 0
     assert invoke("report", run, "--out", tmp_path / "r.md").exit_code == 0
     assert "| model | mymodels:tiny (1274 parameters, built by the user's factory) |" in (tmp_path / "r.md").read_text()
-    assert RunDirectory(run).integrity_problems() == []
+    assert RunDirectory(run).seal.problems() == []
     grouped = invoke("train", *BASE, "--model", "mymodels:grouped", "--dp", "--rounds", "1", "--out", tmp_path / "g")
     assert grouped.exit_code == 0 and "one example at a time" not in grouped.output  # closed forms only
 

@@ -347,12 +347,12 @@ def test_synthetic_images_of_a_long_run_are_shown_for_evenly_spaced_rounds(tmp_p
     import torch
 
     from fedaudit.reports.collect import SYNTHETIC_ROUNDS, _synthetic
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     run = RunDirectory(tmp_path)
     for number in range(1, 9):
         for client in range(2):
-            run.save_transmitted(
+            run.wire.save(
                 number, client, {"images": torch.full((2, 1, 4, 4), float(number)), "labels": torch.tensor([0, 1])}
             )
     sets = _synthetic(run)

@@ -183,7 +183,7 @@ def simulate(scenarios: list[Scenario], out: Path) -> None:
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {
-                "address": "local",  # a Ray instance of its own, even while another test's `ray start` cluster runs here
+                "address": "local",  # its own Ray instance, even while another test's `ray start` cluster runs
                 "num_cpus": 1,
                 "include_dashboard": False,
                 "logging_level": logging.ERROR,

@@ -15,7 +15,7 @@ from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.algorithms.scaffold import CONTROL, Scaffold
 from fedaudit.config import DataConfig, FederatedConfig, RunConfig
-from fedaudit.runs import RunDirectory
+from fedaudit.rundir import RunDirectory
 from fedaudit.setup import select_clients
 
 D, CLIENTS, N = 3, 4, 8
@@ -136,7 +136,7 @@ def test_a_scaffold_run_keeps_its_state_and_resumes_to_the_same_bytes(tmp_path, 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert cli("train", *SCAFFOLD_ARGS, "--save-transmitted", "--out", full).exit_code == 0
     server = load_file(full / "checkpoints" / "round-0003-server.safetensors")
-    clients = RunDirectory(full).client_states_at(3)  # every client that took part keeps its c_k
+    clients = RunDirectory(full).states.at(3)  # every client that took part keeps its c_k
     took_part = {
         c["client"]
         for r in (1, 2, 3)
@@ -190,10 +190,10 @@ def test_client_states_live_in_the_rounds_that_changed_them_and_survive_keep_che
         names = load_file(every / "checkpoints" / f"round-{r:04d}-clients.safetensors")
         assert {int(n.split("/")[0].removeprefix("client")) for n in names} == took_part[r - 1]
     assert [p.name for p in (last / "checkpoints").glob("*-clients.safetensors")] == ["round-0004-clients.safetensors"]
-    expected = RunDirectory(every).client_states_at(4)
+    expected = RunDirectory(every).states.at(4)
     assert set(expected) == set().union(*took_part) and len(expected) > len(took_part[3])
     for run in (last, resumed):
-        states = RunDirectory(run).client_states_at(4)
+        states = RunDirectory(run).states.at(4)
         assert set(states) == set(expected)
         for k, state in expected.items():
             assert all(torch.equal(states[k][name], value) for name, value in state.items())
@@ -202,7 +202,7 @@ def test_client_states_live_in_the_rounds_that_changed_them_and_survive_keep_che
 
 _KILLED_IN_COMMIT = """
 import os, sys
-import fedaudit.runs as runs
+import fedaudit.rundir.files as runs
 real, seen = runs.atomic_write_bytes, {"model": 0}
 def write(path, data, *args, **kwargs):
     if path.name == "model.safetensors":
@@ -235,7 +235,7 @@ def test_every_kept_round_has_every_clients_state_even_after_a_kill_in_a_commit(
     for run in (kept, killed):
         assert (run / "model.safetensors").read_bytes() == (every / "model.safetensors").read_bytes()
         for m in range(8 - int(keep), 8):  # the kept rounds
-            expected, states = reference.client_states_at(m), RunDirectory(run).client_states_at(m)
+            expected, states = reference.states.at(m), RunDirectory(run).states.at(m)
             assert set(states) == set(expected), (run.name, m)
             for k, state in expected.items():
                 assert all(torch.equal(states[k][name], value) for name, value in state.items())

@@ -75,7 +75,7 @@ def test_each_site_draws_its_noise_from_a_secret_the_server_never_holds(tmp_path
 
     from fedaudit.attacks.conformance.checks import verify
     from fedaudit.privacy.randomness import client_key
-    from fedaudit.runs import RunDirectory
+    from fedaudit.rundir import RunDirectory
 
     for client in range(CLIENTS):
         federation.start_supernode(client)

@@ -1,0 +1,72 @@
+"""The run directory, the contract between train, attack and report: :class:`RunDirectory` (its files, commits and
+lock) with its stores (checkpoints, client and server states, what crossed the wire, query logs, attack results),
+its seal (integrity, signature, export), the records of its manifest and attack results, and the way its files are
+written and read. Every file and key: docs/run-directory.md."""
+
+from fedaudit.rundir.attack_records import AttackRecord, RateRecord
+from fedaudit.rundir.directory import METRIC_COLUMNS, RunDirectory
+from fedaudit.rundir.files import (
+    MAX_RUN_TEXT_BYTES,
+    TEMPORARY_SUFFIX,
+    RunError,
+    arrays_bytes,
+    atomic_write_bytes,
+    atomic_write_json,
+    bounded_size,
+    csv_bytes,
+    json_bytes,
+    load_tensors,
+    now_iso,
+    read_arrays,
+    remove_stale_temporaries,
+    save_tensors,
+    tensor_names,
+    tensors_bytes,
+    tensors_metadata,
+    versions,
+    write_arrays,
+)
+from fedaudit.rundir.records import (
+    FORMAT_VERSION,
+    MANIFEST_STATUSES,
+    RUN_FORMAT,
+    ClientsRecord,
+    DatasetRecord,
+    Manifest,
+    ModelRecord,
+    RandomnessRecord,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_STATUSES",
+    "MAX_RUN_TEXT_BYTES",
+    "METRIC_COLUMNS",
+    "RUN_FORMAT",
+    "TEMPORARY_SUFFIX",
+    "AttackRecord",
+    "ClientsRecord",
+    "DatasetRecord",
+    "Manifest",
+    "ModelRecord",
+    "RandomnessRecord",
+    "RateRecord",
+    "RunDirectory",
+    "RunError",
+    "arrays_bytes",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "bounded_size",
+    "csv_bytes",
+    "json_bytes",
+    "load_tensors",
+    "now_iso",
+    "read_arrays",
+    "remove_stale_temporaries",
+    "save_tensors",
+    "tensor_names",
+    "tensors_bytes",
+    "tensors_metadata",
+    "versions",
+    "write_arrays",
+]
