@@ -14,12 +14,10 @@ fedaudit.rundir.sealing its integrity check, signature and export.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,19 +30,16 @@ from fedaudit import integrity
 from fedaudit.config import ConfigError, RunConfig
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy.randomness import SECRETS_FILE
-from fedaudit.rundir import files as run_files
+from fedaudit.rundir.commits import CommittedFiles
 from fedaudit.rundir.files import (
     RunError,
     arrays_bytes,
-    atomic_write_json,
     bounded_size,
     csv_bytes,
     json_bytes,
     load_tensors,
-    now_iso,
     process_umask,
     read_arrays,
-    remove_stale_temporaries,
     tensors_bytes,
     tensors_metadata,
 )
@@ -58,16 +53,13 @@ if TYPE_CHECKING:
 METRIC_COLUMNS = ("round", "test_accuracy", "test_loss", "epsilon", "wall_seconds", "bytes_up")
 
 
-class RunDirectory:
-    """Reads and writes one run directory."""
+class RunDirectory(CommittedFiles):
+    """Reads and writes one run directory: its top-level files here, the rest through its stores and its seal, every
+    write joining the run's commits (:class:`~fedaudit.rundir.commits.CommittedFiles`)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._files: dict[str, str] | None = None  # committed hashes, loaded from manifest.json when first needed
-        self._staged: dict[Path, bytes | None] | None = None  # a commit being gathered (None: a deletion)
-        self._staged_manifest: Manifest | None = None
+        super().__init__(path)
         self.destination: Path | None = None  # where a run built under a temporary name goes once it has a round
-        self._pending: dict[str, str | None] = {}  # hashes of a commit under way: kept if it is interrupted
         self.checkpoints = CheckpointStore(self)
         self.states = StateStore(self)
         self.wire = WireStore(self)
@@ -76,7 +68,6 @@ class RunDirectory:
         self.seal = Seal(self)
 
     config_path = property(lambda self: self.path / "config.json")
-    manifest_path = property(lambda self: self.path / "manifest.json")
     membership_path = property(lambda self: self.path / "membership.npz")
     canaries_path = property(lambda self: self.path / "canaries.npz")  # secret inclusion bits of a canary audit
     metrics_path = property(lambda self: self.path / "metrics.csv")
@@ -103,18 +94,6 @@ class RunDirectory:
         return all(
             p.name in start or integrity.untracked(p.name) for p in self.path.iterdir() if p.is_file()
         ) and not any(p.is_dir() for p in self.path.iterdir())
-
-    def lock(self, command: str, *, shared: bool = False) -> integrity.RunLock:
-        """The run's one-writer lock (``shared`` for a reader), taken now; a :class:`LockedError` names the holder.
-
-        A writer that takes it also clears the temporaries that a killed writer left beside the run's own files
-        (a half-written manifest.json, say): while the lock is held no other writer runs, so they are stale."""
-        if not self.path.is_dir():
-            raise RunError(f"{self.path} is not a directory; expected a run directory written by 'fedaudit train'.")
-        lock = integrity.RunLock(self.path, command, shared).acquire()
-        if not shared:
-            remove_stale_temporaries(self.path, ("",))
-        return lock
 
     @classmethod
     def start_new(cls, out: str | Path, overwrite: bool) -> tuple[RunDirectory, list[integrity.RunLock]]:
@@ -193,21 +172,6 @@ class RunDirectory:
     def write_config(self, config: dict[str, Any]) -> None:
         self.put(self.config_path, json_bytes(config))
 
-    def read_json(self, path: Path) -> Any:
-        """Read one of the run's JSON files; missing, too large (:data:`MAX_RUN_TEXT_BYTES`, checked before reading)
-        or malformed is a :class:`RunError`."""
-        try:
-            bounded_size(path)
-            return json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError as exc:
-            raise RunError(f"{self.path} is not a complete fedaudit run: {path.name} is missing.") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RunError(f"{path} is corrupt (not valid JSON).") from exc
-        except RecursionError as exc:
-            raise RunError(f"{path} is corrupt (nested deeper than fedaudit writes).") from exc
-        except OSError as exc:
-            raise RunError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
-
     def read_config(self) -> dict[str, Any]:
         return self.read_json(self.config_path)
 
@@ -231,107 +195,6 @@ class RunDirectory:
                 f"format {FORMAT_VERSION}."
             )
         return Manifest.from_dict(manifest, str(self.manifest_path))
-
-    def write_manifest(self, manifest: Manifest) -> None:
-        """Write the manifest with the hashes of every file committed so far; inside :meth:`staged`, last."""
-        if self._staged is not None:
-            self._staged_manifest = manifest
-            return
-        self._write_manifest_document(manifest.to_dict(), self._hashes(), self._pending)
-
-    def _write_manifest_document(
-        self, entries: Mapping[str, Any], files: Mapping[str, str], pending: Mapping[str, str | None] | None
-    ) -> None:
-        document = {"format": RUN_FORMAT, "format_version": FORMAT_VERSION, **entries, "updated": now_iso()}
-        document["files"] = dict(sorted(files.items()))
-        if pending:
-            document["pending"] = dict(sorted(pending.items()))
-        atomic_write_json(self.manifest_path, document)
-
-    def _hashes(self) -> dict[str, str]:
-        """The committed hashes: this object's, or manifest.json's when it has not written any yet, with an
-        interrupted commit's files taken as they are (every writer checks the run's integrity before it writes)."""
-        if self._files is None:
-            self._files = {}
-            if self.manifest_path.is_file():
-                recorded = integrity.read_hashes(self.read_json(self.manifest_path))
-                self._files = integrity.settled(self.path, *recorded) if recorded else {}
-        return self._files
-
-    def _relative(self, path: Path) -> str:
-        return path.relative_to(self.path).as_posix()
-
-    def put(self, path: Path, data: bytes) -> None:
-        """Write one of the run's files (a path inside it) with its hash: gathered into the commit of
-        :meth:`staged`, else committed on its own."""
-        if self._staged is not None:
-            self._staged[path] = data
-        else:
-            self._commit({path: data})
-
-    def remove(self, paths: list[Path]) -> None:
-        """Delete files of the run and their hashes (in the commit of :meth:`staged`, else on their own)."""
-        if self._staged is not None:
-            self._staged.update(dict.fromkeys(paths))
-        else:
-            self._commit(dict.fromkeys(paths))
-
-    @contextmanager
-    def staged(self) -> Iterator[None]:
-        """Gather every file written (and the manifest) in the block into one commit, made when it ends: the
-        manifest first records the new hashes as pending, then the files are written, then the manifest commits them.
-        A crash at any moment leaves each file in its old or its new state, both of which check; an exception in the
-        block writes nothing."""
-        self._staged, self._staged_manifest = {}, None
-        try:
-            yield
-            staged, manifest = self._staged, self._staged_manifest
-        finally:
-            self._staged = self._staged_manifest = None
-        self._commit(staged, manifest)
-
-    def _commit(self, contents: Mapping[Path, bytes | None], manifest: Manifest | None = None) -> None:
-        if not contents and manifest is None:
-            return
-        files = self._hashes()
-        new = {self._relative(p): None if b is None else integrity.digest(b) for p, b in contents.items()}
-        exists = self.manifest_path.is_file()
-        entries: dict[str, Any] = {}
-        if exists:
-            current = self.read_json(self.manifest_path)
-            entries = {
-                k: v for k, v in current.items() if k not in ("format", "format_version", "updated", "files", "pending")
-            }
-            self._pending = {**self._pending, **new}
-            self._write_manifest_document(entries, files, self._pending)
-        for path, data in contents.items():
-            if data is None:
-                path.unlink(missing_ok=True)
-            else:
-                run_files.atomic_write_bytes(path, data)
-        for relative, value in new.items():
-            if value is None:
-                files.pop(relative, None)
-            else:
-                files[relative] = value
-        self._pending = {}
-        if manifest is not None:
-            self._write_manifest_document(manifest.to_dict(), files, None)
-        elif exists:
-            self._write_manifest_document(entries, files, None)
-
-    def settle(self) -> None:
-        """After an interrupted commit whose files check, take every file as it now is as committed, before writing
-        again (a resume)."""
-        document = self.read_json(self.manifest_path)
-        recorded = integrity.read_hashes(document)
-        if recorded is None or not recorded[1]:
-            return
-        self._files = integrity.settled(self.path, *recorded)
-        entries = {
-            k: v for k, v in document.items() if k not in ("format", "format_version", "updated", "files", "pending")
-        }
-        self._write_manifest_document(entries, self._files, None)
 
     def read_run_config(self) -> RunConfig:
         """config.json as a checked :class:`RunConfig`; a malformed one or a bad value is a :class:`RunError`."""
