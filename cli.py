@@ -13,19 +13,10 @@ from typing import Any
 
 import click
 
-from fedaudit.config import (
-    CANARY_KINDS,
-    DEVICES,
-    DISTILL_INITS,
-    ENGINES,
-    FEDLAP_INITS,
-    FEDSSYN_INNER,
-    LABEL_MECHANISMS,
-    LR_SCHEDULES,
-    RADIUS_STRATEGIES,
-    WEIGHTINGS,
-    option_field,
-)
+from fedaudit.algorithms.fedgm_settings import DISTILL_INITS, LABEL_MECHANISMS
+from fedaudit.algorithms.fedlap_settings import FEDLAP_INITS, RADIUS_STRATEGIES
+from fedaudit.algorithms.fedssyn_settings import FEDSSYN_INNER
+from fedaudit.config import CANARY_KINDS, DEVICES, ENGINES, LR_SCHEDULES, WEIGHTINGS, option_field
 from fedaudit.errors import USER_ERROR_EXIT, UserError
 from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
 

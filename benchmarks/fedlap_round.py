@@ -24,8 +24,7 @@ import torch
 from _machine import describe
 
 import fedaudit.algorithms.fedlap as fedlap_module
-from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import ClientData, RoundContext
+from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
 from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import DataConfig, FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError, load_dataset, partition_dataset

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -19,7 +18,11 @@ from typing import Any
 
 import yaml
 
-from fedaudit.errors import UserError
+from fedaudit.algorithms.feddm_settings import FedDMConfig
+from fedaudit.algorithms.fedgm_settings import FedGMConfig
+from fedaudit.algorithms.fedlap_settings import FedLAPConfig
+from fedaudit.algorithms.fedssyn_settings import FedssynConfig
+from fedaudit.errors import ConfigError, is_int, is_number, require
 from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
 
 # Seeds are 32-bit: every random stream is derived from (seed, stream, keys) word by word (fedaudit.seeding).
@@ -37,10 +40,6 @@ PAPER_BATCH_SIZE = 256
 # reaches the same accuracy there, 0.94 in the README's demo) and a study of it then runs in minutes, not hours.
 DEFAULT_WIDTH = {"digits": 32}
 PAPER_WIDTH = 128
-
-
-class ConfigError(UserError):
-    """An invalid configuration value (one clear sentence for the user)."""
 
 
 @dataclass(frozen=True)
@@ -160,111 +159,6 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
-class FedLAPConfig:
-    """FedLAP / FedLAP-DP local approximation and global optimisation (docs/algorithms.md).
-
-    ``None`` means the authors' default for the DP or non-DP setting, filled in by :meth:`RunConfig.resolved`.
-    """
-
-    ipc: int | None = None
-    trajectories: int | None = None
-    max_loops: int = 5
-    real_batches: int | None = None
-    image_steps: int = 5
-    model_epochs: int | None = None
-    radius: float | None = None
-    image_lr: float = 100.0
-    mse_weight: float | None = None
-    init: str | None = None
-    augment: bool = False
-    server_batch_size: int = 512
-    server_epochs: int = 100
-    radius_strategy: str = "min"
-
-
-# Authors' defaults for FedLAP-DP (dp=True) and FedLAP (dp=False).
-FEDLAP_DEFAULTS = {
-    True: {
-        "ipc": 10,
-        "trajectories": 4,
-        "real_batches": 10,
-        "model_epochs": 2,
-        "radius": 1.5,
-        "mse_weight": 0.0,
-        "init": "noise",
-    },
-    False: {
-        "ipc": 50,
-        "trajectories": 1,
-        "real_batches": 40,
-        "model_epochs": 0,
-        "radius": 10.0,
-        "mse_weight": 0.1,
-        "init": "real",
-    },
-}
-# FedLAP-DP on digits, measured (docs/algorithms.md): its ~230 records per client and 8x8 images move the width-32
-# model far less per round than the authors' Fashion-MNIST settings expect. A synthetic-set learning rate of 0.02
-# (the learning rate of FedLAP is that of training on the synthetic sets and of the server) lifts noise-free FedLAP-DP
-# from 0.52 to 0.86 test accuracy in 3 rounds, with the trust region at 5 (1.5 held it back; 10 adds nothing);
-# under DP one trajectory of two real batches per loop (T = 10 queries per round, not 200) costs the least noise for
-# the same accuracy and runs a round in about 4 s instead of 40.
-FEDLAP_DATASET_DEFAULTS = {"digits": {True: {"trajectories": 1, "real_batches": 2, "radius": 5.0}, False: {}}}
-FEDLAP_INITS = ("noise", "previous", "real")
-RADIUS_STRATEGIES = ("min", "median", "max", "fixed")
-LABEL_MECHANISMS = ("rr", "rr-top-k", "rr-with-prior")
-DISTILL_INITS = ("real", "noise")
-
-
-@dataclass(frozen=True)
-class FedDMConfig:
-    """FedDM: each round, synthetic sets matched to the real data's mean embeddings and mean logits on networks
-    sampled around the global model; the server trains inside a ball of that radius (docs/algorithms.md)."""
-
-    dm_ipc: int = 10  # synthetic images per class a client holds
-    dm_iterations: int = 100  # sampled networks (one image step each)
-    dm_lr: float = 1.0  # SGD (momentum 0.5) on the synthetic images
-    dm_batch: int = 256  # real images per class in one step
-    dm_radius: float = 5.0  # rho: networks are sampled on the sphere of this radius around w_g; the server's ball
-
-
-FEDSSYN_INNER = ALGORITHMS["fedssyn"].inner_algorithms
-
-
-@dataclass(frozen=True)
-class FedssynConfig:
-    """Fedssyn: in its first round every client trains a class-conditional generator on a fraction of its records
-    and sends generated records; the server shuffles them and deals every client an equal share, which the client
-    then trains on with its own records under the inner algorithm, every later round (docs/algorithms.md)."""
-
-    inner_algorithm: str = "fedavg"  # the federated algorithm of the rounds after the generation round
-    generator_fraction: float = 0.75  # rho: the share of a client's records its generator trains on
-    synthetic_per_client: int | None = None  # n~: records each client generates; None: the mean client's size
-    generator_epochs: int = 30
-    generator_batch: int = 64  # minibatch (expected Poisson batch under DP)
-    generator_lr: float = 1e-3  # Adam
-    generator_clip: float = 1.0  # DP clipping norm of the generator's per-record gradients
-
-
-@dataclass(frozen=True)
-class FedGMConfig:
-    """FedGM: one-shot distillation by class-wise gradient matching, the labels sent under label DP
-    (docs/algorithms.md). The run's rounds are FedGM's stages T: each client releases 1/T of its synthetic set per
-    round, its labels randomized with a prior from the server's model of the stages before."""
-
-    distill_ipc: int = 10  # synthetic images per class a client holds
-    distill_iterations: int = 20  # fresh random networks the matching runs on (outer loop)
-    distill_steps: int = 10  # matching steps per network (inner loop), each followed by one network step
-    distill_lr: float = 0.1  # SGD (momentum 0.5) on the synthetic images
-    distill_batch: int = 128  # real images per class in one matching step
-    distill_init: str = "real"  # real: start from randomly drawn real images of the class (the paper); noise
-    label_epsilon: float | None = None  # label DP of every label sent; None: labels are sent in clear
-    label_mechanism: str = "rr-with-prior"
-    top_k: int | None = None  # k of rr-top-k
-    server_steps: int = 500  # SGD steps of the server on the union of what it received
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """Everything that determines a run; the same config and seed give the same run."""
 
@@ -352,11 +246,10 @@ class RunConfig:
             if fed.batch_size is not None
             else DEFAULT_BATCH_SIZE.get(self.data.dataset, PAPER_BATCH_SIZE),
         )
-        lap = self.fedlap
-        if algorithm == "fedlap":
-            own = FEDLAP_DATASET_DEFAULTS.get(self.data.dataset, {}).get(bool(priv.dp), {})
-            defaults = {**FEDLAP_DEFAULTS[bool(priv.dp)], **own}
-            lap = replace(lap, **{name: value for name, value in defaults.items() if getattr(lap, name) is None})
+        sections = {}
+        settings = entry.settings_module()
+        if settings is not None and hasattr(settings, "resolve"):  # the algorithm's own defaults, by dataset and DP
+            sections[settings.SECTION] = settings.resolve(getattr(self, settings.SECTION), self)
         model = self.model
         if model.width is None:
             model = replace(model, width=DEFAULT_WIDTH.get(self.data.dataset, PAPER_WIDTH))
@@ -372,101 +265,23 @@ class RunConfig:
                     else 1.0
                 ),
             )
-        config = replace(self, federated=fed, privacy=priv, fedlap=lap, model=model)
+        config = replace(self, federated=fed, privacy=priv, model=model, **sections)
         if self.audit.canaries:
             config = replace(config, save_transmitted=True)
         config.validate()
         return config
 
-    def _validate_feddm(self) -> None:
-        """FedDM's section; its options with another algorithm; FedDM has no DP variant here."""
-        dm = self.feddm
-        for name in ("dm_ipc", "dm_iterations", "dm_batch"):
-            value = getattr(dm, name)
-            _check(
-                _is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}."
-            )
-        for name in ("dm_lr", "dm_radius"):
-            value = getattr(dm, name)
-            _check(_is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
-        if self.federated.algorithm != "feddm":
-            _check(dm == FedDMConfig(), "The FedDM options (--dm-*) need --algorithm feddm.")
-            return
-        _check(
-            not self.privacy.dp,
-            "FedDM runs without DP here: its paper's DP variant protects class-wise statistics and is not specified "
-            "precisely enough to account; use --algorithm fedlap --dp for DP synthetic sets.",
-        )
-
-    def _validate_fedssyn(self) -> None:
-        """Fedssyn's section; its options with another algorithm; what Fedssyn needs of the run."""
-        fs = self.fedssyn
-        _check(
-            fs.inner_algorithm in FEDSSYN_INNER,
-            f"--inner-algorithm must be one of {', '.join(FEDSSYN_INNER)}, got {fs.inner_algorithm!r}.",
-        )
-        _check(
-            _is_number(fs.generator_fraction) and 0 < fs.generator_fraction <= 1,
-            f"--generator-fraction must be in (0, 1], got {fs.generator_fraction!r}.",
-        )
-        _check(
-            fs.synthetic_per_client is None or (_is_int(fs.synthetic_per_client) and fs.synthetic_per_client >= 1),
-            f"--synthetic-per-client must be a positive integer, got {fs.synthetic_per_client!r}.",
-        )
-        for name in ("generator_epochs", "generator_batch"):
-            value = getattr(fs, name)
-            _check(
-                _is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}."
-            )
-        for name in ("generator_lr", "generator_clip"):
-            value = getattr(fs, name)
-            _check(_is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
-        if self.federated.algorithm != "fedssyn":
-            _check(
-                fs == FedssynConfig(),
-                "The Fedssyn options (--inner-algorithm, --generator-*, --synthetic-per-client) need "
-                "--algorithm fedssyn.",
-            )
-            return
-        _check(
-            self.federated.rounds >= 2,
-            "Fedssyn's first round makes and deals the synthetic records and the inner algorithm trains from the "
-            "second on: give --rounds 2 or more.",
-        )
-
-    def _validate_fedgm(self) -> None:
-        """FedGM's section, and what FedGM cannot do; its options with another algorithm."""
-        gm = self.fedgm
-        _validate_fedgm_section(gm)
-        if self.federated.algorithm != "fedgm":
-            _check(
-                gm == FedGMConfig(),
-                "The FedGM options (--label-epsilon, --label-mechanism, --top-k, --distill-*, --server-steps) need "
-                "--algorithm fedgm.",
-            )
-            return
-        _check(
-            not self.privacy.dp,
-            "FedGM protects the labels it sends (label DP, --label-epsilon), not the records: --dp (record-level "
-            "DP-SGD) does not apply to it.",
-        )
-        _check(
-            self.federated.client_fraction == 1.0,
-            "FedGM releases every client's synthetic set in stages, one per round, so every client must take part "
-            "in every round (--client-fraction 1).",
-        )
-
     def _validate_flower(self) -> None:
         dep = self.flower
-        _check(
+        require(
             self.engine == "flower" or (dep.ray_address is None and dep.client_gpus is None and dep.client_cpus == 1.0),
             "--ray-address, --client-cpus and --client-gpus are for --engine flower's simulation runtime.",
         )
-        _check(
+        require(
             isinstance(dep.client_cpus, (int, float)) and not isinstance(dep.client_cpus, bool) and dep.client_cpus > 0,
             f"--client-cpus must be a positive number, got {dep.client_cpus!r}.",
         )
-        _check(
+        require(
             dep.client_gpus is None
             or (
                 isinstance(dep.client_gpus, (int, float))
@@ -476,187 +291,188 @@ class RunConfig:
             f"--client-gpus must be a share of one GPU, from 0 to 1, got {dep.client_gpus!r}.",
         )
         if dep.ray_address is not None:
-            _check(dep.superlink is None, "--ray-address is for the simulation runtime; a deployment has --superlink.")
-            _check(_host_port(dep.ray_address), f"--ray-address must be HOST:PORT, got '{dep.ray_address}'.")
+            require(dep.superlink is None, "--ray-address is for the simulation runtime; a deployment has --superlink.")
+            require(_host_port(dep.ray_address), f"--ray-address must be HOST:PORT, got '{dep.ray_address}'.")
         if dep.superlink is None:
-            _check(
+            require(
                 dep.root_certificates is None and not dep.insecure,
                 "--root-certificates and --insecure are for a Flower deployment: give --superlink HOST:PORT too.",
             )
             return
-        _check(self.engine == "flower", "--superlink needs --engine flower (the clients run on Flower SuperNodes).")
-        _check(_host_port(dep.superlink), f"--superlink must be HOST:PORT (no scheme), got '{dep.superlink}'.")
-        _check(
+        require(self.engine == "flower", "--superlink needs --engine flower (the clients run on Flower SuperNodes).")
+        require(_host_port(dep.superlink), f"--superlink must be HOST:PORT (no scheme), got '{dep.superlink}'.")
+        require(
             not (dep.insecure and dep.root_certificates),
             "--insecure turns TLS off, so it cannot be given with --root-certificates; choose one.",
         )
-        _check(
+        require(
             dep.insecure or dep.root_certificates is not None,
             "A Flower deployment talks TLS: give --root-certificates CA.crt (the CA that signed the SuperLink's "
             "certificate), or --insecure to send everything in the clear.",
         )
         if dep.root_certificates is not None:
-            _check(
+            require(
                 Path(dep.root_certificates).is_file(),
                 f"--root-certificates {dep.root_certificates} is not a readable file.",
             )
         for name in ("wait_seconds", "round_timeout"):
             value = getattr(dep, name)
-            _check(
+            require(
                 isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                 f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}.",
             )
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
-        _check(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
-        _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'.")
-        _check(
-            self.parallel_clients is None or (_is_int(self.parallel_clients) and self.parallel_clients >= 1),
+        require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
+        require(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'.")
+        require(
+            self.parallel_clients is None or (is_int(self.parallel_clients) and self.parallel_clients >= 1),
             f"--parallel-clients must be a positive integer, got {self.parallel_clients!r}.",
         )
         self._validate_flower()
-        _check(
+        require(
             self.engine == "local" or self.flower.superlink is not None or self.parallel_clients in (None, 1),
             "--parallel-clients is for the local engine and a Flower deployment; Flower's simulation runs clients "
             "in parallel itself (its client resources decide how many).",
         )
-        _check(
-            _is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
+        require(
+            is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
             f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.",
         )
         d, m, f, p = self.data, self.model, self.federated, self.privacy
         for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):
-            _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
-        _check(d.data_dir is None or isinstance(d.data_dir, str), f"--data-dir must be a path, got {d.data_dir!r}.")
-        _check(
+            require(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
+        require(d.data_dir is None or isinstance(d.data_dir, str), f"--data-dir must be a path, got {d.data_dir!r}.")
+        require(
             d.label_column is None or (isinstance(d.label_column, str) and d.label_column != ""),
             f"--label-column must name a column, got {d.label_column!r}.",
         )
-        _check(
-            d.image_size is None or (_is_int(d.image_size) and 1 <= d.image_size <= 512),
+        require(
+            d.image_size is None or (is_int(d.image_size) and 1 <= d.image_size <= 512),
             f"--image-size must be an integer from 1 to 512, got {d.image_size!r}.",
         )
-        _check(
-            _is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}."
+        require(
+            is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}."
         )
-        _check(
-            _is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
+        require(
+            is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
             f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.",
         )
-        _check(
-            m.width is None or (_is_int(m.width) and m.width >= 1),
+        require(
+            m.width is None or (is_int(m.width) and m.width >= 1),
             f"--width must be a positive integer, got {m.width!r}.",
         )
-        _check(
-            m.depth is None or (_is_int(m.depth) and m.depth >= 0),
+        require(
+            m.depth is None or (is_int(m.depth) and m.depth >= 0),
             f"--depth must be a non-negative integer, got {m.depth!r}.",
         )
-        _check(_is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
-        _check(f.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {f.rounds:,}.")
+        require(is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
+        require(f.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {f.rounds:,}.")
         ev = self.evaluation
-        _check(
-            _is_int(ev.eval_every) and ev.eval_every >= 1,
+        require(
+            is_int(ev.eval_every) and ev.eval_every >= 1,
             f"--eval-every must be a positive integer, got {ev.eval_every!r}.",
         )
-        _check(
-            ev.eval_sample is None or (_is_int(ev.eval_sample) and ev.eval_sample >= 1),
+        require(
+            ev.eval_sample is None or (is_int(ev.eval_sample) and ev.eval_sample >= 1),
             f"--eval-sample must be a positive integer, got {ev.eval_sample!r}.",
         )
-        _check(
+        require(
             ev.eval_sample is None or str(d.dataset).strip().lower() != "sites",
             "--eval-sample does not apply to --dataset sites: each site evaluates the model on its own test records.",
         )
-        _check(
-            self.keep_checkpoints is None or (_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1),
+        require(
+            self.keep_checkpoints is None or (is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1),
             f"--keep-checkpoints must be a positive integer, got {self.keep_checkpoints!r}.",
         )
-        _check(
+        require(
             self.keep_checkpoints is None or not self.audit.canaries,
             "--keep-checkpoints cannot be used with --canaries: the canary audit reads the model every round began "
             "from.",
         )
-        _check(
-            _is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
+        require(
+            is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
             f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.",
         )
-        _check(f.weighting in WEIGHTINGS, f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{f.weighting}'.")
-        _check(_is_number(f.server_lr) and f.server_lr > 0, f"--server-lr must be positive, got {f.server_lr!r}.")
-        _check(
-            _is_int(f.local_epochs) and f.local_epochs >= 1,
+        require(f.weighting in WEIGHTINGS, f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{f.weighting}'.")
+        require(is_number(f.server_lr) and f.server_lr > 0, f"--server-lr must be positive, got {f.server_lr!r}.")
+        require(
+            is_int(f.local_epochs) and f.local_epochs >= 1,
             f"--local-epochs must be a positive integer, got {f.local_epochs!r}.",
         )
-        _check(
-            f.local_steps is None or (_is_int(f.local_steps) and f.local_steps >= 1),
+        require(
+            f.local_steps is None or (is_int(f.local_steps) and f.local_steps >= 1),
             f"--local-steps must be a positive integer, got {f.local_steps!r}.",
         )
-        _check(
-            f.client_lr is None or (_is_number(f.client_lr) and f.client_lr > 0),
+        require(
+            f.client_lr is None or (is_number(f.client_lr) and f.client_lr > 0),
             f"--lr must be positive, got {f.client_lr!r}.",
         )
-        _check(_is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
-        _check(
-            f.batch_size is None or (_is_int(f.batch_size) and f.batch_size >= 1),
+        require(is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
+        require(
+            f.batch_size is None or (is_int(f.batch_size) and f.batch_size >= 1),
             f"--batch-size must be a positive integer, got {f.batch_size!r}.",
         )
-        _check(_is_number(f.mu) and f.mu >= 0, f"--mu must be non-negative, got {f.mu!r}.")
-        _check(
+        require(is_number(f.mu) and f.mu >= 0, f"--mu must be non-negative, got {f.mu!r}.")
+        require(
             f.lr_schedule is None or f.lr_schedule in LR_SCHEDULES,
             f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{f.lr_schedule}'.",
         )
-        _check(
+        require(
             p.accountant in ACCOUNTANTS, f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{p.accountant}'."
         )
-        _check(_is_number(p.delta) and 0.0 < p.delta < 1.0, f"--delta must be in (0, 1), got {p.delta!r}.")
+        require(is_number(p.delta) and 0.0 < p.delta < 1.0, f"--delta must be in (0, 1), got {p.delta!r}.")
         if p.dp:
-            _check(
-                p.noise_multiplier is None or (_is_number(p.noise_multiplier) and p.noise_multiplier > 0),
+            require(
+                p.noise_multiplier is None or (is_number(p.noise_multiplier) and p.noise_multiplier > 0),
                 f"--noise-multiplier must be positive with --dp, got {p.noise_multiplier!r}.",
             )
-            _check(
-                p.max_grad_norm is None or (_is_number(p.max_grad_norm) and p.max_grad_norm > 0),
+            require(
+                p.max_grad_norm is None or (is_number(p.max_grad_norm) and p.max_grad_norm > 0),
                 f"--max-grad-norm must be positive with --dp, got {p.max_grad_norm!r}.",
             )
-            _check(
-                p.target_epsilon is None or (_is_number(p.target_epsilon) and p.target_epsilon > 0),
+            require(
+                p.target_epsilon is None or (is_number(p.target_epsilon) and p.target_epsilon > 0),
                 f"--target-epsilon must be positive, got {p.target_epsilon!r}.",
             )
-            _check(
+            require(
                 not (p.target_epsilon is not None and p.noise_multiplier is not None and not p.calibrated),
                 "Give either --noise-multiplier or --target-epsilon, not both.",
             )
         else:
-            _check(
+            require(
                 p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
                 "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
             )
-        _check(isinstance(p.secure_noise, bool), f"--secure-noise must be true or false, got {p.secure_noise!r}.")
-        _check(
-            p.noise_seed is None or (_is_int(p.noise_seed) and 0 <= p.noise_seed <= MAX_SEED),
+        require(isinstance(p.secure_noise, bool), f"--secure-noise must be true or false, got {p.secure_noise!r}.")
+        require(
+            p.noise_seed is None or (is_int(p.noise_seed) and 0 <= p.noise_seed <= MAX_SEED),
             f"--noise-seed must be an integer from 0 to {MAX_SEED}, got {p.noise_seed!r}.",
         )
-        _check(
+        require(
             self.dp_randomness or (p.noise_seed is None and not p.secure_noise),
             "--noise-seed and --secure-noise set how DP noise is drawn, and this run draws none: add --dp (or "
             "--label-epsilon for FedGM).",
         )
-        _validate_fedlap(self.fedlap, dp=p.dp)
-        self._validate_fedgm()
-        self._validate_feddm()
-        self._validate_fedssyn()
+        for each in ALGORITHMS.values():  # every algorithm checks its own section, and refuses it unless chosen
+            settings = each.settings_module()
+            if settings is not None:
+                selected = each.name == f.algorithm
+                settings.validate(getattr(self, settings.SECTION), self, selected=selected)
         a = self.audit
-        _check(
-            _is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
+        require(
+            is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
         )
-        _check(
+        require(
             a.canary_kind in CANARY_KINDS,
             f"--canary-kind must be one of {', '.join(CANARY_KINDS)}, got {a.canary_kind!r}.",
         )
-        _check(
-            _is_int(a.kept_queries) and a.kept_queries >= 0,
+        require(
+            is_int(a.kept_queries) and a.kept_queries >= 0,
             f"--kept-queries must be a non-negative integer, got {a.kept_queries!r}.",
         )
-        _check(
+        require(
             not a.canaries or p.dp,
             "--canaries needs --dp: a canary audit bounds the epsilon of a DP run's accountant.",
         )
@@ -665,107 +481,40 @@ class RunConfig:
     def _validate_sites(self) -> None:
         """--dataset sites: one data source per client, read at the sites (or here, each as its site would)."""
         d = self.data
-        _check(
+        require(
             isinstance(d.sites, tuple) and all(isinstance(spec, str) and spec.strip() for spec in d.sites),
             f"--site-data must name each client's data (npz:PATH, csv:PATH or folder:DIR), got {d.sites!r}.",
         )
         if str(d.dataset).strip().lower() != "sites":
-            _check(not d.sites, "--site-data needs --dataset sites.")
+            require(not d.sites, "--site-data needs --dataset sites.")
             return
         deployed = self.flower.superlink is not None
-        _check(
+        require(
             self.engine == "local" or deployed,
             "--dataset sites runs on the local engine or a Flower deployment (--superlink), where each site reads "
             "its own records; Flower's simulation runtime is not supported.",
         )
         if deployed:
-            _check(
+            require(
                 not d.sites,
                 'In a Flower deployment each site names its own data in its node config (data="npz:PATH"); drop '
                 "--site-data.",
             )
         else:  # none given: the sites' records are not here (prepare says so, unless the sites report them)
-            _check(
+            require(
                 not d.sites or len(d.sites) == d.num_clients,
                 f"--dataset sites needs one --site-data per client: {len(d.sites)} given for --num-clients "
                 f"{d.num_clients}.",
             )
-        _check(
+        require(
             d.partition == DataConfig().partition,
             "--partition does not apply to --dataset sites: each site's records are its client's.",
         )
-        _check(
+        require(
             self.audit.canary_kind != "input" or not self.audit.canaries,
             "--canary-kind input needs held-out records at the server, which a federation whose sites keep their "
             "records does not have; use gradient canaries.",
         )
-
-
-def _validate_fedgm_section(gm: FedGMConfig) -> None:
-    for name in ("distill_ipc", "distill_iterations", "distill_steps", "distill_batch", "server_steps"):
-        value = getattr(gm, name)
-        _check(_is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-    _check(_is_number(gm.distill_lr) and gm.distill_lr > 0, f"--distill-lr must be positive, got {gm.distill_lr!r}.")
-    _check(
-        gm.distill_init in DISTILL_INITS,
-        f"--distill-init must be one of {', '.join(DISTILL_INITS)}, got {gm.distill_init!r}.",
-    )
-    _check(
-        gm.label_epsilon is None or (_is_number(gm.label_epsilon) and gm.label_epsilon > 0),
-        f"--label-epsilon must be positive, got {gm.label_epsilon!r}.",
-    )
-    _check(
-        gm.label_mechanism in LABEL_MECHANISMS,
-        f"--label-mechanism must be one of {', '.join(LABEL_MECHANISMS)}, got {gm.label_mechanism!r}.",
-    )
-    _check(
-        (gm.top_k is None) == (gm.label_mechanism != "rr-top-k"),
-        "--top-k is needed by --label-mechanism rr-top-k, and by no other mechanism.",
-    )
-    _check(gm.top_k is None or (_is_int(gm.top_k) and gm.top_k >= 1), f"--top-k must be at least 1, got {gm.top_k!r}.")
-
-
-def _validate_fedlap(lap: FedLAPConfig, *, dp: bool) -> None:
-    """Check the FedLAP section (values left at None are filled in by resolved())."""
-    for name in (
-        "ipc",
-        "trajectories",
-        "max_loops",
-        "real_batches",
-        "image_steps",
-        "server_batch_size",
-        "server_epochs",
-    ):
-        value = getattr(lap, name)
-        _check(
-            value is None or (_is_int(value) and value >= 1),
-            f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.",
-        )
-    _check(
-        lap.model_epochs is None or (_is_int(lap.model_epochs) and lap.model_epochs >= 0),
-        f"--model-epochs must be a non-negative integer, got {lap.model_epochs!r}.",
-    )
-    _check(
-        lap.radius is None or (_is_number(lap.radius) and lap.radius > 0),
-        f"--radius must be positive, got {lap.radius!r}.",
-    )
-    _check(_is_number(lap.image_lr) and lap.image_lr > 0, f"--image-lr must be positive, got {lap.image_lr!r}.")
-    _check(
-        lap.mse_weight is None or (_is_number(lap.mse_weight) and lap.mse_weight >= 0),
-        f"--mse-weight must be non-negative, got {lap.mse_weight!r}.",
-    )
-    _check(
-        lap.init is None or lap.init in FEDLAP_INITS,
-        f"--init must be one of {', '.join(FEDLAP_INITS)}, got '{lap.init}'.",
-    )
-    _check(
-        not (dp and lap.init == "real"),
-        "--init real is refused with --dp: the synthetic set would start as real records and be published.",
-    )
-    _check(
-        lap.radius_strategy in RADIUS_STRATEGIES,
-        f"--radius-strategy must be one of {', '.join(RADIUS_STRATEGIES)}, got '{lap.radius_strategy}'.",
-    )
 
 
 def load_config_file(path: str | Path, *, validate: bool = True) -> RunConfig:
@@ -893,20 +642,7 @@ def _host_port(address: Any) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 MAX_ROUNDS = 100_000  # more is a typo, not a study: every round keeps a checkpoint unless --keep-checkpoints
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 _SECTION_TYPES: dict[str, type] = {
@@ -914,10 +650,11 @@ _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig,
     "federated": FederatedConfig,
     "privacy": PrivacyConfig,
-    "fedlap": FedLAPConfig,
-    "fedgm": FedGMConfig,
-    "feddm": FedDMConfig,
-    "fedssyn": FedssynConfig,
+    **{
+        settings.SECTION: settings.Section
+        for settings in (entry.settings_module() for entry in ALGORITHMS.values())
+        if settings is not None
+    },
     "audit": AuditConfig,
     "flower": FlowerConfig,
     "evaluation": EvaluationConfig,

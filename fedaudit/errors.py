@@ -7,6 +7,8 @@ a command is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import math
+
 USER_ERROR_EXIT = 2  # click's own code for usage errors; a report's policy verdicts use 0, 1 and 3
 
 
@@ -17,3 +19,23 @@ class UserError(ValueError):
     """
 
     exit_code: int = USER_ERROR_EXIT
+
+
+class ConfigError(UserError):
+    """An invalid configuration value (one clear sentence for the user)."""
+
+
+def require(condition: bool, message: str) -> None:
+    """A :class:`ConfigError` saying ``message`` unless ``condition`` holds: one line per rule of a configuration."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def is_int(value: object) -> bool:
+    """An integer, and not a bool (which JSON and YAML readers would let through as 0 or 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -62,6 +62,10 @@ class AlgorithmEntry:
         proximal: its local steps add the proximal term mu (FedProx).
         control_variates: its local steps are corrected by control variates (SCAFFOLD).
         inner_algorithms: the algorithms it can run after its generation rounds (``--inner-algorithm``).
+        settings: the module of its own configuration section (``"package.module"``, torch-free), or "" when it
+            has none: ``SECTION`` (the section's key), ``Section`` (its dataclass), ``validate(section, config,
+            selected=...)`` (its rules, and its refusal when another algorithm is chosen) and, where its defaults
+            depend on the dataset or DP, ``resolve(section, config)``.
     """
 
     name: str
@@ -83,6 +87,11 @@ class AlgorithmEntry:
     proximal: bool = False
     control_variates: bool = False
     inner_algorithms: tuple[str, ...] = ()
+    settings: str = ""
+
+    def settings_module(self) -> Any:
+        """The module named by :attr:`settings`, imported when first asked for; None when it has none."""
+        return importlib.import_module(self.settings) if self.settings else None
 
     @property
     def record_dp(self) -> bool:
@@ -189,6 +198,7 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 colour="#9467bd",
                 generation_rounds=1,
                 inner_algorithms=("fedavg", "fedprox", "scaffold", "fedsgd"),
+                settings="fedaudit.algorithms.fedssyn_settings",
             ),
             AlgorithmEntry(
                 name="fedlap",
@@ -202,6 +212,7 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 options=("fedlap.*",),
                 colour="#8c564b",
                 wire=WIRE_SYNTHETIC,
+                settings="fedaudit.algorithms.fedlap_settings",
             ),
             AlgorithmEntry(
                 name="fedgm",
@@ -216,6 +227,7 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 colour="#e377c2",
                 wire=WIRE_SYNTHETIC,
                 dp_unit=DP_LABEL,
+                settings="fedaudit.algorithms.fedgm_settings",
             ),
             AlgorithmEntry(
                 name="feddm",
@@ -230,6 +242,7 @@ ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
                 colour="#17becf",
                 wire=WIRE_SYNTHETIC,
                 dp_unit=DP_NONE,
+                settings="fedaudit.algorithms.feddm_settings",
             ),
         )
     }

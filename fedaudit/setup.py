@@ -13,9 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import Algorithm, ClientData, setup_rounds
-from fedaudit.algorithms.fedssyn import generator_records
+from fedaudit.algorithms.base import Algorithm, ClientData, get_algorithm, setup_rounds
 from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions, layout_for
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
@@ -24,6 +22,7 @@ from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import calibrate_events, calibrate_noise_multiplier
 from fedaudit.queries import query_audit
+from fedaudit.registry import ALGORITHMS
 from fedaudit.seeding import Stream, numpy_rng
 
 
@@ -126,8 +125,10 @@ def prepare(
     )
     build_model(spec)  # fail early on a model that cannot be built for this input
     sizes = {k: int(len(idx)) for k, idx in enumerate(partition.clients)}
-    if config.federated.algorithm == "fedssyn":
-        config = _resolve_fedssyn(config, sizes)
+    settings = ALGORITHMS[config.federated.algorithm].settings_module()
+    if settings is not None and hasattr(settings, "for_clients"):  # what the algorithm sets from the clients' sizes
+        section = settings.for_clients(getattr(config, settings.SECTION), config, sizes)
+        config = replace(config, **{settings.SECTION: section})
     algorithm = get_algorithm(config)
     selected = clients_per_round(config.federated.client_fraction, config.data.num_clients)
     client_fraction = selected / config.data.num_clients
@@ -345,20 +346,6 @@ def _partition(config: RunConfig, dataset: Dataset) -> Partition:
         seed=config.seed,
         holdout_fraction=config.data.holdout_fraction,
     )
-
-
-def _resolve_fedssyn(config: RunConfig, sizes: dict[int, int]) -> RunConfig:
-    """Fedssyn's n~ (the mean client's size unless given), and a generator batch no client's draw is smaller than."""
-    fs = config.fedssyn
-    if fs.synthetic_per_client is None:
-        fs = replace(fs, synthetic_per_client=max(1, sum(sizes.values()) // len(sizes)))
-    smallest = min(generator_records(replace(config, fedssyn=fs), n) for n in sizes.values())
-    if fs.generator_batch > smallest:
-        raise TrainingError(
-            f"--generator-batch {fs.generator_batch} exceeds the {smallest} records the smallest client's generator "
-            f"trains on (--generator-fraction {fs.generator_fraction:g} of its records); use at most {smallest}."
-        )
-    return replace(config, fedssyn=fs)
 
 
 def _calibrate_plan(config: RunConfig, algorithm: Algorithm, num_examples: int, rounds: list[int]) -> float:

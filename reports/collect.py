@@ -680,22 +680,16 @@ def _privacy(
             )
         )
         return PrivacySummary(dp=False)
-    fedssyn = config.federated.algorithm == "fedssyn"
-    if fedssyn and settings.dp:
-        notes.append(
-            Note(
-                "Fedssyn with DP: the epsilon covers both phases on the same records (their costs add): the "
-                "generation round (the class counts, one Gaussian query, and the generator's DP-SGD) and the inner "
-                f"algorithm's DP-SGD ({config.fedssyn.inner_algorithm}) on the client's records plus its shuffled "
-                "share, sampled together; the per-client events are in privacy.json.",
-                "compare it with other runs by epsilon, not by the noise multiplier",
-            )
-        )
+    entry = ALGORITHMS.get(config.federated.algorithm)
+    own = entry.settings_module() if entry is not None else None
+    generates = entry is not None and entry.generation_rounds > 0  # its queries sample other populations then
+    if settings.dp and hasattr(own, "dp_note"):  # what the algorithm's epsilon covers, in its own words
+        notes.append(Note(*own.dp_note(getattr(config, own.SECTION))))
     if not settings.dp:
         notes.append(
             Note(
                 "No DP guarantee: epsilon is infinite (the run was trained without differential privacy)."
-                + (" Fedssyn's generated records were made and sent without DP as well." if fedssyn else "")
+                + (f" {entry.label}'s generated records were made and sent without DP as well." if generates else "")
                 + (
                     f" {algorithm_label(config.federated.algorithm, False)} has no record-level DP variant: a study "
                     "trains it once per seed without DP, beside its budgets, and it is not comparable with them."
@@ -721,7 +715,7 @@ def _privacy(
         worst = int(np.argmin(sizes)) if sizes else None
     batch = config.federated.batch_size
     fraction = clients.client_fraction_effective
-    q = batch / sizes[worst] if worst is not None and batch and not fedssyn else None
+    q = batch / sizes[worst] if worst is not None and batch and not generates else None
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,
@@ -729,7 +723,7 @@ def _privacy(
         noise_multiplier=ledger.noise_multiplier,
         max_grad_norm=ledger.max_grad_norm,
         sample_rate=q,
-        queries_per_round=queries[worst] if worst is not None and worst < len(queries) and not fedssyn else None,
+        queries_per_round=queries[worst] if worst is not None and worst < len(queries) and not generates else None,
         client_fraction=fraction,
         batch_size=batch,
         worst_client=worst,

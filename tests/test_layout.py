@@ -188,16 +188,10 @@ def test_every_error_class_is_a_user_error() -> None:
     assert [cls for cls in errors if not issubclass(cls, UserError)] == []
 
 
-# Where an algorithm's name may still be compared with or used as a key, and how often: the algorithm modules and the
-# registry own every fact about an algorithm. What is left names an algorithm's own configuration section (its
-# defaults, its validation, what it resolves before training, its report note), until each algorithm module owns
-# its section.
-NAMED_OUTSIDE = {
-    "fedaudit.config": 5,
-    "fedaudit.setup": 1,
-    "fedaudit.attacks.conformance.checks": 1,
-    "fedaudit.reports.collect": 1,
-}
+# Where an algorithm's name may still be compared with or used as a key, and how often: nowhere. The algorithm
+# modules (each with its torch-free configuration section, ``<name>_settings``) and the registry own every fact about
+# an algorithm; everything else asks them.
+NAMED_OUTSIDE: dict[str, int] = {}
 
 
 def algorithm_name_uses(source: str, names: frozenset[str]) -> list[int]:

@@ -56,6 +56,7 @@ from fedaudit.attacks import AttackError
 from fedaudit.attacks.conformance.secrecy import KeptQuery, PublicMaterial, secrecy
 from fedaudit.canaries import GRADIENT_CANARY_NORM, LAYOUTS, canary_directions
 from fedaudit.models import build_model
+from fedaudit.registry import ALGORITHMS
 from fedaudit.rundir import RunDirectory, RunError
 
 CHECKS = ("log", "noise", "clipping", "sampling", "secrecy", "ledger")
@@ -412,7 +413,8 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
     held = np.array([int(((client == k) & (included == 1)).sum()) for k in range(num_clients)], dtype=np.int64)
     fs = config.fedssyn
     fedssyn = None
-    if config.federated.algorithm == "fedssyn":
+    generation_rounds = ALGORITHMS[config.federated.algorithm].generation_rounds
+    if generation_rounds:  # Fedssyn: its generation round samples rho N_k records, later rounds N_k plus its share
         if fs.synthetic_per_client is None:
             raise AttackError(f"{run.config_path} does not say how many records Fedssyn dealt each client.")
         fedssyn = (float(fs.generator_fraction), int(fs.synthetic_per_client))
@@ -433,7 +435,7 @@ def _read_run(run: RunDirectory) -> tuple[_Run, _Ledger]:
         selected=selected,
         fraction=selected / num_clients,
         fedssyn=fedssyn,
-        setup_rounds=1 if fedssyn is not None else 0,
+        setup_rounds=generation_rounds,
         records_at_sites=str(config.data.dataset).strip().lower() == "sites",
         public=PublicMaterial(
             seeds=tuple(dict.fromkeys(s for s in (config.seed, config.privacy.noise_seed) if s is not None)),

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedaudit.config import RunConfig
+from fedaudit.config import ConfigError, RunConfig
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import poisson_sample
 from fedaudit.privacy.randomness import ClientKeys, QueryDraws, Source
 from fedaudit.queries import QueryAudit, QueryLog
+from fedaudit.registry import ALGORITHMS
 
 TensorDict = dict[str, torch.Tensor]
 # Records per forward pass when the model is evaluated. The activations of the width-128 ConvNet on Fashion-MNIST
@@ -343,3 +344,11 @@ class SGD:
                     buffer.mul_(self.momentum).add_(grad)
                 grad = buffer
             p.add_(grad, alpha=-self.lr)
+
+
+def get_algorithm(config: RunConfig) -> Algorithm:
+    """The algorithm object for ``config.federated.algorithm``, built from its registry entry."""
+    entry = ALGORITHMS.get(config.federated.algorithm)
+    if entry is None:
+        raise ConfigError(f"Unknown algorithm '{config.federated.algorithm}'; choose one of: {', '.join(ALGORITHMS)}.")
+    return entry.build(config)

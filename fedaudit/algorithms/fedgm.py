@@ -44,8 +44,9 @@ from fedaudit.algorithms.base import (
     TensorDict,
     num_classes,
 )
+from fedaudit.algorithms.fedgm_settings import FedGMConfig
 from fedaudit.algorithms.fedlap import matched_names, matching_loss, real_images
-from fedaudit.config import FedGMConfig, RunConfig
+from fedaudit.config import RunConfig
 from fedaudit.models import fresh_params
 from fedaudit.privacy.labeldp import randomized_response, rr_top_k, rr_with_prior
 from fedaudit.privacy.randomness import Source

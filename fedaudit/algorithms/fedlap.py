@@ -33,8 +33,9 @@ from fedaudit.algorithms.base import (
     clone_params,
     flat_distance,
 )
+from fedaudit.algorithms.fedlap_settings import FedLAPConfig
 from fedaudit.augment import augment
-from fedaudit.config import FedLAPConfig, RunConfig
+from fedaudit.config import RunConfig
 from fedaudit.models import inert_parameters
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import dp_gradient

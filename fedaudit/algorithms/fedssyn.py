@@ -46,6 +46,7 @@ from fedaudit.algorithms.base import (
     clone_params,
     num_classes,
 )
+from fedaudit.algorithms.fedssyn_settings import generator_records
 from fedaudit.canaries import GRADIENT_CANARY_NORM, canary_directions
 from fedaudit.config import RunConfig
 from fedaudit.generative import (
@@ -64,11 +65,6 @@ from fedaudit.registry import algorithm as algorithm_entry
 
 SYNTHETIC = "synthetic/"  # prefix of the dealt share in a client's kept state
 GENERATION_ROUND = 0
-
-
-def generator_records(config: RunConfig, num_examples: int) -> int:
-    """m = floor(rho N_k), at least one: the records a client's generator trains on."""
-    return max(1, int(config.fedssyn.generator_fraction * num_examples))
 
 
 class Fedssyn:

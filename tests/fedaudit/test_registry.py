@@ -10,7 +10,7 @@ import pytest
 from click import Choice
 
 from fedaudit import registry
-from fedaudit.algorithms import get_algorithm
+from fedaudit.algorithms.base import get_algorithm
 from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.cli import compare, epsilon, train
 from fedaudit.config import ConfigError, RunConfig
@@ -71,7 +71,7 @@ def test_an_algorithm_is_added_by_one_registry_line(monkeypatch: pytest.MonkeyPa
         max_grad_norm=0.7,
     )
     monkeypatch.setattr(registry, "ALGORITHMS", MappingProxyType({**ALGORITHMS, entry.name: entry}))
-    import fedaudit.algorithms as algorithms
+    import fedaudit.algorithms.base as algorithms
     import fedaudit.config as config_module
 
     monkeypatch.setattr(config_module, "ALGORITHMS", registry.ALGORITHMS)

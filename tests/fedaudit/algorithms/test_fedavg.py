@@ -7,8 +7,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import ClientData, RoundContext, clone_params, run_client
+from fedaudit.algorithms.base import ClientData, RoundContext, clone_params, get_algorithm, run_client
 from fedaudit.config import FederatedConfig, PrivacyConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy.primitive import dp_gradient, poisson_sample

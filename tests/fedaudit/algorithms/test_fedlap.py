@@ -12,8 +12,7 @@ from helpers import with_keys
 from torch.func import functional_call
 
 import fedaudit.algorithms.fedlap as fedlap_module
-from fedaudit.algorithms import get_algorithm
-from fedaudit.algorithms.base import ClientData, RoundContext, flat_distance
+from fedaudit.algorithms.base import ClientData, RoundContext, flat_distance, get_algorithm
 from fedaudit.algorithms.fedlap import FedLAP, _Matching, layer_distance, matched_names, matching_loss
 from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model

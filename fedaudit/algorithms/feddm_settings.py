@@ -1,0 +1,44 @@
+"""FedDM's configuration section (``feddm``) and its validation, read by the configuration without importing torch
+(the algorithm: fedaudit.algorithms.feddm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedaudit.errors import is_int, is_number, require
+
+SECTION = "feddm"
+
+
+@dataclass(frozen=True)
+class FedDMConfig:
+    """FedDM: each round, synthetic sets matched to the real data's mean embeddings and mean logits on networks
+    sampled around the global model; the server trains inside a ball of that radius (docs/algorithms.md)."""
+
+    dm_ipc: int = 10  # synthetic images per class a client holds
+    dm_iterations: int = 100  # sampled networks (one image step each)
+    dm_lr: float = 1.0  # SGD (momentum 0.5) on the synthetic images
+    dm_batch: int = 256  # real images per class in one step
+    dm_radius: float = 5.0  # rho: networks are sampled on the sphere of this radius around w_g; the server's ball
+
+
+Section = FedDMConfig
+
+
+def validate(dm: FedDMConfig, config: Any, *, selected: bool) -> None:
+    """FedDM's section; its options with another algorithm; FedDM has no DP variant here."""
+    for name in ("dm_ipc", "dm_iterations", "dm_batch"):
+        value = getattr(dm, name)
+        require(is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+    for name in ("dm_lr", "dm_radius"):
+        value = getattr(dm, name)
+        require(is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
+    if not selected:
+        require(dm == FedDMConfig(), "The FedDM options (--dm-*) need --algorithm feddm.")
+        return
+    require(
+        not config.privacy.dp,
+        "FedDM runs without DP here: its paper's DP variant protects class-wise statistics and is not specified "
+        "precisely enough to account; use --algorithm fedlap --dp for DP synthetic sets.",
+    )
