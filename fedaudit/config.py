@@ -58,6 +58,30 @@ class DataConfig:
     # Flower deployment each site names its own in its node config instead
     sites: tuple[str, ...] = ()
 
+    def check(self) -> None:
+        """The section's own values (:class:`ConfigError` for the first invalid one)."""
+        require(isinstance(self.download, bool), f"--download must be true or false, got {self.download!r}.")
+        require(
+            self.data_dir is None or isinstance(self.data_dir, str),
+            f"--data-dir must be a path, got {self.data_dir!r}.",
+        )
+        require(
+            self.label_column is None or (isinstance(self.label_column, str) and self.label_column != ""),
+            f"--label-column must name a column, got {self.label_column!r}.",
+        )
+        require(
+            self.image_size is None or (is_int(self.image_size) and 1 <= self.image_size <= 512),
+            f"--image-size must be an integer from 1 to 512, got {self.image_size!r}.",
+        )
+        require(
+            is_int(self.num_clients) and self.num_clients >= 1,
+            f"--num-clients must be at least 1, got {self.num_clients!r}.",
+        )
+        require(
+            is_number(self.holdout_fraction) and 0.0 <= self.holdout_fraction < 1.0,
+            f"--holdout-fraction must be in [0, 1), got {self.holdout_fraction!r}.",
+        )
+
     def __post_init__(self) -> None:
         """A list of site data (a JSON or YAML file's) is kept as a tuple, so that configurations compare equal."""
         if isinstance(self.sites, list):
@@ -71,6 +95,17 @@ class ModelConfig:
     arch: str = "convnet"
     width: int | None = None  # None: the dataset's default (DEFAULT_WIDTH, else PAPER_WIDTH)
     depth: int | None = None  # None: fitted to the input size (see fedaudit.models.default_depth)
+
+    def check(self) -> None:
+        """The section's own values (:class:`ConfigError` for the first invalid one)."""
+        require(
+            self.width is None or (is_int(self.width) and self.width >= 1),
+            f"--width must be a positive integer, got {self.width!r}.",
+        )
+        require(
+            self.depth is None or (is_int(self.depth) and self.depth >= 0),
+            f"--depth must be a non-negative integer, got {self.depth!r}.",
+        )
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,47 @@ class FederatedConfig:
     mu: float = 0.1
     lr_schedule: str | None = None
 
+    def check(self) -> None:
+        """The section's own values (:class:`ConfigError` for the first invalid one)."""
+        require(is_int(self.rounds) and self.rounds >= 1, f"--rounds must be a positive integer, got {self.rounds!r}.")
+        require(self.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {self.rounds:,}.")
+        require(
+            is_number(self.client_fraction) and 0.0 < self.client_fraction <= 1.0,
+            f"--client-fraction must be in (0, 1], got {self.client_fraction!r}.",
+        )
+        require(
+            self.weighting in WEIGHTINGS,
+            f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{self.weighting}'.",
+        )
+        require(
+            is_number(self.server_lr) and self.server_lr > 0, f"--server-lr must be positive, got {self.server_lr!r}."
+        )
+        require(
+            is_int(self.local_epochs) and self.local_epochs >= 1,
+            f"--local-epochs must be a positive integer, got {self.local_epochs!r}.",
+        )
+        require(
+            self.local_steps is None or (is_int(self.local_steps) and self.local_steps >= 1),
+            f"--local-steps must be a positive integer, got {self.local_steps!r}.",
+        )
+        require(
+            self.client_lr is None or (is_number(self.client_lr) and self.client_lr > 0),
+            f"--lr must be positive, got {self.client_lr!r}.",
+        )
+        require(
+            is_number(self.momentum) and 0.0 <= self.momentum < 1.0,
+            f"--momentum must be in [0, 1), got {self.momentum!r}.",
+        )
+        require(
+            self.batch_size is None or (is_int(self.batch_size) and self.batch_size >= 1),
+            f"--batch-size must be a positive integer, got {self.batch_size!r}.",
+        )
+        require(is_number(self.mu) and self.mu >= 0, f"--mu must be non-negative, got {self.mu!r}.")
+        require(
+            self.lr_schedule is None or self.lr_schedule in LR_SCHEDULES,
+            f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{self.lr_schedule}'.",
+        )
+
 
 CANARY_KINDS = ("gradient", "input")
 
@@ -106,6 +182,17 @@ class EvaluationConfig:
 
     eval_every: int = 1
     eval_sample: int | None = None
+
+    def check(self) -> None:
+        """The section's own values (:class:`ConfigError` for the first invalid one)."""
+        require(
+            is_int(self.eval_every) and self.eval_every >= 1,
+            f"--eval-every must be a positive integer, got {self.eval_every!r}.",
+        )
+        require(
+            self.eval_sample is None or (is_int(self.eval_sample) and self.eval_sample >= 1),
+            f"--eval-sample must be a positive integer, got {self.eval_sample!r}.",
+        )
 
 
 @dataclass(frozen=True)
@@ -122,6 +209,21 @@ class AuditConfig:
     canaries: int = 0
     canary_kind: str = "gradient"
     kept_queries: int = 12  # whole DP queries the query log keeps per run on average, for verify's recomputations
+
+    def check(self) -> None:
+        """The section's own values (:class:`ConfigError` for the first invalid one)."""
+        require(
+            is_int(self.canaries) and self.canaries >= 0,
+            f"--canaries must be a non-negative integer, got {self.canaries!r}.",
+        )
+        require(
+            self.canary_kind in CANARY_KINDS,
+            f"--canary-kind must be one of {', '.join(CANARY_KINDS)}, got {self.canary_kind!r}.",
+        )
+        require(
+            is_int(self.kept_queries) and self.kept_queries >= 0,
+            f"--kept-queries must be a non-negative integer, got {self.kept_queries!r}.",
+        )
 
 
 @dataclass(frozen=True)
@@ -156,6 +258,46 @@ class PrivacyConfig:
     # public seed instead, reproducibly, for experiments (whoever holds it can remove the noise)
     noise_seed: int | None = None
     secure_noise: bool = False  # DP queries draw from ChaCha20, each Gaussian the sum of four float64 draws
+
+    def check(self) -> None:
+        """The section's own values, and which of them need ``dp`` (:class:`ConfigError` for the first invalid
+        one)."""
+        for name, value in (("--dp", self.dp), ("privacy.calibrated", self.calibrated)):
+            require(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
+        require(
+            self.accountant in ACCOUNTANTS,
+            f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{self.accountant}'.",
+        )
+        require(is_number(self.delta) and 0.0 < self.delta < 1.0, f"--delta must be in (0, 1), got {self.delta!r}.")
+        if self.dp:
+            require(
+                self.noise_multiplier is None or (is_number(self.noise_multiplier) and self.noise_multiplier > 0),
+                f"--noise-multiplier must be positive with --dp, got {self.noise_multiplier!r}.",
+            )
+            require(
+                self.max_grad_norm is None or (is_number(self.max_grad_norm) and self.max_grad_norm > 0),
+                f"--max-grad-norm must be positive with --dp, got {self.max_grad_norm!r}.",
+            )
+            require(
+                self.target_epsilon is None or (is_number(self.target_epsilon) and self.target_epsilon > 0),
+                f"--target-epsilon must be positive, got {self.target_epsilon!r}.",
+            )
+            require(
+                not (self.target_epsilon is not None and self.noise_multiplier is not None and not self.calibrated),
+                "Give either --noise-multiplier or --target-epsilon, not both.",
+            )
+        else:
+            require(
+                self.target_epsilon is None and self.noise_multiplier is None and self.max_grad_norm is None,
+                "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
+            )
+        require(
+            isinstance(self.secure_noise, bool), f"--secure-noise must be true or false, got {self.secure_noise!r}."
+        )
+        require(
+            self.noise_seed is None or (is_int(self.noise_seed) and 0 <= self.noise_seed <= MAX_SEED),
+            f"--noise-seed must be an integer from 0 to {MAX_SEED}, got {self.noise_seed!r}.",
+        )
 
 
 @dataclass(frozen=True)
@@ -340,46 +482,11 @@ class RunConfig:
             is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
             f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.",
         )
-        d, m, f, p = self.data, self.model, self.federated, self.privacy
-        for name, value in (("--dp", p.dp), ("--download", d.download), ("privacy.calibrated", p.calibrated)):
-            require(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
-        require(d.data_dir is None or isinstance(d.data_dir, str), f"--data-dir must be a path, got {d.data_dir!r}.")
+        for section in (self.data, self.model, self.federated, self.evaluation):
+            section.check()
+        d, f, p, a = self.data, self.federated, self.privacy, self.audit
         require(
-            d.label_column is None or (isinstance(d.label_column, str) and d.label_column != ""),
-            f"--label-column must name a column, got {d.label_column!r}.",
-        )
-        require(
-            d.image_size is None or (is_int(d.image_size) and 1 <= d.image_size <= 512),
-            f"--image-size must be an integer from 1 to 512, got {d.image_size!r}.",
-        )
-        require(
-            is_int(d.num_clients) and d.num_clients >= 1, f"--num-clients must be at least 1, got {d.num_clients!r}."
-        )
-        require(
-            is_number(d.holdout_fraction) and 0.0 <= d.holdout_fraction < 1.0,
-            f"--holdout-fraction must be in [0, 1), got {d.holdout_fraction!r}.",
-        )
-        require(
-            m.width is None or (is_int(m.width) and m.width >= 1),
-            f"--width must be a positive integer, got {m.width!r}.",
-        )
-        require(
-            m.depth is None or (is_int(m.depth) and m.depth >= 0),
-            f"--depth must be a non-negative integer, got {m.depth!r}.",
-        )
-        require(is_int(f.rounds) and f.rounds >= 1, f"--rounds must be a positive integer, got {f.rounds!r}.")
-        require(f.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {f.rounds:,}.")
-        ev = self.evaluation
-        require(
-            is_int(ev.eval_every) and ev.eval_every >= 1,
-            f"--eval-every must be a positive integer, got {ev.eval_every!r}.",
-        )
-        require(
-            ev.eval_sample is None or (is_int(ev.eval_sample) and ev.eval_sample >= 1),
-            f"--eval-sample must be a positive integer, got {ev.eval_sample!r}.",
-        )
-        require(
-            ev.eval_sample is None or str(d.dataset).strip().lower() != "sites",
+            self.evaluation.eval_sample is None or str(d.dataset).strip().lower() != "sites",
             "--eval-sample does not apply to --dataset sites: each site evaluates the model on its own test records.",
         )
         require(
@@ -387,69 +494,11 @@ class RunConfig:
             f"--keep-checkpoints must be a positive integer, got {self.keep_checkpoints!r}.",
         )
         require(
-            self.keep_checkpoints is None or not self.audit.canaries,
+            self.keep_checkpoints is None or not a.canaries,
             "--keep-checkpoints cannot be used with --canaries: the canary audit reads the model every round began "
             "from.",
         )
-        require(
-            is_number(f.client_fraction) and 0.0 < f.client_fraction <= 1.0,
-            f"--client-fraction must be in (0, 1], got {f.client_fraction!r}.",
-        )
-        require(f.weighting in WEIGHTINGS, f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{f.weighting}'.")
-        require(is_number(f.server_lr) and f.server_lr > 0, f"--server-lr must be positive, got {f.server_lr!r}.")
-        require(
-            is_int(f.local_epochs) and f.local_epochs >= 1,
-            f"--local-epochs must be a positive integer, got {f.local_epochs!r}.",
-        )
-        require(
-            f.local_steps is None or (is_int(f.local_steps) and f.local_steps >= 1),
-            f"--local-steps must be a positive integer, got {f.local_steps!r}.",
-        )
-        require(
-            f.client_lr is None or (is_number(f.client_lr) and f.client_lr > 0),
-            f"--lr must be positive, got {f.client_lr!r}.",
-        )
-        require(is_number(f.momentum) and 0.0 <= f.momentum < 1.0, f"--momentum must be in [0, 1), got {f.momentum!r}.")
-        require(
-            f.batch_size is None or (is_int(f.batch_size) and f.batch_size >= 1),
-            f"--batch-size must be a positive integer, got {f.batch_size!r}.",
-        )
-        require(is_number(f.mu) and f.mu >= 0, f"--mu must be non-negative, got {f.mu!r}.")
-        require(
-            f.lr_schedule is None or f.lr_schedule in LR_SCHEDULES,
-            f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got '{f.lr_schedule}'.",
-        )
-        require(
-            p.accountant in ACCOUNTANTS, f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{p.accountant}'."
-        )
-        require(is_number(p.delta) and 0.0 < p.delta < 1.0, f"--delta must be in (0, 1), got {p.delta!r}.")
-        if p.dp:
-            require(
-                p.noise_multiplier is None or (is_number(p.noise_multiplier) and p.noise_multiplier > 0),
-                f"--noise-multiplier must be positive with --dp, got {p.noise_multiplier!r}.",
-            )
-            require(
-                p.max_grad_norm is None or (is_number(p.max_grad_norm) and p.max_grad_norm > 0),
-                f"--max-grad-norm must be positive with --dp, got {p.max_grad_norm!r}.",
-            )
-            require(
-                p.target_epsilon is None or (is_number(p.target_epsilon) and p.target_epsilon > 0),
-                f"--target-epsilon must be positive, got {p.target_epsilon!r}.",
-            )
-            require(
-                not (p.target_epsilon is not None and p.noise_multiplier is not None and not p.calibrated),
-                "Give either --noise-multiplier or --target-epsilon, not both.",
-            )
-        else:
-            require(
-                p.target_epsilon is None and p.noise_multiplier is None and p.max_grad_norm is None,
-                "--noise-multiplier, --max-grad-norm and --target-epsilon need --dp.",
-            )
-        require(isinstance(p.secure_noise, bool), f"--secure-noise must be true or false, got {p.secure_noise!r}.")
-        require(
-            p.noise_seed is None or (is_int(p.noise_seed) and 0 <= p.noise_seed <= MAX_SEED),
-            f"--noise-seed must be an integer from 0 to {MAX_SEED}, got {p.noise_seed!r}.",
-        )
+        p.check()
         require(
             self.dp_randomness or (p.noise_seed is None and not p.secure_noise),
             "--noise-seed and --secure-noise set how DP noise is drawn, and this run draws none: add --dp (or "
@@ -460,18 +509,7 @@ class RunConfig:
             if settings is not None:
                 selected = each.name == f.algorithm
                 settings.validate(getattr(self, settings.SECTION), self, selected=selected)
-        a = self.audit
-        require(
-            is_int(a.canaries) and a.canaries >= 0, f"--canaries must be a non-negative integer, got {a.canaries!r}."
-        )
-        require(
-            a.canary_kind in CANARY_KINDS,
-            f"--canary-kind must be one of {', '.join(CANARY_KINDS)}, got {a.canary_kind!r}.",
-        )
-        require(
-            is_int(a.kept_queries) and a.kept_queries >= 0,
-            f"--kept-queries must be a non-negative integer, got {a.kept_queries!r}.",
-        )
+        a.check()
         require(
             not a.canaries or p.dp,
             "--canaries needs --dp: a canary audit bounds the epsilon of a DP run's accountant.",
