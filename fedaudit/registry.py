@@ -144,109 +144,110 @@ def _sgd(
     )
 
 
-ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(
-    {
-        entry.name: entry
-        for entry in (
-            _sgd(
-                "fedavg",
-                "FedAvg",
-                "local SGD, mean model delta",
-                "fedaudit.algorithms.fedavg:FedAvg",
-                0.1,
-                colour="#1f77b4",
-                local_sgd=True,
-            ),
-            _sgd(
-                "fedprox",
-                "FedProx",
-                "FedAvg with a proximal term mu",
-                "fedaudit.algorithms.fedavg:FedProx",
-                0.2,
-                options=("federated.mu",),
-                colour="#ff7f0e",
-                local_sgd=True,
-                proximal=True,
-            ),
-            _sgd(
-                "fedsgd",
-                "FedSGD",
-                "one local step per round",
-                "fedaudit.algorithms.fedavg:FedSGD",
-                0.1,
-                colour="#2ca02c",
-                one_step=True,
-            ),
-            _sgd(
-                "scaffold",
-                "SCAFFOLD",
-                "FedAvg with control variates against client drift (twice the upload)",
-                "fedaudit.algorithms.scaffold:Scaffold",
-                0.1,
-                colour="#d62728",
-                local_sgd=True,
-                control_variates=True,
-            ),
-            _sgd(
-                "fedssyn",
-                "Fedssyn",
-                "a generation round of shuffled synthetic records (a class-conditional generator per client), then "
-                "the inner algorithm (--inner-algorithm) on real plus shuffled records",
-                "fedaudit.algorithms.fedssyn:Fedssyn",
-                0.1,
-                options=("fedssyn.*", "federated.mu"),
-                colour="#9467bd",
-                generation_rounds=1,
-                inner_algorithms=("fedavg", "fedprox", "scaffold", "fedsgd"),
-                settings="fedaudit.algorithms.fedssyn_settings",
-            ),
-            AlgorithmEntry(
-                name="fedlap",
-                label="FedLAP",
-                dp_label="FedLAP-DP",
-                summary="clients send small synthetic sets matched to their gradients in a trust region",
-                implementation="fedaudit.algorithms.fedlap:FedLAP",
-                client_lr=0.002,
-                max_grad_norm=1.0,
-                dataset_client_lr=MappingProxyType({"digits": 0.02}),  # measured: see FEDLAP_DATASET_DEFAULTS
-                options=("fedlap.*",),
-                colour="#8c564b",
-                wire=WIRE_SYNTHETIC,
-                settings="fedaudit.algorithms.fedlap_settings",
-            ),
-            AlgorithmEntry(
-                name="fedgm",
-                label="FedGM",
-                dp_label="FedGM",
-                summary="one shot in stages: synthetic sets made by class-wise gradient matching, labels under label "
-                "DP (--label-epsilon), images in clear",
-                implementation="fedaudit.algorithms.fedgm:FedGM",
-                client_lr=0.01,
-                max_grad_norm=1.0,
-                options=("fedgm.*",),
-                colour="#e377c2",
-                wire=WIRE_SYNTHETIC,
-                dp_unit=DP_LABEL,
-                settings="fedaudit.algorithms.fedgm_settings",
-            ),
-            AlgorithmEntry(
-                name="feddm",
-                label="FedDM",
-                dp_label="FedDM",
-                summary="synthetic sets matched to mean embeddings and logits on networks near the global model, "
-                "every round (no DP)",
-                implementation="fedaudit.algorithms.feddm:FedDM",
-                client_lr=0.01,
-                max_grad_norm=1.0,
-                options=("feddm.*", "fedlap.server_epochs"),
-                colour="#17becf",
-                wire=WIRE_SYNTHETIC,
-                dp_unit=DP_NONE,
-                settings="fedaudit.algorithms.feddm_settings",
-            ),
-        )
-    }
-)
+# The entries themselves: everything reads them through the read-only view ALGORITHMS, which shows an entry added
+# here (a new algorithm's one line, or a test's) wherever ALGORITHMS was imported.
+_ALGORITHMS: dict[str, AlgorithmEntry] = {
+    entry.name: entry
+    for entry in (
+        _sgd(
+            "fedavg",
+            "FedAvg",
+            "local SGD, mean model delta",
+            "fedaudit.algorithms.fedavg:FedAvg",
+            0.1,
+            colour="#1f77b4",
+            local_sgd=True,
+        ),
+        _sgd(
+            "fedprox",
+            "FedProx",
+            "FedAvg with a proximal term mu",
+            "fedaudit.algorithms.fedavg:FedProx",
+            0.2,
+            options=("federated.mu",),
+            colour="#ff7f0e",
+            local_sgd=True,
+            proximal=True,
+        ),
+        _sgd(
+            "fedsgd",
+            "FedSGD",
+            "one local step per round",
+            "fedaudit.algorithms.fedavg:FedSGD",
+            0.1,
+            colour="#2ca02c",
+            one_step=True,
+        ),
+        _sgd(
+            "scaffold",
+            "SCAFFOLD",
+            "FedAvg with control variates against client drift (twice the upload)",
+            "fedaudit.algorithms.scaffold:Scaffold",
+            0.1,
+            colour="#d62728",
+            local_sgd=True,
+            control_variates=True,
+        ),
+        _sgd(
+            "fedssyn",
+            "Fedssyn",
+            "a generation round of shuffled synthetic records (a class-conditional generator per client), then "
+            "the inner algorithm (--inner-algorithm) on real plus shuffled records",
+            "fedaudit.algorithms.fedssyn:Fedssyn",
+            0.1,
+            options=("fedssyn.*", "federated.mu"),
+            colour="#9467bd",
+            generation_rounds=1,
+            inner_algorithms=("fedavg", "fedprox", "scaffold", "fedsgd"),
+            settings="fedaudit.algorithms.fedssyn_settings",
+        ),
+        AlgorithmEntry(
+            name="fedlap",
+            label="FedLAP",
+            dp_label="FedLAP-DP",
+            summary="clients send small synthetic sets matched to their gradients in a trust region",
+            implementation="fedaudit.algorithms.fedlap:FedLAP",
+            client_lr=0.002,
+            max_grad_norm=1.0,
+            dataset_client_lr=MappingProxyType({"digits": 0.02}),  # measured: see FEDLAP_DATASET_DEFAULTS
+            options=("fedlap.*",),
+            colour="#8c564b",
+            wire=WIRE_SYNTHETIC,
+            settings="fedaudit.algorithms.fedlap_settings",
+        ),
+        AlgorithmEntry(
+            name="fedgm",
+            label="FedGM",
+            dp_label="FedGM",
+            summary="one shot in stages: synthetic sets made by class-wise gradient matching, labels under label "
+            "DP (--label-epsilon), images in clear",
+            implementation="fedaudit.algorithms.fedgm:FedGM",
+            client_lr=0.01,
+            max_grad_norm=1.0,
+            options=("fedgm.*",),
+            colour="#e377c2",
+            wire=WIRE_SYNTHETIC,
+            dp_unit=DP_LABEL,
+            settings="fedaudit.algorithms.fedgm_settings",
+        ),
+        AlgorithmEntry(
+            name="feddm",
+            label="FedDM",
+            dp_label="FedDM",
+            summary="synthetic sets matched to mean embeddings and logits on networks near the global model, "
+            "every round (no DP)",
+            implementation="fedaudit.algorithms.feddm:FedDM",
+            client_lr=0.01,
+            max_grad_norm=1.0,
+            options=("feddm.*", "fedlap.server_epochs"),
+            colour="#17becf",
+            wire=WIRE_SYNTHETIC,
+            dp_unit=DP_NONE,
+            settings="fedaudit.algorithms.feddm_settings",
+        ),
+    )
+}
+ALGORITHMS: Mapping[str, AlgorithmEntry] = MappingProxyType(_ALGORITHMS)
 DEFAULT_ALGORITHM = "fedavg"
 # The algorithm whose DP queries per round a study's equal data access gives the local-SGD baselines (the FedLAP-DP
 # paper's comparison).

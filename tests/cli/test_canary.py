@@ -270,7 +270,7 @@ def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path):
         assert invoke("train", *args, "--client-fraction", fraction, "--out", out).exit_code == 0
         result = invoke("attack", out, "--method", "canary", "--no-progress")
         assert result.exit_code == 0, result.output
-        assert "verify: PASS" in result.output
+        assert "verify: PASS" in result.output, [line for line in result.output.splitlines() if "verify" in line]
         for view in ("update-projection-canary", "query-sum-canary", "query-llr-canary"):
             metrics = json.loads((out / "attacks" / view / "metrics.json").read_text())
             flagged += [(seed, view)] if metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"] else []
