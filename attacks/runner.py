@@ -318,25 +318,7 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
     planted = _planted_records(run, len(dataset.train_y))
     seed = config.seed if options.seed is None else options.seed
     try:
-        if sites is not None:
-            evaluation = sites_evaluation_set(
-                partition,
-                sites.site_records,
-                nonmembers=options.nonmembers,
-                max_records=options.max_records,
-                seed=seed,
-                exclude=planted,
-            )
-        else:
-            evaluation = build_evaluation_set(
-                partition,
-                dataset.train_y.numpy(),
-                dataset.test_y.numpy(),
-                nonmembers=options.nonmembers,
-                max_records=options.max_records,
-                exclude=planted,
-                seed=seed,
-            )
+        evaluation = _evaluation_set(partition, dataset, sites, options, seed, planted)
     except AttackError as exc:
         raise AttackError(f"{run.path}: {exc}") from exc
     return PreparedRun(
@@ -351,6 +333,36 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
         reconstruction=plan,
         sites=sites,
         membership=membership,
+    )
+
+
+def _evaluation_set(
+    partition: Partition,
+    dataset: Dataset,
+    sites: Sites | None,
+    options: AttackOptions,
+    seed: int,
+    planted: np.ndarray | None,
+) -> EvaluationSet:
+    """The members and non-members the membership attacks score, drawn from the seed (at the sites, for a run whose
+    records stay there), without the planted canary records."""
+    if sites is not None:
+        return sites_evaluation_set(
+            partition,
+            sites.site_records,
+            nonmembers=options.nonmembers,
+            max_records=options.max_records,
+            seed=seed,
+            exclude=planted,
+        )
+    return build_evaluation_set(
+        partition,
+        dataset.train_y.numpy(),
+        dataset.test_y.numpy(),
+        nonmembers=options.nonmembers,
+        max_records=options.max_records,
+        exclude=planted,
+        seed=seed,
     )
 
 
@@ -740,7 +752,16 @@ def _result(
         "fedaudit_version": fedaudit.__version__,
         "created": now_iso(),
     }
-    scores = pd.DataFrame(
+    scores = _scores_table(ev, audit, values, output.scores)
+    if signal == "grad-norm":
+        scores = scores.assign(**signals.per_layer)
+    roc_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
+    return AttackResult(name=f"{signal}-{method}{target.suffix}", scores=scores, roc=roc_table, metrics=metrics)
+
+
+def _scores_table(ev: EvaluationSet, audit: np.ndarray, values: np.ndarray, scores: np.ndarray) -> pd.DataFrame:
+    """scores.csv: every evaluated record, its membership, its part in the attack and the bound, and its scores."""
+    return pd.DataFrame(
         {
             "record": ev.index,
             "source": ev.source,
@@ -750,13 +771,9 @@ def _result(
             "split": np.where(audit, "audit", "attack-train"),
             "bound_role": np.where(ev.attack_train, "choose", "judge"),
             "signal": values,
-            "score": output.scores,
+            "score": scores,
         }
     )
-    if signal == "grad-norm":
-        scores = scores.assign(**signals.per_layer)
-    roc_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
-    return AttackResult(name=f"{signal}-{method}{target.suffix}", scores=scores, roc=roc_table, metrics=metrics)
 
 
 def _per_client(

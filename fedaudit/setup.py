@@ -143,26 +143,8 @@ def prepare(
                 f"B / N_k would exceed 1; use a batch size of at most {smallest}."
             )
         sample_rates = {k: batch / n for k, n in sizes.items()}
-        taking_part = participation(config, algorithm)
-        if config.privacy.noise_multiplier is None and hasattr(algorithm, "privacy_plan"):
-            sigma = max(
-                _calibrate_plan(config, algorithm, sizes[k], rounds) for k, rounds in taking_part.items() if rounds
-            )
-            config = mark_calibrated(config, sigma)
-        elif config.privacy.noise_multiplier is None:
-            sigma = max(
-                calibrate_noise_multiplier(
-                    target_epsilon=config.privacy.target_epsilon,
-                    sample_rate=q,
-                    queries_per_round=queries[k],
-                    rounds=len(taking_part[k]),
-                    delta=config.privacy.delta,
-                    accountant=config.privacy.accountant,
-                )
-                for k, q in sample_rates.items()
-                if taking_part[k]
-            )
-            config = mark_calibrated(config, sigma)
+        if config.privacy.noise_multiplier is None:
+            config = mark_calibrated(config, _calibrated_sigma(config, algorithm, sizes, sample_rates, queries))
     return Setup(
         config=config,
         dataset=dataset,
@@ -345,6 +327,32 @@ def _partition(config: RunConfig, dataset: Dataset) -> Partition:
         scheme=config.data.partition,
         seed=config.seed,
         holdout_fraction=config.data.holdout_fraction,
+    )
+
+
+def _calibrated_sigma(
+    config: RunConfig,
+    algorithm: Algorithm,
+    sizes: dict[int, int],
+    sample_rates: dict[int, float],
+    queries: dict[int, int],
+) -> float:
+    """The noise multiplier that meets ``--target-epsilon`` for every client over the rounds it takes part in: from
+    the algorithm's own privacy plan where it has one, else from its B / N_k steps."""
+    taking_part = participation(config, algorithm)
+    if hasattr(algorithm, "privacy_plan"):
+        return max(_calibrate_plan(config, algorithm, sizes[k], rounds) for k, rounds in taking_part.items() if rounds)
+    return max(
+        calibrate_noise_multiplier(
+            target_epsilon=config.privacy.target_epsilon,
+            sample_rate=q,
+            queries_per_round=queries[k],
+            rounds=len(taking_part[k]),
+            delta=config.privacy.delta,
+            accountant=config.privacy.accountant,
+        )
+        for k, q in sample_rates.items()
+        if taking_part[k]
     )
 
 

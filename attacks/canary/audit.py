@@ -306,6 +306,41 @@ def _part_bounds(
     return found
 
 
+def _confidences(views: int, parts: int | None) -> tuple[float, float | None]:
+    """The confidence of each estimator's bound over all canaries, and of each part's (None without parts): 0.05
+    split over estimators and views, and with parts half of it over the parts' bounds."""
+    shares = 1 if parts is None else 2
+    level = 1.0 - (1.0 - CONFIDENCE) / (shares * len(ESTIMATORS) * views)
+    part_level = None if parts is None else 1.0 - (1.0 - CONFIDENCE) / (2 * len(ESTIMATORS) * views * parts)
+    return level, part_level
+
+
+def _canary_table(
+    canaries: Canaries, included: np.ndarray, informative: np.ndarray, scores: np.ndarray
+) -> pd.DataFrame:
+    """scores.csv of a view: every canary, its client (and record), whether it was included and counts, its score."""
+    columns: dict[str, Any] = {"canary": np.arange(canaries.count), "client": canaries.client}
+    if canaries.record is not None:
+        columns.update(record=canaries.record, label=canaries.label)
+    return pd.DataFrame({**columns, "member": included, "informative": informative, "score": scores})
+
+
+CANARY_NOTE = (
+    "canaries are records: the accountant's epsilon covers them unchanged; canaries of clients that never took part "
+    "carry no evidence and are left out"
+)
+
+
+def _wire_view(
+    run: RunDirectory, canaries: Canaries, dataset: Dataset, spec: ModelSpec, rounds: int, run_seed: int, algorithm: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The wire view's scores, and which canaries count (those of clients that sent something)."""
+    entry = ALGORITHMS.get(algorithm)
+    mixed = entry is not None and entry.generation_rounds > 0  # synthetic records first: the updates are the wire
+    scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed, updates_only=mixed)
+    return scores, np.isin(canaries.client, sorted(_senders(run, rounds)))
+
+
 def canary_audit(
     run: RunDirectory,
     *,
@@ -330,84 +365,97 @@ def canary_audit(
         raise AttackError(f"{run.canaries_path} has canaries on one side only; the audit needs both.")
     views = run_views(run)
     parts = canary_parts(canaries, spec)
-    shares = 1 if parts is None else 2
-    level = 1.0 - (1.0 - CONFIDENCE) / (shares * len(ESTIMATORS) * len(views))
-    part_level = (
-        None if parts is None else 1.0 - (1.0 - CONFIDENCE) / (2 * len(ESTIMATORS) * len(views) * len(parts[0]))
+    level, part_level = _confidences(len(views), None if parts is None else len(parts[0]))
+    judging = _Judging(
+        canaries,
+        included,
+        tuple(views),
+        parts,
+        level,
+        part_level,
+        delta,
+        derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT),
+        accountant_epsilon,
     )
-    split_seed = derive_seed(seed, Stream.ATTACK, Draw.CANARY_SPLIT)
     queried = query_scores(run, canaries, rounds) if any(v in QUERY_VIEWS for v in views) else None
-    entry = ALGORITHMS.get(algorithm)
-    mixed = entry is not None and entry.generation_rounds > 0  # synthetic records first: the updates are the wire
     audits = []
     for view in views:
-        informative = np.ones(canaries.count, dtype=bool)
-        if view is FINAL_LOSS:
-            scores = loss_scores(run, canaries, dataset)
-        elif view in QUERY_VIEWS and queried is not None:
-            scores = queried[0] if view is QUERY_SUM else queried[1]
-            informative = queried[2]
+        if view in QUERY_VIEWS and queried is not None:
+            scores, informative = queried[0] if view is QUERY_SUM else queried[1], queried[2]
+        elif view is FINAL_LOSS:
+            scores, informative = loss_scores(run, canaries, dataset), np.ones(canaries.count, dtype=bool)
         else:
-            scores = wire_scores(run, canaries, dataset, spec, rounds, run_seed, updates_only=mixed)
-            informative = np.isin(canaries.client, sorted(_senders(run, rounds)))
+            scores, informative = _wire_view(run, canaries, dataset, spec, rounds, run_seed, algorithm)
         inside, outside = scores[informative & (included == 1)], scores[informative & (included == 0)]
         if not len(inside) or not len(outside):
             raise AttackError(
                 f"{run.path}: no client that holds both included and excluded canaries took part, so the "
                 f"{view.name} view has nothing to compare."
             )
-        bounds = {
-            name: split_audit(inside, outside, estimator=name, delta=delta, confidence=level, seed=split_seed)
-            for name in ESTIMATORS
-        }
-        by_part = (
-            {}
-            if parts is None or part_level is None
-            else _part_bounds(parts, scores, informative, included, delta=delta, confidence=part_level, seed=split_seed)
-        )
-        epsilon = max(
-            [bound.epsilon for bound in bounds.values()] + [part["epsilon_lower_bound"] for part in by_part.values()]
-        )
         curve = roc(included[informative], scores[informative])
-        auc = auc_score(included[informative], scores[informative])
-        estimate = (
-            gaussian_estimate(inside, outside, delta=delta, seed=split_seed)
-            if len(inside) > 1 and len(outside) > 1
-            else None
-        )
-        metrics = {
-            "auc": auc,
-            "auc_ci95": list(_auc_interval(inside, outside, split_seed)),
-            "num_members": int(len(inside)),
-            "num_nonmembers": int(len(outside)),
-            "epsilon_lower_bound": epsilon,
-            "epsilon_lower_bound_confidence": CONFIDENCE,
-            "delta": delta,
-            "accountant_epsilon": accountant_epsilon,
-            "epsilon_lower_bound_exceeds_accountant": None
-            if accountant_epsilon is None
-            else epsilon > accountant_epsilon,
-            "canary_audit": {
-                "threat_model": view.threat_model,
-                "canaries": canaries.count,
-                "informative_canaries": int(informative.sum()),
-                "canary_kind": canaries.kind,
-                "estimators": {name: bound.to_dict() for name, bound in bounds.items()},
-                "per_estimator_confidence": level,
-                "parts": by_part,
-                "per_part_confidence": part_level,
-                "views": [v.name for v in views],
-                "bound_by_guesses": bound_by_guesses(inside, outside, delta=delta, confidence=level),
-                "ratio_to_accountant": None if not accountant_epsilon else epsilon / accountant_epsilon,
-                "estimate": None if estimate is None else estimate.to_dict(),
-                "note": "canaries are records: the accountant's epsilon covers them unchanged; canaries of clients "
-                "that never took part carry no evidence and are left out",
-            },
-        }
-        columns: dict[str, Any] = {"canary": np.arange(canaries.count), "client": canaries.client}
-        if canaries.record is not None:
-            columns.update(record=canaries.record, label=canaries.label)
-        table = pd.DataFrame({**columns, "member": included, "informative": informative, "score": scores})
         curve_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
-        audits.append((view, metrics, table, curve_table))
+        metrics = _judge(view, scores, informative, judging)
+        audits.append((view, metrics, _canary_table(canaries, included, informative, scores), curve_table))
     return audits
+
+
+@dataclass(frozen=True)
+class _Judging:
+    """What every view of one run's canary audit is judged with."""
+
+    canaries: Canaries
+    included: np.ndarray
+    views: tuple[View, ...]
+    parts: tuple[list[str], np.ndarray] | None  # canary_parts(): each canary's part of the model
+    level: float
+    part_level: float | None
+    delta: float
+    split_seed: int
+    accountant_epsilon: float | None
+
+
+def _judge(view: View, scores: np.ndarray, informative: np.ndarray, judging: _Judging) -> dict[str, Any]:
+    """A view's metrics.json: its AUC, every estimator's bound (and each part's), the largest of them against the
+    accountant's epsilon, and the Gaussian estimate."""
+    j, included = judging, judging.included
+    inside, outside = scores[informative & (included == 1)], scores[informative & (included == 0)]
+    bounds = {
+        name: split_audit(inside, outside, estimator=name, delta=j.delta, confidence=j.level, seed=j.split_seed)
+        for name in ESTIMATORS
+    }
+    by_part = {}
+    if j.parts is not None and j.part_level is not None:
+        by_part = _part_bounds(
+            j.parts, scores, informative, included, delta=j.delta, confidence=j.part_level, seed=j.split_seed
+        )
+    epsilon = max([b.epsilon for b in bounds.values()] + [part["epsilon_lower_bound"] for part in by_part.values()])
+    estimate = None
+    if len(inside) > 1 and len(outside) > 1:
+        estimate = gaussian_estimate(inside, outside, delta=j.delta, seed=j.split_seed)
+    accountant = j.accountant_epsilon
+    return {
+        "auc": auc_score(included[informative], scores[informative]),
+        "auc_ci95": list(_auc_interval(inside, outside, j.split_seed)),
+        "num_members": int(len(inside)),
+        "num_nonmembers": int(len(outside)),
+        "epsilon_lower_bound": epsilon,
+        "epsilon_lower_bound_confidence": CONFIDENCE,
+        "delta": j.delta,
+        "accountant_epsilon": accountant,
+        "epsilon_lower_bound_exceeds_accountant": None if accountant is None else epsilon > accountant,
+        "canary_audit": {
+            "threat_model": view.threat_model,
+            "canaries": j.canaries.count,
+            "informative_canaries": int(informative.sum()),
+            "canary_kind": j.canaries.kind,
+            "estimators": {name: bound.to_dict() for name, bound in bounds.items()},
+            "per_estimator_confidence": j.level,
+            "parts": by_part,
+            "per_part_confidence": j.part_level,
+            "views": [v.name for v in j.views],
+            "bound_by_guesses": bound_by_guesses(inside, outside, delta=j.delta, confidence=j.level),
+            "ratio_to_accountant": None if not accountant else epsilon / accountant,
+            "estimate": None if estimate is None else estimate.to_dict(),
+            "note": CANARY_NOTE,
+        },
+    }

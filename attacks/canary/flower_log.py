@@ -130,6 +130,61 @@ def audit_log(
     return audit(read_log(path), source=str(path), seed=seed, resamples=resamples, accountant=accountant)
 
 
+def _view_metrics(
+    view: FlowerView,
+    score: np.ndarray,
+    included: np.ndarray,
+    log: CanaryLog,
+    budget: dict[str, Any],
+    split_seed: int,
+    boot_seed: int,
+    resamples: int,
+) -> dict[str, Any]:
+    """One view's bounds, estimate and AUC, against the accountant's epsilon."""
+    inside, outside = score[included], score[~included]
+    bounds = {
+        name: split_audit(inside, outside, estimator=name, delta=log.delta, confidence=LEVEL, seed=split_seed)
+        for name in ESTIMATORS
+    }
+    estimate = gaussian_estimate(inside, outside, delta=log.delta, seed=boot_seed, resamples=resamples)
+    auc_boot = bootstrap(included.astype(int), score, rng=np.random.default_rng(boot_seed), resamples=resamples)
+    bound = max(b.epsilon for b in bounds.values())
+    return {
+        "threat_model": view.threat_model,
+        "score": view.score,
+        "num_members": int(inside.size),
+        "num_nonmembers": int(outside.size),
+        "auc": auc_score(included, score),
+        "auc_ci95": list(Bootstrap.interval(auc_boot.auc)),
+        "epsilon_lower_bound": bound,
+        "estimators": {name: b.to_dict() for name, b in bounds.items()},
+        "ratio_to_accountant": _ratio(bound, budget["epsilon"]),
+        "estimate": estimate.to_dict(),
+        "estimate_ratio_to_accountant": _ratio(estimate.epsilon, budget["epsilon"]),
+        "excluded_scores": {
+            "mean": float(outside.mean()),
+            "sd": float(outside.std(ddof=1)),
+            "n": int(outside.size),
+            "closed_form_sd": 1.0 / math.sqrt(log.dimension) if view is FINAL_MODEL else None,
+        },
+        "bound_by_guesses": bound_by_guesses(inside, outside, delta=log.delta, confidence=LEVEL),
+    }
+
+
+def _log_warnings(log: CanaryLog) -> list[str]:
+    """What in the log weakens Flower's guarantee or the audit: rounds of unequal weights, rounds without a release."""
+    unequal = [int(t) + 1 for t in np.flatnonzero((log.equal_weights == 0) & (log.released == 1))]
+    warnings = []
+    if unequal:
+        warnings.append(
+            f"rounds {unequal} aggregated replies of unequal weights: Flower's DP noise assumes equal weights, so a "
+            "client of the largest weight (the canary clients take it) has less privacy than the accountant says"
+        )
+    if not log.released.all():
+        warnings.append(f"rounds {[int(t) + 1 for t in np.flatnonzero(log.released == 0)]} released no aggregate")
+    return warnings
+
+
 def audit(
     log: CanaryLog,
     *,
@@ -165,34 +220,7 @@ def audit(
     curves, views = [], {}
     for view in VIEWS:
         score = scores[view.name]
-        inside, outside = score[included], score[~included]
-        bounds = {
-            name: split_audit(inside, outside, estimator=name, delta=log.delta, confidence=LEVEL, seed=split_seed)
-            for name in ESTIMATORS
-        }
-        estimate = gaussian_estimate(inside, outside, delta=log.delta, seed=boot_seed, resamples=resamples)
-        auc_boot = bootstrap(included.astype(int), score, rng=np.random.default_rng(boot_seed), resamples=resamples)
-        bound = max(b.epsilon for b in bounds.values())
-        views[view.name] = {
-            "threat_model": view.threat_model,
-            "score": view.score,
-            "num_members": int(inside.size),
-            "num_nonmembers": int(outside.size),
-            "auc": auc_score(included, score),
-            "auc_ci95": list(Bootstrap.interval(auc_boot.auc)),
-            "epsilon_lower_bound": bound,
-            "estimators": {name: b.to_dict() for name, b in bounds.items()},
-            "ratio_to_accountant": _ratio(bound, budget["epsilon"]),
-            "estimate": estimate.to_dict(),
-            "estimate_ratio_to_accountant": _ratio(estimate.epsilon, budget["epsilon"]),
-            "excluded_scores": {
-                "mean": float(outside.mean()),
-                "sd": float(outside.std(ddof=1)),
-                "n": int(outside.size),
-                "closed_form_sd": 1.0 / math.sqrt(log.dimension) if view is FINAL_MODEL else None,
-            },
-            "bound_by_guesses": bound_by_guesses(inside, outside, delta=log.delta, confidence=LEVEL),
-        }
+        views[view.name] = _view_metrics(view, score, included, log, budget, split_seed, boot_seed, resamples)
         table[view.name] = score
         table[f"bound_role_{view.name}"] = role
         curve = roc(included.astype(int), score)
@@ -200,15 +228,7 @@ def audit(
             pd.DataFrame({"view": view.name, "fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
         )
     largest = max(v["epsilon_lower_bound"] for v in views.values())
-    unequal = [int(t) + 1 for t in np.flatnonzero((log.equal_weights == 0) & (log.released == 1))]
-    warnings = []
-    if unequal:
-        warnings.append(
-            f"rounds {unequal} aggregated replies of unequal weights: Flower's DP noise assumes equal weights, so a "
-            "client of the largest weight (the canary clients take it) has less privacy than the accountant says"
-        )
-    if not log.released.all():
-        warnings.append(f"rounds {[int(t) + 1 for t in np.flatnonzero(log.released == 0)]} released no aggregate")
+    warnings = _log_warnings(log)
     metrics = {
         "attack": "flower-canaries",
         "method": "canary",

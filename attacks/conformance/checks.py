@@ -555,6 +555,34 @@ def _meta(tensors: Mapping[str, torch.Tensor], where: str) -> tuple[dict[str, np
     return meta, None
 
 
+def _kept_index(
+    drawn: torch.Tensor | None, name: str, population: int, records: int
+) -> tuple[np.ndarray | None, str | None]:
+    """A kept query's record positions (None where the log predates them), or why they cannot be checked: as many
+    as its step drew, each once, inside its client's population."""
+    if drawn is None:
+        return None, None
+    if drawn.dim() != 1 or drawn.is_floating_point() or drawn.is_complex():
+        return None, f"{name} has record positions that are not a list of integers"
+    index = drawn.numpy().astype(np.int64)
+    if len(index) != records or (len(index) and (index.min() < 0 or index.max() >= population)):
+        return None, f"{name} lists {len(index)} record positions in 0..{population - 1}, but its step drew {records}"
+    if len(np.unique(index)) != len(index):
+        return None, f"{name} lists a record position twice"
+    return index, None
+
+
+def _kept_device(flag: torch.Tensor | None, name: str) -> tuple[str | None, str | None]:
+    """Where a kept query's noise was drawn ("cuda" or "cpu"; None where the log does not say), or why that cannot
+    be read."""
+    if flag is None:
+        return None, None
+    flag = flag.reshape(-1)
+    if flag.numel() != 1 or flag.is_floating_point() or int(flag.item()) not in (0, 1):
+        return None, f"{name} says neither that it was drawn on a GPU nor that it was not"
+    return ("cuda" if int(flag.item()) else "cpu"), None
+
+
 def _kept(
     tensors: Mapping[str, torch.Tensor],
     j: int,
@@ -609,26 +637,11 @@ def _kept(
     # input canaries are rows of x already; their ids may be listed too (the recorder lists every canary drawn)
     if len(ids_array) != canaries and (facts.kind != "input" or len(ids_array)):
         return None, f"{name} lists {len(ids_array)} canaries, but its step drew {canaries}"
-    index = None
-    if f"kept{j}/index" in tensors:
-        drawn = tensors[f"kept{j}/index"]
-        population = facts.populations(number, client, 1)[0]
-        if drawn.dim() != 1 or drawn.is_floating_point() or drawn.is_complex():
-            return None, f"{name} has record positions that are not a list of integers"
-        index = drawn.numpy().astype(np.int64)
-        if len(index) != records or (len(index) and (index.min() < 0 or index.max() >= population)):
-            return (
-                None,
-                f"{name} lists {len(index)} record positions in 0..{population - 1}, but its step drew {records}",
-            )
-        if len(np.unique(index)) != len(index):
-            return None, f"{name} lists a record position twice"
-    device = None
-    if f"kept{j}/cuda" in tensors:
-        flag = tensors[f"kept{j}/cuda"].reshape(-1)
-        if flag.numel() != 1 or flag.is_floating_point() or int(flag.item()) not in (0, 1):
-            return None, f"{name} says neither that it was drawn on a GPU nor that it was not"
-        device = "cuda" if int(flag.item()) else "cpu"
+    index, problem = _kept_index(tensors.get(f"kept{j}/index"), name, facts.populations(number, client, 1)[0], records)
+    if problem is None:
+        device, problem = _kept_device(tensors.get(f"kept{j}/cuda"), name)
+    if problem is not None:
+        return None, problem
     query = _Kept(
         round=number,
         client=client,
@@ -821,6 +834,27 @@ def _not_checked(name: str) -> Check:
     )
 
 
+def _independence_test(noisy: list[_Residual], scaled: list[torch.Tensor]) -> tuple[_Test, int]:
+    """Whether two kept queries' noise is correlated (a noise draw reused): the largest of the pairwise normalised
+    inner products, Bonferroni over the pairs; with the number of pairs."""
+    matrix = torch.stack(scaled)
+    dimension = matrix.shape[1]
+    gram = (matrix @ matrix.T / math.sqrt(dimension)).numpy()
+    upper = np.triu_indices(len(noisy), k=1)
+    zs = gram[upper]
+    worst = int(np.argmax(np.abs(zs)))
+    a, b = noisy[upper[0][worst]].query, noisy[upper[1][worst]].query
+    pairs = len(zs)
+    test = _Test(
+        "independence",
+        min(1.0, pairs * _two_sided_normal(float(zs[worst]))),
+        float(zs[worst]),
+        f"The noise of ({a.label}) and ({b.label}) is correlated ({zs[worst] / math.sqrt(dimension):.3g}, "
+        f"z = {zs[worst]:.3g} over {pairs} pairs of kept queries): a noise draw was reused.",
+    )
+    return test, pairs
+
+
 def _noise_check(residuals: list[_Residual], shapes: Mapping[str, torch.Size], level: float, seed: int) -> Check:
     noisy = [r for r in residuals if r.scale > 0]
     silent = [r for r in residuals if r.scale == 0]
@@ -876,24 +910,8 @@ def _noise_check(residuals: list[_Residual], shapes: Mapping[str, torch.Size], l
             )
         )
         if len(noisy) > 1:
-            matrix = torch.stack(scaled)
-            dimension = matrix.shape[1]
-            gram = (matrix @ matrix.T / math.sqrt(dimension)).numpy()
-            upper = np.triu_indices(len(noisy), k=1)
-            zs = gram[upper]
-            worst = int(np.argmax(np.abs(zs)))
-            a, b = noisy[upper[0][worst]].query, noisy[upper[1][worst]].query
-            pairs = len(zs)
-            tests.append(
-                _Test(
-                    "independence",
-                    min(1.0, pairs * _two_sided_normal(float(zs[worst]))),
-                    float(zs[worst]),
-                    f"The noise of ({a.label}) and ({b.label}) is correlated ({zs[worst] / math.sqrt(dimension):.3g}, "
-                    f"z = {zs[worst]:.3g} over {pairs} pairs of kept queries): a noise draw was reused.",
-                )
-            )
-            details["pairs"] = pairs
+            independence, details["pairs"] = _independence_test(noisy, scaled)
+            tests.append(independence)
         details.update(coordinates=total, variance_ratio=ratio)
     count = len(residuals)
     if not residuals:
@@ -1089,6 +1107,46 @@ def _binomial_tests(
     return tests, details
 
 
+def _participation_tests(read: _Logs, facts: _Run) -> tuple[list[_Test], np.ndarray, int]:
+    """Each round's participants against the client fraction (every client in the set-up rounds), and each
+    client's participation against uniform selection; with the counts and the number of sampled rounds."""
+    tests: list[_Test] = []
+    everyone = len(facts.sizes)
+    wrong_rounds = {
+        m: len(c)
+        for m, c in read.participants.items()
+        if len(c) != (everyone if m <= facts.setup_rounds else facts.selected)
+    }
+    if wrong_rounds:
+        m, count = next(iter(wrong_rounds.items()))
+        expected = (
+            f"every client ({everyone}) takes part in its first {facts.setup_rounds} round(s)"
+            if m <= facts.setup_rounds
+            else f"ceil(p K) = {facts.selected} take part in every round"
+        )
+        tests.append(_exact("participants", False, f"Round {m} has logs of {count} clients where {expected}."))
+    counts = np.zeros(len(facts.sizes), dtype=int)
+    sampled = {m: c for m, c in read.participants.items() if m > facts.setup_rounds}  # chosen by --client-fraction
+    for clients in sampled.values():
+        counts[[k for k in clients if k < len(counts)]] += 1
+    rounds = len(sampled)
+    if 0 < facts.fraction < 1 and rounds:
+        lower = stats.binom.cdf(counts, rounds, facts.fraction)
+        upper = stats.binom.sf(counts - 1, rounds, facts.fraction)
+        per_client = np.minimum(1.0, 2 * np.minimum(lower, upper))
+        k = int(np.argmin(per_client))
+        tests.append(
+            _Test(
+                "participation",
+                float(min(1.0, len(counts) * per_client[k])),
+                float(counts[k]),
+                f"Client {k} took part in {counts[k]} of {rounds} rounds, where uniform selection of "
+                f"{facts.selected} of {len(counts)} clients gives {rounds * facts.fraction:.3g} on average.",
+            )
+        )
+    return tests, counts, rounds
+
+
 def _sampling_check(read: _Logs, facts: _Run, ledger: _Ledger, level: float) -> Check:
     tests: list[_Test] = []
     details: dict[str, Any] = {}
@@ -1136,40 +1194,9 @@ def _sampling_check(read: _Logs, facts: _Run, ledger: _Ledger, level: float) -> 
         found, info = _binomial_tests("canaries", np.concatenate(canaries), np.concatenate(held), rate)
         tests += found
         details["canaries"] = info
-    everyone = len(facts.sizes)
-    wrong_rounds = {
-        m: len(c)
-        for m, c in read.participants.items()
-        if len(c) != (everyone if m <= facts.setup_rounds else facts.selected)
-    }
-    if wrong_rounds:
-        m, count = next(iter(wrong_rounds.items()))
-        expected = (
-            f"every client ({everyone}) takes part in its first {facts.setup_rounds} round(s)"
-            if m <= facts.setup_rounds
-            else f"ceil(p K) = {facts.selected} take part in every round"
-        )
-        tests.append(_exact("participants", False, f"Round {m} has logs of {count} clients where {expected}."))
-    counts = np.zeros(len(facts.sizes), dtype=int)
-    sampled = {m: c for m, c in read.participants.items() if m > facts.setup_rounds}  # chosen by --client-fraction
-    for clients in sampled.values():
-        counts[[k for k in clients if k < len(counts)]] += 1
+    found, counts, rounds = _participation_tests(read, facts)
+    tests += found
     details["participation"] = counts.tolist()
-    rounds = len(sampled)
-    if 0 < facts.fraction < 1 and rounds:
-        lower = stats.binom.cdf(counts, rounds, facts.fraction)
-        upper = stats.binom.sf(counts - 1, rounds, facts.fraction)
-        per_client = np.minimum(1.0, 2 * np.minimum(lower, upper))
-        k = int(np.argmin(per_client))
-        tests.append(
-            _Test(
-                "participation",
-                float(min(1.0, len(counts) * per_client[k])),
-                float(counts[k]),
-                f"Client {k} took part in {counts[k]} of {rounds} rounds, where uniform selection of "
-                f"{facts.selected} of {len(counts)} clients gives {rounds * facts.fraction:.3g} on average.",
-            )
-        )
     setup = f" after {facts.setup_rounds} round(s) of every client" if facts.setup_rounds else ""
     success = (
         f"The batches of {queries} queries are Poisson samples at the rate the ledger charges, and each of "
@@ -1179,9 +1206,10 @@ def _sampling_check(read: _Logs, facts: _Run, ledger: _Ledger, level: float) -> 
     return _combine("sampling", tests, level, queries, success, details)
 
 
-def _ledger_check(read: _Logs, facts: _Run, ledger: _Ledger) -> Check:
-    failures: list[str] = []
-    details: dict[str, Any] = {"accountant": ledger.accountant, "delta": ledger.delta, "pld_interval": PLD_INTERVAL}
+def _ledger_history_problems(facts: _Run, ledger: _Ledger) -> list[str]:
+    """The ledger against itself and the run: a row and an epsilon per round, the final epsilon the largest client's,
+    and each client's entries the composition of its rows."""
+    failures = []
     if len(ledger.rounds) != facts.rounds or len(ledger.epsilon_per_round) != facts.rounds:
         failures.append(
             f"The ledger records {len(ledger.rounds)} rounds and {len(ledger.epsilon_per_round)} epsilons, but the "
@@ -1203,6 +1231,13 @@ def _ledger_check(read: _Logs, facts: _Run, ledger: _Ledger) -> Check:
             stored[(sigma, q)] += steps
         if +stored != +history.get(client, Counter()):
             failures.append(f"The ledger's entries for client {client} are not the composition of its history.")
+    return failures
+
+
+def _charged_queries(read: _Logs, ledger: _Ledger) -> tuple[list[str], dict[int, Counter[tuple[float, float]]]]:
+    """Each client's logged queries against what its ledger row charged (count, noise multiplier, rate), and the
+    queries each client made, by (noise multiplier, rate)."""
+    failures: list[str] = []
     recorded: dict[int, Counter[tuple[float, float]]] = {}
     for log in read.logs:
         row = ledger.rounds[log.round - 1] if log.round <= len(ledger.rounds) else {}
@@ -1227,6 +1262,15 @@ def _ledger_check(read: _Logs, facts: _Run, ledger: _Ledger) -> Check:
         spent = recorded.setdefault(log.client, Counter())
         for sigma, q in zip(log.meta["noise_multiplier"], log.meta["rate"]):
             spent[(float(sigma), float(q))] += 1
+    return failures, recorded
+
+
+def _ledger_check(read: _Logs, facts: _Run, ledger: _Ledger) -> Check:
+    details: dict[str, Any] = {"accountant": ledger.accountant, "delta": ledger.delta, "pld_interval": PLD_INTERVAL}
+    failures = _ledger_history_problems(facts, ledger)
+    final = ledger.epsilon_per_round[-1] if ledger.epsilon_per_round else 0.0
+    charged_problems, recorded = _charged_queries(read, ledger)
+    failures += charged_problems
     clients: dict[str, Any] = {}
     ratio = 0.0
     use_rdp = ledger.accountant == "rdp"

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -762,42 +762,27 @@ def reconstruct(
         null_images = np.arange(len(null_guesses))
         sources = ("reconstructed", "reconstructed")
     else:
-        images = sent["images"].to(torch.float32)
-        guessed_labels = sent["labels"].numpy() if "labels" in sent else np.full(len(images), -1)
-        guesses = to_pixels(images, low, high)
-        matched = nearest(guesses, reals)
-        held, null_images, split, null_labels = _held_out(dataset, partition, guessed_labels, target, seed)
-        null_guesses = to_pixels(held, low, high)
-        null_matched = nearest(null_guesses, reals)
-        details = {"synthetic_images": len(images), "null_records_from": split}
+        guesses, guessed_labels, null_guesses, null_images, null_labels, split = _sent_and_held_out(
+            sent, dataset, partition, target, seed, low, high
+        )
+        matched, null_matched = nearest(guesses, reals), nearest(null_guesses, reals)
+        details = {"synthetic_images": len(guesses), "null_records_from": split}
         sources = ("sent", split)
     psnrs, ssims = pair_quality(guesses, reals[matched])
     null_psnrs, null_ssims = pair_quality(null_guesses, reals[null_matched])
     threshold = options.psnr_threshold
-    rows = []
-    for kind_name, source, index, match, labels, p, s in (
-        (kind, sources[0], np.arange(len(guesses)), matched, guessed_labels, psnrs, ssims),
-        (NULL_KIND[kind], sources[1], null_images, null_matched, null_labels, null_psnrs, null_ssims),
-    ):
-        order = _best_first(p)
-        rows.append(
-            pd.DataFrame(
-                {
-                    "kind": kind_name,
-                    "rank": np.arange(len(order)),
-                    "image": index[order],
-                    "image_source": source,
-                    "record": own.numpy()[match[order]],
-                    "label": real_labels[match[order]],
-                    "label_guessed": labels[order],
-                    "psnr": p[order],
-                    "ssim": s[order],
-                    "recovered": p[order] >= threshold,
-                }
-            )
-        )
-    table = pd.concat(rows, ignore_index=True)
-    best = _best_first(psnrs)[:SHOWN]
+    judged = (own, real_labels)  # the client's records and their labels
+    table = pd.concat(
+        [
+            _ranked(kind, sources[0], np.arange(len(guesses)), matched, guessed_labels, psnrs, ssims, *judged),
+            _ranked(
+                NULL_KIND[kind], sources[1], null_images, null_matched, null_labels, null_psnrs, null_ssims, *judged
+            ),
+        ],
+        ignore_index=True,
+    )
+    table["recovered"] = table["psnr"] >= threshold
+    best = _best_first(psnrs)[:SHOWN]  # the figure's pairs
     label_match = _label_agreement(guessed_labels, real_labels[matched]) if kind == UPDATE_SIGNAL else None
     quality = quality_summary(psnrs, ssims, threshold)
     null_quality = quality_summary(null_psnrs, null_ssims, threshold)
@@ -818,23 +803,58 @@ def reconstruct(
         "null": {"kind": NULL_KIND[kind], **null_quality},
         "no_better_than_null": _no_better(quality["psnr"], null_quality["psnr"]),
         "accountant_epsilon": accountant_epsilon,
-        "settings": {
-            "iterations": options.iterations,
-            "restarts": options.restarts,
-            "psnr_threshold": threshold,
-            "learning_rate": options.learning_rate,
-            "tv_weight": options.tv_weight,
-            "order_weight": options.order_weight,
-        },
+        "settings": asdict(options),  # iterations, restarts, psnr_threshold, learning_rate, tv and order weights
         "attack": details,
         "seconds": time.perf_counter() - began,
     }
-    images = {
-        "reconstructed": torch.from_numpy(guesses[best]).float(),
-        "original": torch.from_numpy(reals[matched[best]]).float(),
-        "psnr": torch.from_numpy(psnrs[best]).float(),
-    }
-    return Outcome(target.name, table, images, metrics)
+    shown = {"reconstructed": guesses[best], "original": reals[matched[best]], "psnr": psnrs[best]}
+    return Outcome(target.name, table, {key: torch.from_numpy(value).float() for key, value in shown.items()}, metrics)
+
+
+def _sent_and_held_out(
+    sent: Mapping[str, torch.Tensor],
+    dataset: Dataset,
+    partition: Partition,
+    target: ReconstructionTarget,
+    seed: int,
+    low: torch.Tensor,
+    high: torch.Tensor,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
+    """A synthetic set as sent (pixels and labels) and its null, held-out records of the same labels: the null's
+    pixels, which records, their labels and where they come from."""
+    images = sent["images"].to(torch.float32)
+    labels = sent["labels"].numpy() if "labels" in sent else np.full(len(images), -1)
+    held, null_images, split, null_labels = _held_out(dataset, partition, labels, target, seed)
+    return to_pixels(images, low, high), labels, to_pixels(held, low, high), null_images, null_labels, split
+
+
+def _ranked(
+    kind: str,
+    source: str,
+    index: np.ndarray,
+    match: np.ndarray,
+    labels: np.ndarray,
+    psnrs: np.ndarray,
+    ssims: np.ndarray,
+    own: torch.Tensor,
+    real_labels: np.ndarray,
+) -> pd.DataFrame:
+    """One kind's rows of the reconstruction table, best PSNR first: each image, the client's record it matches, the
+    labels, and the quality of the match."""
+    order = _best_first(psnrs)
+    return pd.DataFrame(
+        {
+            "kind": kind,
+            "rank": np.arange(len(order)),
+            "image": index[order],
+            "image_source": source,
+            "record": own.numpy()[match[order]],
+            "label": real_labels[match[order]],
+            "label_guessed": labels[order],
+            "psnr": psnrs[order],
+            "ssim": ssims[order],
+        }
+    )
 
 
 def _best_first(psnrs: np.ndarray) -> np.ndarray:

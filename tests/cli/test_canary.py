@@ -258,10 +258,22 @@ def test_an_accountant_that_undercounts_is_caught(tmp_path, monkeypatch, fault):
     assert checks["ledger"] is False, checks
 
 
-def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path):
+def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path, monkeypatch):
     """The null side, on the small configuration: 20 seeds of a correct run (every other one with client sampling),
     none with a view's rigorous bound above the budget, none failing a conformance check (attack --method canary
-    runs verify)."""
+    runs verify).
+
+    The clients' secrets come from a fixed sequence, so these are the same 20 runs on every machine: verify's checks
+    are at level 0.001 a run, so 20 runs with fresh secrets would raise a false alarm in about 2% of test runs.
+    benchmarks/fault_detection.py measures the false alarms on fresh secrets; 97 fresh correct runs of this
+    configuration were never flagged, each sub-test's p-values spread evenly over (0, 1)."""
+    import hashlib
+    import itertools
+
+    import fedaudit.privacy.randomness as randomness
+
+    drawn = itertools.count()
+    monkeypatch.setattr(randomness, "new_secret", lambda: hashlib.sha256(f"null {next(drawn)}".encode()).digest())
     flagged = []
     for seed in range(20):
         out = tmp_path / f"seed{seed}"
