@@ -4,7 +4,7 @@ before hashing), and the check of a whole run against merely reading its files.
 A DP-FedAvg run with --save-transmitted is trained once (digits, ConvNet, K clients); then, on its files:
 - commit: every file of its last round written through ``RunDirectory.staged`` (hashes, pending manifest, files,
   committed manifest) against ``atomic_write_bytes`` of the same bytes and one manifest write;
-- check: ``RunDirectory.integrity_problems`` (every file hashed, the ledger replayed from cold, as in a fresh
+- check: ``RunDirectory.seal.problems`` (every file hashed, the ledger replayed from cold, as in a fresh
   ``fedaudit report``) against reading every file.
 Times are the median of --repeats runs, one thread.
 

@@ -44,7 +44,8 @@ CACHES = ("references",)  # attack caches, rebuilt when their key differs; resul
 UNNAMED_WAIT = 10.0  # seconds a writer waits for a lock whose holder did not name itself
 _UNNAMED = "another fedaudit command (reading it)"
 LEDGER_RTOL = 1e-6  # the same accountant replayed on the same events gives the same epsilon, up to rounding
-# What an interrupted atomic write leaves (runs.atomic_write_bytes): "." + name + "." + 8 characters + ".tmp".
+# What an interrupted atomic write leaves (fedaudit.rundir.files.atomic_write_bytes): "." + name + "." + 8 characters
+# + ".tmp".
 _TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 _CHUNK = 1 << 20
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import FAST_ARGS, assert_user_error, invoke, read_json, rehash, tree_digest
 
-import fedaudit.rundir.files as runs
+import fedaudit.rundir.files as run_files
 from fedaudit.integrity import LOCK as LOCK_NAME
 from fedaudit.rundir import RunDirectory
 
@@ -184,7 +184,7 @@ def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(
     like an uninterrupted one, with no stray file."""
     reference = trained("--dp", "--rounds", "3")
     run = tmp_path / "run"
-    real = runs.atomic_write_bytes
+    real = run_files.atomic_write_bytes
     calls = {"n": 0}
 
     def crashing(path: Path, data: bytes) -> None:
@@ -193,7 +193,7 @@ def test_a_crash_at_any_write_leaves_a_run_that_checks_and_resumes_exactly(
         calls["n"] += 1
         real(path, data)
 
-    monkeypatch.setattr(runs, "atomic_write_bytes", crashing)
+    monkeypatch.setattr(run_files, "atomic_write_bytes", crashing)
     if write == WRITES:  # no crash: every write of the run was a crash point above
         assert invoke("train", *FAST_ARGS, "--dp", "--rounds", "3", "--out", run).exit_code == 0
         assert calls["n"] == WRITES
@@ -447,7 +447,7 @@ def test_an_attack_crashed_at_any_write_gives_the_same_results_when_given_again(
     reference = copy(plain_run, tmp_path, "reference")
     assert invoke("attack", reference, "--no-progress").exit_code == 0
     run = copy(plain_run, tmp_path)
-    real, calls = runs.atomic_write_bytes, {"n": 0}
+    real, calls = run_files.atomic_write_bytes, {"n": 0}
 
     def crashing(path: Path, data: bytes) -> None:
         if calls["n"] == write:
@@ -455,7 +455,7 @@ def test_an_attack_crashed_at_any_write_gives_the_same_results_when_given_again(
         calls["n"] += 1
         real(path, data)
 
-    monkeypatch.setattr(runs, "atomic_write_bytes", crashing)
+    monkeypatch.setattr(run_files, "atomic_write_bytes", crashing)
     with pytest.raises(_Killed):
         invoke("attack", run, "--no-progress")
     monkeypatch.undo()
@@ -481,7 +481,7 @@ def test_a_report_crashed_at_any_write_is_written_whole_by_the_same_command(dp_r
         real(path, data)
 
     monkeypatch.setattr(render, "atomic_write_bytes", crashing)
-    monkeypatch.setattr(runs, "atomic_write_bytes", crashing)  # the marker, written through atomic_write_json
+    monkeypatch.setattr(run_files, "atomic_write_bytes", crashing)  # the marker, written through atomic_write_json
     with pytest.raises(_Killed):
         invoke("report", dp_run, "--out", tmp_path / "out" / "r.md")
     monkeypatch.undo()
@@ -500,7 +500,7 @@ def test_a_run_file_grown_beyond_any_fedaudit_writes_is_one_sentence_before_it_i
     """The size is checked before a run file is read whole (a 3 GB metrics.csv once took the report to 24 GB): here
     with the limit lowered to a few kB, so that the test need not write gigabytes."""
     run = copy(dp_run, tmp_path)
-    monkeypatch.setattr(runs, "MAX_RUN_TEXT_BYTES", 4096)
+    monkeypatch.setattr(run_files, "MAX_RUN_TEXT_BYTES", 4096)
     path = run / name
     path.write_bytes(path.read_bytes() + b" " * 8192)
     result = invoke("report", run, "--out", tmp_path / "r.md")

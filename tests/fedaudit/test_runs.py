@@ -20,7 +20,7 @@ import torch
 from helpers import read_json
 from safetensors.torch import load_file
 
-import fedaudit.rundir.files as runs
+import fedaudit.rundir.files as run_files
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
 from fedaudit.models import ModelSpec
@@ -290,7 +290,7 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_pa
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(runs.os, fails, broken)
+    monkeypatch.setattr(run_files.os, fails, broken)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(target, b"new content that never lands")
     assert target.read_bytes() == b"old content"
@@ -303,7 +303,7 @@ def test_an_interrupted_atomic_write_leaves_no_temporary(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runs.os, "replace", interrupted)
+    monkeypatch.setattr(run_files.os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         atomic_write_bytes(tmp_path / "model.safetensors", b"x")
     assert os.listdir(tmp_path) == []
@@ -312,7 +312,7 @@ def test_an_interrupted_atomic_write_leaves_no_temporary(tmp_path, monkeypatch):
 def _temporary(folder: Path, name: str) -> Path:
     """A temporary file named exactly as atomic_write_bytes names one (tempfile.mkstemp)."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=runs.TEMPORARY_SUFFIX, dir=folder)
+    fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=run_files.TEMPORARY_SUFFIX, dir=folder)
     os.close(fd)
     return Path(path)
 

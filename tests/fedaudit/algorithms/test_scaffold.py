@@ -202,15 +202,15 @@ def test_client_states_live_in_the_rounds_that_changed_them_and_survive_keep_che
 
 _KILLED_IN_COMMIT = """
 import os, sys
-import fedaudit.rundir.files as runs
-real, seen = runs.atomic_write_bytes, {"model": 0}
+import fedaudit.rundir.files as run_files
+real, seen = run_files.atomic_write_bytes, {"model": 0}
 def write(path, data, *args, **kwargs):
     if path.name == "model.safetensors":
         seen["model"] += 1
         if seen["model"] == int(sys.argv[1]):
             os._exit(137)  # killed in the middle of committing that round, its other files already written
     return real(path, data, *args, **kwargs)
-runs.atomic_write_bytes = write
+run_files.atomic_write_bytes = write
 from fedaudit.cli import main
 main(sys.argv[2:])
 """
