@@ -22,7 +22,7 @@ from fedaudit.algorithms.feddm_settings import FedDMConfig
 from fedaudit.algorithms.fedgm_settings import FedGMConfig
 from fedaudit.algorithms.fedlap_settings import FedLAPConfig
 from fedaudit.algorithms.fedssyn_settings import FedssynConfig
-from fedaudit.errors import ConfigError, is_int, is_number, require
+from fedaudit.errors import ConfigError, is_int, is_number, require, require_positive_integers, require_positive_numbers
 from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
 
 # Seeds are 32-bit: every random stream is derived from (seed, stream, keys) word by word (fedaudit.seeding).
@@ -98,10 +98,7 @@ class ModelConfig:
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
-        require(
-            self.width is None or (is_int(self.width) and self.width >= 1),
-            f"--width must be a positive integer, got {self.width!r}.",
-        )
+        require_positive_integers(self, "width", optional=True)
         require(
             self.depth is None or (is_int(self.depth) and self.depth >= 0),
             f"--depth must be a non-negative integer, got {self.depth!r}.",
@@ -130,7 +127,7 @@ class FederatedConfig:
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
-        require(is_int(self.rounds) and self.rounds >= 1, f"--rounds must be a positive integer, got {self.rounds!r}.")
+        require_positive_integers(self, "rounds")
         require(self.rounds <= MAX_ROUNDS, f"--rounds must be at most {MAX_ROUNDS:,}, got {self.rounds:,}.")
         require(
             is_number(self.client_fraction) and 0.0 < self.client_fraction <= 1.0,
@@ -140,17 +137,9 @@ class FederatedConfig:
             self.weighting in WEIGHTINGS,
             f"--weighting must be one of {', '.join(WEIGHTINGS)}, got '{self.weighting}'.",
         )
-        require(
-            is_number(self.server_lr) and self.server_lr > 0, f"--server-lr must be positive, got {self.server_lr!r}."
-        )
-        require(
-            is_int(self.local_epochs) and self.local_epochs >= 1,
-            f"--local-epochs must be a positive integer, got {self.local_epochs!r}.",
-        )
-        require(
-            self.local_steps is None or (is_int(self.local_steps) and self.local_steps >= 1),
-            f"--local-steps must be a positive integer, got {self.local_steps!r}.",
-        )
+        require_positive_numbers(self, "server_lr")
+        require_positive_integers(self, "local_epochs")
+        require_positive_integers(self, "local_steps", optional=True)
         require(
             self.client_lr is None or (is_number(self.client_lr) and self.client_lr > 0),
             f"--lr must be positive, got {self.client_lr!r}.",
@@ -159,10 +148,7 @@ class FederatedConfig:
             is_number(self.momentum) and 0.0 <= self.momentum < 1.0,
             f"--momentum must be in [0, 1), got {self.momentum!r}.",
         )
-        require(
-            self.batch_size is None or (is_int(self.batch_size) and self.batch_size >= 1),
-            f"--batch-size must be a positive integer, got {self.batch_size!r}.",
-        )
+        require_positive_integers(self, "batch_size", optional=True)
         require(is_number(self.mu) and self.mu >= 0, f"--mu must be non-negative, got {self.mu!r}.")
         require(
             self.lr_schedule is None or self.lr_schedule in LR_SCHEDULES,
@@ -185,14 +171,8 @@ class EvaluationConfig:
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
-        require(
-            is_int(self.eval_every) and self.eval_every >= 1,
-            f"--eval-every must be a positive integer, got {self.eval_every!r}.",
-        )
-        require(
-            self.eval_sample is None or (is_int(self.eval_sample) and self.eval_sample >= 1),
-            f"--eval-sample must be a positive integer, got {self.eval_sample!r}.",
-        )
+        require_positive_integers(self, "eval_every")
+        require_positive_integers(self, "eval_sample", optional=True)
 
 
 @dataclass(frozen=True)
@@ -468,10 +448,7 @@ class RunConfig:
         """Raise :class:`ConfigError` with one clear sentence for the first invalid value."""
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'.")
         require(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'.")
-        require(
-            self.parallel_clients is None or (is_int(self.parallel_clients) and self.parallel_clients >= 1),
-            f"--parallel-clients must be a positive integer, got {self.parallel_clients!r}.",
-        )
+        require_positive_integers(self, "parallel_clients", optional=True)
         self._validate_flower()
         require(
             self.engine == "local" or self.flower.superlink is not None or self.parallel_clients in (None, 1),
@@ -489,10 +466,7 @@ class RunConfig:
             self.evaluation.eval_sample is None or str(d.dataset).strip().lower() != "sites",
             "--eval-sample does not apply to --dataset sites: each site evaluates the model on its own test records.",
         )
-        require(
-            self.keep_checkpoints is None or (is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1),
-            f"--keep-checkpoints must be a positive integer, got {self.keep_checkpoints!r}.",
-        )
+        require_positive_integers(self, "keep_checkpoints", optional=True)
         require(
             self.keep_checkpoints is None or not a.canaries,
             "--keep-checkpoints cannot be used with --canaries: the canary audit reads the model every round began "

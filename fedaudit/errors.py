@@ -39,3 +39,28 @@ def is_int(value: object) -> bool:
 def is_number(value: object) -> bool:
     """A finite int or float, and not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _flag(field: str) -> str:
+    """The command-line option named after a configuration field (``dm_ipc`` -> ``--dm-ipc``)."""
+    return "--" + field.replace("_", "-")
+
+
+def require_positive_integers(section: object, *fields: str, optional: bool = False) -> None:
+    """A :class:`ConfigError` unless each named field of ``section`` is an integer >= 1 (or None, if ``optional``)."""
+    for field in fields:
+        value = getattr(section, field)
+        require(
+            (optional and value is None) or (is_int(value) and value >= 1),
+            f"{_flag(field)} must be a positive integer, got {value!r}.",
+        )
+
+
+def require_positive_numbers(section: object, *fields: str, optional: bool = False) -> None:
+    """A :class:`ConfigError` unless each named field of ``section`` is finite and > 0 (or None, if ``optional``)."""
+    for field in fields:
+        value = getattr(section, field)
+        require(
+            (optional and value is None) or (is_number(value) and value > 0),
+            f"{_flag(field)} must be positive, got {value!r}.",
+        )

@@ -1,6 +1,7 @@
-"""Extending fedaudit: a toy algorithm and a toy attack, each one module (this file stands for it) and one registry
-entry, go through a whole study (train, attack, report, compare) like the built-in ones. The command line's choices
-are fixed when it loads, so the study runs through the Python API, as a plug-in's user would run it."""
+"""Extending fedaudit: a toy algorithm (tests/support/toy_algorithm.py) and a toy attack (this file stands for its
+module), each one module and one registry entry, go through a whole study (train, attack, report, compare) like the
+built-in ones. The command line's choices are fixed when it loads, so the study runs through the Python API, as a
+plug-in's user would run it."""
 
 from __future__ import annotations
 
@@ -9,19 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import toy_algorithm
 import yaml
 
 import fedaudit
 import fedaudit.attacks.registry as attack_registry
 import fedaudit.registry as registry
-from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.attacks.membership.methods import MethodOutput
-
-
-class FedAvgTwice(FedAvg):
-    """The toy algorithm: FedAvg under another name, with defaults of its own (its entry's)."""
-
-    name = "fedavg-twice"
 
 
 def negated(signal: np.ndarray, score: np.ndarray, member: np.ndarray, attack_train: np.ndarray, *, seed: int):
@@ -29,17 +24,7 @@ def negated(signal: np.ndarray, score: np.ndarray, member: np.ndarray, attack_tr
     return MethodOutput(scores=-score, audit=np.ones(score.size, dtype=bool))
 
 
-ALGORITHM = registry.AlgorithmEntry(
-    name="fedavg-twice",
-    label="FedAvgTwice",
-    dp_label="DP-FedAvgTwice",
-    summary="FedAvg under another name",
-    implementation=f"{__name__}:FedAvgTwice",
-    client_lr=0.3,
-    max_grad_norm=0.7,
-    colour="#123456",
-    local_sgd=True,
-)
+ALGORITHM = toy_algorithm.ENTRY
 ATTACK = attack_registry.AttackEntry(
     "negated",
     attack_registry.MEMBERSHIP,

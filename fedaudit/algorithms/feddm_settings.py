@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedaudit.errors import is_int, is_number, require
+from fedaudit.errors import require, require_positive_integers, require_positive_numbers
 
 SECTION = "feddm"
 
@@ -28,12 +28,8 @@ Section = FedDMConfig
 
 def validate(dm: FedDMConfig, config: Any, *, selected: bool) -> None:
     """FedDM's section; its options with another algorithm; FedDM has no DP variant here."""
-    for name in ("dm_ipc", "dm_iterations", "dm_batch"):
-        value = getattr(dm, name)
-        require(is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-    for name in ("dm_lr", "dm_radius"):
-        value = getattr(dm, name)
-        require(is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
+    require_positive_integers(dm, "dm_ipc", "dm_iterations", "dm_batch")
+    require_positive_numbers(dm, "dm_lr", "dm_radius")
     if not selected:
         require(dm == FedDMConfig(), "The FedDM options (--dm-*) need --algorithm feddm.")
         return

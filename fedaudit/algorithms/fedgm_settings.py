@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedaudit.errors import is_int, is_number, require
+from fedaudit.errors import is_int, require, require_positive_integers, require_positive_numbers
 
 SECTION = "fedgm"
 LABEL_MECHANISMS = ("rr", "rr-top-k", "rr-with-prior")
@@ -36,18 +36,13 @@ Section = FedGMConfig
 
 def _check_values(gm: FedGMConfig) -> None:
     """The section's own values, whichever algorithm runs."""
-    for name in ("distill_ipc", "distill_iterations", "distill_steps", "distill_batch", "server_steps"):
-        value = getattr(gm, name)
-        require(is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-    require(is_number(gm.distill_lr) and gm.distill_lr > 0, f"--distill-lr must be positive, got {gm.distill_lr!r}.")
+    require_positive_integers(gm, "distill_ipc", "distill_iterations", "distill_steps", "distill_batch", "server_steps")
+    require_positive_numbers(gm, "distill_lr")
     require(
         gm.distill_init in DISTILL_INITS,
         f"--distill-init must be one of {', '.join(DISTILL_INITS)}, got {gm.distill_init!r}.",
     )
-    require(
-        gm.label_epsilon is None or (is_number(gm.label_epsilon) and gm.label_epsilon > 0),
-        f"--label-epsilon must be positive, got {gm.label_epsilon!r}.",
-    )
+    require_positive_numbers(gm, "label_epsilon", optional=True)
     require(
         gm.label_mechanism in LABEL_MECHANISMS,
         f"--label-mechanism must be one of {', '.join(LABEL_MECHANISMS)}, got {gm.label_mechanism!r}.",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fedaudit.errors import is_int, is_number, require
+from fedaudit.errors import is_int, is_number, require, require_positive_integers, require_positive_numbers
 
 SECTION = "fedlap"
 
@@ -80,7 +80,8 @@ def resolve(lap: FedLAPConfig, config: Any) -> FedLAPConfig:
 
 def validate(lap: FedLAPConfig, config: Any, *, selected: bool) -> None:
     """Check the section (values left at None are filled in by :func:`resolve`), whichever algorithm runs."""
-    for name in (
+    require_positive_integers(
+        lap,
         "ipc",
         "trajectories",
         "max_loops",
@@ -88,21 +89,14 @@ def validate(lap: FedLAPConfig, config: Any, *, selected: bool) -> None:
         "image_steps",
         "server_batch_size",
         "server_epochs",
-    ):
-        value = getattr(lap, name)
-        require(
-            value is None or (is_int(value) and value >= 1),
-            f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.",
-        )
+        optional=True,
+    )
     require(
         lap.model_epochs is None or (is_int(lap.model_epochs) and lap.model_epochs >= 0),
         f"--model-epochs must be a non-negative integer, got {lap.model_epochs!r}.",
     )
-    require(
-        lap.radius is None or (is_number(lap.radius) and lap.radius > 0),
-        f"--radius must be positive, got {lap.radius!r}.",
-    )
-    require(is_number(lap.image_lr) and lap.image_lr > 0, f"--image-lr must be positive, got {lap.image_lr!r}.")
+    require_positive_numbers(lap, "radius", optional=True)
+    require_positive_numbers(lap, "image_lr")
     require(
         lap.mse_weight is None or (is_number(lap.mse_weight) and lap.mse_weight >= 0),
         f"--mse-weight must be non-negative, got {lap.mse_weight!r}.",

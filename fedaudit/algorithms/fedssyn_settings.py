@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fedaudit.errors import is_int, is_number, require
+from fedaudit.errors import is_number, require, require_positive_integers, require_positive_numbers
 from fedaudit.registry import ALGORITHMS
 
 SECTION = "fedssyn"
@@ -42,16 +42,9 @@ def validate(fs: FedssynConfig, config: Any, *, selected: bool) -> None:
         is_number(fs.generator_fraction) and 0 < fs.generator_fraction <= 1,
         f"--generator-fraction must be in (0, 1], got {fs.generator_fraction!r}.",
     )
-    require(
-        fs.synthetic_per_client is None or (is_int(fs.synthetic_per_client) and fs.synthetic_per_client >= 1),
-        f"--synthetic-per-client must be a positive integer, got {fs.synthetic_per_client!r}.",
-    )
-    for name in ("generator_epochs", "generator_batch"):
-        value = getattr(fs, name)
-        require(is_int(value) and value >= 1, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-    for name in ("generator_lr", "generator_clip"):
-        value = getattr(fs, name)
-        require(is_number(value) and value > 0, f"--{name.replace('_', '-')} must be positive, got {value!r}.")
+    require_positive_integers(fs, "synthetic_per_client", optional=True)
+    require_positive_integers(fs, "generator_epochs", "generator_batch")
+    require_positive_numbers(fs, "generator_lr", "generator_clip")
     if not selected:
         require(
             fs == FedssynConfig(),

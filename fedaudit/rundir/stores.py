@@ -58,12 +58,16 @@ def _clients_in(names: Iterable[str]) -> set[int]:
     return {_client_of(name) for name in names}
 
 
-class CheckpointStore:
-    """checkpoints/: the global model's weights after each round, with the RNG state and bookkeeping saved beside
-    them (what ``--resume`` restarts from, and what an attack on an earlier round reads)."""
+class Store:
+    """One kind of the run's files, kept in the run's own commits (``self.run``)."""
 
     def __init__(self, run: RunFiles) -> None:
         self.run = run
+
+
+class CheckpointStore(Store):
+    """checkpoints/: the global model's weights after each round, with the RNG state and bookkeeping saved beside
+    them (what ``--resume`` restarts from, and what an attack on an earlier round reads)."""
 
     def path(self, round_number: int) -> Path:
         """Weights of the global model after round ``round_number`` (1-based)."""
@@ -103,13 +107,10 @@ class CheckpointStore:
         return sorted(int(p.stem.split("-")[1]) for p in folder.glob("round-[0-9][0-9][0-9][0-9].safetensors"))
 
 
-class StateStore:
+class StateStore(Store):
     """What clients keep between rounds (FedLAP's synthetic sets, SCAFFOLD's control variates) and what the server
     broadcasts besides the weights or keeps to itself, saved with each round's checkpoint. A round's clients file
     holds only the clients whose state it changed: a client's state is in the last file, up to a round, that has it."""
-
-    def __init__(self, run: RunFiles) -> None:
-        self.run = run
 
     def path(self, round_number: int) -> Path:
         """The clients file of round ``round_number``."""
@@ -185,23 +186,17 @@ class StateStore:
         return load_tensors(path, device) if path.is_file() else {}
 
 
-class WireStore:
+class WireStore(Store):
     """transmitted/: what each client sent in each round (``--save-transmitted``, and every canary run), for the
     audits of what crossed the wire."""
-
-    def __init__(self, run: RunFiles) -> None:
-        self.run = run
 
     def save(self, round_number: int, client_id: int, payload: Mapping[str, torch.Tensor]) -> None:
         path = self.run.transmitted_dir / _round_name(round_number) / f"client-{client_id:03d}.safetensors"
         self.run.put(path, tensors_bytes(payload, {"round": str(round_number), "client": str(client_id)}))
 
 
-class QueryStore:
+class QueryStore(Store):
     """queries/: a canary run's query logs (fedaudit.queries), one file a round with every client's log."""
-
-    def __init__(self, run: RunFiles) -> None:
-        self.run = run
 
     def path(self, round_number: int) -> Path:
         return self.run.queries_dir / f"{_round_name(round_number)}.safetensors"
@@ -222,12 +217,9 @@ class QueryStore:
         return logs
 
 
-class AttackStore:
+class AttackStore(Store):
     """attacks/: the results ``fedaudit attack`` writes (one directory each, metrics.json written last), which
     reports read."""
-
-    def __init__(self, run: RunFiles) -> None:
-        self.run = run
 
     def names(self) -> list[str]:
         """The attack result directories under attacks/ that hold a metrics.json (written last), sorted."""

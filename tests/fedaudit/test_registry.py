@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from types import MappingProxyType
 
 import pytest
+import toy_algorithm
 from click import Choice
 
 from fedaudit import registry
 from fedaudit.algorithms.base import get_algorithm
-from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.cli import compare, epsilon, train
 from fedaudit.config import ConfigError, RunConfig
 from fedaudit.privacy.accounting import SGMEvent, compute_epsilon, round_events
-from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, AlgorithmEntry
-
-
-class FedAvgTwice(FedAvg):
-    """A stand-in for a new algorithm family: FedAvg under another name (what a new module would define)."""
-
-    name = "fedavg-twice"
+from fedaudit.registry import ACCOUNTANTS, ALGORITHMS
 
 
 def choices(command, option: str) -> list[str]:
@@ -61,24 +54,10 @@ def test_fedprox_reads_mu_from_the_configuration() -> None:
 
 
 def test_an_algorithm_is_added_by_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    entry = AlgorithmEntry(
-        name="fedavg-twice",
-        label="FedAvgTwice",
-        dp_label="DP-FedAvgTwice",
-        summary="FedAvg under another name",
-        implementation=f"{__name__}:FedAvgTwice",
-        client_lr=0.3,
-        max_grad_norm=0.7,
-    )
-    monkeypatch.setattr(registry, "ALGORITHMS", MappingProxyType({**ALGORITHMS, entry.name: entry}))
-    import fedaudit.algorithms.base as algorithms
-    import fedaudit.config as config_module
-
-    monkeypatch.setattr(config_module, "ALGORITHMS", registry.ALGORITHMS)
-    monkeypatch.setattr(algorithms, "ALGORITHMS", registry.ALGORITHMS)
+    monkeypatch.setitem(registry._ALGORITHMS, toy_algorithm.ENTRY.name, toy_algorithm.ENTRY)
     config = RunConfig().with_overrides({"federated.algorithm": "fedavg-twice", "privacy.dp": True}).resolved()
     assert (config.federated.client_lr, config.privacy.max_grad_norm) == (0.3, 0.7)
-    assert isinstance(get_algorithm(config), FedAvgTwice)
+    assert isinstance(get_algorithm(config), toy_algorithm.FedAvgTwice)
     assert registry.algorithm_label("fedavg-twice", dp=True) == "DP-FedAvgTwice"
 
 
