@@ -37,6 +37,8 @@ them to ``queries/round-NNNN.safetensors``. docs/audit.md (the query view) says 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -241,9 +243,40 @@ class QueryLog:
         return out
 
 
+class _DirectionCache:
+    """The canaries' directions drawn in this process, kept for the next client and round that ask for the same ones
+    (every client of a run projects on every canary's direction, each round: a run with 5,000 canaries drew them 100
+    times). Bounded by bytes, least recently used first out; a chunk larger than the bound is drawn each time. The
+    rows handed out are shared: readers never write into them."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._rows: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def rows(self, seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size], layout: str) -> torch.Tensor:
+        key = (seed, layout, tuple((name, tuple(shape)) for name, shape in shapes.items()), chunk.tobytes())
+        with self._lock:
+            if key in self._rows:
+                self._rows.move_to_end(key)
+                return self._rows[key]
+        rows = canary_rows(seed, chunk, shapes, layout)
+        size = rows.numel() * rows.element_size()
+        with self._lock:
+            if size <= self.max_bytes:
+                self._rows[key] = rows
+                while sum(r.numel() * r.element_size() for r in self._rows.values()) > self.max_bytes:
+                    self._rows.popitem(last=False)
+        return rows
+
+
+_DIRECTIONS = _DirectionCache(max_bytes=256 * 2**20)
+
+
 def _flat_directions(seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size], layout: str) -> torch.Tensor:
-    """The unit directions u_i of the canaries ``chunk`` in the parameters ``shapes``, one row each, in their order."""
-    return canary_rows(seed, chunk, shapes, layout)
+    """The unit directions u_i of the canaries ``chunk`` in the parameters ``shapes``, one row each, in their order
+    (drawn once per process while they fit its cache)."""
+    return _DIRECTIONS.rows(seed, np.ascontiguousarray(chunk, dtype=np.int64), shapes, layout)
 
 
 def subsampled_gaussian_llr(o: torch.Tensor, rate: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

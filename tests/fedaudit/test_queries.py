@@ -296,3 +296,24 @@ def test_a_round_keeps_as_many_pairs_of_whole_queries_as_asked_on_average():
         kept = [len(audit.log(0, r, torch.device("cpu")).kept_steps) for r in range(400)]
         assert np.mean(kept) == pytest.approx(2 * pairs, rel=0.12), pairs
         assert all(count % 2 == 0 or count > 2 for count in kept)  # pairs of consecutive queries
+
+
+def test_the_direction_cache_hands_out_what_is_drawn_and_keeps_within_its_bound() -> None:
+    """Every client of a run projects on the same directions each round: the cache gives the rows canary_rows draws,
+    for any ids, seed and layout it is asked (never another key's), evicts the least recently used past its bound, and
+    never keeps a chunk larger than the bound."""
+    from fedaudit.canaries import canary_rows
+    from fedaudit.queries import _DirectionCache
+
+    row_bytes = DIMENSION * 4
+    cache = _DirectionCache(max_bytes=10 * row_bytes)
+    asks = [(3, np.arange(4)), (3, np.arange(1, 5)), (4, np.arange(4)), (3, np.arange(4)), (3, np.arange(4, 10))]
+    for seed, ids in asks * 2:
+        for layout in ("model", "parts"):
+            assert torch.equal(cache.rows(seed, ids, SHAPES, layout), canary_rows(seed, ids, SHAPES, layout))
+            held = sum(r.numel() * r.element_size() for r in cache._rows.values())
+            assert held <= cache.max_bytes
+    first = cache.rows(5, np.arange(2), SHAPES, "model")
+    assert cache.rows(5, np.arange(2), SHAPES, "model") is first  # drawn once while it fits
+    assert cache.rows(5, np.arange(11), SHAPES, "model") is not cache.rows(5, np.arange(11), SHAPES, "model")
+    assert all(len(rows) <= 10 for rows in cache._rows.values())
