@@ -5,6 +5,7 @@ Errors a user can cause end with one sentence on stderr and exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -13,12 +14,10 @@ from typing import Any
 
 import click
 
-from fedaudit.algorithms.fedgm_settings import DISTILL_INITS, LABEL_MECHANISMS
-from fedaudit.algorithms.fedlap_settings import FEDLAP_INITS, RADIUS_STRATEGIES
-from fedaudit.algorithms.fedssyn_settings import FEDSSYN_INNER
-from fedaudit.config import CANARY_KINDS, DEVICES, ENGINES, LR_SCHEDULES, WEIGHTINGS, option_field
+from fedaudit.config import DEVICES, option_field, option_fields
 from fedaudit.errors import USER_ERROR_EXIT, UserError
-from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
+from fedaudit.options import GROUPS, help_text, option_name, option_of
+from fedaudit.registry import ACCOUNTANT_HELP, ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,24 +64,62 @@ class OneSentenceGroup(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-def per_algorithm(setting: str, dataset: str = "digits") -> str:
-    """The registry's default ``setting`` (client_lr or max_grad_norm) of each algorithm in words, with the dataset's
-    overrides: "0.1 fedavg/fedsgd, 0.2 fedprox, 1 fedlap; 1 on digits (fedavg/fedprox/fedsgd)"."""
-    by_value: dict[float, list[str]] = {}
-    for entry in ALGORITHMS.values():
-        by_value.setdefault(getattr(entry, setting), []).append(entry.name)
-    text = ", ".join(f"{value:g} {'/'.join(names)}" for value, names in by_value.items())
-    on_dataset: dict[float, list[str]] = {}
-    for entry in ALGORITHMS.values():
-        value = getattr(entry, f"default_{setting}")(dataset)
-        if value != getattr(entry, setting):
-            on_dataset.setdefault(value, []).append(entry.name)
-    overrides = ", ".join(f"{value:g} on {dataset} ({'/'.join(names)})" for value, names in on_dataset.items())
-    return f"{text}; {overrides}" if overrides else text
+class GroupedOption(click.Option):
+    """An option that --help lists under its ``group`` (a concern: Data, Privacy, Engine, ...)."""
+
+    def __init__(self, *args: Any, group: str = "Run", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
 
 
-ALGORITHM_HELP = "Federated algorithm: " + "; ".join(f"{e.name} ({e.label}: {e.summary})" for e in ALGORITHMS.values())
-ACCOUNTANT_HELP = "Privacy accountant: " + "; ".join(f"{e.name} ({e.summary})" for e in ACCOUNTANTS.values())
+class GroupedCommand(click.Command):
+    """A command whose --help lists its options by concern, in :data:`fedaudit.options.GROUPS`' order."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(getattr(param, "group", "Run"), []).append(record)
+        order = [title for title in GROUPS if title in groups] + [title for title in groups if title not in GROUPS]
+        for title in order:
+            with formatter.section(f"{title} options"):
+                formatter.write_dl(groups[title])
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _config_option(field: dataclasses.Field, group: str) -> Callable[[Any], Any]:
+    """The click option of one configuration field, from its metadata (fedaudit.options): name, help with the shown
+    default, type from the field's annotation, choices, flag or path. An option not given is None (a flag's too), so
+    that a configuration file's value stands."""
+    option = option_of(field)
+    assert option is not None
+    name = "--" + option_name(field).replace("_", "-")
+    annotation = str(field.type).split(" | ")[0]
+    kwargs: dict[str, Any] = {"cls": GroupedOption, "group": group, "help": help_text(field)}
+    if annotation == "bool":
+        declarations = [f"{name}/--no-{name[2:]}"] if option.negatable else [name]
+        kwargs.update(is_flag=True, default=None)
+    else:
+        declarations = [name]
+        if option.choices is not None:
+            kwargs["type"] = click.Choice(list(option.choices))
+        elif option.path is not None:
+            kwargs["type"] = click.Path(file_okay=option.path == "file", dir_okay=option.path == "dir")
+        else:
+            kwargs["type"] = _TYPES[annotation.removeprefix("tuple[").split(",")[0]]
+        kwargs["multiple"] = option.multiple
+    return click.option(*declarations, **kwargs)
+
+
+def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add an option for every configuration field that has one (fedaudit.config.option_fields), grouped by
+    concern: the command line's settings, help texts and shown defaults are the configuration's own."""
+    for _, field, group in reversed(option_fields()):
+        command = _config_option(field, group)(command)
+    return command
 
 
 @click.group(cls=OneSentenceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -96,7 +133,7 @@ def main() -> None:
     """
 
 
-@main.command()
+@main.command(cls=GroupedCommand)
 @click.option(
     "--config",
     "config_file",
@@ -105,314 +142,9 @@ def main() -> None:
     "here override it.",
 )
 @click.option(
-    "--algorithm",
-    type=click.Choice(list(ALGORITHMS)),
-    help=f"{ALGORITHM_HELP}. [default: {DEFAULT_ALGORITHM}]",
-)
-@click.option(
-    "--dp/--no-dp",
-    default=None,
-    help="Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx). [default: off]",
-)
-@click.option(
-    "--noise-multiplier",
-    type=float,
-    help="sigma: Gaussian noise std relative to the clipping norm. [default with --dp: 1.0]",
-)
-@click.option(
-    "--max-grad-norm",
-    type=float,
-    help=f"C: per-sample gradient clipping norm. [default: {per_algorithm('max_grad_norm')}]",
-)
-@click.option(
-    "--target-epsilon", type=float, help="Calibrate sigma so that epsilon after the last round is at most this."
-)
-@click.option("--delta", type=float, help="delta of (epsilon, delta)-DP. [default: 1e-5]")
-@click.option(
-    "--accountant", type=click.Choice(list(ACCOUNTANTS)), help=f"{ACCOUNTANT_HELP}. [default: {DEFAULT_ACCOUNTANT}]"
-)
-@click.option(
-    "--noise-seed",
-    type=int,
-    help="Draw every client's DP noise and Poisson samples from this public seed, reproducibly, instead of from a "
-    "secret that only the client holds: for experiments only, since whoever holds the seed can remove the noise "
-    "(the report says so). [default: each client's own secret]",
-)
-@click.option(
-    "--secure-noise/--no-secure-noise",
-    default=None,
-    help="DP queries draw from a ChaCha20 keystream, each Gaussian coordinate the sum of four float64 draws, "
-    "against floating-point attacks on the noise (docs/accounting.md; slower). [default: off]",
-)
-@click.option(
-    "--dataset",
-    help="digits, mnist, fashion-mnist, cifar10, or your own data: npz:PATH (arrays x, y [, x_test, y_test]), "
-    "csv:PATH (with --label-column) or folder:DIR (a sub-folder of images per class); sites: every client's "
-    "records are its own site's (--site-data). [default: digits]",
-)
-@click.option("--label-column", help="--dataset csv:PATH: the column holding each record's class.")
-@click.option("--image-size", type=int, help="--dataset folder:DIR: square size images are resized to. [default: 32]")
-@click.option(
-    "--site-data",
-    multiple=True,
-    help="--dataset sites (a federation whose sites keep their records), local engine: one client's own data, "
-    "npz:PATH, csv:PATH or folder:DIR, once per client in client order (docs/your-data.md). In a Flower deployment "
-    "each site names its own in its node config instead.",
-)
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False),
-    help="Directory holding the dataset files (torchvision root layout or flat).",
-)
-@click.option(
-    "--download/--no-download", default=None, help="Allow torchvision to download the dataset into --data-dir."
-)
-@click.option("--partition", help="iid, classes:K or dirichlet:ALPHA. [default: classes:2]")
-@click.option("--num-clients", type=int, help="Number of clients K. [default: 5]")
-@click.option(
-    "--holdout-fraction",
-    type=float,
-    help="Fraction of the training split held out as non-members for auditing. [default: 0.1]",
-)
-@click.option(
-    "--model",
-    help="convnet, mlp, or your own: package.module:factory, called with (input_shape, num_classes) and returning "
-    "a torch.nn.Module (importable here and where the run is attacked). [default: convnet]",
-)
-@click.option("--width", type=int, help="Channels (ConvNet) or hidden units (MLP). [default: 128; 32 on digits]")
-@click.option(
-    "--depth",
-    type=int,
-    help="Blocks (ConvNet) or hidden layers (MLP). [default: fitted to the input size: 3 for 32x32 images]",
-)
-@click.option("--rounds", type=int, help="Communication rounds M. [default: 10]")
-@click.option("--client-fraction", type=float, help="Fraction p of clients selected per round. [default: 1.0]")
-@click.option(
-    "--weighting",
-    type=click.Choice(WEIGHTINGS),
-    help="Aggregation weights N_k/N or 1/K. [default: num_examples]",
-)
-@click.option("--server-lr", type=float, help="Server learning rate eta_s. [default: 1.0]")
-@click.option("--local-epochs", type=int, help="Local epochs E. [default: 5]")
-@click.option("--lr", type=float, help=f"Client learning rate eta_c. [default: {per_algorithm('client_lr')}]")
-@click.option("--momentum", type=float, help="Client SGD momentum. [default: 0]")
-@click.option(
-    "--batch-size",
-    type=int,
-    help="(Expected) batch size B; under DP the Poisson rate is B / N_k. [default: 256; 32 on digits]",
-)
-@click.option("--mu", type=float, help="FedProx proximal weight. [default: 0.1]")
-@click.option(
-    "--lr-schedule",
-    type=click.Choice(LR_SCHEDULES),
-    help="Client learning rate over rounds. [default: cosine]",
-)
-@click.option(
-    "--local-steps", type=int, help="Local steps per round instead of --local-epochs (DP queries per round under DP)."
-)
-@click.option("--ipc", type=int, help="FedLAP: synthetic images per class. [default: 10 with --dp, 50 without]")
-@click.option(
-    "--trajectories",
-    type=int,
-    help="FedLAP R_i: trajectories, each reset to the global model. [default: 4 / 1; 1 on digits with --dp]",
-)
-@click.option("--max-loops", type=int, help="FedLAP L: loop cap per trajectory. [default: 5]")
-@click.option(
-    "--real-batches", type=int, help="FedLAP R_b: real batches per loop. [default: 10 / 40; 2 on digits with --dp]"
-)
-@click.option("--image-steps", type=int, help="FedLAP J: image updates per real gradient. [default: 5]")
-@click.option(
-    "--model-epochs", type=int, help="FedLAP R_l: model epochs on the synthetic set between loops. [default: 2 / 0]"
-)
-@click.option("--radius", type=float, help="FedLAP r: trust-region radius. [default: 1.5 / 10; 5 on digits with --dp]")
-@click.option("--image-lr", type=float, help="FedLAP tau: image learning rate (SGD, momentum 0.5). [default: 100]")
-@click.option(
-    "--mse-weight",
-    type=float,
-    help="FedLAP lambda: weight of the squared error in the matching loss. [default: 0 / 0.1]",
-)
-@click.option(
-    "--init",
-    type=click.Choice(FEDLAP_INITS),
-    help="FedLAP synthetic set initialisation (real: non-DP only). [default: noise / real]",
-)
-@click.option(
-    "--augment/--no-augment",
-    default=None,
-    help="FedLAP: differentiable augmentation of real and synthetic batches. [default: off]",
-)
-@click.option("--server-batch-size", type=int, help="FedLAP server minibatch. [default: 512]")
-@click.option("--server-epochs", type=int, help="FedLAP and FedDM: server epochs at most. [default: 100]")
-@click.option(
-    "--radius-strategy",
-    type=click.Choice(RADIUS_STRATEGIES),
-    help="FedLAP server radius r_g from the clients' r_k. [default: min]",
-)
-@click.option("--dm-ipc", type=int, help="FedDM: synthetic images per class a client holds. [default: 10]")
-@click.option("--dm-iterations", type=int, help="FedDM: image steps, each on a newly sampled network. [default: 100]")
-@click.option("--dm-lr", type=float, help="FedDM: synthetic image learning rate (SGD). [default: 1]")
-@click.option("--dm-batch", type=int, help="FedDM: real images per class in one step. [default: 256]")
-@click.option(
-    "--dm-radius",
-    type=float,
-    help="FedDM rho: networks are sampled at this distance from the global model, and the server trains within "
-    "it. [default: 5]",
-)
-@click.option("--distill-ipc", type=int, help="FedGM: synthetic images per class a client holds. [default: 10]")
-@click.option(
-    "--distill-iterations",
-    type=int,
-    help="FedGM: freshly initialised networks the gradient matching runs on. [default: 20]",
-)
-@click.option("--distill-steps", type=int, help="FedGM: matching steps per network. [default: 10]")
-@click.option("--distill-lr", type=float, help="FedGM: synthetic image learning rate (SGD). [default: 0.1]")
-@click.option("--distill-batch", type=int, help="FedGM: real images per class in a matching step. [default: 128]")
-@click.option(
-    "--distill-init",
-    type=click.Choice(DISTILL_INITS),
-    help="FedGM: start the synthetic images from real images of the class or from noise. [default: real]",
-)
-@click.option(
-    "--label-epsilon",
-    type=float,
-    help="FedGM: label DP of every label sent (epsilon of the label mechanism; images are sent in clear). "
-    "[default: none, labels in clear]",
-)
-@click.option(
-    "--label-mechanism",
-    type=click.Choice(LABEL_MECHANISMS),
-    help="FedGM: randomized response, RR over the prior's top k, or RR with the best k for the prior (the "
-    "server's model of the earlier stages). [default: rr-with-prior]",
-)
-@click.option("--top-k", type=int, help="FedGM: k of --label-mechanism rr-top-k.")
-@click.option(
-    "--server-steps", type=int, help="FedGM: server SGD steps on the union of what it received. [default: 500]"
-)
-@click.option(
-    "--inner-algorithm",
-    type=click.Choice(FEDSSYN_INNER),
-    help="Fedssyn: the federated algorithm that trains on real plus shuffled synthetic records after the "
-    "generation round. [default: fedavg]",
-)
-@click.option(
-    "--generator-fraction",
-    type=float,
-    help="Fedssyn rho: the share of a client's records its generator trains on. [default: 0.75]",
-)
-@click.option(
-    "--synthetic-per-client",
-    type=int,
-    help="Fedssyn n~: records each client generates, and the size of every client's shuffled share. "
-    "[default: the mean client's records]",
-)
-@click.option("--generator-epochs", type=int, help="Fedssyn: epochs of the generator's training. [default: 30]")
-@click.option(
-    "--generator-batch", type=int, help="Fedssyn: generator minibatch (expected batch under DP). [default: 64]"
-)
-@click.option("--generator-lr", type=float, help="Fedssyn: generator learning rate (Adam). [default: 0.001]")
-@click.option(
-    "--generator-clip", type=float, help="Fedssyn with --dp: clipping norm of the generator's DP-SGD. [default: 1]"
-)
-@click.option(
-    "--canaries",
-    type=int,
-    help="Plant this many canaries for a canary audit (`fedaudit attack --method canary`): each included "
-    "with probability 1/2 in one client's data, sampled, clipped and noised like its records. Needs --dp. "
-    "[default: 0]",
-)
-@click.option(
-    "--canary-kind",
-    type=click.Choice(CANARY_KINDS),
-    help="gradient: a random direction whose per-example gradient is 10 C times itself (clipped to C), audited on "
-    "what every client sent (the server's white-box view). input: a held-out record with another class's label, "
-    "audited on what clients sent and by its loss on the final model (black-box). Both keep what clients send. "
-    "[default: gradient]",
-)
-@click.option(
-    "--kept-queries",
-    type=int,
-    help="Whole DP queries (parameters, batch, released sum) a canary run's query log keeps, on average, in pairs "
-    "of consecutive queries, so that `fedaudit verify` can recompute their clean sums (more: more power against "
-    "clipping faults, a larger run directory and a slower verify; 0: none). [default: 12]",
-)
-@click.option(
-    "--save-transmitted/--no-save-transmitted",
-    default=None,
-    help="Store what every client sent each round under transmitted/.",
-)
-@click.option(
-    "--keep-checkpoints",
-    type=int,
-    help="Keep only the last N rounds' checkpoints (resume stays exact from the last). [default: every round's]",
-)
-@click.option(
-    "--eval-every",
-    type=int,
-    help="Measure the test accuracy every K rounds and after the last (a long federation spends most of its time "
-    "evaluating otherwise). [default: 1]",
-)
-@click.option(
-    "--eval-sample",
-    type=int,
-    help="Measure it on a fixed random sample of N test records, drawn from the seed (its interval is over N). "
-    "[default: the whole test split]",
-)
-@click.option(
     "--equal-data-access",
     is_flag=True,
     help="Print the DP-FedAvg settings with the same DP queries per round as this configuration, and exit.",
-)
-@click.option(
-    "--seed",
-    type=int,
-    help="Seed of the run's public random choices (split, initial model, client selection); a DP run's noise and "
-    "samples come from each client's own secret (see --noise-seed). [default: 0]",
-)
-@click.option("--device", type=click.Choice(DEVICES), help="Where to train. [default: auto]")
-@click.option(
-    "--engine",
-    type=click.Choice(ENGINES),
-    help="Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); "
-    "the same seed and client secrets give the same run on both. [default: local]",
-)
-@click.option(
-    "--ray-address",
-    help="HOST:PORT of an existing Ray cluster's head for --engine flower's simulation runtime (docs/deployment.md). "
-    "[default: a Ray instance on this machine]",
-)
-@click.option("--client-cpus", type=float, help="CPUs each simulated client reserves on Ray. [default: 1]")
-@click.option(
-    "--client-gpus",
-    type=float,
-    help="Share of a GPU each simulated client reserves on Ray. [default: 1/clients on CUDA, else 0]",
-)
-@click.option(
-    "--superlink",
-    help="HOST:PORT of a Flower SuperLink: with --engine flower, the clients run on the SuperNodes of that "
-    "deployment, one per site (docs/deployment.md), instead of Flower's simulation runtime.",
-)
-@click.option(
-    "--root-certificates",
-    type=click.Path(dir_okay=False),
-    help="The CA certificate (PEM) that signed the SuperLink's TLS certificate.",
-)
-@click.option("--insecure", is_flag=True, default=None, help="Talk to the SuperLink without TLS (only when asked).")
-@click.option(
-    "--wait-seconds",
-    type=float,
-    help="How long to wait for every client's SuperNode to connect. [default: 300]",
-)
-@click.option(
-    "--round-timeout",
-    type=float,
-    help="How long a round may wait for a site that neither answers nor dies. [default: 3600]",
-)
-@click.option(
-    "--parallel-clients",
-    type=int,
-    help="How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU), or how "
-    "many sites of a Flower deployment are sent work at once (sites that share machines); the results do not "
-    "depend on it. [default: local: all of a round's clients on CUDA, 1 on CPU; deployment: all]",
 )
 @click.option("--out", type=click.Path(), help="Run directory to create.")
 @click.option(
@@ -423,6 +155,7 @@ def main() -> None:
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing run at --out.")
 @click.option("--progress/--no-progress", default=None, help="Show progress bars. [default: only on a terminal]")
+@config_options
 @click.pass_context
 @user_errors
 def train(

@@ -23,7 +23,16 @@ from fedaudit.algorithms.fedgm_settings import FedGMConfig
 from fedaudit.algorithms.fedlap_settings import FedLAPConfig
 from fedaudit.algorithms.fedssyn_settings import FedssynConfig
 from fedaudit.errors import ConfigError, is_int, is_number, require, require_positive_integers, require_positive_numbers
-from fedaudit.registry import ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT, DEFAULT_ALGORITHM
+from fedaudit.options import option_name, option_of, setting
+from fedaudit.registry import (
+    ACCOUNTANT_HELP,
+    ACCOUNTANTS,
+    ALGORITHM_HELP,
+    ALGORITHMS,
+    DEFAULT_ACCOUNTANT,
+    DEFAULT_ALGORITHM,
+    per_algorithm,
+)
 
 # Seeds are 32-bit: every random stream is derived from (seed, stream, keys) word by word (fedaudit.seeding).
 MAX_SEED = 2**32 - 1
@@ -46,17 +55,33 @@ PAPER_WIDTH = 128
 class DataConfig:
     """Which data, how it is split over clients, and how much is held out as non-members."""
 
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False
-    partition: str = "classes:2"
-    num_clients: int = 5
-    holdout_fraction: float = 0.1
-    label_column: str | None = None  # --dataset csv:PATH: the column holding each record's class
-    image_size: int | None = None  # --dataset folder:DIR: images are resized to this square size (default 32)
+    dataset: str = setting(
+        "digits",
+        "digits, mnist, fashion-mnist, cifar10, or your own data: npz:PATH (arrays x, y [, x_test, y_test]), "
+        "csv:PATH (with --label-column) or folder:DIR (a sub-folder of images per class); sites: every client's "
+        "records are its own site's (--site-data).",
+    )
+    data_dir: str | None = setting(
+        None, "Directory holding the dataset files (torchvision root layout or flat).", path="dir"
+    )
+    download: bool = setting(False, "Allow torchvision to download the dataset into --data-dir.")
+    partition: str = setting("classes:2", "iid, classes:K or dirichlet:ALPHA.")
+    num_clients: int = setting(5, "Number of clients K.")
+    holdout_fraction: float = setting(0.1, "Fraction of the training split held out as non-members for auditing.")
+    # --dataset csv:PATH: the column holding each record's class
+    label_column: str | None = setting(None, "--dataset csv:PATH: the column holding each record's class.")
+    # --dataset folder:DIR: images are resized to this square size (default 32)
+    image_size: int | None = setting(None, "--dataset folder:DIR: square size images are resized to.", shown="32")
     # --dataset sites with the local engine: each client's own data (npz:, csv: or folder:), in client order; in a
     # Flower deployment each site names its own in its node config instead
-    sites: tuple[str, ...] = ()
+    sites: tuple[str, ...] = setting(
+        (),
+        "--dataset sites (a federation whose sites keep their records), local engine: one client's own data, "
+        "npz:PATH, csv:PATH or folder:DIR, once per client in client order (docs/your-data.md). In a Flower "
+        "deployment each site names its own in its node config instead.",
+        name="site-data",
+        multiple=True,
+    )
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
@@ -92,9 +117,18 @@ class DataConfig:
 class ModelConfig:
     """The global model's architecture."""
 
-    arch: str = "convnet"
-    width: int | None = None  # None: the dataset's default (DEFAULT_WIDTH, else PAPER_WIDTH)
-    depth: int | None = None  # None: fitted to the input size (see fedaudit.models.default_depth)
+    arch: str = setting(
+        "convnet",
+        "convnet, mlp, or your own: package.module:factory, called with (input_shape, num_classes) and returning a"
+        " torch.nn.Module (importable here and where the run is attacked).",
+        name="model",
+    )
+    # None: the dataset's default (DEFAULT_WIDTH, else PAPER_WIDTH)
+    width: int | None = setting(None, "Channels (ConvNet) or hidden units (MLP).", shown="128; 32 on digits")
+    # None: fitted to the input size (see fedaudit.models.default_depth)
+    depth: int | None = setting(
+        None, "Blocks (ConvNet) or hidden layers (MLP).", shown="fitted to the input size: 3 for 32x32 images"
+    )
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
@@ -112,18 +146,23 @@ class FederatedConfig:
     ``None`` means "the algorithm's default", filled in by :meth:`RunConfig.resolved`.
     """
 
-    algorithm: str = DEFAULT_ALGORITHM
-    rounds: int = 10
-    client_fraction: float = 1.0
-    weighting: str = "num_examples"
-    server_lr: float = 1.0
-    local_epochs: int = 5
-    local_steps: int | None = None
-    client_lr: float | None = None
-    momentum: float = 0.0
-    batch_size: int | None = None  # None: DEFAULT_BATCH_SIZE of the dataset
-    mu: float = 0.1
-    lr_schedule: str | None = None
+    algorithm: str = setting(DEFAULT_ALGORITHM, f"{ALGORITHM_HELP}.", choices=tuple(ALGORITHMS))
+    rounds: int = setting(10, "Communication rounds M.")
+    client_fraction: float = setting(1.0, "Fraction p of clients selected per round.")
+    weighting: str = setting("num_examples", "Aggregation weights N_k/N or 1/K.", choices=WEIGHTINGS)
+    server_lr: float = setting(1.0, "Server learning rate eta_s.")
+    local_epochs: int = setting(5, "Local epochs E.")
+    local_steps: int | None = setting(
+        None, "Local steps per round instead of --local-epochs (DP queries per round under DP)."
+    )
+    client_lr: float | None = setting(None, "Client learning rate eta_c.", shown=per_algorithm("client_lr"), name="lr")
+    momentum: float = setting(0.0, "Client SGD momentum.")
+    # None: DEFAULT_BATCH_SIZE of the dataset
+    batch_size: int | None = setting(
+        None, "(Expected) batch size B; under DP the Poisson rate is B / N_k.", shown="256; 32 on digits"
+    )
+    mu: float = setting(0.1, "FedProx proximal weight.")
+    lr_schedule: str | None = setting(None, "Client learning rate over rounds.", shown="cosine", choices=LR_SCHEDULES)
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
@@ -166,8 +205,16 @@ class EvaluationConfig:
     the report's interval is then over that many). A federation with many clients and rounds spends most of its time
     evaluating otherwise."""
 
-    eval_every: int = 1
-    eval_sample: int | None = None
+    eval_every: int = setting(
+        1,
+        "Measure the test accuracy every K rounds and after the last (a long federation spends most of its time "
+        "evaluating otherwise).",
+    )
+    eval_sample: int | None = setting(
+        None,
+        "Measure it on a fixed random sample of N test records, drawn from the seed (its interval is over N).",
+        shown="the whole test split",
+    )
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
@@ -186,9 +233,26 @@ class AuditConfig:
     final model. Needs --dp.
     """
 
-    canaries: int = 0
-    canary_kind: str = "gradient"
-    kept_queries: int = 12  # whole DP queries the query log keeps per run on average, for verify's recomputations
+    canaries: int = setting(
+        0,
+        "Plant this many canaries for a canary audit (`fedaudit attack --method canary`): each included with "
+        "probability 1/2 in one client's data, sampled, clipped and noised like its records. Needs --dp.",
+    )
+    canary_kind: str = setting(
+        "gradient",
+        "gradient: a random direction whose per-example gradient is 10 C times itself (clipped to C), audited on "
+        "what every client sent (the server's white-box view). input: a held-out record with another class's "
+        "label, audited on what clients sent and by its loss on the final model (black-box). Both keep what "
+        "clients send.",
+        choices=CANARY_KINDS,
+    )
+    # whole DP queries the query log keeps per run on average, for verify's recomputations
+    kept_queries: int = setting(
+        12,
+        "Whole DP queries (parameters, batch, released sum) a canary run's query log keeps, on average, in pairs "
+        "of consecutive queries, so that `fedaudit verify` can recompute their clean sums (more: more power "
+        "against clipping faults, a larger run directory and a slower verify; 0: none).",
+    )
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
@@ -213,31 +277,68 @@ class FlowerConfig:
     with fedaudit as the server (docs/deployment.md). The results do not depend on any of these settings.
     """
 
-    ray_address: str | None = None  # an existing Ray cluster's head (HOST:PORT) for the simulation runtime
-    client_cpus: float = 1.0  # Ray resources each simulated client reserves
-    client_gpus: float | None = None  # None: 1 / clients on a CUDA run, else 0
-    superlink: str | None = None  # HOST:PORT of the SuperLink (its one HTTPS port)
-    root_certificates: str | None = None  # the CA certificate (PEM) that signed the SuperLink's certificate
-    insecure: bool = False  # plain HTTP instead of TLS (only when asked for)
-    wait_seconds: float = 300.0  # how long to wait for every client's SuperNode to connect
-    round_timeout: float = 3600.0  # how long a round may wait for a site that neither answers nor dies
+    # an existing Ray cluster's head (HOST:PORT) for the simulation runtime
+    ray_address: str | None = setting(
+        None,
+        "HOST:PORT of an existing Ray cluster's head for --engine flower's simulation runtime (docs/deployment.md).",
+        shown="a Ray instance on this machine",
+    )
+    # Ray resources each simulated client reserves
+    client_cpus: float = setting(1.0, "CPUs each simulated client reserves on Ray.")
+    # None: 1 / clients on a CUDA run, else 0
+    client_gpus: float | None = setting(
+        None, "Share of a GPU each simulated client reserves on Ray.", shown="1/clients on CUDA, else 0"
+    )
+    # HOST:PORT of the SuperLink (its one HTTPS port)
+    superlink: str | None = setting(
+        None,
+        "HOST:PORT of a Flower SuperLink: with --engine flower, the clients run on the SuperNodes of that "
+        "deployment, one per site (docs/deployment.md), instead of Flower's simulation runtime.",
+    )
+    # the CA certificate (PEM) that signed the SuperLink's certificate
+    root_certificates: str | None = setting(
+        None, "The CA certificate (PEM) that signed the SuperLink's TLS certificate.", path="file"
+    )
+    # plain HTTP instead of TLS (only when asked for)
+    insecure: bool = setting(False, "Talk to the SuperLink without TLS (only when asked).", negatable=False)
+    # how long to wait for every client's SuperNode to connect
+    wait_seconds: float = setting(300.0, "How long to wait for every client's SuperNode to connect.")
+    # how long a round may wait for a site that neither answers nor dies
+    round_timeout: float = setting(3600.0, "How long a round may wait for a site that neither answers nor dies.")
 
 
 @dataclass(frozen=True)
 class PrivacyConfig:
     """Record-level DP: the mechanism's parameters and how it is accounted."""
 
-    dp: bool = False
-    noise_multiplier: float | None = None
-    max_grad_norm: float | None = None
-    target_epsilon: float | None = None
-    delta: float = 1e-5
-    accountant: str = DEFAULT_ACCOUNTANT
+    dp: bool = setting(False, "Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx).")
+    noise_multiplier: float | None = setting(
+        None, "sigma: Gaussian noise std relative to the clipping norm.", shown="1.0", when="with --dp"
+    )
+    max_grad_norm: float | None = setting(
+        None, "C: per-sample gradient clipping norm.", shown=per_algorithm("max_grad_norm")
+    )
+    target_epsilon: float | None = setting(
+        None, "Calibrate sigma so that epsilon after the last round is at most this."
+    )
+    delta: float = setting(1e-5, "delta of (epsilon, delta)-DP.")
+    accountant: str = setting(DEFAULT_ACCOUNTANT, f"{ACCOUNTANT_HELP}.", choices=tuple(ACCOUNTANTS))
     calibrated: bool = False
     # None: every client draws its noise and samples from a secret only it holds (the default); an integer: from this
     # public seed instead, reproducibly, for experiments (whoever holds it can remove the noise)
-    noise_seed: int | None = None
-    secure_noise: bool = False  # DP queries draw from ChaCha20, each Gaussian the sum of four float64 draws
+    noise_seed: int | None = setting(
+        None,
+        "Draw every client's DP noise and Poisson samples from this public seed, reproducibly, instead of from a "
+        "secret that only the client holds: for experiments only, since whoever holds the seed can remove the "
+        "noise (the report says so).",
+        shown="each client's own secret",
+    )
+    # DP queries draw from ChaCha20, each Gaussian the sum of four float64 draws
+    secure_noise: bool = setting(
+        False,
+        "DP queries draw from a ChaCha20 keystream, each Gaussian coordinate the sum of four float64 draws, "
+        "against floating-point attacks on the noise (docs/accounting.md; slower).",
+    )
 
     def check(self) -> None:
         """The section's own values, and which of them need ``dp`` (:class:`ConfigError` for the first invalid
@@ -284,12 +385,31 @@ class PrivacyConfig:
 class RunConfig:
     """Everything that determines a run; the same config and seed give the same run."""
 
-    seed: int = 0
-    device: str = "auto"
-    engine: str = "local"  # who runs the clients: in-process, or Flower's simulation runtime (same results)
+    seed: int = setting(
+        0,
+        "Seed of the run's public random choices (split, initial model, client selection); a DP run's noise and "
+        "samples come from each client's own secret (see --noise-seed).",
+        group="Run",
+    )
+    device: str = setting("auto", "Where to train.", choices=DEVICES, group="Engine")
+    # who runs the clients: in-process, or Flower's simulation runtime (same results)
+    engine: str = setting(
+        "local",
+        "Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the "
+        "same seed and client secrets give the same run on both.",
+        choices=ENGINES,
+        group="Engine",
+    )
     # How many clients the local engine runs at once (threads; CUDA streams on a GPU); None: all of a round's
     # clients on CUDA, one at a time on CPU. Results do not depend on it.
-    parallel_clients: int | None = None
+    parallel_clients: int | None = setting(
+        None,
+        "How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU), or how "
+        "many sites of a Flower deployment are sent work at once (sites that share machines); the results do not "
+        "depend on it.",
+        shown="local: all of a round's clients on CUDA, 1 on CPU; deployment: all",
+        group="Engine",
+    )
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
@@ -301,8 +421,14 @@ class RunConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-    save_transmitted: bool = False
-    keep_checkpoints: int | None = None  # the last N rounds' checkpoints are kept; None: every round's
+    save_transmitted: bool = setting(False, "Store what every client sent each round under transmitted/.", group="Run")
+    # the last N rounds' checkpoints are kept; None: every round's
+    keep_checkpoints: int | None = setting(
+        None,
+        "Keep only the last N rounds' checkpoints (resume stays exact from the last).",
+        shown="every round's",
+        group="Run",
+    )
 
     @property
     def dp_randomness(self) -> bool:
@@ -673,24 +799,48 @@ _SECTION_TYPES: dict[str, type] = {
 }
 
 
-# Command-line options whose names differ from their configuration field; every other option of ``fedaudit train``
-# is named after its field (``--local-epochs`` sets federated.local_epochs), so a new field needs only its option.
-OPTION_RENAMES = {"lr": "federated.client_lr", "model": "model.arch", "site_data": "data.sites"}
+SECTION_TITLES = {
+    "data": "Data",
+    "model": "Model",
+    "federated": "Federation",
+    "privacy": "Privacy",
+    "audit": "Audit",
+    "flower": "Engine",
+    "evaluation": "Evaluation",
+}  # an algorithm's own section is titled by its settings module's TITLE
+
+
+def option_fields() -> list[tuple[str, dataclasses.Field, str]]:
+    """Every configuration field that ``fedaudit train`` has an option for, as (``section.field`` or the top-level
+    field's name, the field, the option's group in --help), sections in :data:`RunConfig`'s order."""
+    found = []
+    for top in fields(RunConfig):
+        option = option_of(top)
+        if option is not None:
+            found.append((top.name, top, option.group or "Run"))
+    for section, kind in _SECTION_TYPES.items():
+        title = SECTION_TITLES.get(section) or _settings_title(section)
+        for item in fields(kind):
+            option = option_of(item)
+            if option is not None:
+                found.append((f"{section}.{item.name}", item, option.group or title))
+    return found
+
+
+def _settings_title(section: str) -> str:
+    """The --help group of an algorithm's own section: its settings module's TITLE."""
+    modules = [e.settings_module() for e in ALGORITHMS.values() if e.settings]
+    return next(module.TITLE for module in modules if module.SECTION == section)
 
 
 def option_field(option: str) -> str:
-    """The ``section.field`` (or top-level field) that the ``fedaudit train`` option ``option`` sets.
+    """The ``section.field`` (or top-level field) that the ``fedaudit train`` option ``option`` sets (its name as
+    click names the parameter: ``lr`` sets federated.client_lr, ``local_epochs`` federated.local_epochs).
 
     Raises:
-        KeyError: no field, or more than one, has that name.
+        KeyError: no field has that option.
     """
-    if option in OPTION_RENAMES:
-        return OPTION_RENAMES[option]
-    top = {f.name for f in fields(RunConfig) if f.name not in _SECTION_TYPES}
-    found = [option] if option in top else []
-    found += [
-        f"{section}.{option}" for section, kind in _SECTION_TYPES.items() if option in {f.name for f in fields(kind)}
-    ]
+    found = [path for path, item, _ in option_fields() if option_name(item) == option]
     if len(found) != 1:
         raise KeyError(f"The option {option!r} names {len(found)} configuration fields.")
     return found[0]

@@ -306,3 +306,24 @@ ACCOUNTANTS: Mapping[str, AccountantEntry] = MappingProxyType(
     }
 )
 DEFAULT_ACCOUNTANT = "rdp"
+
+
+def per_algorithm(setting: str, dataset: str = "digits") -> str:
+    """The registry's default ``setting`` (client_lr or max_grad_norm) of each algorithm in words, with the dataset's
+    overrides: "0.1 fedavg/fedsgd, 0.2 fedprox, 1 fedlap; 1 on digits (fedavg/fedprox/fedsgd)"."""
+    by_value: dict[float, list[str]] = {}
+    for entry in ALGORITHMS.values():
+        by_value.setdefault(getattr(entry, setting), []).append(entry.name)
+    text = ", ".join(f"{value:g} {'/'.join(names)}" for value, names in by_value.items())
+    on_dataset: dict[float, list[str]] = {}
+    for entry in ALGORITHMS.values():
+        value = getattr(entry, f"default_{setting}")(dataset)
+        if value != getattr(entry, setting):
+            on_dataset.setdefault(value, []).append(entry.name)
+    overrides = ", ".join(f"{value:g} on {dataset} ({'/'.join(names)})" for value, names in on_dataset.items())
+    return f"{text}; {overrides}" if overrides else text
+
+
+# What --help says of the choices (fedaudit train's --algorithm and --accountant)
+ALGORITHM_HELP = "Federated algorithm: " + "; ".join(f"{e.name} ({e.label}: {e.summary})" for e in ALGORITHMS.values())
+ACCOUNTANT_HELP = "Privacy accountant: " + "; ".join(f"{e.name} ({e.summary})" for e in ACCOUNTANTS.values())

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedaudit.errors import is_int, require, require_positive_integers, require_positive_numbers
+from fedaudit.options import setting
 
 SECTION = "fedgm"
+TITLE = "FedGM"  # its options' group in fedaudit train --help
 LABEL_MECHANISMS = ("rr", "rr-top-k", "rr-with-prior")
 DISTILL_INITS = ("real", "noise")
 
@@ -19,16 +21,36 @@ class FedGMConfig:
     (docs/algorithms.md). The run's rounds are FedGM's stages T: each client releases 1/T of its synthetic set per
     round, its labels randomized with a prior from the server's model of the stages before."""
 
-    distill_ipc: int = 10  # synthetic images per class a client holds
-    distill_iterations: int = 20  # fresh random networks the matching runs on (outer loop)
-    distill_steps: int = 10  # matching steps per network (inner loop), each followed by one network step
-    distill_lr: float = 0.1  # SGD (momentum 0.5) on the synthetic images
-    distill_batch: int = 128  # real images per class in one matching step
-    distill_init: str = "real"  # real: start from randomly drawn real images of the class (the paper); noise
-    label_epsilon: float | None = None  # label DP of every label sent; None: labels are sent in clear
-    label_mechanism: str = "rr-with-prior"
-    top_k: int | None = None  # k of rr-top-k
-    server_steps: int = 500  # SGD steps of the server on the union of what it received
+    # synthetic images per class a client holds
+    distill_ipc: int = setting(10, "FedGM: synthetic images per class a client holds.")
+    # fresh random networks the matching runs on (outer loop)
+    distill_iterations: int = setting(20, "FedGM: freshly initialised networks the gradient matching runs on.")
+    # matching steps per network (inner loop), each followed by one network step
+    distill_steps: int = setting(10, "FedGM: matching steps per network.")
+    # SGD (momentum 0.5) on the synthetic images
+    distill_lr: float = setting(0.1, "FedGM: synthetic image learning rate (SGD).")
+    # real images per class in one matching step
+    distill_batch: int = setting(128, "FedGM: real images per class in a matching step.")
+    # real: start from randomly drawn real images of the class (the paper); noise
+    distill_init: str = setting(
+        "real", "FedGM: start the synthetic images from real images of the class or from noise.", choices=DISTILL_INITS
+    )
+    # label DP of every label sent; None: labels are sent in clear
+    label_epsilon: float | None = setting(
+        None,
+        "FedGM: label DP of every label sent (epsilon of the label mechanism; images are sent in clear).",
+        shown="none, labels in clear",
+    )
+    label_mechanism: str = setting(
+        "rr-with-prior",
+        "FedGM: randomized response, RR over the prior's top k, or RR with the best k for the prior (the server's "
+        "model of the earlier stages).",
+        choices=LABEL_MECHANISMS,
+    )
+    # k of rr-top-k
+    top_k: int | None = setting(None, "FedGM: k of --label-mechanism rr-top-k.")
+    # SGD steps of the server on the union of what it received
+    server_steps: int = setting(500, "FedGM: server SGD steps on the union of what it received.")
 
 
 Section = FedGMConfig

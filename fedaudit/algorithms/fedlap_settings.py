@@ -8,8 +8,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fedaudit.errors import is_int, is_number, require, require_positive_integers, require_positive_numbers
+from fedaudit.options import setting
 
 SECTION = "fedlap"
+TITLE = "FedLAP and FedLAP-DP"  # its options' group in fedaudit train --help
+FEDLAP_INITS = ("noise", "previous", "real")
+RADIUS_STRATEGIES = ("min", "median", "max", "fixed")
 
 
 @dataclass(frozen=True)
@@ -19,20 +23,30 @@ class FedLAPConfig:
     ``None`` means the authors' default for the DP or non-DP setting, filled in by :func:`resolve`.
     """
 
-    ipc: int | None = None
-    trajectories: int | None = None
-    max_loops: int = 5
-    real_batches: int | None = None
-    image_steps: int = 5
-    model_epochs: int | None = None
-    radius: float | None = None
-    image_lr: float = 100.0
-    mse_weight: float | None = None
-    init: str | None = None
-    augment: bool = False
-    server_batch_size: int = 512
-    server_epochs: int = 100
-    radius_strategy: str = "min"
+    ipc: int | None = setting(None, "FedLAP: synthetic images per class.", shown="10 with --dp, 50 without")
+    trajectories: int | None = setting(
+        None, "FedLAP R_i: trajectories, each reset to the global model.", shown="4 / 1; 1 on digits with --dp"
+    )
+    max_loops: int = setting(5, "FedLAP L: loop cap per trajectory.")
+    real_batches: int | None = setting(
+        None, "FedLAP R_b: real batches per loop.", shown="10 / 40; 2 on digits with --dp"
+    )
+    image_steps: int = setting(5, "FedLAP J: image updates per real gradient.")
+    model_epochs: int | None = setting(
+        None, "FedLAP R_l: model epochs on the synthetic set between loops.", shown="2 / 0"
+    )
+    radius: float | None = setting(None, "FedLAP r: trust-region radius.", shown="1.5 / 10; 5 on digits with --dp")
+    image_lr: float = setting(100.0, "FedLAP tau: image learning rate (SGD, momentum 0.5).")
+    mse_weight: float | None = setting(
+        None, "FedLAP lambda: weight of the squared error in the matching loss.", shown="0 / 0.1"
+    )
+    init: str | None = setting(
+        None, "FedLAP synthetic set initialisation (real: non-DP only).", shown="noise / real", choices=FEDLAP_INITS
+    )
+    augment: bool = setting(False, "FedLAP: differentiable augmentation of real and synthetic batches.")
+    server_batch_size: int = setting(512, "FedLAP server minibatch.")
+    server_epochs: int = setting(100, "FedLAP and FedDM: server epochs at most.")
+    radius_strategy: str = setting("min", "FedLAP server radius r_g from the clients' r_k.", choices=RADIUS_STRATEGIES)
 
 
 Section = FedLAPConfig
@@ -65,8 +79,6 @@ FEDLAP_DEFAULTS = {
 # under DP one trajectory of two real batches per loop (T = 10 queries per round, not 200) costs the least noise for
 # the same accuracy and runs a round in about 4 s instead of 40.
 FEDLAP_DATASET_DEFAULTS = {"digits": {True: {"trajectories": 1, "real_batches": 2, "radius": 5.0}, False: {}}}
-FEDLAP_INITS = ("noise", "previous", "real")
-RADIUS_STRATEGIES = ("min", "median", "max", "fixed")
 
 
 def resolve(lap: FedLAPConfig, config: Any) -> FedLAPConfig:

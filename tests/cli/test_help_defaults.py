@@ -104,3 +104,42 @@ def test_a_help_text_gone_stale_is_caught(planted: str, name: str, monkeypatch) 
     monkeypatch.setattr(param, "help", planted)
     with pytest.raises(AssertionError):
         test_a_shown_default_is_the_configuration_s(name)
+
+
+def test_every_configuration_option_is_generated_from_its_field() -> None:
+    """One place per setting: each option of train that sets a configuration field carries the field's own help
+    text and shown default (fedaudit.options), so cli.py types none of them by hand."""
+    from fedaudit.config import option_fields
+    from fedaudit.options import help_text, option_name
+
+    by_name = {p.name: p for p in train.params}
+    generated = option_fields()
+    assert len(generated) >= 80
+    for path, field, _ in generated:
+        param = by_name[option_name(field)]
+        assert option_field(param.name) == path
+        assert param.help == help_text(field), path
+
+
+def test_help_lists_the_options_by_concern() -> None:
+    """--help has one section per concern, in fedaudit.options.GROUPS' order with the algorithms' own sections after
+    them, and each option under its own: --rounds under Federation, --noise-multiplier under Privacy, --radius under
+    FedLAP's, --superlink under Engine (where the clients run)."""
+    from click.testing import CliRunner
+
+    from fedaudit.options import GROUPS
+
+    text = CliRunner().invoke(train, ["--help"], terminal_width=200).output
+    titles = re.findall(r"^(\S[^\n]*) options:$", text, flags=re.MULTILINE)
+    assert titles[: len(GROUPS)] == list(GROUPS)
+    assert set(titles[len(GROUPS) :]) == {"FedLAP and FedLAP-DP", "FedDM", "FedGM", "Fedssyn"}
+    sections = dict(zip(titles, re.split(r"^\S[^\n]* options:$", text, flags=re.MULTILINE)[1:]))
+    for title, option in [
+        ("Federation", "--rounds"),
+        ("Privacy", "--noise-multiplier"),
+        ("FedLAP and FedLAP-DP", "--radius"),
+        ("Engine", "--superlink"),
+        ("Run", "--out"),
+    ]:
+        assert re.search(rf"^\s+{option}\b", sections[title], flags=re.MULTILINE), (title, option)
+        assert sum(bool(re.search(rf"^\s+{option}\b", s, flags=re.MULTILINE)) for s in sections.values()) == 1
