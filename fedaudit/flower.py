@@ -180,6 +180,94 @@ class _Round:
     population: int
 
 
+class _CanarySpace:
+    """The space the canaries live in and what the log keeps of it: the layout of the model's arrays, the initial and
+    the latest model, the canaries' unit directions (each from its own stream), and one row per round (the cosines
+    of the released update with every canary's direction)."""
+
+    def __init__(self, seed: int, canaries: int) -> None:
+        self.seed = seed
+        self.canaries = canaries
+        self.layout: list[tuple[str, tuple[int, ...], np.dtype, bool]] | None = None
+        self.initial: np.ndarray | None = None
+        self.latest: np.ndarray | None = None
+        self._directions: np.ndarray | None = None
+        self.rows: list[dict[str, Any]] = []
+
+    def begin(self, arrays: ArrayRecord) -> None:
+        """On the first round: the layout of the model's arrays and the initial model."""
+        if self.layout is not None:
+            return
+        layout = []
+        for key, array in arrays.items():
+            value = array.numpy()
+            layout.append((key, tuple(value.shape), value.dtype, bool(np.issubdtype(value.dtype, np.floating))))
+        if not any(floating for *_, floating in layout):
+            raise CanaryClientsError("The model has no floating-point array for canary directions to live in.")
+        self.layout = layout
+        self.initial = self.flatten(arrays)
+        self.latest = self.initial
+        if self.canaries * self.initial.size <= _CACHED_ENTRIES:
+            self._directions = self._draw(np.arange(self.canaries))
+
+    @property
+    def dimension(self) -> int:
+        return 0 if self.initial is None else int(self.initial.size)
+
+    def flatten(self, arrays: ArrayRecord) -> np.ndarray:
+        """The floating-point arrays, in their order, as one float64 vector (the space of the canary directions)."""
+        parts = []
+        for key, shape, _, floating in self.layout or []:
+            if key not in arrays or tuple(arrays[key].shape) != shape:
+                raise CanaryClientsError(f"The model's array {key!r} changed its shape or went missing during the run.")
+            if floating:
+                parts.append(arrays[key].numpy().astype(np.float64).ravel())
+        return np.concatenate(parts)
+
+    def _draw(self, indices: np.ndarray) -> np.ndarray:
+        """Unit directions of canaries ``indices``, each from its own stream (seed, CANARY, i): uniform on the
+        sphere of the model's floating-point parameters."""
+        rows = np.empty((len(indices), self.dimension))
+        for row, i in enumerate(indices):
+            direction = numpy_rng(self.seed, Stream.CANARY, int(i)).standard_normal(self.dimension)
+            rows[row] = direction / np.linalg.norm(direction)
+        return rows
+
+    def directions(self, indices: np.ndarray) -> np.ndarray:
+        """Unit directions of canaries ``indices`` (held in memory when they fit)."""
+        return self._directions[indices] if self._directions is not None else self._draw(indices)
+
+    def cosines(self, vector: np.ndarray) -> np.ndarray:
+        """cos(vector, u_i) for every canary i (0 for the zero vector)."""
+        norm = float(np.linalg.norm(vector))
+        if norm == 0.0:
+            return np.zeros(self.canaries)
+        out = np.empty(self.canaries)
+        for start in range(0, self.canaries, _BLOCK):
+            block = np.arange(start, min(start + _BLOCK, self.canaries))
+            out[block] = self.directions(block) @ vector / norm
+        return np.clip(out, -1.0, 1.0)
+
+    def record(self, pending: _Round, arrays: ArrayRecord | None, *, equal: bool) -> None:
+        """The round's row: the update released (``arrays``, None when the strategy released no model) against the
+        model the round began from."""
+        before = self.flatten(pending.arrays)
+        released = arrays is not None
+        if released:
+            self.latest = self.flatten(arrays)
+        update = self.latest - before if released else np.zeros_like(before)
+        self.rows.append(
+            {
+                "cosines": self.cosines(update),
+                "norm": float(np.linalg.norm(update)),
+                "released": int(released),
+                "sampled": pending.sampled,
+                "population": pending.population,
+                "equal_weights": int(equal),
+            }
+        )
+
+
 class CanaryClients(Strategy):
     """Adds canary clients (Andrew et al., ICLR 2024) to any Flower strategy with Flower's own DP, and logs the
     cosines the audit needs (see the module's docstring).
@@ -235,12 +323,8 @@ class CanaryClients(Strategy):
         self._weight_key: str | None = getattr(chain[-1], "weighted_by_key", None)
         self._min_nodes = int(getattr(chain[-1], "min_available_nodes", 0) or 0)
         self._description = "(".join(type(s).__name__ for s in chain) + ")" * (len(chain) - 1)
-        self._layout: list[tuple[str, tuple[int, ...], np.dtype, bool]] | None = None
-        self._initial: np.ndarray | None = None
-        self._latest: np.ndarray | None = None
-        self._directions: np.ndarray | None = None
+        self._space = _CanarySpace(seed, len(self.included))
         self._pending: dict[int, _Round] = {}
-        self._rows: list[dict[str, Any]] = []
 
     @property
     def canaries(self) -> int:
@@ -273,7 +357,7 @@ class CanaryClients(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """The wrapped strategy's messages to the real nodes it sampled; those to canary clients are kept here."""
-        self._begin(arrays)
+        self._space.begin(arrays)
         nodes = self._wait_for_nodes(grid)
         if not self._node_of.keys().isdisjoint(grid.get_node_ids()):
             raise CanaryClientsError("Two CanaryClients around one strategy need different seeds.")
@@ -306,7 +390,8 @@ class CanaryClients(Strategy):
         canary = [self._canary_reply(m, array_key, (metric_key, canary_metrics), sent) for m in pending.canary_messages]
         weights = [w for w in (self._weight(r) for r in [*valid, *canary]) if w is not None]
         arrays, metrics = self.strategy.aggregate_train(server_round, [*replies, *canary])
-        self._record(pending, arrays, equal=len(set(weights)) <= 1)
+        self._space.record(pending, arrays, equal=len(set(weights)) <= 1)
+        self.to_log().write(self.log_path)
         return arrays, metrics
 
     def configure_evaluate(
@@ -346,9 +431,9 @@ class CanaryClients(Strategy):
         sent_key, record = records[0]
         if id(record) not in sent:
             sent[id(record)] = {key: array.numpy() for key, array in record.items()}
-        update = self.scale * self.mechanism.clipping_norm * self._direction_block(np.array([index]))[0]
+        update = self.scale * self.mechanism.clipping_norm * self._space.directions(np.array([index]))[0]
         out, start = {}, 0
-        for key, shape, dtype, floating in self._layout or []:
+        for key, shape, dtype, floating in self._space.layout or []:
             value = sent[id(record)][key]
             if floating:
                 size = int(np.prod(shape))
@@ -403,86 +488,14 @@ class CanaryClients(Strategy):
             return None
         return float(records[0][self._weight_key])
 
-    # --- the log --------------------------------------------------------------------------------------------------
-
-    def _begin(self, arrays: ArrayRecord) -> None:
-        """On the first round: the layout of the model's arrays and the initial model."""
-        if self._layout is not None:
-            return
-        layout = []
-        for key, array in arrays.items():
-            value = array.numpy()
-            layout.append((key, tuple(value.shape), value.dtype, bool(np.issubdtype(value.dtype, np.floating))))
-        if not any(floating for *_, floating in layout):
-            raise CanaryClientsError("The model has no floating-point array for canary directions to live in.")
-        self._layout = layout
-        self._initial = self._flatten(arrays)
-        self._latest = self._initial
-        if self.canaries * self._initial.size <= _CACHED_ENTRIES:
-            self._directions = self._draw(np.arange(self.canaries))
-
-    @property
-    def dimension(self) -> int:
-        return 0 if self._initial is None else int(self._initial.size)
-
-    def _flatten(self, arrays: ArrayRecord) -> np.ndarray:
-        """The floating-point arrays, in their order, as one float64 vector (the space of the canary directions)."""
-        parts = []
-        for key, shape, _, floating in self._layout or []:
-            if key not in arrays or tuple(arrays[key].shape) != shape:
-                raise CanaryClientsError(f"The model's array {key!r} changed its shape or went missing during the run.")
-            if floating:
-                parts.append(arrays[key].numpy().astype(np.float64).ravel())
-        return np.concatenate(parts)
-
-    def _draw(self, indices: np.ndarray) -> np.ndarray:
-        """Unit directions of canaries ``indices``, each from its own stream (seed, CANARY, i): uniform on the
-        sphere of the model's floating-point parameters."""
-        rows = np.empty((len(indices), self.dimension))
-        for row, i in enumerate(indices):
-            direction = numpy_rng(self.seed, Stream.CANARY, int(i)).standard_normal(self.dimension)
-            rows[row] = direction / np.linalg.norm(direction)
-        return rows
-
-    def _direction_block(self, indices: np.ndarray) -> np.ndarray:
-        return self._directions[indices] if self._directions is not None else self._draw(indices)
-
-    def cosines(self, vector: np.ndarray) -> np.ndarray:
-        """cos(vector, u_i) for every canary i (0 for the zero vector)."""
-        norm = float(np.linalg.norm(vector))
-        if norm == 0.0:
-            return np.zeros(self.canaries)
-        out = np.empty(self.canaries)
-        for start in range(0, self.canaries, _BLOCK):
-            block = np.arange(start, min(start + _BLOCK, self.canaries))
-            out[block] = self._direction_block(block) @ vector / norm
-        return np.clip(out, -1.0, 1.0)
-
-    def _record(self, pending: _Round, arrays: ArrayRecord | None, *, equal: bool) -> None:
-        before = self._flatten(pending.arrays)
-        released = arrays is not None
-        if released:
-            self._latest = self._flatten(arrays)
-        update = self._latest - before if released else np.zeros_like(before)
-        self._rows.append(
-            {
-                "cosines": self.cosines(update),
-                "norm": float(np.linalg.norm(update)),
-                "released": int(released),
-                "sampled": pending.sampled,
-                "population": pending.population,
-                "equal_weights": int(equal),
-            }
-        )
-        self.to_log().write(self.log_path)
-
     def to_log(self) -> CanaryLog:
         """The log of the rounds so far."""
-        if not self._rows or self._initial is None or self._latest is None:
+        space = self._space
+        if not space.rows or space.initial is None or space.latest is None:
             raise CanaryClientsError("No round has been aggregated yet, so there is no canary log.")
-        final = self._latest - self._initial
+        final = space.latest - space.initial
         epsilon, delta, report = self._flower_report()
-        column = {name: np.array([row[name] for row in self._rows]) for name in self._rows[0]}
+        column = {name: np.array([row[name] for row in space.rows]) for name in space.rows[0]}
         return CanaryLog(
             seed=self.seed,
             included=self.included,
@@ -491,7 +504,7 @@ class CanaryClients(Strategy):
             noise_multiplier=self.mechanism.noise_multiplier,
             mechanism=self.mechanism.kind,
             strategy=self._description,
-            dimension=self.dimension,
+            dimension=space.dimension,
             delta=self.delta,
             round_cosines=np.stack(column["cosines"]),
             round_norms=column["norm"],
@@ -499,7 +512,7 @@ class CanaryClients(Strategy):
             sampled=column["sampled"],
             population=column["population"],
             equal_weights=column["equal_weights"],
-            final_cosines=self.cosines(final),
+            final_cosines=space.cosines(final),
             final_norm=float(np.linalg.norm(final)),
             flower_epsilon=epsilon,
             flower_delta=delta,

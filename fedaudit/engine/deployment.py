@@ -249,6 +249,118 @@ def __getattr__(name: str) -> Any:
 # ---------------------------------------------------------------------------- the engine (server side)
 
 
+class SiteMap:
+    """Which SuperNode hosts each client, and what its site holds: asked of every SuperNode when a session begins
+    (each site must hold the records the run's partition gives its client, or, for sites that keep their records,
+    those it reported when the run began; a survey only takes the reports)."""
+
+    def __init__(
+        self, num_clients: int, membership: Sequence[np.ndarray], sites: Sequence[SiteReport], *, survey: bool
+    ) -> None:
+        self.num_clients = num_clients
+        self.membership = [np.asarray(m, dtype=np.int64) for m in membership]
+        self.sites = list(sites)
+        self.survey = survey
+        self.node_of: dict[int, int] = {}
+        self.fingerprint: dict[int, str] = {}
+        self.reports: dict[int, SiteReport] = {}  # what the sites that keep their records reported
+
+    def ask(self, grid: Any, config_json: str, wait_seconds: float, address: str) -> None:
+        """Ask every SuperNode which client it hosts as soon as it connects (SuperNodes that connect while others
+        are still answering are asked at once, not after them), until each client has one and every node asked has
+        answered (or the wait is over). A node that went away meanwhile (a dead site's stale entry) is left out."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        deadline = time.monotonic() + wait_seconds
+        task = ConfigRecord({"config": config_json})
+        asked: set[int] = set()
+        pending: dict[str, int] = {}  # message id -> node
+        claims: dict[int, list[int]] = {}
+        while True:
+            nodes = [] if self.mapped() else [n for n in grid.get_node_ids() if n not in asked]
+            if nodes:
+                asked.update(nodes)
+                hellos = [Message(RecordDict({"task": task}), message_type="query", dst_node_id=n) for n in nodes]
+                pending.update(zip(grid.push_messages(hellos), nodes))
+            if pending:
+                for reply in grid.pull_messages(list(pending)):
+                    node = pending.pop(reply.metadata.reply_to_message_id)
+                    if reply.has_error():
+                        if int(reply.error.code) == NODE_UNAVAILABLE:
+                            continue
+                        raise DeploymentError(
+                            f"The SuperNode {node} could not say which client it hosts: {reply.error.reason}"
+                        )
+                    self._check_site(node, reply, claims)
+            late = time.monotonic() > deadline
+            if self.mapped() and (not pending or late):
+                return
+            if late:
+                missing = [client for client in range(self.num_clients) if client not in self.node_of]
+                raise DeploymentError(
+                    f"No SuperNode hosts client {missing[0]} after {wait_seconds:g} s ({len(self.node_of)} of "
+                    f"{self.num_clients} clients connected to {address}); start one with --node-config "
+                    f"'client-id={missing[0]}'."
+                )
+            time.sleep(POLL_SECONDS)
+
+    def mapped(self) -> bool:
+        """Whether every client has a SuperNode."""
+        return all(client in self.node_of for client in range(self.num_clients))
+
+    def _check_site(self, node: int, reply: Any, claims: dict[int, list[int]]) -> None:
+        site = reply.content["site"]
+        client = int(site["client"])
+        if not 0 <= client < self.num_clients:
+            raise DeploymentError(
+                f"The SuperNode {node} hosts client {client}, but this run has clients 0 to {self.num_clients - 1}."
+            )
+        claims.setdefault(client, []).append(node)
+        if len(claims[client]) > 1:
+            first, second = claims[client][:2]
+            raise DeploymentError(
+                f"Two SuperNodes claim client {client} (nodes {first} and {second}); give each site its own client-id."
+            )
+        if "report" in site:
+            self._check_report(node, client, reply)
+            return
+        records = reply.content["records"]["index"].numpy() if "records" in reply.content else None
+        if records is None or not np.array_equal(records, self.membership[client]):
+            raise DeploymentError(
+                f"The site of client {client} (node {node}) holds other records than the run's partition gives "
+                f"client {client}; it must use the same dataset, seed and partition settings."
+            )
+        self.node_of[client] = node
+        self.fingerprint[client] = str(site["fingerprint"])
+
+    def _check_report(self, node: int, client: int, reply: Any) -> None:
+        """A site that keeps its records: its report is taken (a survey) or must be the one it gave when the run
+        began (its records, their split and their hashes unchanged)."""
+        report = SiteReport.from_summary(json.loads(str(reply.content["site"]["report"])))
+        hashes = reply.content["records"]
+        report = replace(
+            report,
+            member_hashes=hashes["member_hashes"].numpy().copy(),
+            heldout_hashes=hashes["heldout_hashes"].numpy().copy(),
+        )
+        if report.client != client:
+            raise DeploymentError(f"The SuperNode {node} reported client {report.client}'s records as client {client}.")
+        if not self.survey:
+            before = self.sites[client]
+            same = report.summary() == before.summary() and all(
+                np.array_equal(getattr(report, name), getattr(before, name))
+                for name in ("member_hashes", "heldout_hashes")
+            )
+            if not same:
+                raise DeploymentError(
+                    f"The site of client {client} (node {node}) holds other records than when the run began "
+                    f"(fingerprint {report.fingerprint[:12]}, was {before.fingerprint[:12]}); put its data back."
+                )
+        self.reports[client] = report
+        self.node_of[client] = node
+        self.fingerprint[client] = report.fingerprint
+
+
 class DeploymentEngine:
     """Runs the selected clients of each round on their sites' SuperNodes, through a SuperLink."""
 
@@ -274,18 +386,13 @@ class DeploymentEngine:
         self.round_timeout = float(dep.round_timeout)
         self.window = config.parallel_clients  # at most this many sites at work at once; None: all of a round's
         self.num_clients = num_clients
-        self.membership = [np.asarray(m, dtype=np.int64) for m in membership]
+        self.site_map = SiteMap(num_clients, membership, sites, survey=survey)
         self._grid: Any = None
         self._control: Any = None
         self._context: Any = None
         self._heartbeat: Any = None
         self._task_alive = True
-        self._node_of: dict[int, int] = {}
-        self._fingerprint: dict[int, str] = {}
         self._ok = False
-        self.sites = list(sites)
-        self.survey = survey
-        self.reports: dict[int, SiteReport] = {}  # a survey's answers
         self.federation = json.dumps([report.compact() for report in sites]) if sites else None
 
     def __enter__(self) -> DeploymentEngine:
@@ -317,7 +424,7 @@ class DeploymentEngine:
                 data,
                 ctx,
                 states.get(data.client_id),
-                self._node_of[data.client_id],
+                self.site_map.node_of[data.client_id],
                 self.federation,
             )
             for data in clients
@@ -327,10 +434,11 @@ class DeploymentEngine:
         for data in clients:
             reply = replies[data.client_id]
             fingerprint = str(reply.content["info"]["fingerprint"])
-            if fingerprint != self._fingerprint[data.client_id]:
+            known = self.site_map.fingerprint[data.client_id]
+            if fingerprint != known:
                 raise DeploymentError(
                     f"The data at client {data.client_id}'s site changed during the run (fingerprint "
-                    f"{fingerprint[:12]}, was {self._fingerprint[data.client_id][:12]}); put its data back and resume."
+                    f"{fingerprint[:12]}, was {known[:12]}); put its data back and resume."
                 )
             messages.append(client_message(reply, ctx.device))
         return messages
@@ -353,7 +461,7 @@ class DeploymentEngine:
                     }
                 ),
                 message_type="evaluate",
-                dst_node_id=self._node_of[client],
+                dst_node_id=self.site_map.node_of[client],
             )
             for client in range(self.num_clients)
         }
@@ -399,7 +507,7 @@ class DeploymentEngine:
         return replies
 
     def _failure(self, client: int, round_number: int, error: Any) -> str:
-        node = self._node_of.get(client)
+        node = self.site_map.node_of.get(client)
         if int(error.code) == NODE_UNAVAILABLE:
             return (
                 f"The SuperNode of client {client} (node {node}) stopped answering in round {round_number}: it sent no "
@@ -419,7 +527,7 @@ class DeploymentEngine:
             raise
         except Exception as exc:  # connection refused, TLS failure, ...: one sentence
             raise DeploymentError(f"Cannot use the SuperLink at {self.address}: {_reason(exc)}.") from exc
-        self._map_sites()
+        self.site_map.ask(self._grid, self.config_json, self.wait_seconds, self.address)
 
     def _open_session(self) -> None:
         from flwr.cli.build import build_fab_from_files
@@ -490,101 +598,6 @@ class DeploymentEngine:
             return False
         return True
 
-    def _map_sites(self) -> None:
-        """Ask every SuperNode which client it hosts as soon as it connects (SuperNodes that connect while others
-        are still answering are asked at once, not after them), until each client has one and every node asked has
-        answered (or the wait is over). A node that went away meanwhile (a dead site's stale entry) is left out."""
-        from flwr.app import ConfigRecord, Message, RecordDict
-
-        deadline = time.monotonic() + self.wait_seconds
-        task = ConfigRecord({"config": self.config_json})
-        asked: set[int] = set()
-        pending: dict[str, int] = {}  # message id -> node
-        claims: dict[int, list[int]] = {}
-        while True:
-            nodes = [] if self._mapped() else [n for n in self._grid.get_node_ids() if n not in asked]
-            if nodes:
-                asked.update(nodes)
-                hellos = [Message(RecordDict({"task": task}), message_type="query", dst_node_id=n) for n in nodes]
-                pending.update(zip(self._grid.push_messages(hellos), nodes))
-            if pending:
-                for reply in self._grid.pull_messages(list(pending)):
-                    node = pending.pop(reply.metadata.reply_to_message_id)
-                    if reply.has_error():
-                        if int(reply.error.code) == NODE_UNAVAILABLE:
-                            continue
-                        raise DeploymentError(
-                            f"The SuperNode {node} could not say which client it hosts: {reply.error.reason}"
-                        )
-                    self._check_site(node, reply, claims)
-            late = time.monotonic() > deadline
-            if self._mapped() and (not pending or late):
-                return
-            if late:
-                missing = [client for client in range(self.num_clients) if client not in self._node_of]
-                raise DeploymentError(
-                    f"No SuperNode hosts client {missing[0]} after {self.wait_seconds:g} s ({len(self._node_of)} of "
-                    f"{self.num_clients} clients connected to {self.address}); start one with --node-config "
-                    f"'client-id={missing[0]}'."
-                )
-            time.sleep(POLL_SECONDS)
-
-    def _mapped(self) -> bool:
-        """Whether every client has a SuperNode."""
-        return all(client in self._node_of for client in range(self.num_clients))
-
-    def _check_site(self, node: int, reply: Any, claims: dict[int, list[int]]) -> None:
-        site = reply.content["site"]
-        client = int(site["client"])
-        if not 0 <= client < self.num_clients:
-            raise DeploymentError(
-                f"The SuperNode {node} hosts client {client}, but this run has clients 0 to {self.num_clients - 1}."
-            )
-        claims.setdefault(client, []).append(node)
-        if len(claims[client]) > 1:
-            first, second = claims[client][:2]
-            raise DeploymentError(
-                f"Two SuperNodes claim client {client} (nodes {first} and {second}); give each site its own client-id."
-            )
-        if "report" in site:
-            self._check_report(node, client, reply)
-            return
-        records = reply.content["records"]["index"].numpy() if "records" in reply.content else None
-        if records is None or not np.array_equal(records, self.membership[client]):
-            raise DeploymentError(
-                f"The site of client {client} (node {node}) holds other records than the run's partition gives "
-                f"client {client}; it must use the same dataset, seed and partition settings."
-            )
-        self._node_of[client] = node
-        self._fingerprint[client] = str(site["fingerprint"])
-
-    def _check_report(self, node: int, client: int, reply: Any) -> None:
-        """A site that keeps its records: its report is taken (a survey) or must be the one it gave when the run
-        began (its records, their split and their hashes unchanged)."""
-        report = SiteReport.from_summary(json.loads(str(reply.content["site"]["report"])))
-        hashes = reply.content["records"]
-        report = replace(
-            report,
-            member_hashes=hashes["member_hashes"].numpy().copy(),
-            heldout_hashes=hashes["heldout_hashes"].numpy().copy(),
-        )
-        if report.client != client:
-            raise DeploymentError(f"The SuperNode {node} reported client {report.client}'s records as client {client}.")
-        if not self.survey:
-            before = self.sites[client]
-            same = report.summary() == before.summary() and all(
-                np.array_equal(getattr(report, name), getattr(before, name))
-                for name in ("member_hashes", "heldout_hashes")
-            )
-            if not same:
-                raise DeploymentError(
-                    f"The site of client {client} (node {node}) holds other records than when the run began "
-                    f"(fingerprint {report.fingerprint[:12]}, was {before.fingerprint[:12]}); put its data back."
-                )
-        self.reports[client] = report
-        self._node_of[client] = node
-        self._fingerprint[client] = report.fingerprint
-
     def close(self, *, completed: bool = True) -> None:
         """End the session: stop the heartbeat and tell the SuperLink whether the run completed."""
         if self._grid is None:
@@ -618,7 +631,7 @@ def survey_sites(config: RunConfig) -> list[SiteReport]:
     engine = DeploymentEngine(config, num_clients=config.data.num_clients, membership=(), survey=True)
     with engine:
         engine._start()
-    return [engine.reports[client] for client in range(config.data.num_clients)]
+    return [engine.site_map.reports[client] for client in range(config.data.num_clients)]
 
 
 class SiteSignals:
@@ -646,7 +659,7 @@ class SiteSignals:
 
     def _check_sites(self) -> None:
         """Every site must still hold the records the run recorded (its hashes and fingerprint)."""
-        reports = [self.engine.reports[k] for k in range(self.engine.num_clients)]
+        reports = [self.engine.site_map.reports[k] for k in range(self.engine.num_clients)]
         changed = [
             r.client
             for r in reports
@@ -696,7 +709,7 @@ class SiteSignals:
                 "positions": ArrayRecord({"positions": Array(np.ascontiguousarray(where, dtype=np.int64))}),
             }
             requests[client] = Message(
-                RecordDict(content), message_type="query.signals", dst_node_id=engine._node_of[client]
+                RecordDict(content), message_type="query.signals", dst_node_id=engine.site_map.node_of[client]
             )
         replies = engine._exchange(requests, self.target, time.monotonic() + engine.round_timeout)
         found: dict[int, dict[str, np.ndarray]] = {}

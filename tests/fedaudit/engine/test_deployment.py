@@ -224,7 +224,7 @@ def test_a_site_whose_data_changed_during_the_run_is_refused(monkeypatch):
 
     answers: list[SimpleNamespace] = []
     engine._grid = SimpleNamespace(push_messages=lambda messages: ["m0"], pull_messages=lambda ids: [answers.pop()])
-    engine._node_of, engine._fingerprint = {0: 7}, {0: "a" * 64}
+    engine.site_map.node_of, engine.site_map.fingerprint = {0: 7}, {0: "a" * 64}
     data = ClientData(0, torch.zeros(3, 1, 2, 2), torch.zeros(3, dtype=torch.long))
     ctx = RoundContext(0, 2, RunConfig(), torch.device("cpu"))
     args = (None, None, {"w": torch.zeros(2)}, [data], ctx, None, {})
