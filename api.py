@@ -174,11 +174,11 @@ def attack(
         One result per attack, signal and target, each with its metrics (AUC, intervals, epsilon lower bound).
     """
     from fedaudit.attacks import AttackError
-    from fedaudit.attacks.membership.signals import DEFAULT_SIGNALS
-    from fedaudit.attacks.reconstruction.attack import ReconstructionOptions
+    from fedaudit.attacks.options import DEFAULT_SIGNALS, AttackOptions, ReconstructionOptions
     from fedaudit.attacks.registry import DEFAULT_METHODS
-    from fedaudit.attacks.runner import AttackOptions, run_attacks
+    from fedaudit.attacks.runner import run_attacks
 
+    reconstruction = {"iterations": iterations, "restarts": restarts, "psnr_threshold": psnr_threshold}
     known = {field.name for field in dataclasses.fields(AttackOptions)} - {"signals", "methods", "reconstruction"}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -186,7 +186,7 @@ def attack(
     chosen = AttackOptions(
         signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
         methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)),
-        reconstruction=ReconstructionOptions(iterations=iterations, restarts=restarts, psnr_threshold=psnr_threshold),
+        reconstruction=ReconstructionOptions(**{k: v for k, v in reconstruction.items() if v is not None}),
         progress=progress,
         **options,
     )

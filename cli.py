@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from fedaudit.config import DEVICES, option_field, option_fields
+from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
+from fedaudit.config import option_field, option_fields
 from fedaudit.errors import USER_ERROR_EXIT, UserError
 from fedaudit.options import GROUPS, help_text, option_name, option_of
 from fedaudit.registry import ACCOUNTANT_HELP, ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT
@@ -90,18 +91,21 @@ class GroupedCommand(click.Command):
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def _config_option(field: dataclasses.Field, group: str) -> Callable[[Any], Any]:
-    """The click option of one configuration field, from its metadata (fedaudit.options): name, help with the shown
-    default, type from the field's annotation, choices, flag or path. An option not given is None (a flag's too), so
-    that a configuration file's value stands."""
+def _field_option(field: dataclasses.Field, group: str, *, defaults: bool) -> Callable[[Any], Any]:
+    """The click option of one dataclass field, from its metadata (fedaudit.options): name, help with the shown
+    default, type from the field's annotation, choices, flag or path. With ``defaults`` an option not given takes
+    the field's default (``attack``'s options); without, it is None (a flag's too), so that a configuration file's
+    value stands (``train``'s), and its parameter is named after the option (``--lr``: ``lr``) rather than the
+    field."""
     option = option_of(field)
     assert option is not None
     name = "--" + option_name(field).replace("_", "-")
     annotation = str(field.type).split(" | ")[0]
     kwargs: dict[str, Any] = {"cls": GroupedOption, "group": group, "help": help_text(field)}
+    parameter = [field.name] if defaults else []
     if annotation == "bool":
         declarations = [f"{name}/--no-{name[2:]}"] if option.negatable else [name]
-        kwargs.update(is_flag=True, default=None)
+        kwargs.update(is_flag=True, default=field.default if defaults else None)
     else:
         declarations = [name]
         if option.choices is not None:
@@ -111,14 +115,25 @@ def _config_option(field: dataclasses.Field, group: str) -> Callable[[Any], Any]
         else:
             kwargs["type"] = _TYPES[annotation.removeprefix("tuple[").split(",")[0]]
         kwargs["multiple"] = option.multiple
-    return click.option(*declarations, **kwargs)
+        if defaults and not option.multiple:
+            kwargs["default"] = field.default
+    return click.option(*declarations, *parameter, **kwargs)
 
 
 def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Add an option for every configuration field that has one (fedaudit.config.option_fields), grouped by
     concern: the command line's settings, help texts and shown defaults are the configuration's own."""
     for _, field, group in reversed(option_fields()):
-        command = _config_option(field, group)(command)
+        command = _field_option(field, group, defaults=False)(command)
+    return command
+
+
+def attack_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add an option for every field of the attacks' options that has one (fedaudit.attacks.options), with the
+    fields' defaults."""
+    chosen = [f for kind in (AttackOptions, ReconstructionOptions) for f in dataclasses.fields(kind) if option_of(f)]
+    for field in reversed(chosen):
+        command = _field_option(field, "Attack", defaults=True)(command)
     return command
 
 
@@ -304,105 +319,7 @@ def epsilon(
     "--bootstrap only (docs/flower-apps.md).",
 )
 @click.option("--out", help="--flower-log: the results folder. [default: beside the log, named LOG-audit]")
-@click.option(
-    "--signal",
-    "signals",
-    multiple=True,
-    metavar="NAME",
-    help="loss, grad-norm, confidence or logit-confidence; synthetic-distance (distance to the nearest synthetic "
-    "image that crossed the wire: FedLAP and FedGM runs kept with --save-transmitted); repeat for several. "
-    "[default: loss and grad-norm]",
-)
-@click.option(
-    "--method",
-    "methods",
-    multiple=True,
-    metavar="NAME",
-    help="threshold, classifier, population, rmia or lira (with reference models), canary (the run's canaries), or "
-    "reconstruction (rebuild a client's records from what it sent: runs kept with --save-transmitted); repeat for "
-    "several. [default: threshold and classifier]",
-)
-@click.option(
-    "--references",
-    type=int,
-    default=4,
-    show_default=True,
-    help="rmia and lira: reference models, each the run's recipe retrained on population records (cached in "
-    "RUN_DIR/references/).",
-)
-@click.option(
-    "--online",
-    is_flag=True,
-    help="rmia and lira: the audited records join the references' pool, each in half of them (K even; the "
-    "references are then specific to these records).",
-)
-@click.option(
-    "--target",
-    help="final (model.safetensors), round:N (its checkpoint) or all (every saved round); for reconstruction, what "
-    "the clients sent in those rounds, or round:N:client:K one client's. [default: final; reconstruction: every "
-    "client of the first and the final round]",
-)
-@click.option(
-    "--iterations",
-    type=int,
-    default=250,
-    show_default=True,
-    help="reconstruction: optimisation steps of each random start.",
-)
-@click.option(
-    "--restarts", type=int, default=4, show_default=True, help="reconstruction: random starts (the best is kept)."
-)
-@click.option(
-    "--psnr-threshold",
-    type=float,
-    default=20.0,
-    show_default=True,
-    help="reconstruction: a record counts as recovered at this PSNR (dB) or more.",
-)
-@click.option(
-    "--nonmembers",
-    default="both",
-    show_default=True,
-    help="Non-members from the held-out pool (holdout), the test split (test) or both.",
-)
-@click.option(
-    "--max-records",
-    type=int,
-    default=2000,
-    show_default=True,
-    help="At most this many members and as many non-members.",
-)
-@click.option(
-    "--per-layer", is_flag=True, help="With grad-norm: also write each layer's gradient norm into scores.csv."
-)
-@click.option(
-    "--batch-size",
-    type=int,
-    default=64,
-    show_default=True,
-    help="Records per batch when computing signals (more use more memory: the width-128 ConvNet's gradient-norm "
-    "signal holds about 2.3 MB per record).",
-)
-@click.option(
-    "--bootstrap",
-    "resamples",
-    type=int,
-    default=1000,
-    show_default=True,
-    help="Bootstrap resamples of the AUC interval.",
-)
-@click.option(
-    "--seed",
-    type=int,
-    help="Seed of the evaluation set, the split and the attack classifier. [default: the run's seed]",
-)
-@click.option(
-    "--device",
-    type=click.Choice(DEVICES),
-    default="auto",
-    show_default=True,
-    help="Where to compute the signals.",
-)
+@attack_options
 @click.option(
     "--progress/--no-progress",
     default=None,

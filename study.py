@@ -27,10 +27,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.attacks.reconstruction.attack import ReconstructionOptions
+from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
 from fedaudit.attacks.registry import RECONSTRUCTION_METHOD as RECONSTRUCTION
 from fedaudit.attacks.registry import REFERENCE
-from fedaudit.attacks.runner import AttackOptions, expected_results, results_current, run_attacks, target_round
+from fedaudit.attacks.runner import expected_results, results_current, run_attacks, target_round
 from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
 from fedaudit.errors import UserError
 from fedaudit.integrity import RunLock

@@ -1,6 +1,8 @@
 """The audits of trained runs (``fedaudit attack`` and ``fedaudit verify``), one sub-package per family.
 
 - ``registry``: every attack of ``--method``: its family, what it needs from a run, what it writes.
+- ``options``: what ``fedaudit attack`` can be asked (AttackOptions, ReconstructionOptions), torch-free; the
+  command line builds its options from these fields.
 - ``runner``: ``fedaudit attack``: check the runs, run the registry's attacks family by family, write the results.
 - ``metrics``: what every family reports: ROC and AUC with intervals, TPR at low FPR, epsilon lower bounds.
 - ``membership/``: membership inference (evaluation sets, signals, methods, reference models, sites).

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 from scipy.stats import beta, norm
 
+from fedaudit.attacks.options import DEFAULT_RESAMPLES
+
 LOW_FPRS: tuple[float, ...] = (0.01, 0.001)
-DEFAULT_RESAMPLES = 1000
 CONFIDENCE = 0.95
 _BOOTSTRAP_CELLS = 4_000_000  # resamples x records held in memory at once
 

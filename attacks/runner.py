@@ -23,39 +23,33 @@ import fedaudit
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary.audit import VIEWS, canary_audit, read_canaries, run_views
 from fedaudit.attacks.membership.evaluation import (
-    DEFAULT_MAX_RECORDS,
-    NONMEMBER_SOURCES,
     EvaluationSet,
     build_evaluation_set,
 )
 from fedaudit.attacks.membership.methods import MethodOutput, run_method
-from fedaudit.attacks.membership.references import MAX_REFERENCES, reference_signals, references
+from fedaudit.attacks.membership.references import reference_signals, references
 from fedaudit.attacks.membership.signals import (
-    DEFAULT_SIGNALS,
     OUTPUT_SIGNALS,
-    SIGNALS,
     SYNTHETIC_SIGNAL,
     Signals,
     compute_signals,
     nearest_distance,
     oriented,
 )
-from fedaudit.attacks.membership.sites import SiteConnection, Sites, SiteScorer, refuse, site_signals
+from fedaudit.attacks.membership.sites import Sites, SiteScorer, refuse, site_signals
 from fedaudit.attacks.membership.sites import evaluation_set as sites_evaluation_set
-from fedaudit.attacks.metrics import DEFAULT_RESAMPLES, auc_score, bootstrap_groups, risk, summarize
+from fedaudit.attacks.metrics import auc_score, bootstrap_groups, risk, summarize
+from fedaudit.attacks.options import AttackOptions, family_of, parse_target
+from fedaudit.attacks.options import parse_reconstruction_target as reconstruction_target
 from fedaudit.attacks.reconstruction.attack import (
-    ReconstructionOptions,
     ReconstructionPlan,
     plan_targets,
     reconstruct,
     result_files,
 )
-from fedaudit.attacks.reconstruction.attack import parse_target as reconstruction_target
 from fedaudit.attacks.registry import (
-    ATTACKS,
     CANARY,
     CANARY_METHOD,
-    DEFAULT_METHODS,
     MEMBERSHIP,
     RECONSTRUCTION,
     RECONSTRUCTION_METHOD,
@@ -63,7 +57,7 @@ from fedaudit.attacks.registry import (
     AttackEntry,
     attack,
 )
-from fedaudit.config import MAX_SEED, RunConfig
+from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.data.sites import is_sites
 from fedaudit.errors import UserError
@@ -84,125 +78,10 @@ from fedaudit.setup import resolve_device, run_data
 # bootstrap's resamples are mostly repeats of the same few records and do not cover at 95% (a federation of many
 # small clients has many such; the audit says so instead of computing an interval that means nothing).
 MIN_CLIENT_MEMBERS = 5
-DEFAULT_REFERENCES = 4
 RESULT_FORMAT = "fedaudit-attack"
 RESULT_FORMAT_VERSION = 2
 
 Echo = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class AttackOptions:
-    """What to attack and how; :meth:`validate` checks it before any run is read."""
-
-    signals: tuple[str, ...] = DEFAULT_SIGNALS
-    methods: tuple[str, ...] = DEFAULT_METHODS
-    target: str | None = None  # None: final for membership, the first and the final round for reconstruction
-    seed: int | None = None  # None: the run's own seed
-    device: str = "auto"
-    nonmembers: str = "both"
-    max_records: int = DEFAULT_MAX_RECORDS
-    per_layer: bool = False
-    batch_size: int = 64  # records per batch of signals: 64 peaked 0.45 GB lower than 256 and ran faster on one thread
-    resamples: int = DEFAULT_RESAMPLES
-    progress: bool = False
-    references: int = DEFAULT_REFERENCES  # reference models of rmia and lira
-    online: bool = False  # online references: each audited record in half of them
-    reconstruction: ReconstructionOptions = field(default_factory=ReconstructionOptions)
-    # a run whose records stay at its sites (a --dataset sites deployment): how to reach them (fedaudit attack
-    # --superlink), or None
-    sites: SiteConnection | None = None
-
-    @property
-    def membership_target(self) -> str:
-        """The models the membership attacks and canary audits attack: ``--target``, final by default."""
-        return "final" if self.target is None else self.target
-
-    @property
-    def membership(self) -> bool:
-        """Whether a membership attack or a canary audit is asked for (anything but a reconstruction)."""
-        return any(_family(m) != RECONSTRUCTION for m in self.methods)
-
-    def of(self, *families: str) -> list[str]:
-        """The methods asked for of ``families`` (the registry's), in the order given (an unknown name is of none:
-        :meth:`validate` names it)."""
-        return [m for m in self.methods if _family(m) in families]
-
-    def validate(self) -> None:
-        """Raise :class:`AttackError` with one sentence for the first invalid option."""
-        for kind, given, known in (("signal", self.signals, SIGNALS), ("method", self.methods, tuple(ATTACKS))):
-            if not given:
-                raise AttackError(f"Give at least one --{kind}; choose from {', '.join(known)}.")
-            for name in given:
-                if name not in known:
-                    raise AttackError(f"Unknown --{kind} {name!r}; choose from {', '.join(known)}.")
-        if self.target is not None and not isinstance(self.target, str):
-            raise AttackError(f"--target must be final, all or round:N, got {self.target!r}.")
-        if self.of(RECONSTRUCTION):
-            reconstruction_target(self.target)
-            self.reconstruction.validate()
-        if self.membership:
-            parse_target(self.membership_target)
-        if self.nonmembers not in NONMEMBER_SOURCES:
-            raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
-        for option, value, least in (
-            ("--max-records", self.max_records, 2),
-            ("--batch-size", self.batch_size, 1),
-            ("--bootstrap", self.resamples, 1),
-            ("--seed", self.seed, 0),
-        ):
-            if option == "--seed" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise AttackError(f"{option} must be an integer of at least {least}, got {value!r}.")
-        if self.of(REFERENCE):
-            if not isinstance(self.references, int) or isinstance(self.references, bool) or self.references < 1:
-                raise AttackError(f"--references must be an integer of at least 1, got {self.references!r}.")
-            if self.references > MAX_REFERENCES:
-                raise AttackError(f"--references must be at most {MAX_REFERENCES}, got {self.references}.")
-            if self.online and self.references % 2:
-                raise AttackError(
-                    f"--online needs an even number of --references (each audited record in half), got "
-                    f"{self.references}."
-                )
-            final_only = [name for name, entry in ATTACKS.items() if entry.final_only]
-            if parse_target(self.membership_target) != "final" and set(final_only) & set(self.methods):
-                raise AttackError(
-                    f"--method {' and '.join(final_only)} attack the final model (--target final), whose recipe the "
-                    "reference models repeat."
-                )
-            for name in self.methods:
-                if attack(name).output_signals_only and not set(self.signals) & set(OUTPUT_SIGNALS):
-                    raise AttackError(
-                        f"--method {name} needs a signal of the model's output (loss, confidence or "
-                        "logit-confidence), the probability of the true label it compares."
-                    )
-        if self.seed is not None and self.seed > MAX_SEED:
-            raise AttackError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.")
-        if not isinstance(self.per_layer, bool):
-            raise AttackError(f"--per-layer must be true or false, got {self.per_layer!r}.")
-
-
-def _family(method: str) -> str | None:
-    """The registry's family of ``method``, None for a name it does not know."""
-    entry = ATTACKS.get(method)
-    return None if entry is None else entry.family
-
-
-def parse_target(text: str) -> str | int:
-    """``final``, ``all`` or the round number of ``round:N``."""
-    value = text.strip().lower()
-    if value in ("final", "all"):
-        return value
-    kind, _, number = value.partition(":")
-    if kind == "round" and number.isdigit() and int(number) >= 1:
-        return int(number)
-    if value.startswith("round:") and ":client:" in value:
-        raise AttackError(
-            f"--target {text!r} names a client, which only --method {RECONSTRUCTION_METHOD} attacks; give the "
-            "membership attacks final, all or round:N."
-        )
-    raise AttackError(f"--target {text!r} is not understood; use final, all or round:N with a round number N >= 1.")
 
 
 def target_round(options: AttackOptions) -> int | None:
@@ -899,7 +778,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
                 record.settings.get(k) != v
                 for k, v in (expected if name not in CANARY_NAMES else {"seed": seed}).items()
             )
-            or (_family(name.rpartition("-")[2]) == REFERENCE and not _same_references(record.references, options))
+            or (family_of(name.rpartition("-")[2]) == REFERENCE and not _same_references(record.references, options))
         ):
             return False
     return bool(names)

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedaudit.attacks import AttackError, Draw
+from fedaudit.attacks.options import DEFAULT_MAX_RECORDS, NONMEMBER_SOURCES
 from fedaudit.data import Partition
 from fedaudit.seeding import Stream, numpy_rng
-
-NONMEMBER_SOURCES: tuple[str, ...] = ("holdout", "test", "both")
-DEFAULT_MAX_RECORDS = 2000
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,6 +36,7 @@ from fedaudit.attacks.membership.evaluation import EvaluationSet
 from fedaudit.attacks.membership.methods import MethodOutput
 from fedaudit.attacks.membership.reference_attacks import lira_scores, rmia_scores, tune_a
 from fedaudit.attacks.membership.signals import OUTPUT_SIGNALS, Signals, compute_signals, oriented
+from fedaudit.attacks.options import MAX_REFERENCES
 from fedaudit.config import MAX_SEED, AuditConfig, RunConfig
 from fedaudit.data import Dataset
 from fedaudit.errors import UserError
@@ -45,7 +46,6 @@ from fedaudit.seeding import Stream, numpy_rng
 from fedaudit.setup import prepare
 from fedaudit.training import train_setup
 
-MAX_REFERENCES = 256
 FORMAT_VERSION = 1
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedaudit.attacks.options import DEFAULT_SIGNALS, SYNTHETIC_SIGNAL
 from fedaudit.signals import (
     MODEL_SIGNALS,
     OUTPUT_SIGNALS,
@@ -43,9 +44,7 @@ __all__ = [
     "output_signals",
 ]
 
-SYNTHETIC_SIGNAL = "synthetic-distance"  # read from what crossed the wire, not from a model
 SIGNALS: tuple[str, ...] = (*MODEL_SIGNALS, SYNTHETIC_SIGNAL)
-DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
 
 # Whether members tend to have *higher* values of the signal than non-members
 # (a model fits its training records: lower loss and gradient norm, higher confidence).

@@ -43,6 +43,12 @@ from torch.func import functional_call, grad, vmap
 
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.metrics import rate_interval
+from fedaudit.attacks.options import (
+    ReconstructionOptions,
+)
+from fedaudit.attacks.options import (
+    parse_reconstruction_target as parse_target,
+)
 from fedaudit.attacks.reconstruction.image_quality import (
     MIN_SSIM_SIDE,
     assign,
@@ -63,12 +69,6 @@ from fedaudit.seeding import Stream, derive_seed
 
 METHOD = RECONSTRUCTION_METHOD  # the registry's name of this attack
 UPDATE_SIGNAL, SYNTHETIC_SIGNAL = "update-inversion", "synthetic-nearest"
-DEFAULT_ITERATIONS = 250  # Adam steps per start
-DEFAULT_RESTARTS = 4  # random starts; the one whose update matches best is kept
-DEFAULT_PSNR_THRESHOLD = 20.0  # dB: a record counts as recovered at this PSNR or more (docs/attack.md: why 20)
-LEARNING_RATE = 0.1  # Adam on the dummy records (standardised pixels), decayed tenfold at 3/8, 5/8 and 7/8
-TV_WEIGHT = 1e-4  # total variation prior
-ORDER_WEIGHT = 1e-2  # Dimitrov et al.'s epoch order-invariant prior
 MATCH_EVERY = 25  # iterations between re-matchings of the epochs' copies
 LABEL_PROBES = 64  # random inputs on which the label counts' mean softmax is estimated
 MAX_RECORDS = 1024  # records one update may average for the attack to try it
@@ -87,47 +87,6 @@ class ReconstructionTarget:
     @property
     def name(self) -> str:
         return f"{METHOD}-round-{self.round}-client-{self.client}"
-
-
-def parse_target(text: str | None) -> tuple[str | int, int | None]:
-    """(rounds, client) of ``--target`` for a reconstruction: ("first-final", None) by default; "final", "all" or a
-    round number, with a client from ``round:N:client:K``."""
-    if text is None:
-        return "first-final", None
-    value = str(text).strip().lower()
-    if value in ("final", "all"):
-        return value, None
-    parts = value.split(":")
-    if parts[0] == "round" and len(parts) in (2, 4) and parts[1].isdigit() and int(parts[1]) >= 1:
-        if len(parts) == 2:
-            return int(parts[1]), None
-        if parts[2] == "client" and parts[3].isdigit():
-            return int(parts[1]), int(parts[3])
-    raise AttackError(
-        f"--target {text!r} is not understood for a reconstruction; use final, all, round:N or round:N:client:K "
-        "(N >= 1, K a client's number)."
-    )
-
-
-@dataclass(frozen=True)
-class ReconstructionOptions:
-    """How hard the attack tries, and what counts as a recovered record."""
-
-    iterations: int = DEFAULT_ITERATIONS
-    restarts: int = DEFAULT_RESTARTS
-    psnr_threshold: float = DEFAULT_PSNR_THRESHOLD
-    learning_rate: float = LEARNING_RATE
-    tv_weight: float = TV_WEIGHT
-    order_weight: float = ORDER_WEIGHT
-
-    def validate(self) -> None:
-        """Raise :class:`AttackError` with one sentence for the first invalid value."""
-        for option, value in (("--iterations", self.iterations), ("--restarts", self.restarts)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise AttackError(f"{option} must be an integer of at least 1, got {value!r}.")
-        threshold = self.psnr_threshold
-        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < math.inf:
-            raise AttackError(f"--psnr-threshold must be a positive number of dB, got {threshold!r}.")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -143,3 +143,25 @@ def test_help_lists_the_options_by_concern() -> None:
     ]:
         assert re.search(rf"^\s+{option}\b", sections[title], flags=re.MULTILINE), (title, option)
         assert sum(bool(re.search(rf"^\s+{option}\b", s, flags=re.MULTILINE)) for s in sections.values()) == 1
+
+
+def test_every_attack_option_is_its_field_s_with_the_field_s_default() -> None:
+    """attack's options of what to attack and how come from fedaudit.attacks.options' fields: the help text and
+    shown default are the field's, and the value an option takes when not given is the field's default (the
+    library's AttackOptions() and the command line attack alike)."""
+    import dataclasses
+
+    from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
+    from fedaudit.cli import attack
+    from fedaudit.options import help_text, option_of
+
+    by_name = {p.name: p for p in attack.params}
+    fields = [f for kind in (AttackOptions, ReconstructionOptions) for f in dataclasses.fields(kind) if option_of(f)]
+    assert len(fields) == 15
+    for field in fields:
+        param = by_name[field.name]
+        assert param.help == help_text(field), field.name
+        if param.multiple:
+            assert field.default  # not given: empty, and the library's default applies (fedaudit.api.attack)
+        else:
+            assert param.default == field.default, field.name
