@@ -34,13 +34,8 @@ from _machine import add_program_option, describe, fedaudit_command, use_program
 
 from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg, FedSGD
-from fedaudit.attacks.reconstruction.attack import (
-    DEFAULT_PSNR_THRESHOLD,
-    LocalTraining,
-    ReconstructionOptions,
-    _random_like,
-    attack_update,
-)
+from fedaudit.attacks.options import DEFAULT_PSNR_THRESHOLD, ReconstructionOptions
+from fedaudit.attacks.reconstruction.attack import LocalTraining, _random_like, attack_update
 from fedaudit.attacks.reconstruction.image_quality import assign, pair_quality, pixel_range, quality_summary, to_pixels
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset, locate_dataset
