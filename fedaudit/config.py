@@ -68,12 +68,8 @@ class DataConfig:
     partition: str = setting("classes:2", "iid, classes:K or dirichlet:ALPHA.")
     num_clients: int = setting(5, "Number of clients K.")
     holdout_fraction: float = setting(0.1, "Fraction of the training split held out as non-members for auditing.")
-    # --dataset csv:PATH: the column holding each record's class
     label_column: str | None = setting(None, "--dataset csv:PATH: the column holding each record's class.")
-    # --dataset folder:DIR: images are resized to this square size (default 32)
     image_size: int | None = setting(None, "--dataset folder:DIR: square size images are resized to.", shown="32")
-    # --dataset sites with the local engine: each client's own data (npz:, csv: or folder:), in client order; in a
-    # Flower deployment each site names its own in its node config instead
     sites: tuple[str, ...] = setting(
         (),
         "--dataset sites (a federation whose sites keep their records), local engine: one client's own data, "
@@ -246,7 +242,6 @@ class AuditConfig:
         "clients send.",
         choices=CANARY_KINDS,
     )
-    # whole DP queries the query log keeps per run on average, for verify's recomputations
     kept_queries: int = setting(
         12,
         "Whole DP queries (parameters, batch, released sum) a canary run's query log keeps, on average, in pairs "
@@ -277,33 +272,25 @@ class FlowerConfig:
     with fedaudit as the server (docs/deployment.md). The results do not depend on any of these settings.
     """
 
-    # an existing Ray cluster's head (HOST:PORT) for the simulation runtime
     ray_address: str | None = setting(
         None,
         "HOST:PORT of an existing Ray cluster's head for --engine flower's simulation runtime (docs/deployment.md).",
         shown="a Ray instance on this machine",
     )
-    # Ray resources each simulated client reserves
     client_cpus: float = setting(1.0, "CPUs each simulated client reserves on Ray.")
-    # None: 1 / clients on a CUDA run, else 0
     client_gpus: float | None = setting(
         None, "Share of a GPU each simulated client reserves on Ray.", shown="1/clients on CUDA, else 0"
     )
-    # HOST:PORT of the SuperLink (its one HTTPS port)
     superlink: str | None = setting(
         None,
         "HOST:PORT of a Flower SuperLink: with --engine flower, the clients run on the SuperNodes of that "
         "deployment, one per site (docs/deployment.md), instead of Flower's simulation runtime.",
     )
-    # the CA certificate (PEM) that signed the SuperLink's certificate
     root_certificates: str | None = setting(
         None, "The CA certificate (PEM) that signed the SuperLink's TLS certificate.", path="file"
     )
-    # plain HTTP instead of TLS (only when asked for)
     insecure: bool = setting(False, "Talk to the SuperLink without TLS (only when asked).", negatable=False)
-    # how long to wait for every client's SuperNode to connect
     wait_seconds: float = setting(300.0, "How long to wait for every client's SuperNode to connect.")
-    # how long a round may wait for a site that neither answers nor dies
     round_timeout: float = setting(3600.0, "How long a round may wait for a site that neither answers nor dies.")
 
 
@@ -324,8 +311,6 @@ class PrivacyConfig:
     delta: float = setting(1e-5, "delta of (epsilon, delta)-DP.")
     accountant: str = setting(DEFAULT_ACCOUNTANT, f"{ACCOUNTANT_HELP}.", choices=tuple(ACCOUNTANTS))
     calibrated: bool = False
-    # None: every client draws its noise and samples from a secret only it holds (the default); an integer: from this
-    # public seed instead, reproducibly, for experiments (whoever holds it can remove the noise)
     noise_seed: int | None = setting(
         None,
         "Draw every client's DP noise and Poisson samples from this public seed, reproducibly, instead of from a "
@@ -333,7 +318,6 @@ class PrivacyConfig:
         "noise (the report says so).",
         shown="each client's own secret",
     )
-    # DP queries draw from ChaCha20, each Gaussian the sum of four float64 draws
     secure_noise: bool = setting(
         False,
         "DP queries draw from a ChaCha20 keystream, each Gaussian coordinate the sum of four float64 draws, "
@@ -392,7 +376,6 @@ class RunConfig:
         group="Run",
     )
     device: str = setting("auto", "Where to train.", choices=DEVICES, group="Engine")
-    # who runs the clients: in-process, or Flower's simulation runtime (same results)
     engine: str = setting(
         "local",
         "Who runs the clients: in this process, or Flower's simulation runtime (Ray; needs the flower extra); the "
@@ -400,8 +383,6 @@ class RunConfig:
         choices=ENGINES,
         group="Engine",
     )
-    # How many clients the local engine runs at once (threads; CUDA streams on a GPU); None: all of a round's
-    # clients on CUDA, one at a time on CPU. Results do not depend on it.
     parallel_clients: int | None = setting(
         None,
         "How many clients the local engine runs at once (threads, each with its own CUDA stream on a GPU), or how "
@@ -422,7 +403,6 @@ class RunConfig:
     flower: FlowerConfig = field(default_factory=FlowerConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     save_transmitted: bool = setting(False, "Store what every client sent each round under transmitted/.", group="Run")
-    # the last N rounds' checkpoints are kept; None: every round's
     keep_checkpoints: int | None = setting(
         None,
         "Keep only the last N rounds' checkpoints (resume stays exact from the last).",

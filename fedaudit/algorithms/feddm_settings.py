@@ -18,15 +18,10 @@ class FedDMConfig:
     """FedDM: each round, synthetic sets matched to the real data's mean embeddings and mean logits on networks
     sampled around the global model; the server trains inside a ball of that radius (docs/algorithms.md)."""
 
-    # synthetic images per class a client holds
     dm_ipc: int = setting(10, "FedDM: synthetic images per class a client holds.")
-    # sampled networks (one image step each)
     dm_iterations: int = setting(100, "FedDM: image steps, each on a newly sampled network.")
-    # SGD (momentum 0.5) on the synthetic images
-    dm_lr: float = setting(1.0, "FedDM: synthetic image learning rate (SGD).")
-    # real images per class in one step
+    dm_lr: float = setting(1.0, "FedDM: synthetic image learning rate (SGD, momentum 0.5).")
     dm_batch: int = setting(256, "FedDM: real images per class in one step.")
-    # rho: networks are sampled on the sphere of this radius around w_g; the server's ball
     dm_radius: float = setting(
         5.0, "FedDM rho: networks are sampled at this distance from the global model, and the server trains within it."
     )

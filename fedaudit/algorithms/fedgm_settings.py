@@ -21,21 +21,20 @@ class FedGMConfig:
     (docs/algorithms.md). The run's rounds are FedGM's stages T: each client releases 1/T of its synthetic set per
     round, its labels randomized with a prior from the server's model of the stages before."""
 
-    # synthetic images per class a client holds
     distill_ipc: int = setting(10, "FedGM: synthetic images per class a client holds.")
-    # fresh random networks the matching runs on (outer loop)
-    distill_iterations: int = setting(20, "FedGM: freshly initialised networks the gradient matching runs on.")
-    # matching steps per network (inner loop), each followed by one network step
-    distill_steps: int = setting(10, "FedGM: matching steps per network.")
-    # SGD (momentum 0.5) on the synthetic images
-    distill_lr: float = setting(0.1, "FedGM: synthetic image learning rate (SGD).")
-    # real images per class in one matching step
-    distill_batch: int = setting(128, "FedGM: real images per class in a matching step.")
-    # real: start from randomly drawn real images of the class (the paper); noise
-    distill_init: str = setting(
-        "real", "FedGM: start the synthetic images from real images of the class or from noise.", choices=DISTILL_INITS
+    distill_iterations: int = setting(
+        20, "FedGM: freshly initialised networks the gradient matching runs on (its outer loop)."
     )
-    # label DP of every label sent; None: labels are sent in clear
+    distill_steps: int = setting(
+        10, "FedGM: matching steps per network (its inner loop), each followed by one network step."
+    )
+    distill_lr: float = setting(0.1, "FedGM: synthetic image learning rate (SGD, momentum 0.5).")
+    distill_batch: int = setting(128, "FedGM: real images per class in a matching step.")
+    distill_init: str = setting(
+        "real",
+        "FedGM: start the synthetic images from real images of the class (the paper's) or from noise.",
+        choices=DISTILL_INITS,
+    )
     label_epsilon: float | None = setting(
         None,
         "FedGM: label DP of every label sent (epsilon of the label mechanism; images are sent in clear).",
@@ -47,9 +46,7 @@ class FedGMConfig:
         "model of the earlier stages).",
         choices=LABEL_MECHANISMS,
     )
-    # k of rr-top-k
     top_k: int | None = setting(None, "FedGM: k of --label-mechanism rr-top-k.")
-    # SGD steps of the server on the union of what it received
     server_steps: int = setting(500, "FedGM: server SGD steps on the union of what it received.")
 
 

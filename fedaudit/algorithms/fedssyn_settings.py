@@ -22,27 +22,21 @@ class FedssynConfig:
     and sends generated records; the server shuffles them and deals every client an equal share, which the client
     then trains on with its own records under the inner algorithm, every later round (docs/algorithms.md)."""
 
-    # the federated algorithm of the rounds after the generation round
     inner_algorithm: str = setting(
         "fedavg",
         "Fedssyn: the federated algorithm that trains on real plus shuffled synthetic records after the generation"
         " round.",
         choices=FEDSSYN_INNER,
     )
-    # rho: the share of a client's records its generator trains on
     generator_fraction: float = setting(0.75, "Fedssyn rho: the share of a client's records its generator trains on.")
-    # n~: records each client generates; None: the mean client's size
     synthetic_per_client: int | None = setting(
         None,
         "Fedssyn n~: records each client generates, and the size of every client's shuffled share.",
         shown="the mean client's records",
     )
     generator_epochs: int = setting(30, "Fedssyn: epochs of the generator's training.")
-    # minibatch (expected Poisson batch under DP)
     generator_batch: int = setting(64, "Fedssyn: generator minibatch (expected batch under DP).")
-    # Adam
     generator_lr: float = setting(1e-3, "Fedssyn: generator learning rate (Adam).")
-    # DP clipping norm of the generator's per-record gradients
     generator_clip: float = setting(1.0, "Fedssyn with --dp: clipping norm of the generator's DP-SGD.")
 
 
