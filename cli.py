@@ -15,9 +15,9 @@ from typing import Any
 import click
 
 from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
-from fedaudit.config import option_field, option_fields
+from fedaudit.config import DataConfig, option_field, option_fields
 from fedaudit.errors import USER_ERROR_EXIT, UserError
-from fedaudit.options import GROUPS, help_text, option_name, option_of
+from fedaudit.options import GROUPS, help_text, option_name, option_of, shown_default
 from fedaudit.registry import ACCOUNTANT_HELP, ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT
 
 
@@ -135,6 +135,18 @@ def attack_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for field in reversed(chosen):
         command = _field_option(field, "Attack", defaults=True)(command)
     return command
+
+
+def _attack_default(name: str) -> str | None:
+    """The default ``attack --help`` shows for the attack option of field ``name`` (compare's options repeat it)."""
+    (field,) = [f for f in dataclasses.fields(AttackOptions) if f.name == name]
+    return shown_default(field)
+
+
+def _data_default(name: str) -> str | None:
+    """The default ``train --help`` shows for the data option of field ``name`` (datasets' options repeat it)."""
+    (field,) = [f for f in dataclasses.fields(DataConfig) if f.name == name]
+    return shown_default(field)
 
 
 @click.group(cls=OneSentenceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -700,16 +712,16 @@ COMPARE_BASE_OPTIONS = (
     "signals",
     multiple=True,
     metavar="NAME",
-    help="Attack signals, as for attack --signal. [default: loss and grad-norm]",
+    help=f"Attack signals, as for attack --signal. [default: {_attack_default('signals')}]",
 )
 @click.option(
     "--method",
     "methods",
     multiple=True,
     metavar="NAME",
-    help="Attack methods, as for attack --method. [default: threshold and classifier]",
+    help=f"Attack methods, as for attack --method. [default: {_attack_default('methods')}]",
 )
-@click.option("--target", help="Attacked models, as for attack --target. [default: final]")
+@click.option("--target", help=f"Attacked models, as for attack --target. [default: {_attack_default('target')}]")
 @click.option(
     "--attack",
     "audits",
@@ -792,7 +804,11 @@ compare.params.extend(param for param in train.params if param.name in COMPARE_B
 @click.argument("own", nargs=-1, metavar="[npz:PATH | csv:PATH | folder:DIR]...")
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Also look in this directory.")
 @click.option("--label-column", help="csv:PATH: the column holding each record's class.")
-@click.option("--image-size", type=int, help="folder:DIR: square size images are resized to. [default: 32]")
+@click.option(
+    "--image-size",
+    type=int,
+    help=f"folder:DIR: square size images are resized to. [default: {_data_default('image_size')}]",
+)
 @user_errors
 def datasets(own: tuple[str, ...], data_dir: str | None, label_column: str | None, image_size: int | None) -> None:
     """List the datasets fedaudit reads, where each was found, and its size.

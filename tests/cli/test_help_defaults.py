@@ -4,6 +4,7 @@ the configuration resolves to (so a changed default that the help text does not 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from typing import Any
@@ -165,3 +166,28 @@ def test_every_attack_option_is_its_field_s_with_the_field_s_default() -> None:
             assert field.default  # not given: empty, and the library's default applies (fedaudit.api.attack)
         else:
             assert param.default == field.default, field.name
+
+
+def test_compare_shows_the_study_s_own_defaults() -> None:
+    """compare's options repeat attack's shown defaults (derived from the same fields) and state the study's own
+    defaults, which must be what a study without them gets (Study())."""
+    from fedaudit.attacks.options import AttackOptions
+    from fedaudit.cli import attack, compare
+    from fedaudit.options import shown_default
+    from fedaudit.study import Study
+
+    def shown(command, name: str) -> str:
+        (param,) = [p for p in command.params if p.name == name]
+        found = re.search(r"\[default: ([^\]]+)\]$", param.help)
+        assert found, name
+        return found.group(1)
+
+    study = Study()
+    assert shown(compare, "algorithms") == ", ".join(study.algorithms)
+    assert shown(compare, "budgets") == ", ".join(str(b) for b in study.budgets)
+    assert shown(compare, "seeds") == ", ".join(str(s) for s in study.seeds)
+    assert shown(compare, "equal_data_access") == ("on" if study.equal_data_access else "off")
+    assert shown(compare, "formats") == ", ".join(study.formats)
+    for name in ("signals", "methods", "target"):
+        (field,) = [f for f in dataclasses.fields(AttackOptions) if f.name == name]
+        assert shown(compare, name) == shown_default(field) == shown(attack, name)
