@@ -137,15 +137,10 @@ def attack_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def _attack_default(name: str) -> str | None:
-    """The default ``attack --help`` shows for the attack option of field ``name`` (compare's options repeat it)."""
-    (field,) = [f for f in dataclasses.fields(AttackOptions) if f.name == name]
-    return shown_default(field)
-
-
-def _data_default(name: str) -> str | None:
-    """The default ``train --help`` shows for the data option of field ``name`` (datasets' options repeat it)."""
-    (field,) = [f for f in dataclasses.fields(DataConfig) if f.name == name]
+def _shown(kind: type, name: str) -> str | None:
+    """The default --help shows for the option of ``kind``'s field ``name`` (where another command repeats it:
+    compare's attack options, datasets' --image-size)."""
+    (field,) = [f for f in dataclasses.fields(kind) if f.name == name]
     return shown_default(field)
 
 
@@ -712,16 +707,16 @@ COMPARE_BASE_OPTIONS = (
     "signals",
     multiple=True,
     metavar="NAME",
-    help=f"Attack signals, as for attack --signal. [default: {_attack_default('signals')}]",
+    help=f"Attack signals, as for attack --signal. [default: {_shown(AttackOptions, 'signals')}]",
 )
 @click.option(
     "--method",
     "methods",
     multiple=True,
     metavar="NAME",
-    help=f"Attack methods, as for attack --method. [default: {_attack_default('methods')}]",
+    help=f"Attack methods, as for attack --method. [default: {_shown(AttackOptions, 'methods')}]",
 )
-@click.option("--target", help=f"Attacked models, as for attack --target. [default: {_attack_default('target')}]")
+@click.option("--target", help=f"Attacked models, as for attack --target. [default: {_shown(AttackOptions, 'target')}]")
 @click.option(
     "--attack",
     "audits",
@@ -807,7 +802,7 @@ compare.params.extend(param for param in train.params if param.name in COMPARE_B
 @click.option(
     "--image-size",
     type=int,
-    help=f"folder:DIR: square size images are resized to. [default: {_data_default('image_size')}]",
+    help=f"folder:DIR: square size images are resized to. [default: {_shown(DataConfig, 'image_size')}]",
 )
 @user_errors
 def datasets(own: tuple[str, ...], data_dir: str | None, label_column: str | None, image_size: int | None) -> None:

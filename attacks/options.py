@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedaudit.attacks import AttackError
-from fedaudit.attacks.registry import ATTACKS, DEFAULT_METHODS, RECONSTRUCTION, RECONSTRUCTION_METHOD, REFERENCE, attack
+from fedaudit.attacks.registry import (
+    ATTACKS,
+    DEFAULT_METHODS,
+    RECONSTRUCTION,
+    RECONSTRUCTION_METHOD,
+    REFERENCE,
+    attack,
+    family_of,
+)
 from fedaudit.config import DEVICES, MAX_SEED
 from fedaudit.options import setting
 
@@ -228,9 +236,3 @@ def parse_reconstruction_target(text: str | None) -> tuple[str | int, int | None
         f"--target {text!r} is not understood for a reconstruction; use final, all, round:N or round:N:client:K "
         "(N >= 1, K a client's number)."
     )
-
-
-def family_of(method: str) -> str | None:
-    """The registry's family of ``method``, None for a name it does not know."""
-    entry = ATTACKS.get(method)
-    return None if entry is None else entry.family

@@ -148,3 +148,9 @@ def attack(name: str) -> AttackEntry:
 def of_family(family: str) -> tuple[str, ...]:
     """The names of ``family``'s attacks, in the registry's order."""
     return tuple(name for name, entry in ATTACKS.items() if entry.family == family)
+
+
+def family_of(method: str) -> str | None:
+    """The registry's family of ``method``, None for a name it does not know."""
+    entry = ATTACKS.get(method)
+    return None if entry is None else entry.family

@@ -39,7 +39,7 @@ from fedaudit.attacks.membership.signals import (
 from fedaudit.attacks.membership.sites import Sites, SiteScorer, refuse, site_signals
 from fedaudit.attacks.membership.sites import evaluation_set as sites_evaluation_set
 from fedaudit.attacks.metrics import auc_score, bootstrap_groups, risk, summarize
-from fedaudit.attacks.options import AttackOptions, family_of, parse_target
+from fedaudit.attacks.options import AttackOptions, parse_target
 from fedaudit.attacks.options import parse_reconstruction_target as reconstruction_target
 from fedaudit.attacks.reconstruction.attack import (
     ReconstructionPlan,
@@ -56,6 +56,7 @@ from fedaudit.attacks.registry import (
     REFERENCE,
     AttackEntry,
     attack,
+    family_of,
 )
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset

@@ -9,6 +9,7 @@ writes every algorithm-dependent default out, and that resolved form is what
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -790,9 +791,11 @@ SECTION_TITLES = {
 }  # an algorithm's own section is titled by its settings module's TITLE
 
 
-def option_fields() -> list[tuple[str, dataclasses.Field, str]]:
+@functools.cache
+def option_fields() -> tuple[tuple[str, dataclasses.Field, str], ...]:
     """Every configuration field that ``fedaudit train`` has an option for, as (``section.field`` or the top-level
-    field's name, the field, the option's group in --help), sections in :data:`RunConfig`'s order."""
+    field's name, the field, the option's group in --help), sections in :data:`RunConfig`'s order (the sections are
+    fixed when the configuration loads, so this is read once)."""
     found = []
     for top in fields(RunConfig):
         option = option_of(top)
@@ -804,13 +807,22 @@ def option_fields() -> list[tuple[str, dataclasses.Field, str]]:
             option = option_of(item)
             if option is not None:
                 found.append((f"{section}.{item.name}", item, option.group or title))
-    return found
+    return tuple(found)
 
 
 def _settings_title(section: str) -> str:
     """The --help group of an algorithm's own section: its settings module's TITLE."""
     modules = [e.settings_module() for e in ALGORITHMS.values() if e.settings]
     return next(module.TITLE for module in modules if module.SECTION == section)
+
+
+@functools.cache
+def _option_paths() -> dict[str, list[str]]:
+    """Each option's name (as click names its parameter) -> the fields it would set (one, unless misdeclared)."""
+    paths: dict[str, list[str]] = {}
+    for path, item, _ in option_fields():
+        paths.setdefault(option_name(item), []).append(path)
+    return paths
 
 
 def option_field(option: str) -> str:
@@ -820,7 +832,7 @@ def option_field(option: str) -> str:
     Raises:
         KeyError: no field has that option.
     """
-    found = [path for path, item, _ in option_fields() if option_name(item) == option]
+    found = _option_paths().get(option, [])
     if len(found) != 1:
         raise KeyError(f"The option {option!r} names {len(found)} configuration fields.")
     return found[0]

@@ -252,6 +252,7 @@ class _DirectionCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._rows: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._bytes = 0  # held in _rows
         self._lock = threading.Lock()
 
     def rows(self, seed: int, chunk: np.ndarray, shapes: dict[str, torch.Size], layout: str) -> torch.Tensor:
@@ -263,10 +264,12 @@ class _DirectionCache:
         rows = canary_rows(seed, chunk, shapes, layout)
         size = rows.numel() * rows.element_size()
         with self._lock:
-            if size <= self.max_bytes:
+            if size <= self.max_bytes and key not in self._rows:
                 self._rows[key] = rows
-                while sum(r.numel() * r.element_size() for r in self._rows.values()) > self.max_bytes:
-                    self._rows.popitem(last=False)
+                self._bytes += size
+                while self._bytes > self.max_bytes:
+                    _, dropped = self._rows.popitem(last=False)
+                    self._bytes -= dropped.numel() * dropped.element_size()
         return rows
 
 

@@ -150,7 +150,6 @@ def test_every_attack_option_is_its_field_s_with_the_field_s_default() -> None:
     """attack's options of what to attack and how come from fedaudit.attacks.options' fields: the help text and
     shown default are the field's, and the value an option takes when not given is the field's default (the
     library's AttackOptions() and the command line attack alike)."""
-    import dataclasses
 
     from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
     from fedaudit.cli import attack
