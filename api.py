@@ -121,7 +121,7 @@ def train(
         The run directory, the rounds done, the final test accuracy and epsilon (infinite without DP).
     """
     from fedaudit import training
-    from fedaudit.setup import TrainingError
+    from fedaudit.preparation import TrainingError
 
     if out is None:
         raise TrainingError("--out is required: the directory the run is written to.")

@@ -18,7 +18,8 @@ from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
 from fedaudit.config import DataConfig, option_field, option_fields
 from fedaudit.errors import USER_ERROR_EXIT, UserError
 from fedaudit.options import GROUPS, help_text, option_name, option_of, shown_default
-from fedaudit.registry import ACCOUNTANT_HELP, ACCOUNTANTS, ALGORITHMS, DEFAULT_ACCOUNTANT
+from fedaudit.registry import ACCOUNTANT_HELP, ACCOUNTANTS, DEFAULT_ACCOUNTANT
+from fedaudit.study_settings import StudySettings
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,21 +89,25 @@ class GroupedCommand(click.Command):
                 formatter.write_dl(groups[title])
 
 
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float, "str": str, "Budget": str}  # a budget is parsed with the study
 
 
-def _field_option(field: dataclasses.Field, group: str, *, defaults: bool) -> Callable[[Any], Any]:
+def _field_option(
+    field: dataclasses.Field, group: str, *, defaults: bool, by_field: bool | None = None
+) -> Callable[[Any], Any]:
     """The click option of one dataclass field, from its metadata (fedaudit.options): name, help with the shown
     default, type from the field's annotation, choices, flag or path. With ``defaults`` an option not given takes
     the field's default (``attack``'s options); without, it is None (a flag's too), so that a configuration file's
-    value stands (``train``'s), and its parameter is named after the option (``--lr``: ``lr``) rather than the
-    field."""
+    value stands (``train``'s and ``compare``'s). Its parameter is named after the field with ``by_field`` (by
+    default with ``defaults``), else after the option (``--lr``: ``lr``)."""
     option = option_of(field)
     assert option is not None
     name = "--" + option_name(field).replace("_", "-")
     annotation = str(field.type).split(" | ")[0]
     kwargs: dict[str, Any] = {"cls": GroupedOption, "group": group, "help": help_text(field)}
-    parameter = [field.name] if defaults else []
+    parameter = [field.name] if (defaults if by_field is None else by_field) else []
+    if option.metavar is not None:
+        kwargs["metavar"] = option.metavar
     if annotation == "bool":
         declarations = [f"{name}/--no-{name[2:]}"] if option.negatable else [name]
         kwargs.update(is_flag=True, default=field.default if defaults else None)
@@ -134,6 +139,14 @@ def attack_options(command: Callable[..., Any]) -> Callable[..., Any]:
     chosen = [f for kind in (AttackOptions, ReconstructionOptions) for f in dataclasses.fields(kind) if option_of(f)]
     for field in reversed(chosen):
         command = _field_option(field, "Attack", defaults=True)(command)
+    return command
+
+
+def study_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add an option for every setting of a study of its own (fedaudit.study_settings), None when not given so that
+    a study file's value stands, each parameter named after its field (``--algorithm``: ``algorithms``)."""
+    for field in reversed([f for f in dataclasses.fields(StudySettings) if option_of(f)]):
+        command = _field_option(field, "Study", defaults=False, by_field=True)(command)
     return command
 
 
@@ -196,7 +209,7 @@ def train(
     directory: docs/run-directory.md.
     """
     from fedaudit import api
-    from fedaudit.setup import TrainingError, data_access
+    from fedaudit.preparation import TrainingError, data_access
 
     progress = show_progress(progress)
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
@@ -464,7 +477,7 @@ def verify(run_dirs: tuple[str, ...], seed: int, public_key: str | None, probe: 
     check). What each check computes: docs/audit.md.
     """
     from fedaudit import api
-    from fedaudit.integrity import public_key_bytes
+    from fedaudit.rundir.integrity import public_key_bytes
 
     key = None if public_key is None else public_key_bytes(_read_key(public_key), public_key)
     failed = False
@@ -668,34 +681,7 @@ COMPARE_BASE_OPTIONS = (
     type=click.Path(),
     help="Study directory: study.json, runs/<name>/ and the comparison report.",
 )
-@click.option(
-    "--algorithm",
-    "algorithms",
-    multiple=True,
-    type=click.Choice(list(ALGORITHMS)),
-    help="Repeat for several. [default: fedavg, fedprox, fedlap]",
-)
-@click.option(
-    "--budget",
-    "budgets",
-    multiple=True,
-    metavar="SPEC",
-    help="epsilon:E (sigma calibrated so that epsilon after the last round is at most E; eps:E is the same), "
-    "sigma:S (noise:S is the same), or none (no DP; also no-dp); repeat for several. [default: sigma:1]",
-)
-@click.option(
-    "--seed",
-    "seeds",
-    multiple=True,
-    type=int,
-    help="Repeat for several; the report gives mean and spread over seeds. [default: 0]",
-)
-@click.option(
-    "--equal-data-access/--no-equal-data-access",
-    default=None,
-    help="FedAvg/FedProx make as many DP queries per round as FedLAP's worst case (the paper's fair "
-    "comparison). [default: off]",
-)
+@study_options
 @click.option(
     "--config",
     "config_file",
@@ -724,15 +710,6 @@ COMPARE_BASE_OPTIONS = (
     type=click.Choice(["reconstruction"]),
     help="An audit beside the membership attacks: reconstruction (rebuild each client's records from what it sent, "
     "as for attack --method reconstruction; the runs keep what crossed the wire).",
-)
-@click.option(
-    "--format", "formats", multiple=True, metavar="FORMAT", help="html, md or pdf; repeat for several. [default: html]"
-)
-@click.option(
-    "--policy",
-    type=click.Path(dir_okay=False),
-    help="YAML limits checked on every run, as for report --policy; exit code 1 when a run fails one, 3 when "
-    "one is INCONCLUSIVE.",
 )
 @click.option(
     "--overwrite", is_flag=True, help="Retrain runs whose stored configuration differs from the study's plan."

@@ -32,20 +32,19 @@ from fedaudit.attacks.registry import RECONSTRUCTION_METHOD as RECONSTRUCTION
 from fedaudit.attacks.registry import REFERENCE
 from fedaudit.attacks.runner import expected_results, results_current, run_attacks, target_round
 from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
-from fedaudit.errors import UserError
-from fedaudit.integrity import RunLock
+from fedaudit.preparation import Setup, data_access, prepare
 from fedaudit.registry import ALGORITHMS, EQUAL_ACCESS_REFERENCE, algorithm_label
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.policy import Policy, load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
 from fedaudit.rundir import RunDirectory, RunError, atomic_write_json, now_iso, remove_stale_temporaries
-from fedaudit.setup import Setup, data_access, prepare
+from fedaudit.rundir.integrity import RunLock
+from fedaudit.study_settings import Budget, StudyError, StudySettings
 from fedaudit.training import resume, time_first_round, train_setup
 
 STUDY_FORMAT = "fedaudit-study"
 STUDY_FILE = "study.json"
 RUNS_DIR = "runs"
-DEFAULT_ALGORITHMS: tuple[str, ...] = ("fedavg", "fedprox", "fedlap")
 CONFIRM_SECONDS = 600  # a study estimated to take longer starts only with --yes (or in CI)
 # What a study file's "attack" section may set, and the AttackOptions field each one fills.
 ATTACK_KEYS: dict[str, str] = {
@@ -68,75 +67,13 @@ STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "at
 Echo = Callable[[str], None]
 
 
-class StudyError(UserError):
-    """A study that cannot be run as given (one clear sentence)."""
-
-
 @dataclass(frozen=True)
-class Budget:
-    """One privacy level of a study: a target epsilon (sigma calibrated per run), a fixed sigma, or no DP."""
+class Study(StudySettings):
+    """What a study compares and how each run is attacked and reported: the study's own settings, the base
+    configuration of its runs and the attack's options."""
 
-    kind: str  # "epsilon", "sigma" or "none"
-    value: float | None = None
-
-    @classmethod
-    def parse(cls, text: Any) -> Budget:
-        """``epsilon:E``, ``sigma:S`` or ``none`` (the syntax of ``--budget`` and of a study file's budgets list)."""
-        spec = str(text).strip().lower()
-        if spec in ("none", "no-dp", "nodp"):
-            return cls("none")
-        kind, _, number = spec.partition(":")
-        kind = {"eps": "epsilon", "epsilon": "epsilon", "sigma": "sigma", "noise": "sigma"}.get(kind, "")
-        try:
-            value = float(number)
-        except ValueError:
-            value = math.nan
-        if not kind or not math.isfinite(value) or value <= 0:
-            raise StudyError(
-                f"Budget {text!r} is not understood; use epsilon:E or sigma:S with a positive number, or none."
-            )
-        return cls(kind, value)
-
-    def __str__(self) -> str:
-        return "none" if self.kind == "none" else f"{self.kind}:{self.value:g}"
-
-    @property
-    def slug(self) -> str:
-        """The budget's part of a run name: eps8, sigma1, nodp."""
-        if self.kind == "none":
-            return "nodp"
-        return f"{'eps' if self.kind == 'epsilon' else 'sigma'}{self.value:g}"
-
-    def apply(self, config: RunConfig) -> RunConfig:
-        """``config`` with this budget's privacy settings (without DP the clipping norm and the canaries, which audit
-        a DP accountant, are dropped)."""
-        privacy = config.privacy
-        if self.kind == "none":
-            config = replace(config, audit=replace(config.audit, canaries=0))
-        if self.kind == "none":
-            privacy = replace(privacy, dp=False, noise_multiplier=None, target_epsilon=None, max_grad_norm=None)
-        elif self.kind == "epsilon":
-            privacy = replace(privacy, dp=True, noise_multiplier=None, target_epsilon=self.value)
-        else:
-            privacy = replace(privacy, dp=True, noise_multiplier=self.value, target_epsilon=None)
-        config = replace(config, privacy=replace(privacy, calibrated=False))
-        if not config.dp_randomness:  # how DP noise is drawn means nothing to a run that draws none
-            config = replace(config, privacy=replace(config.privacy, noise_seed=None, secure_noise=False))
-        return config
-
-
-@dataclass(frozen=True)
-class Study:
-    """What a study compares and how each run is attacked and reported."""
-
-    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
-    budgets: tuple[Budget, ...] = (Budget("sigma", 1.0),)
-    seeds: tuple[int, ...] = (0,)
-    equal_data_access: bool = False
     base: RunConfig = field(default_factory=RunConfig)
     attack: AttackOptions = field(default_factory=AttackOptions)
-    formats: tuple[str, ...] = ("html",)
-    policy: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The study as written to study.json (and as a study file would give it)."""
@@ -589,7 +526,7 @@ def _time_reconstruction(setup: Setup, attack: AttackOptions) -> float:
     """Seconds of a run's reconstruction audit: every client of the attacked rounds, each update timed on a few
     iterations of the attack and scaled (:func:`fedaudit.attacks.reconstruction.attack.estimate_seconds`)."""
     from fedaudit.attacks.reconstruction.attack import estimate_seconds, parse_target
-    from fedaudit.setup import clients_per_round
+    from fedaudit.preparation import clients_per_round
 
     config = setup.config
     rounds, client = parse_target(attack.target)

@@ -121,7 +121,7 @@ class AttackOptions:
     )
     reconstruction: ReconstructionOptions = field(default_factory=ReconstructionOptions)
     # a run whose records stay at its sites (a --dataset sites deployment): how to reach them (fedaudit attack
-    # --superlink), a fedaudit.attacks.membership.sites.SiteConnection, or None
+    # --superlink), a fedaudit.attacks.membership.site_audit.SiteConnection, or None
     sites: Any = None
 
     @property
@@ -141,7 +141,7 @@ class AttackOptions:
 
     def validate(self) -> None:
         """Raise :class:`AttackError` with one sentence for the first invalid option."""
-        from fedaudit.signals import MODEL_SIGNALS
+        from fedaudit.instruments.record_signals import MODEL_SIGNALS
 
         signals = (*MODEL_SIGNALS, SYNTHETIC_SIGNAL)
         for kind, given, known in (("signal", self.signals, signals), ("method", self.methods, tuple(ATTACKS))):
@@ -178,7 +178,7 @@ class AttackOptions:
 
     def _validate_references(self) -> None:
         """The reference-model attacks' options: K, --online and the signals and target they need."""
-        from fedaudit.signals import OUTPUT_SIGNALS
+        from fedaudit.instruments.record_signals import OUTPUT_SIGNALS
 
         if not isinstance(self.references, int) or isinstance(self.references, bool) or self.references < 1:
             raise AttackError(f"--references must be an integer of at least 1, got {self.references!r}.")

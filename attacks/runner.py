@@ -36,8 +36,8 @@ from fedaudit.attacks.membership.signals import (
     nearest_distance,
     oriented,
 )
-from fedaudit.attacks.membership.sites import Sites, SiteScorer, refuse, site_signals
-from fedaudit.attacks.membership.sites import evaluation_set as sites_evaluation_set
+from fedaudit.attacks.membership.site_audit import Sites, SiteScorer, refuse, site_signals
+from fedaudit.attacks.membership.site_audit import evaluation_set as sites_evaluation_set
 from fedaudit.attacks.metrics import auc_score, bootstrap_groups, risk, summarize
 from fedaudit.attacks.options import AttackOptions, parse_target
 from fedaudit.attacks.options import parse_reconstruction_target as reconstruction_target
@@ -62,6 +62,7 @@ from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition, load_dataset
 from fedaudit.data.sites import is_sites
 from fedaudit.errors import UserError
+from fedaudit.preparation import resolve_device, run_data
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.rundir import (
     RunDirectory,
@@ -73,7 +74,6 @@ from fedaudit.rundir import (
     remove_stale_temporaries,
 )
 from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
-from fedaudit.setup import resolve_device, run_data
 
 # A client's AUC gets an interval only with at least this many audited members: with fewer, the percentile
 # bootstrap's resamples are mostly repeats of the same few records and do not cover at 95% (a federation of many

@@ -1,12 +1,12 @@
 """How long a canary run spends drawing its canaries' directions: the previous path against fedaudit's.
 
-Every round, each client of a run with gradient canaries projects its released sums on the directions of its
-canaries, each direction drawn from its own stream (run seed, CANARY, canary) so that every engine and the audit draw
-the same one (fedaudit.canaries.canary_rows). The previous path made a generator and derived its seed with numpy's
+Every round, each client of a run with gradient canaries projects its released sums on the directions of its canaries,
+each direction drawn from its own stream (run seed, CANARY, canary) so that every engine and the audit draw the same one
+(fedaudit.instruments.canaries.canary_rows). The previous path made a generator and derived its seed with numpy's
 SeedSequence for every canary, then split the rows by parameter and joined them again; fedaudit now derives every
 canary's seed at once (the same hash on arrays) and reseeds one generator. Both are timed alternately on the same
-canaries of a ConvNet's parameters (median of the repeats after a warm-up of each), the directions are checked equal
-bit for bit, and the ratio previous / ours is printed.
+canaries of a ConvNet's parameters (median of the repeats after a warm-up of each), the directions are checked equal bit
+for bit, and the ratio previous / ours is printed.
 
     python benchmarks/canary_directions.py [--canaries 1000] [--widths 16 32] [--layout parts] [--repeats 5]
                                            [--threads 1] [--smoke]
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from _machine import describe
 
-from fedaudit.canaries import LAYOUTS, canary_groups, canary_rows, group_of
+from fedaudit.instruments.canaries import LAYOUTS, canary_groups, canary_rows, group_of
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.seeding import Stream, make_generator
 

@@ -1,11 +1,11 @@
 """How good Fedssyn's generator is: a classifier trained on generated records only, tested on real ones.
 
-For each dataset, the conditional VAE of ``fedaudit.generative`` trains on N random training records (all classes)
-with Fedssyn's defaults, without DP and, with ``--sigma``, with DP-SGD at that noise multiplier (epsilon by the
-run's RDP accountant, delta 1e-5). It then generates N records with the same class counts. A ConvNet (width 32)
-trains on those for 10 epochs, and, as the reference measured in the same run, a ConvNet trains on the N real
-records; both are tested on the real test set. The ratio of the two accuracies is the figure: "classification
-accuracy score" (Ravuri and Vinyals, 2019), a classifier-based stand-in for FID that needs no Inception network.
+For each dataset, the conditional VAE of ``fedaudit.models.generative`` trains on N random training records (all
+classes) with Fedssyn's defaults, without DP and, with ``--sigma``, with DP-SGD at that noise multiplier (epsilon by the
+run's RDP accountant, delta 1e-5). It then generates N records with the same class counts. A ConvNet (width 32) trains
+on those for 10 epochs, and, as the reference measured in the same run, a ConvNet trains on the N real records; both are
+tested on the real test set. The ratio of the two accuracies is the figure: "classification accuracy score" (Ravuri and
+Vinyals, 2019), a classifier-based stand-in for FID that needs no Inception network.
 
     python benchmarks/generator.py [--datasets digits fashion-mnist] [--records 1000 9000] [--threads 1] [--smoke]
 """
@@ -22,8 +22,8 @@ from _machine import describe
 from fedaudit.algorithms.base import ClientData
 from fedaudit.config import FedssynConfig
 from fedaudit.data import load_dataset
-from fedaudit.generative import ConditionalVAE, sample, train_generator
 from fedaudit.models import ModelSpec, build_model, default_depth
+from fedaudit.models.generative import ConditionalVAE, sample, train_generator
 from fedaudit.privacy.accounting import compute_epsilon
 from fedaudit.privacy.randomness import QueryDraws, SeededKeys
 

@@ -5,7 +5,7 @@ One process sets up the run as ``fedaudit train --dp --noise-multiplier 1 --cana
 :class:`ClientData`, canaries included:
 
 - with recording: the canary run's path, ``run_client`` with ``data.audit`` set, which hands the DP primitive a
-  :class:`fedaudit.queries.QueryLog` (each released sum projected on every canary of the client, a few whole
+  :class:`fedaudit.instruments.queries.QueryLog` (each released sum projected on every canary of the client, a few whole
   queries kept) and gathers the log's arrays into the message;
 - without: the same data with ``audit=None``, the code path before the query log.
 
@@ -34,8 +34,8 @@ from fedaudit.algorithms.base import ClientData, ClientMessage, RoundContext, ru
 from fedaudit.config import AuditConfig, DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError
 from fedaudit.models import build_model, initial_params
+from fedaudit.preparation import Setup, client_data, prepare
 from fedaudit.privacy.randomness import SeededKeys
-from fedaudit.setup import Setup, client_data, prepare
 
 ROUNDS = 10  # the run's rounds: they set how often a round keeps whole queries (--kept-queries per run on average)
 

@@ -29,7 +29,7 @@ import torch
 from _machine import describe
 
 from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
-from fedaudit.setup import prepare
+from fedaudit.preparation import prepare
 from fedaudit.training import train
 
 PAPER_TABLE_2 = pd.DataFrame(

@@ -17,7 +17,7 @@
   weight is the largest weight a real reply carries in that round (the most exposed real client; with the equal
   weights Flower's DP noise assumes, the common weight), and its other metrics are the real replies' weighted mean,
   so the aggregated metrics do not change.
-- After every round the log (``fedaudit.canary_log``) is rewritten atomically with the cosine of the round's
+- After every round the log (``fedaudit.instruments.canary_log``) is rewritten atomically with the cosine of the round's
   aggregate update with every canary direction, included or not, and the cosine of the final model minus the
   initial one. ``fedaudit attack --flower-log LOG`` turns it into estimates and bounds of epsilon.
 
@@ -51,9 +51,9 @@ from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedCl
 from flwr.supercore import log as flower_log
 
 import fedaudit
-from fedaudit.canary_log import CanaryLog
 from fedaudit.config import MAX_SEED
 from fedaudit.errors import UserError
+from fedaudit.instruments.canary_log import CanaryLog
 from fedaudit.seeding import Stream, numpy_rng
 
 CANARY_SCALE = 10.0  # a canary's update norm before clipping, in units of the clipping norm

@@ -45,6 +45,7 @@ class Option:
     negatable: bool = True
     multiple: bool = False
     group: str | None = None
+    metavar: str | None = None
 
 
 def setting(default: Any = MISSING, help: str = "", **option: Any) -> Any:
@@ -65,7 +66,8 @@ def option_name(field: dataclasses.Field) -> str:
 
 def shown_default(field: dataclasses.Field) -> str | None:
     """The default ``--help`` shows: the option's words, else the field's literal default (on/off for a flag,
-    numbers as %g), else nothing (None and empty defaults are resolved or mean "not given")."""
+    numbers as %g, a tuple's values joined by commas), else nothing (None and empty defaults are resolved or mean
+    "not given")."""
     option = option_of(field)
     if option is not None and option.shown is not None:
         return option.shown
@@ -74,9 +76,12 @@ def shown_default(field: dataclasses.Field) -> str | None:
         return None
     if isinstance(default, bool):
         return "on" if default else "off"
-    if isinstance(default, float):
-        return f"{default:g}"
-    return str(default)
+    return ", ".join(_shown_value(value) for value in (default if isinstance(default, tuple) else (default,)))
+
+
+def _shown_value(value: Any) -> str:
+    """One default value as --help shows it: numbers as %g."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def help_text(field: dataclasses.Field) -> str:

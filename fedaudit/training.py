@@ -36,6 +36,7 @@ from fedaudit.config import RunConfig, option_field
 from fedaudit.data.sites import is_sites
 from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.models import build_model, initial_params, num_parameters
+from fedaudit.preparation import Setup, TrainingError, client_data, prepare, round_participants
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
 from fedaudit.privacy.randomness import ClientKeys, RunRandomness, new_run_id
@@ -53,7 +54,6 @@ from fedaudit.rundir import (
     versions,
 )
 from fedaudit.seeding import Stream, make_generator, numpy_rng, repeatable
-from fedaudit.setup import Setup, TrainingError, client_data, prepare, round_participants
 
 Echo = Callable[[str], None]
 
@@ -90,7 +90,7 @@ def train(
 
 
 def prepare_run(config: RunConfig, *, device: str | None = None) -> Setup:
-    """:func:`fedaudit.setup.prepare`, after asking the sites of a deployment whose sites keep their records what
+    """:func:`fedaudit.preparation.prepare`, after asking the sites of a deployment whose sites keep their records what
     they hold (no record leaves a site: counts, positions and hashes)."""
     if is_sites(config.data.dataset) and config.flower.superlink is not None and config.engine == "flower":
         from fedaudit.engine.deployment import survey_sites

@@ -148,7 +148,7 @@ LAZY_API = ("fedaudit", "fedaudit.api")  # the package's __getattr__ hands out f
 @pytest.mark.parametrize(
     "layer, forbidden",
     [
-        ("fedaudit.reports", ("fedaudit.training", "fedaudit.algorithms", "fedaudit.setup", "fedaudit.engine")),
+        ("fedaudit.reports", ("fedaudit.training", "fedaudit.algorithms", "fedaudit.preparation", "fedaudit.engine")),
         ("fedaudit.attacks", ("fedaudit.algorithms", "fedaudit.engine", "fedaudit.reports", "fedaudit.study")),
         ("core", ("fedaudit.attacks", "fedaudit.reports", "fedaudit.cli", "fedaudit.study", "fedaudit.api")),
     ],
@@ -169,7 +169,7 @@ def test_attacks_reach_training_only_through_its_public_entry_points() -> None:
     for module in (m for m in MODULES if m.startswith("fedaudit.attacks")):
         tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in ("fedaudit.training", "fedaudit.setup"):
+            if isinstance(node, ast.ImportFrom) and node.module in ("fedaudit.training", "fedaudit.preparation"):
                 private = [alias.name for alias in node.names if alias.name.startswith("_")]
                 assert not private, f"{module} imports {private} from {node.module}"
 

@@ -35,8 +35,8 @@ from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary.estimators import bound_by_guesses, gaussian_estimate, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, Bootstrap, auc_score, bootstrap, roc
 from fedaudit.attacks.registry import CANARY_METHOD
-from fedaudit.canaries import LAYOUTS, Canaries, canary_directions, canary_groups, group_of
 from fedaudit.data import Dataset
+from fedaudit.instruments.canaries import LAYOUTS, Canaries, canary_directions, canary_groups, group_of
 from fedaudit.models import ModelSpec, build_model, initial_params
 from fedaudit.privacy.primitive import per_sample_gradients
 from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC

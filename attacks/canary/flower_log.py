@@ -1,8 +1,8 @@
 """The audit of a Flower app's canary log (``fedaudit attack --flower-log LOG``).
 
-The log (``fedaudit.canary_log``, written by ``fedaudit.flower.CanaryClients``) holds, for m canary clients of which
-about half were included, the cosine of every round's aggregate update and of the final model minus the initial one
-with each canary's direction. Two views, each a score per canary (Andrew et al., ICLR 2024):
+The log (``fedaudit.instruments.canary_log``, written by ``fedaudit.flower.CanaryClients``) holds, for m canary clients
+of which about half were included, the cosine of every round's aggregate update and of the final model minus the initial
+one with each canary's direction. Two views, each a score per canary (Andrew et al., ICLR 2024):
 
 - ``all-iterates``: whoever sees every round's aggregate (the server, or anyone who sees every global model) scores
   canary i by max_t cos(Delta_t, u_i) over the released rounds;
@@ -31,7 +31,7 @@ import pandas as pd
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary.estimators import bound_by_guesses, gaussian_estimate, split_audit
 from fedaudit.attacks.metrics import CONFIDENCE, DEFAULT_RESAMPLES, Bootstrap, auc_score, bootstrap, roc
-from fedaudit.canary_log import FORMAT, VERSION, CanaryLog, read_log
+from fedaudit.instruments.canary_log import FORMAT, VERSION, CanaryLog, read_log
 from fedaudit.privacy.accounting import SGMEvent, compute_epsilon
 from fedaudit.rundir import atomic_write_bytes, csv_bytes, json_bytes
 from fedaudit.seeding import Stream, derive_seed

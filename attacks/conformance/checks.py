@@ -1,9 +1,9 @@
 """Conformance of a canary run's DP queries: is what was released the mechanism that the ledger charged for?
 
-A canary run records every DP query of every client (fedaudit.queries): its batch, sigma, C, B and q, and a few
-whole queries (the point, the batch, the gradient canaries drawn and the released noisy sum S + N). :func:`verify`
-tests the run against the Sampled Gaussian Mechanism the privacy ledger charged for, with code that shares nothing
-with the code it checks (no import of ``fedaudit.privacy``; its own per-example loop; Google's dp-accounting):
+A canary run records every DP query of every client (fedaudit.instruments.queries): its batch, sigma, C, B and q, and a
+few whole queries (the point, the batch, the gradient canaries drawn and the released noisy sum S + N). :func:`verify`
+tests the run against the Sampled Gaussian Mechanism the privacy ledger charged for, with code that shares nothing with
+the code it checks (no import of ``fedaudit.privacy``; its own per-example loop; Google's dp-accounting):
 
 - **log**: the logs are complete and consistent (one entry per query in every array, finite values, kept queries
   that fit the model and their metadata). Exact.
@@ -54,7 +54,7 @@ from torch.func import functional_call
 
 from fedaudit.attacks import AttackError
 from fedaudit.attacks.conformance.secrecy import KeptQuery, PublicMaterial, secrecy
-from fedaudit.canaries import GRADIENT_CANARY_NORM, LAYOUTS, canary_directions
+from fedaudit.instruments.canaries import GRADIENT_CANARY_NORM, LAYOUTS, canary_directions
 from fedaudit.models import build_model
 from fedaudit.registry import ALGORITHMS
 from fedaudit.rundir import RunDirectory, RunError
@@ -295,7 +295,7 @@ class _Run:
     canary_client: np.ndarray
     canary_included: np.ndarray
     kind: str
-    layout: str  # where gradient canaries' directions lie (fedaudit.canaries.LAYOUTS)
+    layout: str  # where gradient canaries' directions lie (fedaudit.instruments.canaries.LAYOUTS)
     rounds: int
     selected: int  # ceil(p K): clients per round
     fraction: float  # ceil(p K) / K

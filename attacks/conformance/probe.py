@@ -378,9 +378,9 @@ def probe_config(config: Any, final: Mapping[str, torch.Tensor] | None = None) -
     """Probe the DP queries of a run configured as ``config`` (a :class:`fedaudit.config.RunConfig`): one sandboxed
     client round at the initial model and one at ``final`` (the run's final model), on the CPU."""
     from fedaudit.models import initial_params
+    from fedaudit.preparation import prepare
     from fedaudit.privacy.randomness import SeededKeys
     from fedaudit.registry import algorithm
-    from fedaudit.setup import prepare
     from fedaudit.training import isolated_round
 
     if not config.privacy.dp:

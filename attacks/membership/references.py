@@ -41,9 +41,9 @@ from fedaudit.config import MAX_SEED, AuditConfig, RunConfig
 from fedaudit.data import Dataset
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model
+from fedaudit.preparation import prepare
 from fedaudit.rundir import RunDirectory, atomic_write_json, load_tensors, read_arrays, save_tensors, write_arrays
 from fedaudit.seeding import Stream, numpy_rng
-from fedaudit.setup import prepare
 from fedaudit.training import train_setup
 
 FORMAT_VERSION = 1

@@ -1,12 +1,6 @@
-"""Per-example membership signals: loss, confidence, logit-scaled confidence (black-box) and gradient norm (white-box);
-computed by :mod:`fedaudit.signals` (also at the sites of a federation whose sites keep their records).
-
-Black-box signals come from one forward pass per batch without gradient
-tracking; the logits are promoted to float64 before the softmax so that the
-tiny losses of well-fitted members stay distinct instead of rounding to 0.
-The white-box signal is the L2 norm of the per-example gradient of the loss
-with respect to all trainable parameters, from the shared DP primitive
-(:func:`fedaudit.privacy.primitive.per_sample_sq_norms`, layer by layer) without clipping.
+"""Per-example membership signals as the audit reads them: loss, confidence, logit-scaled confidence (black-box) and
+gradient norm (white-box), computed by :mod:`fedaudit.instruments.record_signals` (here, or at the sites of a
+federation whose sites keep their records, where the computation is described), oriented so that higher means member.
 ``synthetic-distance`` does not look at a model: it is the distance from a record to the nearest synthetic image
 that crossed the wire (FedLAP's and FedGM's sets, kept with ``--save-transmitted``), the server's view of
 algorithms that share synthetic data. A synthetic image distilled from few records sits close to them.
@@ -18,7 +12,7 @@ import numpy as np
 import torch
 
 from fedaudit.attacks.options import DEFAULT_SIGNALS, SYNTHETIC_SIGNAL
-from fedaudit.signals import (
+from fedaudit.instruments.record_signals import (
     MODEL_SIGNALS,
     OUTPUT_SIGNALS,
     PER_LAYER_PREFIX,

@@ -19,10 +19,10 @@ from torch import nn
 from torch.func import functional_call
 
 from fedaudit.config import ConfigError, RunConfig
+from fedaudit.instruments.queries import QueryAudit, QueryLog
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import poisson_sample
 from fedaudit.privacy.randomness import ClientKeys, QueryDraws, Source
-from fedaudit.queries import QueryAudit, QueryLog
 from fedaudit.registry import ALGORITHMS
 
 TensorDict = dict[str, torch.Tensor]

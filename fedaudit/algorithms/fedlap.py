@@ -34,9 +34,9 @@ from fedaudit.algorithms.base import (
     flat_distance,
 )
 from fedaudit.algorithms.fedlap_settings import FedLAPConfig
-from fedaudit.augment import augment
 from fedaudit.config import RunConfig
 from fedaudit.models import inert_parameters
+from fedaudit.models.augment import augment
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.primitive import dp_gradient
 

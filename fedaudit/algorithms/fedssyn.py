@@ -2,7 +2,7 @@
 
 Round 1 is the generation round, in which every client takes part whatever ``--client-fraction`` says. Client k
 draws ``generator_fraction`` (rho) of its records at random, trains a class-conditional generator on them
-(:mod:`fedaudit.generative`) and generates ``synthetic_per_client`` (n~) records whose labels follow the class
+(:mod:`fedaudit.models.generative`) and generates ``synthetic_per_client`` (n~) records whose labels follow the class
 frequencies of those records; it sends them (``images``, ``labels``) and the global model is left as it was. The
 server concatenates every client's records, shuffles them and deals every client an equal share of n~, which the
 client keeps for the rest of the run (:attr:`ServerResult.dealt`).
@@ -26,8 +26,8 @@ What the other clients receive (the shuffled records) is covered by the generati
 Canaries (``--dp --canaries N``) take part in both phases as records of their client: in the class counts (an input
 canary with its label; a gradient canary contributes nothing there), in every step of the generator (never left out
 by the draw of rho: every record is charged as if drawn), and in every later round's steps at rate B / (N_k + n~).
-Every one of these queries is logged (:mod:`fedaudit.queries`): the generator's in its own parameters
-(:data:`fedaudit.generative.CANARY_PARAMETERS`), the class counts with their metadata only.
+Every one of these queries is logged (:mod:`fedaudit.instruments.queries`): the generator's in its own parameters
+(:data:`fedaudit.models.generative.CANARY_PARAMETERS`), the class counts with their metadata only.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ from fedaudit.algorithms.base import (
     num_classes,
 )
 from fedaudit.algorithms.fedssyn_settings import generator_records
-from fedaudit.canaries import GRADIENT_CANARY_NORM, canary_directions
 from fedaudit.config import RunConfig
-from fedaudit.generative import (
+from fedaudit.instruments.canaries import GRADIENT_CANARY_NORM, canary_directions
+from fedaudit.instruments.queries import Space
+from fedaudit.models import fresh_params
+from fedaudit.models.generative import (
     CANARY_PARAMETERS,
     ConditionalVAE,
     allocate,
@@ -58,9 +60,7 @@ from fedaudit.generative import (
     sample,
     train_generator,
 )
-from fedaudit.models import fresh_params
 from fedaudit.privacy.accounting import SGMEvent, round_events
-from fedaudit.queries import Space
 from fedaudit.registry import algorithm as algorithm_entry
 
 SYNTHETIC = "synthetic/"  # prefix of the dealt share in a client's kept state

@@ -37,7 +37,7 @@ def make_engine(
 
         return DeploymentEngine(config, num_clients=num_clients, membership=membership, sites=sites)
     if config.engine == "flower":
-        from fedaudit.engine.flower import FlowerEngine
+        from fedaudit.engine.simulation import FlowerEngine
 
         return FlowerEngine(config, num_clients=num_clients)  # replies come back together: no per-client bar
     return LocalEngine(progress=progress, echo=echo, parallel=config.parallel_clients)

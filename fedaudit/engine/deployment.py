@@ -53,7 +53,7 @@ from fedaudit.algorithms.base import (
 )
 from fedaudit.config import RunConfig
 from fedaudit.data.sites import SiteReport, is_sites, recorded_hashes, sites_fingerprint
-from fedaudit.engine.flower import (
+from fedaudit.engine.simulation import (
     SiteSecret,
     _client_side,
     _from_record,
@@ -187,7 +187,7 @@ def _signals(message: Any, context: Any) -> Any:
     computed where the data is. Only the signals and the records' hashes leave the site."""
     from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-    from fedaudit.signals import compute_signals
+    from fedaudit.instruments.record_signals import compute_signals
 
     client, data_dir, data = _site(context)
     task = message.content["task"]

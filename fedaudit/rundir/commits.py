@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedaudit import integrity
 from fedaudit.rundir import files as run_files
+from fedaudit.rundir import integrity
 from fedaudit.rundir.files import RunError, atomic_write_json, bounded_size, now_iso, remove_stale_temporaries
 from fedaudit.rundir.records import FORMAT_VERSION, RUN_FORMAT, Manifest
 

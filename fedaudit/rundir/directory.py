@@ -26,10 +26,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from fedaudit import integrity
 from fedaudit.config import ConfigError, RunConfig
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy.randomness import SECRETS_FILE
+from fedaudit.rundir import integrity
 from fedaudit.rundir.commits import CommittedFiles
 from fedaudit.rundir.files import (
     RunError,

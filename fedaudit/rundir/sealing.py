@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fedaudit import integrity
+from fedaudit.rundir import integrity
 from fedaudit.rundir.files import RunError, atomic_write_json, process_umask
 from fedaudit.rundir.stores import RunFiles
 

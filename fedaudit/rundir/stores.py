@@ -196,7 +196,7 @@ class WireStore(Store):
 
 
 class QueryStore(Store):
-    """queries/: a canary run's query logs (fedaudit.queries), one file a round with every client's log."""
+    """queries/: a canary run's query logs (fedaudit.instruments.queries), one file a round with every client's log."""
 
     def path(self, round_number: int) -> Path:
         return self.run.queries_dir / f"{_round_name(round_number)}.safetensors"

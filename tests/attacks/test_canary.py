@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from helpers import FAST_ARGS, invoke
 from safetensors.torch import load_file
 
-from fedaudit.canaries import Canaries, canary_directions
 from fedaudit.data import load_dataset
+from fedaudit.instruments.canaries import Canaries, canary_directions
 from fedaudit.models import build_model
 from fedaudit.rundir import RunDirectory
 

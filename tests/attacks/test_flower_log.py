@@ -16,7 +16,7 @@ import pytest
 from fedaudit.attacks import AttackError
 from fedaudit.attacks.canary.estimators import epsilon_from_gdp, epsilon_one_run, gdp_epsilon
 from fedaudit.attacks.canary.flower_log import LEVEL, accountant_epsilon, audit, audit_log, view_scores, write_results
-from fedaudit.canary_log import FORMAT, CanaryLog, CanaryLogError, read_log
+from fedaudit.instruments.canary_log import FORMAT, CanaryLog, CanaryLogError, read_log
 
 DELTA = 1e-5
 

@@ -56,7 +56,7 @@ def test_every_script_has_a_table() -> None:
 
 
 # What most scripts import before they work; each script imports the rest itself.
-IMPORTS = ["torch", "numpy", "pandas", "fedaudit.training", "fedaudit.attacks.runner", "fedaudit.setup"]
+IMPORTS = ["torch", "numpy", "pandas", "fedaudit.training", "fedaudit.attacks.runner", "fedaudit.preparation"]
 
 
 @pytest.fixture(scope="module")

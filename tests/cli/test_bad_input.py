@@ -524,10 +524,10 @@ def _png_claiming(width: int, height: int) -> bytes:
 
 
 def _flower_log():
-    """A small, whole Flower canary log (fedaudit.canary_log), 40 canaries over 2 rounds."""
+    """A small, whole Flower canary log (fedaudit.instruments.canary_log), 40 canaries over 2 rounds."""
     import numpy as np
 
-    from fedaudit.canary_log import CanaryLog
+    from fedaudit.instruments.canary_log import CanaryLog
 
     rng = np.random.default_rng(0)
     return CanaryLog(

@@ -475,7 +475,7 @@ def test_durations_are_said_in_the_unit_a_reader_expects():
 def test_a_study_being_run_refuses_a_second_compare_naming_its_pid(study, tmp_path):
     import os
 
-    from fedaudit.integrity import RunLock
+    from fedaudit.rundir.integrity import RunLock
 
     study_file, original, _ = study
     out = Path(shutil.copytree(original, tmp_path / "out"))

@@ -168,12 +168,14 @@ def test_every_attack_option_is_its_field_s_with_the_field_s_default() -> None:
 
 
 def test_compare_shows_the_study_s_own_defaults() -> None:
-    """compare's options repeat attack's shown defaults (derived from the same fields) and state the study's own
-    defaults, which must be what a study without them gets (Study())."""
+    """compare's options repeat attack's shown defaults (derived from the same fields), and its own options are the
+    study settings' fields (help and shown default from each field), whose defaults are what a study without them
+    gets (Study())."""
     from fedaudit.attacks.options import AttackOptions
     from fedaudit.cli import attack, compare
-    from fedaudit.options import shown_default
+    from fedaudit.options import help_text, option_of, shown_default
     from fedaudit.study import Study
+    from fedaudit.study_settings import StudySettings
 
     def shown(command, name: str) -> str:
         (param,) = [p for p in command.params if p.name == name]
@@ -181,6 +183,20 @@ def test_compare_shows_the_study_s_own_defaults() -> None:
         assert found, name
         return found.group(1)
 
+    by_name = {param.name: param for param in compare.params}
+    given = compare.make_context("compare", ["--out", "study"]).params
+    own = [field for field in dataclasses.fields(StudySettings) if option_of(field)]
+    assert [field.name for field in own] == [
+        "algorithms",
+        "budgets",
+        "seeds",
+        "equal_data_access",
+        "formats",
+        "policy",
+    ]
+    for field in own:
+        assert by_name[field.name].help == help_text(field), field.name
+        assert given[field.name] in (None, ()), field.name  # not given: the study file's value stands
     study = Study()
     assert shown(compare, "algorithms") == ", ".join(study.algorithms)
     assert shown(compare, "budgets") == ", ".join(str(b) for b in study.budgets)

@@ -22,9 +22,9 @@ import yaml
 from helpers import FAST_ARGS, assert_user_error, invoke, pango
 from zygote import Forked, Zygote
 
-from fedaudit.integrity import LOCK
 from fedaudit.reports.render import PARTIAL
 from fedaudit.rundir import RunDirectory
+from fedaudit.rundir.integrity import LOCK
 
 SLOW = (*FAST_ARGS, "--rounds", "4", "--local-epochs", "4")  # long enough to be caught in its rounds
 TIMEOUT = 120

@@ -387,7 +387,7 @@ def test_target_epsilon_calibrates_sigma(tmp_path, trained, cli, fixed_secrets):
 
 
 def test_target_epsilon_with_partial_participation_meets_the_target_for_the_rounds_taken_part_in(trained):
-    from fedaudit.setup import select_clients
+    from fedaudit.preparation import select_clients
 
     target, rounds = 3.0, 4
     equal = ("--partition", "iid", "--num-clients", "4", "--client-fraction", "0.5")

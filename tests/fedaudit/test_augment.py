@@ -1,4 +1,5 @@
-"""fedaudit.augment: differentiable siamese augmentation; one seed transforms a real and a synthetic batch alike."""
+"""fedaudit.models.augment: differentiable siamese augmentation; one seed transforms a real and a synthetic batch
+alike."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from fedaudit.augment import STRATEGY, augment
+from fedaudit.models.augment import STRATEGY, augment
 
 
 def images(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

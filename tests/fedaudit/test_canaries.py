@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedaudit.canaries import CANARIES_PER_PART, Canaries, canary_directions, canary_groups, group_of, layout_for
+from fedaudit.instruments.canaries import (
+    CANARIES_PER_PART,
+    Canaries,
+    canary_directions,
+    canary_groups,
+    group_of,
+    layout_for,
+)
 from fedaudit.seeding import Stream, make_generator
 
 SHAPES = {

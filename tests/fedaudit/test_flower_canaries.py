@@ -42,8 +42,8 @@ from flwr.serverapp.strategy import (  # noqa: E402
 from helpers import invoke  # noqa: E402
 
 from fedaudit.attacks.canary.flower_log import audit_log  # noqa: E402
-from fedaudit.canary_log import read_log  # noqa: E402
 from fedaudit.flower import CanaryClients, CanaryClientsError, canary_client_count  # noqa: E402
+from fedaudit.instruments.canary_log import read_log  # noqa: E402
 from fedaudit.seeding import Stream, numpy_rng  # noqa: E402
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"

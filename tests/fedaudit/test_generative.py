@@ -8,7 +8,7 @@ import torch
 from helpers import with_keys
 
 from fedaudit.algorithms.base import ClientData
-from fedaudit.generative import ConditionalVAE, allocate, class_counts, mean_loss, sample, train_generator
+from fedaudit.models.generative import ConditionalVAE, allocate, class_counts, mean_loss, sample, train_generator
 from fedaudit.privacy.primitive import dp_gradient, per_sample_gradients
 from fedaudit.privacy.randomness import SeededKeys
 

@@ -3,7 +3,7 @@ whose numbers contradict its events or its configuration is caught even when the
 correct runs (complete, interrupted at any write, attacked, verified, extended) are never flagged.
 
 The hashes the tests re-record (``rehash``) and the edits they make are written here with hashlib, sharing nothing
-with fedaudit.integrity."""
+with fedaudit.rundir.integrity."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from helpers import FAST_ARGS, assert_user_error, invoke, read_json, rehash, tree_digest
 
 import fedaudit.rundir.files as run_files
-from fedaudit.integrity import LOCK as LOCK_NAME
 from fedaudit.rundir import RunDirectory
+from fedaudit.rundir.integrity import LOCK as LOCK_NAME
 
 # A DP-FedAvg canary run that keeps what crossed the wire: every kind of file a run writes.
 FULL = ("--dp", "--rounds", "2", "--canaries", "200", "--save-transmitted")

@@ -10,9 +10,9 @@ import pytest
 import scipy.stats
 import torch
 
-from fedaudit.canaries import canary_directions
+from fedaudit.instruments.canaries import canary_directions
+from fedaudit.instruments.queries import QueryAudit, Space, subsampled_gaussian_llr
 from fedaudit.privacy.primitive import Query, dp_gradient
-from fedaudit.queries import QueryAudit, Space, subsampled_gaussian_llr
 
 SHAPES = {"w": torch.Size([7, 5]), "b": torch.Size([7])}
 DIMENSION = 42
@@ -302,8 +302,8 @@ def test_the_direction_cache_hands_out_what_is_drawn_and_keeps_within_its_bound(
     """Every client of a run projects on the same directions each round: the cache gives the rows canary_rows draws,
     for any ids, seed and layout it is asked (never another key's), evicts the least recently used past its bound, and
     never keeps a chunk larger than the bound."""
-    from fedaudit.canaries import canary_rows
-    from fedaudit.queries import _DirectionCache
+    from fedaudit.instruments.canaries import canary_rows
+    from fedaudit.instruments.queries import _DirectionCache
 
     row_bytes = DIMENSION * 4
     cache = _DirectionCache(max_bytes=10 * row_bytes)

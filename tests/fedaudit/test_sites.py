@@ -18,9 +18,9 @@ from sklearn.datasets import load_digits
 from fedaudit.algorithms.base import evaluation_counts
 from fedaudit.config import DataConfig, RunConfig
 from fedaudit.data.sites import SiteReport, federation, load_sites, locate, read_site, recorded_hashes
+from fedaudit.instruments.record_signals import compute_signals
 from fedaudit.models import build_model, initial_params
-from fedaudit.setup import client_data, prepare
-from fedaudit.signals import compute_signals
+from fedaudit.preparation import client_data, prepare
 from fedaudit.training import evaluate
 
 SMALL = "--model mlp --width 16 --depth 1 --batch-size 32 --local-epochs 1 --device cpu --no-progress".split()
@@ -196,7 +196,7 @@ def test_an_attack_that_would_reach_the_sites_needs_its_connection_complete(tmp_
 def test_the_audit_of_sites_draws_as_many_held_out_records_as_members_from_every_site(site_files):
     """Members and non-members are the same mixture of sites, and a client is compared with its own site's held-out
     records: with sites of different classes, anything else would measure the site, not membership."""
-    from fedaudit.attacks.membership.sites import evaluation_set
+    from fedaudit.attacks.membership.site_audit import evaluation_set
     from fedaudit.attacks.runner import _per_client
 
     specs = tuple(f"npz:{f}" for f in site_files)

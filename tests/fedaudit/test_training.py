@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 import fedaudit
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
+from fedaudit.preparation import select_clients
 from fedaudit.privacy.accounting import epsilon_per_round
 from fedaudit.rundir import METRIC_COLUMNS
-from fedaudit.setup import select_clients
 
 # ---------------------------------------------------------------------------- the run directory
 

@@ -39,7 +39,7 @@ CLIENTAPP_IMPORTS = [
     "flwr.clientapp",
     "flwr.app",
     "fedaudit.engine.deployment",
-    "fedaudit.signals",
+    "fedaudit.instruments.record_signals",
     "fedaudit.algorithms.fedavg",
     "fedaudit.algorithms.fedlap",
 ]

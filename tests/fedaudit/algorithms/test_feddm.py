@@ -13,7 +13,7 @@ from fedaudit.algorithms.base import RoundContext, flat_distance
 from fedaudit.algorithms.feddm import FedDM, _embed, _last_linear, sphere_sample
 from fedaudit.config import DataConfig, FedDMConfig, FederatedConfig, ModelConfig, RunConfig
 from fedaudit.models import ModelSpec, build_model, initial_params
-from fedaudit.setup import client_data, prepare
+from fedaudit.preparation import client_data, prepare
 
 
 def test_networks_are_sampled_on_the_sphere_of_radius_rho_in_every_direction() -> None:

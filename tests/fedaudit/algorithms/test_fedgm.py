@@ -14,9 +14,9 @@ from fedaudit.algorithms.base import RoundContext, run_client
 from fedaudit.algorithms.fedgm import FedGM
 from fedaudit.config import DataConfig, FederatedConfig, FedGMConfig, ModelConfig, RunConfig
 from fedaudit.models import build_model, fresh_params, initial_params
+from fedaudit.preparation import client_data, prepare
 from fedaudit.privacy.labeldp import randomized_response, rr_with_prior
 from fedaudit.privacy.randomness import SeededKeys
-from fedaudit.setup import client_data, prepare
 
 SMALL = ("--distill-ipc", "4", "--distill-iterations", "2", "--distill-steps", "3", "--server-steps", "30")
 GM_ARGS = (*FAST_ARGS, "--algorithm", "fedgm", *SMALL)

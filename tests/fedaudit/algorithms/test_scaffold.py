@@ -15,8 +15,8 @@ from fedaudit.algorithms.base import ClientData, RoundContext
 from fedaudit.algorithms.fedavg import FedAvg
 from fedaudit.algorithms.scaffold import CONTROL, Scaffold
 from fedaudit.config import DataConfig, FederatedConfig, RunConfig
+from fedaudit.preparation import select_clients
 from fedaudit.rundir import RunDirectory
-from fedaudit.setup import select_clients
 
 D, CLIENTS, N = 3, 4, 8
 

@@ -430,7 +430,7 @@ def test_rdp_orders_are_opacus_default_alphas_and_importing_the_ledger_does_not_
     from fedaudit.privacy.accounting import RDP_ORDERS
 
     assert list(RDP_ORDERS) == [float(a) for a in RDPAccountant.DEFAULT_ALPHAS]
-    probe = "import sys, fedaudit.privacy.accounting, fedaudit.engine.flower; print('opacus' in sys.modules)"
+    probe = "import sys, fedaudit.privacy.accounting, fedaudit.engine.simulation; print('opacus' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
 
 

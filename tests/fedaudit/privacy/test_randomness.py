@@ -225,11 +225,11 @@ def test_a_site_refuses_what_a_server_could_use_to_grow_or_break_its_file(tmp_pa
 
 
 def test_a_site_takes_no_key_from_the_server_and_public_noise_only_when_it_allows_it(tmp_path):
-    """What a deployment's ClientApp decides for each task (fedaudit.engine.flower.client_keys_for): a simulated
+    """What a deployment's ClientApp decides for each task (fedaudit.engine.simulation.client_keys_for): a simulated
     client takes the key its server sent; a site refuses one, a --noise-seed unless its node config allows it, and
     less noise than its node config's least."""
     from fedaudit.config import PrivacyConfig, RunConfig
-    from fedaudit.engine.flower import SiteSecret, client_keys_for
+    from fedaudit.engine.simulation import SiteSecret, client_keys_for
 
     def privacy(**kw):
         return RunConfig(privacy=PrivacyConfig(dp=True, **{"noise_multiplier": 1.0, "max_grad_norm": 1.0, **kw}))
@@ -272,7 +272,7 @@ def test_a_simulated_run_is_not_resumed_at_sites_that_hold_other_secrets(tmp_pat
 
 def test_a_rounds_inputs_digest_ignores_where_it_runs_and_sees_what_it_computes():
     from fedaudit.config import RunConfig
-    from fedaudit.engine.flower import round_inputs
+    from fedaudit.engine.simulation import round_inputs
 
     config = RunConfig().to_dict()
     task = {"config": json.dumps(config), "round": 2, "rounds": 5}

@@ -18,7 +18,7 @@ classifier's. The class frequencies that the generated labels follow are a DP qu
 In a canary run the generator's queries carry the client's canaries too: an input canary is a record of the
 generator's data like any other (and is counted), a gradient canary's per-record gradient is ten times the
 clipping norm along a fixed random direction in :data:`CANARY_PARAMETERS` (zero in every other parameter, and in
-the class counts), and every query is logged where it is released (:mod:`fedaudit.queries`).
+the class counts), and every query is logged where it is released (:mod:`fedaudit.instruments.queries`).
 """
 
 from __future__ import annotations

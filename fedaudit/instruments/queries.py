@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedaudit.canaries import canary_rows
+from fedaudit.instruments.canaries import canary_rows
 from fedaudit.privacy.primitive import LossFn, Query, per_sample_gradients
 from fedaudit.seeding import Stream, make_generator
 
@@ -80,7 +80,7 @@ class QueryAudit:
     planned_queries: int  # queries the client plans per round (where a kept pair may start)
     inputs: torch.Tensor | None = None  # input canaries: the records of ``canaries``, in that order
     labels: torch.Tensor | None = None  # input canaries: the labels they are trained with
-    layout: str = "model"  # gradient canaries: where their directions lie (fedaudit.canaries.LAYOUTS)
+    layout: str = "model"  # gradient canaries: where their directions lie (fedaudit.instruments.canaries.LAYOUTS)
 
     def log(self, client: int, round_index: int, device: torch.device) -> QueryLog:
         """A fresh log for one round of ``client``."""

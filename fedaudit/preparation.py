@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from fedaudit.algorithms.base import Algorithm, ClientData, get_algorithm, setup_rounds
-from fedaudit.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions, layout_for
 from fedaudit.config import RunConfig, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.data.sites import SiteReport, federation, is_sites, load_sites
 from fedaudit.errors import UserError
+from fedaudit.instruments.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions, layout_for
+from fedaudit.instruments.queries import query_audit
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.accounting import calibrate_events, calibrate_noise_multiplier
-from fedaudit.queries import query_audit
 from fedaudit.registry import ALGORITHMS
 from fedaudit.seeding import Stream, numpy_rng
 
@@ -198,7 +198,7 @@ def run_data(
 
 def _canaries(config: RunConfig, dataset: Dataset, partition: Partition, spec: ModelSpec) -> Canaries:
     """The run's canaries; input canaries are held-out records, so there must be enough of them. Gradient canaries
-    lie in parts of the model where there are enough of them (:func:`fedaudit.canaries.layout_for`)."""
+    lie in parts of the model where there are enough of them (:func:`fedaudit.instruments.canaries.layout_for`)."""
     count, kind = config.audit.canaries, config.audit.canary_kind
     if kind == "input" and count > partition.holdout.size:
         raise TrainingError(

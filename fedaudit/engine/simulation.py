@@ -50,7 +50,7 @@ from fedaudit.privacy.randomness import (
 from fedaudit.seeding import repeatable
 
 if TYPE_CHECKING:
-    from fedaudit.setup import Setup
+    from fedaudit.preparation import Setup
 
 STARTUP_SECONDS = 300.0  # how long the simulation may take to bring up every SuperNode
 _STOPPED = object()
@@ -75,7 +75,7 @@ def _client_side(config_json: str) -> tuple[Setup, nn.Module]:
     """What a SuperNode needs to run clients of this run: its setup (config, algorithm, data, partition, canaries)
     and a scratch model."""
     from fedaudit.models import build_model
-    from fedaudit.setup import prepare
+    from fedaudit.preparation import prepare
 
     setup = prepare(RunConfig.from_dict(json.loads(config_json)))
     torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
@@ -84,7 +84,7 @@ def _client_side(config_json: str) -> tuple[Setup, nn.Module]:
 
 @lru_cache(maxsize=16)
 def _client_data(config_json: str, client: int) -> ClientData:
-    from fedaudit.setup import client_data
+    from fedaudit.preparation import client_data
 
     setup, _ = _client_side(config_json)
     return client_data(setup, client)
@@ -120,7 +120,7 @@ def own_site(config_json: str, federation_json: str, client: int, site_data: str
     reported when the run began (the digest of its report, which the server sends)."""
     from fedaudit.data.sites import SiteReport
     from fedaudit.models import build_model
-    from fedaudit.setup import client_data, prepare
+    from fedaudit.preparation import client_data, prepare
 
     told = [SiteReport.from_compact(item) for item in json.loads(federation_json)]
     reports = [report for report, _ in told]

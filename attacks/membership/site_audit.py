@@ -1,10 +1,10 @@
 """Membership audits of a federation whose sites keep their records (``--dataset sites``), computed where the data is.
 
-Each site scores its own records: the signals of its members and held-out records on the attacked model are computed
-by the site (:func:`fedaudit.signals.compute_signals`), and only the signals and the records' SHA-256 hashes leave
-it; the hashes must be those membership.npz recorded when the run was trained. The evaluation set is drawn as for any
-run (balanced members and non-members, halves for the methods that fit something), with two differences that the
-sites' privacy asks for:
+Each site scores its own records: the signals of its members and held-out records on the attacked model are computed by
+the site (:func:`fedaudit.instruments.record_signals.compute_signals`), and only the signals and the records' SHA-256
+hashes leave it; the hashes must be those membership.npz recorded when the run was trained. The evaluation set is drawn
+as for any run (balanced members and non-members, halves for the methods that fit something), with two differences that
+the sites' privacy asks for:
 
 - non-members are the sites' held-out records only (each site drew them at random from its own file, so they share
   its members' distribution), drawn site by site: as many of a site's held-out records as of its members, so that
@@ -34,8 +34,8 @@ from fedaudit.attacks.membership.evaluation import EvaluationSet
 from fedaudit.config import RunConfig
 from fedaudit.data import Dataset, Partition
 from fedaudit.data.sites import locate
+from fedaudit.instruments.record_signals import Signals, compute_signals
 from fedaudit.seeding import Stream, numpy_rng
-from fedaudit.signals import Signals, compute_signals
 
 TensorDict = dict[str, torch.Tensor]
 # Scores records at their sites: (params, positions per site, signals, per_layer=, batch_size=) -> arrays per site.
