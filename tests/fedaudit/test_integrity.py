@@ -282,13 +282,23 @@ def test_verify_keeps_the_signature_it_checks_and_the_signature_covers_the_manif
     assert invoke("attack", run, "--method", "canary").exit_code == 0 and (run / "verification.json").is_file()
     private, public = _keys(tmp_path, "site")
     assert invoke("sign", run, "--key", private).exit_code == 0
+    signed = (run / "verification.json").read_bytes()
     for command in (("verify",), ("verify",), ("attack", "--method", "canary"), ("verify",)):
         if command[0] == "attack":
             assert invoke(command[0], run, *command[1:]).exit_code == 0
             continue
         result = invoke("verify", run, "--public-key", public)
         assert result.exit_code == 0 and "PASS signature" in result.output, result.output
-    assert "verification.json" in result.output.split("not signed (written after signing):")[1]
+        # listed when its bytes changed since signing (its time is in seconds: a fast machine may rewrite the same)
+        listed = "verification.json" in result.output.partition("not signed (written after signing):")[2]
+        assert listed == ((run / "verification.json").read_bytes() != signed), result.output
+    later = json.loads(signed)
+    later["created"] = "2099-01-01T00:00:00+00:00"  # what a verify a second later writes differs in its time only
+    (run / "verification.json").write_text(json.dumps(later))
+    rehash(run)  # as fedaudit records what it writes
+    result = invoke("verify", run, "--public-key", public)
+    assert result.exit_code == 0 and "PASS signature" in result.output, result.output
+    assert "verification.json" in result.output.partition("not signed (written after signing):")[2]
     for field, value in (("dataset", {"name": "forged"}), ("created", "2020-01-01T00:00:00Z"), ("versions", {})):
         forged = tmp_path / f"forged-{field}"
         shutil.copytree(run, forged)
