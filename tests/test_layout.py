@@ -243,3 +243,14 @@ def test_the_name_check_sees_a_planted_comparison(planted: str) -> None:
 
     assert algorithm_name_uses(planted, frozenset(ALGORITHMS)) == [1]
     assert algorithm_name_uses('label = "fedavg"\nhelp = "see fedlap"\n', frozenset(ALGORITHMS)) == []
+
+
+def test_no_class_over_300_lines_and_no_function_over_80() -> None:
+    """Sizes a reader can hold: a longer class or function is split by concern before it lands."""
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            limit = {ast.ClassDef: 300, ast.FunctionDef: 80, ast.AsyncFunctionDef: 80}.get(type(node))
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
