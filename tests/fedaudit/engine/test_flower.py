@@ -180,7 +180,12 @@ def test_every_simulation_this_project_starts_asks_for_a_ray_instance_of_its_own
         for path in root.glob(pattern)
         if "run_simulation(" in path.read_text()
     ]
-    assert {path.name for path in callers} >= {"simulation.py", "flower_digits.py", "flower_canaries.py", "flower-apps.md"}
+    assert {path.name for path in callers} >= {
+        "simulation.py",
+        "flower_digits.py",
+        "flower_canaries.py",
+        "flower-apps.md",
+    }
     for path in callers:
         text = path.read_text()
         assert '"address": "local"' in text or 'address="local"' in text, f"{path}: a simulation without an address"
