@@ -252,7 +252,12 @@ def train(
     if privacy.calibrated:
         click.echo(
             f"Noise multiplier {privacy.noise_multiplier:.6g}, calibrated for --target-epsilon "
-            f"{privacy.target_epsilon:g} over the rounds each client takes part in."
+            f"{privacy.target_epsilon:g} "
+            + (
+                "per client over every round, at the server's client sampling rate."
+                if privacy.client_level
+                else "over the rounds each client takes part in."
+            )
         )
 
 
@@ -564,7 +569,8 @@ def export(run_dir: str, out: str) -> None:
     run.read_manifest()
     with run.lock("fedaudit export", shared=True):
         count = run.seal.export(out)
-    left = " (client-secrets.json left out)" if run.secrets_path.exists() else ""
+    secret = [path.name for path in (run.secrets_path, run.server_secret_path) if path.exists()]
+    left = f" ({' and '.join(secret)} left out)" if secret else ""
     click.echo(f"Exported {run.path} to {out}: {count} files{left}.")
 
 

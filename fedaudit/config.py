@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -32,6 +33,8 @@ from fedaudit.registry import (
     ALGORITHMS,
     DEFAULT_ACCOUNTANT,
     DEFAULT_ALGORITHM,
+    DP_LEVELS,
+    client_dp_algorithms,
     per_algorithm,
 )
 
@@ -297,14 +300,29 @@ class FlowerConfig:
 
 @dataclass(frozen=True)
 class PrivacyConfig:
-    """Record-level DP: the mechanism's parameters and how it is accounted."""
+    """DP, record-level (DP-SGD on the clients) or client-level (clipped updates, noise at the server): the
+    mechanism's parameters and how it is accounted."""
 
-    dp: bool = setting(False, "Record-level DP: DP-SGD on every client step (DP-FedAvg, DP-FedProx).")
+    dp: bool = setting(
+        False,
+        "Differential privacy: record-level DP-SGD on every client step (DP-FedAvg, DP-FedProx), or see --dp-level.",
+    )
+    dp_level: str = setting(
+        "record",
+        "What --dp protects: record (DP-SGD on every client step: one training record of a client) or client (each "
+        "client's model update clipped to --max-update-norm, Gaussian noise sigma C added by the server to their "
+        "sum, clients sampled by the server with probability --client-fraction: a client's data as a whole; "
+        "McMahan et al. 2018).",
+        choices=DP_LEVELS,
+    )
     noise_multiplier: float | None = setting(
         None, "sigma: Gaussian noise std relative to the clipping norm.", shown="1.0", when="with --dp"
     )
     max_grad_norm: float | None = setting(
-        None, "C: per-sample gradient clipping norm.", shown=per_algorithm("max_grad_norm")
+        None, "C: per-sample gradient clipping norm (record level).", shown=per_algorithm("max_grad_norm")
+    )
+    max_update_norm: float | None = setting(
+        None, "C at client level: each client's model update is clipped to this L2 norm (--dp-level client needs it)."
     )
     target_epsilon: float | None = setting(
         None, "Calibrate sigma so that epsilon after the last round is at most this."
@@ -325,11 +343,42 @@ class PrivacyConfig:
         "against floating-point attacks on the noise (docs/accounting.md; slower).",
     )
 
+    @property
+    def record_level(self) -> bool:
+        """Whether the clients run DP-SGD (record-level DP)."""
+        return bool(self.dp) and self.dp_level != "client"
+
+    @property
+    def client_level(self) -> bool:
+        """Whether the server clips the clients' updates and noises their sum (client-level DP)."""
+        return bool(self.dp) and self.dp_level == "client"
+
     def check(self) -> None:
         """The section's own values, and which of them need ``dp`` (:class:`ConfigError` for the first invalid
         one)."""
         for name, value in (("--dp", self.dp), ("privacy.calibrated", self.calibrated)):
             require(isinstance(value, bool), f"{name} must be true or false, got {value!r}.")
+        require(self.dp_level in DP_LEVELS, f"--dp-level must be one of {', '.join(DP_LEVELS)}, got {self.dp_level!r}.")
+        if self.dp_level == "client":
+            require(self.dp, "--dp-level client needs --dp.")
+            require(
+                self.max_update_norm is not None,
+                "--dp-level client needs --max-update-norm C, the L2 norm each client's update is clipped to.",
+            )
+            require(
+                self.max_grad_norm is None,
+                "--max-grad-norm clips each record's gradient (record-level DP); at client level the clients train "
+                "without DP-SGD and --max-update-norm clips their updates.",
+            )
+        else:
+            require(
+                self.max_update_norm is None,
+                "--max-update-norm clips client updates for client-level DP: add --dp --dp-level client.",
+            )
+        require(
+            self.max_update_norm is None or (is_number(self.max_update_norm) and 0 < self.max_update_norm < math.inf),
+            f"--max-update-norm must be a positive number, got {self.max_update_norm!r}.",
+        )
         require(
             self.accountant in ACCOUNTANTS,
             f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got '{self.accountant}'.",
@@ -486,7 +535,7 @@ class RunConfig:
             priv = replace(
                 priv,
                 max_grad_norm=priv.max_grad_norm
-                if priv.max_grad_norm is not None
+                if priv.max_grad_norm is not None or priv.client_level
                 else entry.default_max_grad_norm(self.data.dataset),
                 noise_multiplier=(
                     priv.noise_multiplier
@@ -595,6 +644,17 @@ class RunConfig:
             not a.canaries or p.dp,
             "--canaries needs --dp: a canary audit bounds the epsilon of a DP run's accountant.",
         )
+        if p.client_level:
+            require(
+                ALGORITHMS[f.algorithm].client_dp,
+                f"--dp-level client is for the algorithms whose clients send model updates: "
+                f"{', '.join(client_dp_algorithms())}.",
+            )
+            require(
+                not a.canaries,
+                "--canaries plants records and gradients for a record-level audit; a client-level run has no canary "
+                "clients yet.",
+            )
         self._validate_sites()
 
     def _validate_sites(self) -> None:

@@ -40,7 +40,7 @@ class Setup:
     spec: ModelSpec
     device: torch.device
     algorithm: Algorithm
-    client_fraction: float  # effective selection probability ceil(p K) / K
+    client_fraction: float  # effective selection probability ceil(p K) / K (client-level DP: q, sampled by Poisson)
     queries: dict[int, int]  # worst-case DP queries per round, per client
     sample_rates: dict[int, float]  # B / N_k per client (DP only)
     canaries: Canaries | None = None  # planted for a canary audit (--canaries)
@@ -108,6 +108,7 @@ def prepare(
     setup then holds none of them (see :func:`fedaudit.data.sites.federation`).
     """
     config = config.resolved()
+    client_level = config.privacy.client_level
     missing = engine_unavailable(config.engine, deployment=config.flower.superlink is not None)
     if missing:
         raise TrainingError(missing)
@@ -131,10 +132,13 @@ def prepare(
         config = replace(config, **{settings.SECTION: section})
     algorithm = get_algorithm(config)
     selected = clients_per_round(config.federated.client_fraction, config.data.num_clients)
-    client_fraction = selected / config.data.num_clients
+    # at client level the server samples each client with probability q (Poisson), so q is the rate itself
+    client_fraction = config.federated.client_fraction if client_level else selected / config.data.num_clients
     queries = {k: algorithm.queries_per_round(config, n) for k, n in sizes.items()}
     sample_rates: dict[int, float] = {}
-    if config.privacy.dp:
+    if client_level and config.privacy.noise_multiplier is None:
+        config = mark_calibrated(config, _calibrated_client_sigma(config))
+    if config.privacy.record_level:
         batch = config.federated.batch_size
         smallest = min(sizes.values())
         if batch > smallest:
@@ -353,6 +357,20 @@ def _calibrated_sigma(
         )
         for k, q in sample_rates.items()
         if taking_part[k]
+    )
+
+
+def _calibrated_client_sigma(config: RunConfig) -> float:
+    """The noise multiplier that meets ``--target-epsilon`` at client level: one Sampled Gaussian Mechanism per
+    round, at the server's client sampling rate q."""
+    priv = config.privacy
+    return calibrate_noise_multiplier(
+        target_epsilon=priv.target_epsilon,
+        sample_rate=config.federated.client_fraction,
+        queries_per_round=1,
+        rounds=config.federated.rounds,
+        delta=priv.delta,
+        accountant=priv.accountant,
     )
 
 

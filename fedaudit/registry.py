@@ -30,6 +30,9 @@ WIRE_SYNTHETIC = "synthetic"
 DP_RECORD = "record"
 DP_LABEL = "label"
 DP_NONE = "none"
+# The unit ``--dp`` protects (``--dp-level``): one record (DP-SGD on every client step) or one client's data as a whole
+# (each client's update clipped, Gaussian noise on their sum: McMahan et al. 2018).
+DP_LEVELS = ("record", "client")
 
 
 def load(target: str) -> Any:
@@ -57,6 +60,8 @@ class AlgorithmEntry:
             ``generation_rounds`` are over.
         generation_rounds: the first rounds, in which its clients send synthetic records instead (Fedssyn's one).
         dp_unit: what its guarantee protects (:data:`DP_RECORD`, :data:`DP_LABEL` or :data:`DP_NONE`).
+        client_dp: it also has a client-level DP variant (``--dp --dp-level client``): its clients send model
+            updates that the server clips and noises as a whole.
         local_sgd: its clients take local SGD steps on the server's model (``--local-epochs``, ``--local-steps``).
         one_step: its clients take one step, on their whole data without DP (FedSGD).
         proximal: its local steps add the proximal term mu (FedProx).
@@ -82,6 +87,7 @@ class AlgorithmEntry:
     wire: str = WIRE_UPDATES
     generation_rounds: int = 0
     dp_unit: str = DP_RECORD
+    client_dp: bool = False
     local_sgd: bool = False
     one_step: bool = False
     proximal: bool = False
@@ -157,6 +163,7 @@ _ALGORITHMS: dict[str, AlgorithmEntry] = {
             0.1,
             colour="#1f77b4",
             local_sgd=True,
+            client_dp=True,
         ),
         _sgd(
             "fedprox",
@@ -168,6 +175,7 @@ _ALGORITHMS: dict[str, AlgorithmEntry] = {
             colour="#ff7f0e",
             local_sgd=True,
             proximal=True,
+            client_dp=True,
         ),
         _sgd(
             "fedsgd",
@@ -177,6 +185,7 @@ _ALGORITHMS: dict[str, AlgorithmEntry] = {
             0.1,
             colour="#2ca02c",
             one_step=True,
+            client_dp=True,
         ),
         _sgd(
             "scaffold",
@@ -259,10 +268,19 @@ def algorithm(name: str) -> AlgorithmEntry:
     return ALGORITHMS[name]
 
 
-def algorithm_label(name: str, dp: bool) -> str:
-    """The literature's name of ``name`` with or without DP; an unknown name is returned as it is."""
+def algorithm_label(name: str, dp: bool, level: str = "record") -> str:
+    """The literature's name of ``name`` with or without DP (at client level: "DP-FedAvg (client level)"); an
+    unknown name is returned as it is."""
     entry = ALGORITHMS.get(name)
-    return name if entry is None else entry.display_name(dp)
+    if entry is None:
+        return name
+    label = entry.display_name(dp)
+    return f"{label} (client level)" if dp and level == "client" else label
+
+
+def client_dp_algorithms() -> tuple[str, ...]:
+    """The algorithms with a client-level DP variant."""
+    return tuple(name for name, entry in ALGORITHMS.items() if entry.client_dp)
 
 
 @dataclass(frozen=True)

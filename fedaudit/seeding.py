@@ -34,6 +34,7 @@ class Stream(enum.IntEnum):
     SITE_SPLIT = 8  # which of a site's records its client trains on (members) and which it holds out
     EVALUATION = 9  # the fixed sample of test records the model is evaluated on (--eval-sample)
     QUERY = 10  # one DP query of a client whose noise comes from a public seed (--noise-seed): (round, client, query)
+    SERVER_QUERY = 11  # a client-level DP server's draw of a round from --noise-seed: (round, draw)
 
 
 # How many integer keys each stream takes: (round), (round, client), (attack draw). A fixed number per stream and
@@ -51,6 +52,7 @@ STREAM_KEYS = {
     Stream.SITE_SPLIT: 1,
     Stream.EVALUATION: 0,
     Stream.QUERY: 3,
+    Stream.SERVER_QUERY: 2,
 }
 
 

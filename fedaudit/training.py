@@ -39,7 +39,8 @@ from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.preparation import Setup, TrainingError, client_data, prepare, round_participants
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
-from fedaudit.privacy.randomness import ClientKeys, RunRandomness, new_run_id
+from fedaudit.privacy.primitive import poisson_sample
+from fedaudit.privacy.randomness import SERVER_NOISE, SERVER_SAMPLE, ClientKeys, RunRandomness, new_run_id
 from fedaudit.registry import ALGORITHMS
 from fedaudit.rundir import (
     ClientsRecord,
@@ -125,8 +126,8 @@ def train_setup(
 
 
 def _say_fallback_layers(setup: Setup, echo: Echo) -> None:
-    """Once per run: which layers of a DP run's model the layer-wise query cannot compute in closed form."""
-    if not setup.config.privacy.dp:
+    """Once per run: which layers of a DP-SGD run's model the layer-wise query cannot compute in closed form."""
+    if not setup.config.privacy.record_level:
         return
     slow = fallback_layers(build_model(setup.spec))
     if slow:
@@ -338,6 +339,8 @@ def _new_ledger(config: RunConfig) -> PrivacyLedger | None:
         delta=config.privacy.delta,
         noise_multiplier=config.privacy.noise_multiplier,
         max_grad_norm=config.privacy.max_grad_norm,
+        unit=config.privacy.dp_level,
+        max_update_norm=config.privacy.max_update_norm,
     )
 
 
@@ -408,6 +411,11 @@ def _round_privacy_events(
     reported more queries at some (sigma, q) than planned.
     """
     priv = setup.config.privacy
+    if priv.client_level:  # every client, sampled or not, is charged the round's one SGM at the server's rate q
+        event = round_events(
+            noise_multiplier=priv.noise_multiplier, sample_rate=setup.client_fraction, queries_per_round=1
+        )
+        return {k: event for k in range(setup.config.data.num_clients)}
     reported = {m.client_id: m.privacy_events for m in messages}
     events: dict[int, list[SGMEvent]] = {}
     for k in sorted(set(selected) | set(reported)):
@@ -487,6 +495,20 @@ class _RoundLoop:
         else:
             self.test = dataset.test_x.to(device), dataset.test_y.to(device)
         self.model = build_model(setup.spec).to(device)
+        # a client-level DP server samples the clients and noises their sum from its own secret, written now
+        self.server_keys = None
+        if setup.config.privacy.client_level:
+            self.server_keys = randomness.server_keys(None if run is None else run.server_secret_path)
+
+    def participants(self, m: int) -> list[int]:
+        """The clients of round ``m``: from the seed alone, or at client level each client with probability q from
+        the server's secret (a sample the models' observers cannot know, which the accountant's amplification by
+        sampling needs)."""
+        setup = self.setup
+        if self.server_keys is None:
+            return round_participants(setup.config, setup.algorithm, m)
+        source = self.server_keys.query_source(m, SERVER_SAMPLE, "cpu")
+        return poisson_sample(setup.config.data.num_clients, setup.client_fraction, generator=source).tolist()
 
     def client(self, k: int) -> ClientData:
         """Client ``k``'s data on the device (at a site that keeps its records, only its id: the site has them)."""
@@ -513,24 +535,29 @@ class _RoundLoop:
             server_kept=state.server_kept,
             run_id=self.randomness.run_id,
         )
-        selected = round_participants(config, setup.algorithm, m)
+        selected = self.participants(m)
         # a client taking part for the first time gets its secret now, written before anything is drawn from it
         self.randomness.prepare(selected, None if self.run is None else self.run.secrets_path)
-        messages = self.engine.run_clients(
-            setup.algorithm,
-            self.model,
-            state.params,
-            [self.client(k) for k in selected],
-            ctx,
-            self.randomness.keys,
-            state.states.of(selected),
-        )
+        messages = []
+        if selected:  # a client-level round may sample no client: its release is the noise alone
+            messages = self.engine.run_clients(
+                setup.algorithm,
+                self.model,
+                state.params,
+                [self.client(k) for k in selected],
+                ctx,
+                self.randomness.keys,
+                state.states.of(selected),
+            )
         if not self.every_round:
             self._clients.clear()
         for msg in messages:
             if msg.state:
                 state.states.set(msg.client_id, msg.state)
-        server = make_generator(config.seed, Stream.SERVER, m, device=device)
+        if self.server_keys is not None:
+            server = self.server_keys.query_source(m, SERVER_NOISE, device)
+        else:
+            server = make_generator(config.seed, Stream.SERVER, m, device=device)
         result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
         for k, dealt in result.dealt.items():
             state.states.merge(k, dealt)

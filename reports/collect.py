@@ -77,6 +77,19 @@ class PrivacySummary:
     worst_client_examples: int | None = None
     rounds: int | None = None
     epsilon_per_round: tuple[float, ...] = ()
+    unit: str = "record"  # what epsilon protects: one record, or one client's data as a whole (--dp-level client)
+    max_update_norm: float | None = None  # client level: the clipping norm of each client's update
+    clients: int | None = None  # client level: the clients, each a unit of the guarantee
+
+    @property
+    def client_level(self) -> bool:
+        """Whether the guarantee protects each client's data as a whole."""
+        return self.dp and self.unit == "client"
+
+    @property
+    def unit_words(self) -> str:
+        """The protected unit in words: "record" or "client"."""
+        return "client" if self.client_level else "record"
 
     @property
     def epsilon(self) -> float:
@@ -603,7 +616,7 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
     data, federated, model = config.data, config.federated, config.model
     dataset = manifest.dataset
     return {
-        "algorithm": algorithm_label(federated.algorithm, config.privacy.dp),
+        "algorithm": algorithm_label(federated.algorithm, config.privacy.dp, config.privacy.dp_level),
         "privacy budget": _label_dp(config) or budget_label(config.privacy),
         "dataset": data.dataset,
         "partition": data.partition,
@@ -632,6 +645,10 @@ def noise_origin(config: RunConfig, source: str) -> str:
     if not config.dp_randomness:
         return "no DP noise"
     secure = "; secure sampling (ChaCha20, each Gaussian the sum of four)" if config.privacy.secure_noise else ""
+    if config.privacy.client_level and source == CLIENT_SECRETS:
+        return (
+            f"the server's own secret (server-secret.json): the server adds the noise and samples the clients{secure}"
+        )
     if source == CLIENT_SECRETS:
         return f"each client's own secret, which only that client holds{secure}"
     if source == NOISE_SEED:
@@ -716,6 +733,23 @@ def _privacy(
     batch = config.federated.batch_size
     fraction = clients.client_fraction_effective
     q = batch / sizes[worst] if worst is not None and batch and not generates else None
+    if ledger.unit == "client":  # one query per round, at the server's client sampling rate
+        return PrivacySummary(
+            dp=True,
+            accountant=ledger.accountant,
+            delta=ledger.delta,
+            noise_multiplier=ledger.noise_multiplier,
+            sample_rate=fraction,
+            queries_per_round=1,
+            client_fraction=fraction,
+            worst_client=worst,
+            worst_client_rounds=ledger.rounds_charged(worst) if worst is not None else None,
+            rounds=ledger.rounds,
+            epsilon_per_round=tuple(float(e) for e in ledger.epsilon_per_round),
+            unit="client",
+            max_update_norm=ledger.max_update_norm,
+            clients=len(sizes),
+        )
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,

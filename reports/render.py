@@ -261,6 +261,13 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
     unchecked: list[str] = []
     checks = []
     verification = run.verification
+    if run.privacy.client_level:
+        unchecked.append(
+            "the client-level mechanism (each update's clipping, the server's noise, its client sampling) is not "
+            "checked by fedaudit verify or audited with canary clients yet; the membership attacks bound the same "
+            "epsilon"
+        )
+        return {"verdict": "NOT CHECKED", "checks": [], "views": [], "failures": [], "unchecked": unchecked}
     if verification is None:
         unchecked.append(
             "the mechanism's conformance (noise, clipping, sampling, the ledger recomputed with dp-accounting) was not "

@@ -60,6 +60,19 @@ def setup_table(run: RunSummary) -> pd.DataFrame:
 def privacy_table(run: RunSummary) -> pd.DataFrame:
     """The accounting parameters of one run (empty without a ledger)."""
     p = run.privacy
+    if p.client_level:
+        rows = {
+            "unit": "client (each client's data as a whole)",
+            "accountant": p.accountant,
+            "delta": p.delta,
+            "noise multiplier sigma": p.noise_multiplier,
+            "clipping norm C of each client's update": p.max_update_norm,
+            "client sampling rate q (Poisson, by the server)": p.client_fraction,
+            "clients K": p.clients,
+            "rounds (each charged to every client)": p.rounds,
+            "epsilon after the last round": p.epsilon if p.epsilon_per_round else None,
+        }
+        return pd.DataFrame({"quantity": list(rows), "value": [fmt(v, 6) for v in rows.values()]})
     rows = {
         "accountant": p.accountant,
         "delta": p.delta,

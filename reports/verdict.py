@@ -55,7 +55,10 @@ def _promises(run: RunSummary) -> str:
     privacy = run.privacy
     if privacy.dp and privacy.epsilon_per_round:
         delta = "an unrecorded delta" if privacy.delta is None else f"delta {privacy.delta:g}"
-        return f"promises epsilon {fmt(privacy.epsilon)} at {delta} per record after {run.rounds_done} rounds"
+        return (
+            f"promises epsilon {fmt(privacy.epsilon)} at {delta} per {privacy.unit_words} after {run.rounds_done} "
+            "rounds"
+        )
     budget = str(run.setup.get("privacy budget", ""))
     if "label DP" in budget:
         return f"promises only {budget}, no record-level guarantee"

@@ -385,6 +385,8 @@ def probe_config(config: Any, final: Mapping[str, torch.Tensor] | None = None) -
 
     if not config.privacy.dp:
         raise AttackError("The run was trained without --dp, so it has no DP query to probe.")
+    if config.privacy.client_level:
+        raise AttackError("The run is client-level DP: the probe tests the clients' DP-SGD queries of record-level DP.")
     entry = algorithm(config.federated.algorithm)
     if not entry.record_dp:
         raise AttackError(

@@ -51,6 +51,11 @@ def verify_runs(
             verification, skipped = None, None
             if problems:
                 skipped = "its files are not those fedaudit wrote"
+            elif run.read_run_config().privacy.client_level:
+                skipped = (
+                    "it is a client-level DP run, whose mechanism (each update's clipping, the server's noise and its "
+                    "client sampling) fedaudit verify does not check yet"
+                )
             elif (public_key is not None or probe) and not run.queries_dir.is_dir():
                 skipped = "it was trained without --canaries, so it has no query log to check"
                 if probe:

@@ -1,9 +1,12 @@
-"""Gradient-sharing baselines: FedAvg, FedProx, FedSGD and their record-level DP variants.
+"""Gradient-sharing baselines: FedAvg, FedProx, FedSGD and their DP variants, record-level and client-level.
 
 Clients run local SGD from the global model and send their model delta; the
-server adds the weighted mean delta times the server learning rate. With DP,
-every local step is one query of the shared DP primitive on a Poisson batch
-(DP-FedAvg / DP-FedProx, "local DP-SGD"). FedProx's proximal gradient
+server adds the weighted mean delta times the server learning rate. With
+record-level DP, every local step is one query of the shared DP primitive on a
+Poisson batch (DP-FedAvg / DP-FedProx, "local DP-SGD"). With client-level DP
+(``--dp-level client``) the clients train without DP and the server releases
+the mean of their updates clipped to C with noise sigma C on the sum, divided by
+the expected number of clients (McMahan et al. 2018), drawn from its own secret. FedProx's proximal gradient
 mu (w - w_g) is added *after* the noise: it does not touch data, so it costs
 no privacy, and putting it into the loss would be discarded by the clipping
 (a known bug of DP-FedProx implementations; docs/algorithms.md).
@@ -28,7 +31,7 @@ from fedaudit.algorithms.base import (
 )
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent
-from fedaudit.privacy.primitive import dp_gradient
+from fedaudit.privacy.primitive import client_level_mean, dp_gradient
 
 
 class FedAvg:
@@ -90,7 +93,7 @@ class FedAvg:
         load_params(model, global_params)
         model.train()
         optimizer = SGD(model.parameters(), lr=ctx.cosine_lr(fed.client_lr), momentum=fed.momentum)
-        if ctx.config.privacy.dp:
+        if ctx.config.privacy.record_level:
             events, metrics = self._train_dp(model, optimizer, global_params, data, ctx, generator, correction)
         else:
             events, metrics = [], self._train_plain(model, optimizer, global_params, data, ctx, generator, correction)
@@ -105,13 +108,35 @@ class FedAvg:
         ctx: RoundContext,
         generator: torch.Generator,
     ) -> ServerResult:
-        """w_g <- w_g + eta_s * sum_k weight_k * delta_k."""
+        """w_g <- w_g + eta_s * sum_k weight_k * delta_k; at client level, w_g + eta_s * the released mean update
+        (``generator`` is then the source of the server's noise, from its secret)."""
+        if ctx.config.privacy.client_level:
+            return self._client_level_update(global_params, messages, ctx, generator)
         weights = aggregation_weights(messages, ctx.config.federated.weighting)
         new = clone_params(global_params)
         for weight, message in zip(weights, messages):
             for name in new:
                 new[name] += ctx.config.federated.server_lr * weight * message.payload[name].to(new[name].device)
         return ServerResult(params=new)
+
+    def _client_level_update(
+        self, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext, generator: torch.Generator
+    ) -> ServerResult:
+        """The client-level DP round: every update weighs the same, clipped to C, noised, over q K clients."""
+        config = ctx.config
+        priv = config.privacy
+        mean, norms = client_level_mean(
+            [message.payload for message in messages],
+            global_params,
+            max_update_norm=priv.max_update_norm,
+            noise_multiplier=priv.noise_multiplier,
+            expected_clients=config.federated.client_fraction * config.data.num_clients,
+            generator=generator,
+        )
+        new = {name: p + config.federated.server_lr * mean[name] for name, p in clone_params(global_params).items()}
+        clipped = float((norms > priv.max_update_norm).double().mean()) if len(norms) else 0.0
+        median = float(norms.double().median()) if len(norms) else float("nan")
+        return ServerResult(params=new, metrics={"clipped_updates": clipped, "update_norm_median": median})
 
     def _adjust(self, model: nn.Module, global_params: TensorDict, correction: TensorDict | None) -> None:
         """What is added to a step's gradient after the noise: FedProx's mu (w - w_g) and a drift correction."""

@@ -205,8 +205,10 @@ def client_keys_for(
             f"the server sent client {client} a key for its noise; a site draws its noise from its own secret only"
         )
     least = None if site is None else site.min_noise_multiplier
-    if least is not None and not (priv.dp and (priv.noise_multiplier or 0.0) >= least):
-        sigma = f"noise multiplier {priv.noise_multiplier:g}" if priv.dp else "no DP"
+    if least is not None and not (priv.record_level and (priv.noise_multiplier or 0.0) >= least):
+        sigma = f"noise multiplier {priv.noise_multiplier:g}" if priv.record_level else "no DP"
+        if priv.client_level:
+            sigma = "client-level DP (its update sent in clear, the noise added by the server)"
         raise RuntimeError(
             f"the server asks client {client} for a round with {sigma}, and its site accepts no less than {least:g} "
             "(min-noise-multiplier in its --node-config)"

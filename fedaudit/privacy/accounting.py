@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 # import this module for SGMEvent alone. The RDP accountant (the default) does not import the package at all: it
 # runs Opacus' RDP analysis module loaded from its file (:func:`_opacus_rdp`).
 
+UNITS = ("record", "client")  # what a ledger's epsilon protects (the configuration's --dp-level)
+
 __all__ = [
     "ACCOUNTANTS",
     "RDP_ORDERS",
@@ -623,6 +625,10 @@ def _solve_sigma(epsilon_at: Callable[[float], float], *, target: float, start: 
 class PrivacyLedger:
     """Per-client histories of SGM events, round by round; epsilon is the max over clients.
 
+    Its ``unit`` says what a client's epsilon protects: one of the client's records (record-level DP-SGD: the
+    client's queries at rate B / N_k in the rounds it took part in) or the client's data as a whole (client-level
+    DP: every client is charged every round, one query at the server's sampling rate q).
+
     The run reports the worst-case client (the largest epsilon: often the smallest N_k,
     hence the largest q), so it never reports less than it spent. The per-round,
     per-client history is kept so that :meth:`to_dict`/:meth:`from_dict` round
@@ -634,8 +640,19 @@ class PrivacyLedger:
     """
 
     def __init__(
-        self, *, accountant: str, delta: float, noise_multiplier: float | None, max_grad_norm: float | None
+        self,
+        *,
+        accountant: str,
+        delta: float,
+        noise_multiplier: float | None,
+        max_grad_norm: float | None,
+        unit: str = "record",
+        max_update_norm: float | None = None,
     ) -> None:
+        if unit not in UNITS:
+            raise AccountingError(f"A ledger's unit is one of {', '.join(UNITS)}, got {unit!r}.")
+        self.unit = unit  # what one client id's epsilon protects: one of its records, or the client as a whole
+        self.max_update_norm = None if max_update_norm is None else _check_real("max_update_norm", max_update_norm)
         self.accountant = _check_accountant(accountant)
         self.delta = _check_delta(delta)
         self.noise_multiplier = None if noise_multiplier is None else _check_noise_multiplier(noise_multiplier)
@@ -722,10 +739,12 @@ class PrivacyLedger:
             rounds.append(row)
         worst = self.worst_client
         return {
+            "unit": self.unit,
             "accountant": self.accountant,
             "delta": self.delta,
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.max_grad_norm,
+            "max_update_norm": self.max_update_norm,
             "entries": [e.to_dict() for e in self._composed.get(worst, [])] if worst is not None else [],
             "epsilon_per_round": list(self._epsilon_per_round),
             "worst_client": worst,
@@ -765,6 +784,8 @@ class PrivacyLedger:
             delta=d["delta"],
             noise_multiplier=d["noise_multiplier"],
             max_grad_norm=d["max_grad_norm"],
+            unit=d.get("unit", "record"),  # ledgers written before client-level DP are record-level
+            max_update_norm=d.get("max_update_norm"),
         )
         try:
             lists = [tuple(SGMEvent.from_dict(e) for e in events) for events in d["history"]["event_lists"]]
@@ -828,6 +849,8 @@ class PrivacyLedger:
             delta=self.delta,
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm,
+            unit=self.unit,
+            max_update_norm=self.max_update_norm,
         )
         for round_ in self._history[: max(rounds, 0)]:
             replay.record_round(round_)

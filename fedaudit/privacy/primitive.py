@@ -1,7 +1,8 @@
 """The one DP primitive: per-sample gradients, clipping, Gaussian noise, Poisson sampling.
 
 Every DP query in fedaudit (DP-FedAvg, DP-FedProx, FedLAP-DP's real-gradient
-target) goes through :func:`dp_gradient`; the white-box membership attack
+target) goes through :func:`dp_gradient`, and client-level DP's round through :func:`client_level_mean` (the same
+clipped sum and noise, a client's update in place of an example's gradient); the white-box membership attack
 uses :func:`per_sample_sq_norms` without clipping. Both work layer by layer
 (:mod:`fedaudit.privacy.layers`): one forward and one backward of the batch,
 per-sample norms from each layer's inputs and output gradients, and the
@@ -214,6 +215,36 @@ def noisy_sum(
     stream: :mod:`fedaudit.privacy.randomness`)."""
     std = noise_multiplier * max_grad_norm
     return {name: add_gaussian(s, std, generator) for name, s in summed.items()}
+
+
+def client_level_mean(
+    updates: list[Mapping[str, torch.Tensor]],
+    like: Mapping[str, torch.Tensor],
+    *,
+    max_update_norm: float,
+    noise_multiplier: float,
+    expected_clients: float,
+    generator: Source,
+) -> tuple[TensorDict, torch.Tensor]:
+    """Client-level DP's release of a round: the same query as a DP-SGD step's, with a client's whole model update
+    in place of an example's gradient. Each update clipped to ``max_update_norm`` C (an update that is not finite to
+    zero), the clipped updates summed, one draw of N(0, (sigma C)^2 I) added from the server's source, and the sum
+    divided by the expected number of clients q K (the fixed denominator, so that one client changes the release by
+    at most C / (q K)). ``like`` gives the names and shapes when no client was sampled (the release is then the
+    noise alone). Returns the released mean update and the updates' norms before clipping."""
+    stacked = {
+        name: torch.stack([update[name] for update in updates]) if updates else p.new_zeros((0, *p.shape))
+        for name, p in like.items()
+    }
+    summed, norms = clip_and_sum(stacked, max_update_norm)
+    released = add_noise(
+        summed,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_update_norm,
+        expected_batch_size=expected_clients,
+        generator=generator,
+    )
+    return released, norms
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,12 @@ MAX_SECRETS_BYTES = 16 << 20  # a secrets file larger than this is not one fedau
 MAX_SITE_RUNS = 1000  # runs one site's file keeps secrets for (a server cannot grow it past MAX_SECRETS_BYTES)
 SEED_MASK = (1 << 63) - 1
 CLIENT_KEY_LABEL = b"fedaudit/client-key/v1"
+# A client-level DP run's server (the trusted party of central DP) samples the round's clients and draws the noise of
+# their sum from a secret of its own, kept in the run directory (mode 0600) and never sent to a client.
+SERVER_SECRET_FILE = "server-secret.json"
+SERVER_FORMAT = "fedaudit-server-secret"
+SERVER_KEY_LABEL = b"fedaudit/server-key/v1"
+SERVER_SAMPLE, SERVER_NOISE = 0, 1  # the server's two draws of a round, each from a source of its own
 
 # Where a run's client randomness comes from (the manifest's "randomness" record).
 CLIENT_SECRETS = "client-secrets"  # each client's own secret: the default of every run with DP randomness
@@ -104,6 +110,14 @@ def client_key(secret: bytes, run_id: str, client: int) -> bytes:
     if len(secret) != SECRET_BYTES:
         raise SecretError(f"A client secret is {SECRET_BYTES} bytes, not {len(secret)}.")
     return _mac(secret, CLIENT_KEY_LABEL, run_id, int(client))
+
+
+def server_key(secret: bytes, run_id: str) -> bytes:
+    """HMAC(secret, "fedaudit/server-key/v1" | run id): the key every draw of a client-level DP server derives from
+    (a round's client sample is its query 0, the noise on the round's sum its query 1)."""
+    if len(secret) != SECRET_BYTES:
+        raise SecretError(f"The server's secret is {SECRET_BYTES} bytes, not {len(secret)}.")
+    return _mac(secret, SERVER_KEY_LABEL, run_id)
 
 
 # --- secure sampling -----------------------------------------------------------------------------------------------
@@ -239,6 +253,24 @@ class SeededKeys(ClientKeys):
         return make_generator(self.seed, Stream.CLIENT, int(round_index), self.client, device=device)
 
 
+class SeededServerKeys(ClientKeys):
+    """A client-level DP server's draws from ``--noise-seed``: reproducible, and removable by whoever holds it."""
+
+    source = NOISE_SEED
+
+    def __init__(self, seed: int, *, secure: bool = False) -> None:
+        self.seed, self.secure = int(seed), bool(secure)
+
+    def round_seed(self, round_index: int) -> int:
+        return self.query_seed(round_index, SERVER_SAMPLE)
+
+    def query_seed(self, round_index: int, query: int) -> int:
+        return derive_seed(self.seed, Stream.SERVER_QUERY, int(round_index), int(query))
+
+    def query_key(self, round_index: int, query: int) -> bytes:
+        return hashlib.sha256(self.query_seed(round_index, query).to_bytes(8, "big")).digest()
+
+
 @dataclass
 class QueryDraws:
     """The sources of one client's DP queries in one round, handed out in order: the j-th query made gets query key
@@ -337,19 +369,14 @@ class SecretStore:
         Raises:
             SecretError: the file is missing, unreadable, readable by others, malformed, or of another run.
         """
-        what = "the clients' secrets file"
-        if not path.exists():
-            raise SecretError(
-                f"{path} is missing: this run's clients drew their noise from secrets kept in that file, and without "
-                "it the run cannot go on exactly (a run handed over without its secrets is for reading and auditing)."
-            )
-        data = _read_private(path, what)
-        _check_format(data, SECRETS_FORMAT, path, what)
-        if data.get("run_id") != run_id:
-            raise SecretError(
-                f"{path} holds the secrets of another run (run id {str(data.get('run_id'))[:32]!r}, this run's is "
-                f"{run_id!r}); put this run's own file back."
-            )
+        data = _read_run_secrets(
+            path,
+            run_id,
+            SECRETS_FORMAT,
+            "the clients' secrets file",
+            "this run's clients drew their noise from secrets kept in that file, and without it the run cannot go on "
+            "exactly (a run handed over without its secrets is for reading and auditing)",
+        )
         clients = data.get("clients")
         if not isinstance(clients, dict):
             raise SecretError(f"{path} has no 'clients' object; it is not a file fedaudit wrote.")
@@ -380,6 +407,39 @@ class SecretStore:
                 "clients": {str(k): self.secrets[k].hex() for k in sorted(self.secrets)},
             },
         )
+
+
+def read_server_secret(path: Path, run_id: str) -> bytes:
+    """The secret of this run's client-level DP server, from ``path``.
+
+    Raises:
+        SecretError: the file is missing (the run cannot go on exactly without it), unreadable, readable by others,
+            malformed, or of another run.
+    """
+    data = _read_run_secrets(
+        path,
+        run_id,
+        SERVER_FORMAT,
+        "the server's secret file",
+        "this run's server sampled its clients and drew the noise of their updates from the secret kept in that "
+        "file, and without it the run cannot go on exactly",
+    )
+    return _secret_of(data.get("secret"), path, "The server's")
+
+
+def _read_run_secrets(path: Path, run_id: str, expected: str, what: str, missing: str) -> dict[str, Any]:
+    """A run directory's secrets file of format ``expected``, which must be this run's (``missing``: why its absence
+    stops the run)."""
+    if not path.exists():
+        raise SecretError(f"{path} is missing: {missing}.")
+    data = _read_private(path, what)
+    _check_format(data, expected, path, what)
+    if data.get("run_id") != run_id:
+        raise SecretError(
+            f"{path} holds the secrets of another run (run id {str(data.get('run_id'))[:32]!r}, this run's is "
+            f"{run_id!r}); put this run's own file back."
+        )
+    return data
 
 
 def site_secret_path(client: int, named: str | None, data_dir: str | None) -> Path:
@@ -466,6 +526,7 @@ class RunRandomness:
     seed: int  # the run seed (run-seed) or the noise seed (noise-seed); unused for client secrets
     secure: bool = False
     store: SecretStore | None = None
+    server_secret: bytes | None = None  # a client-level DP server's (made when first needed; see server_keys)
 
     @classmethod
     def for_config(cls, config: RunConfig, run_id: str, *, at_sites: bool) -> RunRandomness:
@@ -509,7 +570,31 @@ class RunRandomness:
                 "are, on the local engine or Flower's simulation, not at sites that would draw from secrets of their "
                 "own."
             )
+        if config.privacy.client_level and fresh.source == CLIENT_SECRETS:
+            fresh.server_secret = read_server_secret(secrets_path.with_name(SERVER_SECRET_FILE), run_id)
         return fresh
+
+    def server_keys(self, path: Path | None) -> ClientKeys:
+        """The keys of a client-level DP server's draws: from its secret (made now if it has none and written to
+        ``path`` before anything is drawn from it; None keeps it in memory, for a round that is timed and thrown
+        away), or from ``--noise-seed``."""
+        if self.source == NOISE_SEED:
+            return SeededServerKeys(self.seed, secure=self.secure)
+        if self.source != CLIENT_SECRETS:
+            raise RuntimeError("A server without DP randomness draws from the run seed, not from keys.")
+        if self.server_secret is None:
+            self.server_secret = new_secret()
+            if path is not None:
+                write_private(
+                    path,
+                    {
+                        "format": SERVER_FORMAT,
+                        "format_version": FORMAT_VERSION,
+                        "run_id": self.run_id,
+                        "secret": self.server_secret.hex(),
+                    },
+                )
+        return SecretKeys(server_key(self.server_secret, self.run_id), secure=self.secure)
 
     def keys(self, client: int) -> ClientKeys:
         """Client ``client``'s keys."""

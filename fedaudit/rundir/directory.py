@@ -28,7 +28,7 @@ from torch import nn
 
 from fedaudit.config import ConfigError, RunConfig
 from fedaudit.models import ModelSpec, build_model
-from fedaudit.privacy.randomness import SECRETS_FILE
+from fedaudit.privacy.randomness import SECRETS_FILE, SERVER_SECRET_FILE
 from fedaudit.rundir import integrity
 from fedaudit.rundir.commits import CommittedFiles
 from fedaudit.rundir.files import (
@@ -80,6 +80,7 @@ class RunDirectory(CommittedFiles):
     verification_path = property(lambda self: self.path / "verification.json")  # written by fedaudit verify
     signature_path = property(lambda self: self.path / integrity.SIGNATURE)  # written by fedaudit sign
     secrets_path = property(lambda self: self.path / SECRETS_FILE)  # the simulated clients' secrets (mode 0600)
+    server_secret_path = property(lambda self: self.path / SERVER_SECRET_FILE)  # a client-level DP server's (0600)
 
     def is_run(self) -> bool:
         """True if the directory holds a fedaudit manifest."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fedaudit.errors import UserError
-from fedaudit.privacy.randomness import SECRETS_FILE
+from fedaudit.privacy.randomness import SECRETS_FILE, SERVER_SECRET_FILE
 
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"
@@ -74,11 +74,12 @@ def file_digest(path: Path) -> str:
 
 def untracked(relative: str) -> bool:
     """Files of a run directory that carry no hash: the manifest itself, its signature, the lock, the simulated
-    clients' secrets (which a run handed to someone else leaves out), temporaries of an interrupted write (cleared
-    by the next writer) and attack caches."""
+    clients' secrets and a client-level DP server's (which a run handed to someone else leaves out), temporaries of
+    an interrupted write (cleared by the next writer) and attack caches."""
     name = relative.rsplit("/", 1)[-1]
     top = relative.split("/", 1)[0]
-    return relative in (MANIFEST, SIGNATURE, LOCK, SECRETS_FILE) or bool(_TEMPORARY.match(name)) or top in CACHES
+    unhashed = (MANIFEST, SIGNATURE, LOCK, SECRETS_FILE, SERVER_SECRET_FILE)
+    return relative in unhashed or bool(_TEMPORARY.match(name)) or top in CACHES
 
 
 def present_files(root: Path) -> Iterator[str]:

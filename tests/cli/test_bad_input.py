@@ -74,6 +74,15 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--canaries", "10"),  # canaries need --dp
     ("--dp", "--canaries", "10", "--keep-checkpoints", "1"),
     ("--dp", "--noise-multiplier", "1", "--target-epsilon", "2"),
+    ("--dp-level", "client", "--max-update-norm", "1"),  # client level needs --dp
+    ("--dp", "--dp-level", "client"),  # and a clipping norm for the updates
+    ("--dp", "--dp-level", "client", "--max-update-norm", "-1"),
+    ("--dp", "--dp-level", "client", "--max-update-norm", "nan"),
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--max-grad-norm", "1"),  # record-level clipping
+    ("--dp", "--max-update-norm", "1"),  # record level: no update clipping
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--algorithm", "fedlap"),  # shares synthetic sets
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--canaries", "10"),  # no canary clients yet
+    ("--dp", "--dp-level", "clients", "--max-update-norm", "1"),
     ("--resume", "RUN", "--lr", "0.1"),
     ("--resume", "RUN", "--out", "OTHER"),
     ("--resume", "NOWHERE"),

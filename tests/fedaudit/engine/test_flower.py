@@ -100,8 +100,22 @@ def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cl
             "5",
         ),
         ("--algorithm", "feddm", "--dm-iterations", "3", "--server-epochs", "2"),
+        # client-level DP: the server samples, clips and noises (its draws from the noise seed, as are the clients')
+        (
+            "--algorithm",
+            "fedprox",
+            "--dp",
+            "--dp-level",
+            "client",
+            "--max-update-norm",
+            "0.5",
+            "--noise-seed",
+            "5",
+            "--client-fraction",
+            "0.5",
+        ),  # fmt: skip
     ],
-    ids=["fedssyn", "fedgm", "feddm"],
+    ids=["fedssyn", "fedgm", "feddm", "fedprox-client-level"],
 )
 def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra, fixed_secrets, ray_cluster):
     args = (*FAST_ARGS, "--rounds", "2", "--save-transmitted", *extra)

@@ -227,7 +227,7 @@ def test_a_site_refuses_what_a_server_could_use_to_grow_or_break_its_file(tmp_pa
 def test_a_site_takes_no_key_from_the_server_and_public_noise_only_when_it_allows_it(tmp_path):
     """What a deployment's ClientApp decides for each task (fedaudit.engine.simulation.client_keys_for): a simulated
     client takes the key its server sent; a site refuses one, a --noise-seed unless its node config allows it, and
-    less noise than its node config's least."""
+    less noise than its node config's least (and a client-level round, whose noise the server adds)."""
     from fedaudit.config import PrivacyConfig, RunConfig
     from fedaudit.engine.simulation import SiteSecret, client_keys_for
 
@@ -250,7 +250,15 @@ def test_a_site_takes_no_key_from_the_server_and_public_noise_only_when_it_allow
     with pytest.raises(SecretError, match="names no file for the client's secret"):
         client_keys_for(task, dp, 1, SiteSecret(None, None), "inputs")
     strict = SiteSecret(str(tmp_path / "secret.json"), None, min_noise_multiplier=1.5)
-    for weak, says in ((dp, "noise multiplier 1, and its site accepts no less than 1.5"), (RunConfig(), "no DP")):
+    central = RunConfig(
+        privacy=PrivacyConfig(dp=True, dp_level="client", noise_multiplier=5.0, max_update_norm=1.0)
+    )  # however much noise: the server adds it, after the site's update left in clear
+    weak_ones = (
+        (dp, "noise multiplier 1, and its site accepts no less than 1.5"),
+        (RunConfig(), "no DP"),
+        (central, "client-level DP \\(its update sent in clear, the noise added by the server\\)"),
+    )
+    for weak, says in weak_ones:
         with pytest.raises(RuntimeError, match=says):
             client_keys_for(task, weak, 1, strict, "inputs")
     assert client_keys_for(task, privacy(noise_multiplier=2.0), 1, strict, "inputs").key == at_site.key
