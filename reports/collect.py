@@ -733,23 +733,8 @@ def _privacy(
     batch = config.federated.batch_size
     fraction = clients.client_fraction_effective
     q = batch / sizes[worst] if worst is not None and batch and not generates else None
-    if ledger.unit == "client":  # one query per round, at the server's client sampling rate
-        return PrivacySummary(
-            dp=True,
-            accountant=ledger.accountant,
-            delta=ledger.delta,
-            noise_multiplier=ledger.noise_multiplier,
-            sample_rate=fraction,
-            queries_per_round=1,
-            client_fraction=fraction,
-            worst_client=worst,
-            worst_client_rounds=ledger.rounds_charged(worst) if worst is not None else None,
-            rounds=ledger.rounds,
-            epsilon_per_round=tuple(float(e) for e in ledger.epsilon_per_round),
-            unit="client",
-            max_update_norm=ledger.max_update_norm,
-            clients=len(sizes),
-        )
+    if ledger.unit == "client":
+        return _client_level_privacy(ledger, fraction, len(sizes))
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,
@@ -765,6 +750,28 @@ def _privacy(
         worst_client_rounds=ledger.rounds_charged(worst) if worst is not None else None,
         rounds=ledger.rounds,
         epsilon_per_round=tuple(float(e) for e in ledger.epsilon_per_round),
+    )
+
+
+def _client_level_privacy(ledger: PrivacyLedger, fraction: float, clients: int) -> PrivacySummary:
+    """A client-level run's guarantee: one query per round at the server's client sampling rate, every client
+    charged every round."""
+    worst = ledger.worst_client
+    return PrivacySummary(
+        dp=True,
+        accountant=ledger.accountant,
+        delta=ledger.delta,
+        noise_multiplier=ledger.noise_multiplier,
+        sample_rate=fraction,
+        queries_per_round=1,
+        client_fraction=fraction,
+        worst_client=worst,
+        worst_client_rounds=ledger.rounds_charged(worst) if worst is not None else None,
+        rounds=ledger.rounds,
+        epsilon_per_round=tuple(float(e) for e in ledger.epsilon_per_round),
+        unit="client",
+        max_update_norm=ledger.max_update_norm,
+        clients=clients,
     )
 
 

@@ -25,6 +25,7 @@ def test_streams_are_distinct_and_stable():
         "SITE_SPLIT": 8,
         "EVALUATION": 9,
         "QUERY": 10,
+        "SERVER_QUERY": 11,
     }
 
 
