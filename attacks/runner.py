@@ -22,6 +22,7 @@ import torch
 import fedaudit
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary.audit import VIEWS, canary_audit, read_canaries, run_views
+from fedaudit.attacks.canary.flower_log import CLIENT_RESULTS, client_canary_results
 from fedaudit.attacks.membership.evaluation import (
     EvaluationSet,
     build_evaluation_set,
@@ -194,7 +195,13 @@ def prepare_run(path: str | Path, options: AttackOptions) -> PreparedRun:
                 f"{run.path} was trained without DP, so --method canary has no accountant's epsilon to "
                 "audit; train with --dp --canaries N."
             )
-        read_canaries(run)
+        if config.privacy.client_level and not config.audit.canary_clients:
+            raise AttackError(
+                f"{run.path} was trained without canary clients, so --method canary has nothing to audit; train "
+                "with --canary-clients N."
+            )
+        if not config.privacy.client_level:
+            read_canaries(run)
     planted = _planted_records(run, len(dataset.train_y))
     seed = config.seed if options.seed is None else options.seed
     try:
@@ -474,8 +481,16 @@ def _check_finite(prepared: PreparedRun, target: Target, signals: Signals) -> No
 
 def _canary(prepared: PreparedRun) -> list[AttackResult]:
     """The canary audit of every round of the run (what crossed the wire, and for input canaries the final model),
-    judged against the final epsilon."""
+    judged against the final epsilon; for a client-level run, the audit of its canary clients."""
     run, done = prepared.run, prepared.run.read_manifest().rounds_done
+    if prepared.config.privacy.client_level:
+        views = {name: view for view, name in CLIENT_RESULTS.items()}
+        return [
+            _canary_result(
+                prepared, name, views[name], "final" if views[name] == "final-model" else "all rounds", *audit
+            )
+            for name, *audit in client_canary_results(run.canary_clients_path, seed=prepared.seed)
+        ]
     accountant = None if prepared.accountant_epsilon is None else prepared.accountant_epsilon[done - 1]
     audits = canary_audit(
         run,
@@ -487,21 +502,34 @@ def _canary(prepared: PreparedRun) -> list[AttackResult]:
         seed=prepared.seed,
         accountant_epsilon=accountant,
     )
-    results = []
-    for view, metrics, scores, curve in audits:
-        header = {
-            "format": RESULT_FORMAT,
-            "format_version": RESULT_FORMAT_VERSION,
-            "run": str(run.path),
-            "signal": view.signal,
-            "method": CANARY_METHOD,
-            "target": "final" if view.signal == "loss" else "all rounds",
-            "round": done,
-            "seed": prepared.seed,
-        }
-        footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
-        results.append(AttackResult(name=view.name, scores=scores, roc=curve, metrics={**header, **metrics, **footer}))
-    return results
+    return [
+        _canary_result(prepared, view.name, view.signal, "final" if view.signal == "loss" else "all rounds", *audit)
+        for view, *audit in audits
+    ]
+
+
+def _canary_result(
+    prepared: PreparedRun,
+    name: str,
+    signal: str,
+    target: str,
+    metrics: dict[str, Any],
+    scores: pd.DataFrame,
+    curve: pd.DataFrame,
+) -> AttackResult:
+    """One view of a canary audit as an attack result (its metrics.json between the result's header and footer)."""
+    header = {
+        "format": RESULT_FORMAT,
+        "format_version": RESULT_FORMAT_VERSION,
+        "run": str(prepared.run.path),
+        "signal": signal,
+        "method": CANARY_METHOD,
+        "target": target,
+        "round": prepared.run.read_manifest().rounds_done,
+        "seed": prepared.seed,
+    }
+    footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
+    return AttackResult(name=name, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
 
 
 def _attack(
@@ -692,7 +720,14 @@ def _per_client(
     return dict(sorted(table.items(), key=lambda item: int(item[0])))
 
 
-CANARY_NAMES = tuple(view.name for view in VIEWS)
+CANARY_NAMES = (*(view.name for view in VIEWS), *CLIENT_RESULTS.values())
+
+
+def _canary_names(run: RunDirectory) -> list[str]:
+    """The results a canary audit of ``run`` writes: one per view of its canaries, or of its canary clients."""
+    if run.read_run_config().privacy.client_level:
+        return list(CLIENT_RESULTS.values())
+    return [view.name for view in run_views(run)]
 
 
 def _takes(entry: AttackEntry, signal: str) -> bool:
@@ -734,10 +769,10 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
     }
     if options.of(CANARY):
         try:
-            views = run_views(run)
+            names = _canary_names(run)
         except (RunError, AttackError):
             return {}
-        expected.update({view.name: run.read_manifest().rounds_done for view in views})
+        expected.update({name: run.read_manifest().rounds_done for name in names})
     expected.update({target.name: target.round for target in planned})
     return expected
 

@@ -246,6 +246,12 @@ class AuditConfig:
         "clients send.",
         choices=CANARY_KINDS,
     )
+    canary_clients: int = setting(
+        0,
+        "Client-level DP: add this many canary clients (Andrew et al., ICLR 2024), each included with probability "
+        "1/2, sampled like a real client and sending 10 C times a random direction; `fedaudit attack --method "
+        "canary` bounds the client-level epsilon from their log. Needs --dp --dp-level client; at least 4.",
+    )
     kept_queries: int = setting(
         12,
         "Whole DP queries (parameters, batch, released sum) a canary run's query log keeps, on average, in pairs "
@@ -262,6 +268,10 @@ class AuditConfig:
         require(
             self.canary_kind in CANARY_KINDS,
             f"--canary-kind must be one of {', '.join(CANARY_KINDS)}, got {self.canary_kind!r}.",
+        )
+        require(
+            is_int(self.canary_clients) and (self.canary_clients == 0 or self.canary_clients >= 4),
+            f"--canary-clients must be 0 or an integer of at least 4, got {self.canary_clients!r}.",
         )
         require(
             is_int(self.kept_queries) and self.kept_queries >= 0,
@@ -643,6 +653,10 @@ class RunConfig:
         require(
             not a.canaries or p.dp,
             "--canaries needs --dp: a canary audit bounds the epsilon of a DP run's accountant.",
+        )
+        require(
+            not a.canary_clients or p.client_level,
+            "--canary-clients audits client-level DP: add --dp --dp-level client (record-level runs plant --canaries).",
         )
         if p.client_level:
             require(

@@ -50,16 +50,12 @@ from flwr.serverapp.strategy import (
 from flwr.serverapp.strategy.dp_fixed_clipping import DifferentialPrivacyFixedClippingBase
 from flwr.supercore import log as flower_log
 
-import fedaudit
 from fedaudit.config import MAX_SEED
 from fedaudit.errors import UserError
+from fedaudit.instruments.canary_clients import CANARY_SCALE, CanarySpace, draw_inclusion
 from fedaudit.instruments.canary_log import CanaryLog
-from fedaudit.seeding import Stream, numpy_rng
 
-CANARY_SCALE = 10.0  # a canary's update norm before clipping, in units of the clipping norm
 DEFAULT_DELTA = 1e-5
-_CACHED_ENTRIES = 1 << 24  # directions held in memory up to m * d entries (128 MB); beyond, drawn again per use
-_BLOCK = 256  # canaries drawn at once when the directions are not held
 
 
 class CanaryClientsError(UserError):
@@ -75,11 +71,6 @@ class Mechanism:
     clipping_norm: float
     central: DifferentialPrivacyFixedClippingBase | None
     local: LocalDpMod | None
-
-
-def draw_inclusion(canaries: int, seed: int) -> np.ndarray:
-    """The inclusion bits of ``canaries`` canaries drawn from ``seed`` (int8, probability 1/2 each)."""
-    return (numpy_rng(seed, Stream.CANARY_DRAW).random(canaries) < 0.5).astype(np.int8)
 
 
 def canary_client_count(canaries: int, seed: int) -> int:
@@ -180,21 +171,15 @@ class _Round:
     population: int
 
 
-class _CanarySpace:
-    """The space the canaries live in and what the log keeps of it: the layout of the model's arrays, the initial and
-    the latest model, the canaries' unit directions (each from its own stream), and one row per round (the cosines
-    of the released update with every canary's direction)."""
+class _CanarySpace(CanarySpace):
+    """The canaries' space of a Flower app: the layout of the model's arrays (the floating-point ones, flattened in
+    their order, are the space) on top of :class:`fedaudit.instruments.canary_clients.CanarySpace`."""
 
     def __init__(self, seed: int, canaries: int) -> None:
-        self.seed = seed
-        self.canaries = canaries
+        super().__init__(seed, canaries)
         self.layout: list[tuple[str, tuple[int, ...], np.dtype, bool]] | None = None
-        self.initial: np.ndarray | None = None
-        self.latest: np.ndarray | None = None
-        self._directions: np.ndarray | None = None
-        self.rows: list[dict[str, Any]] = []
 
-    def begin(self, arrays: ArrayRecord) -> None:
+    def begin_arrays(self, arrays: ArrayRecord) -> None:
         """On the first round: the layout of the model's arrays and the initial model."""
         if self.layout is not None:
             return
@@ -205,14 +190,7 @@ class _CanarySpace:
         if not any(floating for *_, floating in layout):
             raise CanaryClientsError("The model has no floating-point array for canary directions to live in.")
         self.layout = layout
-        self.initial = self.flatten(arrays)
-        self.latest = self.initial
-        if self.canaries * self.initial.size <= _CACHED_ENTRIES:
-            self._directions = self._draw(np.arange(self.canaries))
-
-    @property
-    def dimension(self) -> int:
-        return 0 if self.initial is None else int(self.initial.size)
+        self.begin(self.flatten(arrays))
 
     def flatten(self, arrays: ArrayRecord) -> np.ndarray:
         """The floating-point arrays, in their order, as one float64 vector (the space of the canary directions)."""
@@ -224,47 +202,12 @@ class _CanarySpace:
                 parts.append(arrays[key].numpy().astype(np.float64).ravel())
         return np.concatenate(parts)
 
-    def _draw(self, indices: np.ndarray) -> np.ndarray:
-        """Unit directions of canaries ``indices``, each from its own stream (seed, CANARY, i): uniform on the
-        sphere of the model's floating-point parameters."""
-        rows = np.empty((len(indices), self.dimension))
-        for row, i in enumerate(indices):
-            direction = numpy_rng(self.seed, Stream.CANARY, int(i)).standard_normal(self.dimension)
-            rows[row] = direction / np.linalg.norm(direction)
-        return rows
-
-    def directions(self, indices: np.ndarray) -> np.ndarray:
-        """Unit directions of canaries ``indices`` (held in memory when they fit)."""
-        return self._directions[indices] if self._directions is not None else self._draw(indices)
-
-    def cosines(self, vector: np.ndarray) -> np.ndarray:
-        """cos(vector, u_i) for every canary i (0 for the zero vector)."""
-        norm = float(np.linalg.norm(vector))
-        if norm == 0.0:
-            return np.zeros(self.canaries)
-        out = np.empty(self.canaries)
-        for start in range(0, self.canaries, _BLOCK):
-            block = np.arange(start, min(start + _BLOCK, self.canaries))
-            out[block] = self.directions(block) @ vector / norm
-        return np.clip(out, -1.0, 1.0)
-
-    def record(self, pending: _Round, arrays: ArrayRecord | None, *, equal: bool) -> None:
+    def record_round(self, pending: _Round, arrays: ArrayRecord | None, *, equal: bool) -> None:
         """The round's row: the update released (``arrays``, None when the strategy released no model) against the
         model the round began from."""
-        before = self.flatten(pending.arrays)
-        released = arrays is not None
-        if released:
-            self.latest = self.flatten(arrays)
-        update = self.latest - before if released else np.zeros_like(before)
-        self.rows.append(
-            {
-                "cosines": self.cosines(update),
-                "norm": float(np.linalg.norm(update)),
-                "released": int(released),
-                "sampled": pending.sampled,
-                "population": pending.population,
-                "equal_weights": int(equal),
-            }
+        after = None if arrays is None else self.flatten(arrays)
+        self.record(
+            self.flatten(pending.arrays), after, sampled=pending.sampled, population=pending.population, equal=equal
         )
 
 
@@ -357,7 +300,7 @@ class CanaryClients(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """The wrapped strategy's messages to the real nodes it sampled; those to canary clients are kept here."""
-        self._space.begin(arrays)
+        self._space.begin_arrays(arrays)
         nodes = self._wait_for_nodes(grid)
         if not self._node_of.keys().isdisjoint(grid.get_node_ids()):
             raise CanaryClientsError("Two CanaryClients around one strategy need different seeds.")
@@ -390,7 +333,7 @@ class CanaryClients(Strategy):
         canary = [self._canary_reply(m, array_key, (metric_key, canary_metrics), sent) for m in pending.canary_messages]
         weights = [w for w in (self._weight(r) for r in [*valid, *canary]) if w is not None]
         arrays, metrics = self.strategy.aggregate_train(server_round, [*replies, *canary])
-        self._space.record(pending, arrays, equal=len(set(weights)) <= 1)
+        self._space.record_round(pending, arrays, equal=len(set(weights)) <= 1)
         self.to_log().write(self.log_path)
         return arrays, metrics
 
@@ -493,10 +436,8 @@ class CanaryClients(Strategy):
         space = self._space
         if not space.rows or space.initial is None or space.latest is None:
             raise CanaryClientsError("No round has been aggregated yet, so there is no canary log.")
-        final = space.latest - space.initial
         epsilon, delta, report = self._flower_report()
-        column = {name: np.array([row[name] for row in space.rows]) for name in space.rows[0]}
-        return CanaryLog(
+        return space.log(
             seed=self.seed,
             included=self.included,
             scale=self.scale,
@@ -504,21 +445,11 @@ class CanaryClients(Strategy):
             noise_multiplier=self.mechanism.noise_multiplier,
             mechanism=self.mechanism.kind,
             strategy=self._description,
-            dimension=space.dimension,
             delta=self.delta,
-            round_cosines=np.stack(column["cosines"]),
-            round_norms=column["norm"],
-            released=column["released"],
-            sampled=column["sampled"],
-            population=column["population"],
-            equal_weights=column["equal_weights"],
-            final_cosines=space.cosines(final),
-            final_norm=float(np.linalg.norm(final)),
             flower_epsilon=epsilon,
             flower_delta=delta,
             flower_report=report,
             flower_version=flwr.__version__,
-            fedaudit_version=fedaudit.__version__,
         )
 
     def _flower_report(self) -> tuple[float, float, str]:

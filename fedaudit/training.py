@@ -35,13 +35,15 @@ from fedaudit.algorithms.base import (
 from fedaudit.config import RunConfig, option_field
 from fedaudit.data.sites import is_sites
 from fedaudit.engine import Engine, LocalEngine, make_engine
+from fedaudit.instruments.canary_clients import RunCanaries, flat
+from fedaudit.instruments.canary_log import read_log
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.preparation import Setup, TrainingError, client_data, prepare, round_participants
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
 from fedaudit.privacy.primitive import poisson_sample
 from fedaudit.privacy.randomness import SERVER_NOISE, SERVER_SAMPLE, ClientKeys, RunRandomness, new_run_id
-from fedaudit.registry import ALGORITHMS
+from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.rundir import (
     ClientsRecord,
     DatasetRecord,
@@ -499,6 +501,17 @@ class _RoundLoop:
         self.server_keys = None
         if setup.config.privacy.client_level:
             self.server_keys = randomness.server_keys(None if run is None else run.server_secret_path)
+        priv = setup.config.privacy
+        self.canaries = None  # --canary-clients, and those the round under way sampled
+        self._sampled_canaries = np.zeros(0, dtype=np.int64)
+        if setup.config.audit.canary_clients:
+            self.canaries = RunCanaries(
+                setup.config.audit.canary_clients,
+                setup.config.seed,
+                clipping_norm=priv.max_update_norm,
+                noise_multiplier=priv.noise_multiplier,
+                delta=priv.delta,
+            )
 
     def participants(self, m: int) -> list[int]:
         """The clients of round ``m``: from the seed alone, or at client level each client with probability q from
@@ -508,7 +521,34 @@ class _RoundLoop:
         if self.server_keys is None:
             return round_participants(setup.config, setup.algorithm, m)
         source = self.server_keys.query_source(m, SERVER_SAMPLE, "cpu")
-        return poisson_sample(setup.config.data.num_clients, setup.client_fraction, generator=source).tolist()
+        chosen = poisson_sample(setup.config.data.num_clients, setup.client_fraction, generator=source).tolist()
+        if self.canaries is not None:  # then one draw per canary client, from the same source
+            drawn = poisson_sample(self.canaries.count, setup.client_fraction, generator=source).numpy()
+            self._sampled_canaries = drawn[self.canaries.included[drawn].astype(bool)]
+        return chosen
+
+    def _begin_canaries(self, m: int, state: _TrainingState) -> None:
+        """The canary clients' space on the first round this process computes: the round-0 model, and for a resumed
+        run the log of the rounds it committed."""
+        if self.canaries is None or self.canaries.space.initial is not None:
+            return
+        initial = flat(initial_params(self.setup.spec, self.setup.config.seed))
+        if m == 0:
+            self.canaries.space.begin(initial)
+            return
+        assert self.run is not None
+        self.canaries.resumed(read_log(self.run.canary_clients_path), m, initial, flat(state.params))
+
+    def _canary_messages(self, params: TensorDict) -> list[ClientMessage]:
+        """What the canary clients sampled this round send the server (never stored, never counted as traffic)."""
+        if self.canaries is None:
+            return []
+        first = self.setup.config.data.num_clients
+        updates = self.canaries.updates(self._sampled_canaries, params)
+        return [
+            ClientMessage(client_id=first + int(i), num_examples=0, payload=update)
+            for i, update in zip(self._sampled_canaries, updates)
+        ]
 
     def client(self, k: int) -> ClientData:
         """Client ``k``'s data on the device (at a site that keeps its records, only its id: the site has them)."""
@@ -534,7 +574,9 @@ class _RoundLoop:
             server_state=state.server_state,
             server_kept=state.server_kept,
             run_id=self.randomness.run_id,
+            population=config.data.num_clients + (self.canaries.population if self.canaries is not None else 0),
         )
+        self._begin_canaries(m, state)
         selected = self.participants(m)
         # a client taking part for the first time gets its secret now, written before anything is drawn from it
         self.randomness.prepare(selected, None if self.run is None else self.run.secrets_path)
@@ -558,7 +600,8 @@ class _RoundLoop:
             server = self.server_keys.query_source(m, SERVER_NOISE, device)
         else:
             server = make_generator(config.seed, Stream.SERVER, m, device=device)
-        result = setup.algorithm.server_update(self.model, state.params, messages, ctx, server)
+        canary = self._canary_messages(state.params)
+        result = setup.algorithm.server_update(self.model, state.params, [*messages, *canary], ctx, server)
         for k, dealt in result.dealt.items():
             state.states.merge(k, dealt)
         params = clone_params(result.params)
@@ -568,6 +611,15 @@ class _RoundLoop:
                 f"Round {m + 1} diverged: the global model's weights are no longer finite (NaN or infinity), so "
                 f"training stops {kept}; lower --lr (now {config.federated.client_lr:g}) or the local "
                 "epochs, then start again."
+            )
+        if self.canaries is not None:
+            self.canaries.space.record(
+                flat(state.params),
+                flat(params),
+                sampled=len(selected) + len(canary),
+                population=ctx.population,
+                equal=True,
+                sample_rate=setup.client_fraction,
             )
         wall = time.perf_counter() - began
         epsilon = math.inf
@@ -651,6 +703,8 @@ class _RoundLoop:
                 run.wire.save(number, msg.client_id, msg.payload)
         if self.setup.canaries is not None:
             run.queries.save(number, {msg.client_id: msg.audit for msg in outcome.messages})
+        if self.canaries is not None:
+            run.put(run.canary_clients_path, self.canaries.to_log(strategy=_canary_strategy(config)).to_bytes())
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         run.write_metrics(state.rows)
         if state.ledger is not None:
@@ -709,6 +763,11 @@ def _run_rounds(
         run.write_manifest(manifest.advanced(status="complete"))
     epsilon = state.ledger.epsilon if state.ledger is not None else math.inf
     return TrainResult(run_dir=run.path, rounds_done=rounds, test_accuracy=accuracy, epsilon=epsilon)
+
+
+def _canary_strategy(config: RunConfig) -> str:
+    """What the canary clients' log says was audited."""
+    return f"{algorithm_label(config.federated.algorithm, True, 'client')}, fixed clipping, noise at the server"
 
 
 def _round_line(row: dict[str, Any], rounds: int, *, dp: bool, config: RunConfig) -> str:

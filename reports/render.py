@@ -263,12 +263,10 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
     verification = run.verification
     if run.privacy.client_level:
         unchecked.append(
-            "the client-level mechanism (each update's clipping, the server's noise, its client sampling) is not "
-            "checked by fedaudit verify or audited with canary clients yet; the membership attacks bound the same "
-            "epsilon"
+            "the client-level mechanism's conformance (each update's clipping, the server's noise, its client "
+            "sampling) is not checked by fedaudit verify yet"
         )
-        return {"verdict": "NOT CHECKED", "checks": [], "views": [], "failures": [], "unchecked": unchecked}
-    if verification is None:
+    elif verification is None:
         unchecked.append(
             "the mechanism's conformance (noise, clipping, sampling, the ledger recomputed with dp-accounting) was not "
             f"verified: run `fedaudit verify {run.path}`"
@@ -313,9 +311,10 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
                 f"{fmt(a.accountant_epsilon)}"
             )
     if not run.canary_audits:
+        planted = "--canary-clients N" if run.privacy.client_level else "--dp --canaries N"
         unchecked.append(
-            "no canary audit: how much the released queries leak was not measured (train with --dp --canaries N, "
-            "then attack with --method canary)"
+            f"no canary audit: how much the released queries leak was not measured (train with {planted}, then "
+            "attack with --method canary)"
         )
     partial = verification is not None and any(not c.checked for c in verification.checks)
     verdict = "FAIL" if failures else ("NOT CHECKED" if verification is None or not views or partial else "PASS")

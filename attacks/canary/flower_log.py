@@ -83,6 +83,13 @@ def accountant_epsilon(log: CanaryLog, *, accountant: str = ACCOUNTANT) -> dict[
             "local DP: each client's update is released with its own noise and the server sees who took part, so "
             "every released round is charged in full (q = 1), for a client sampled in every round"
         )
+    elif np.isfinite(log.sample_rate[rounds]).all():
+        rates = log.sample_rate[rounds]
+        note = (
+            "central DP: each round is a Gaussian mechanism with noise multiplier sigma on the sum of the clipped "
+            "updates of clients sampled independently with probability q (Poisson, by the server, canary clients "
+            f"too), composed by {accountant.upper()}"
+        )
     else:
         rates = log.sampled[rounds] / log.population[rounds]
         note = (
@@ -265,6 +272,49 @@ def audit(
         "estimates, not bounds: they assume Gaussian scores and may lie above the accountant for a correct run",
     }
     return FlowerAudit(metrics, pd.DataFrame(table), pd.concat(curves, ignore_index=True))
+
+
+CLIENT_RESULTS = {view.name: f"canary-clients-{view.name}" for view in VIEWS}  # a run's results, by view
+
+
+def client_canary_results(path: Path, *, seed: int) -> list[tuple[str, dict[str, Any], pd.DataFrame, pd.DataFrame]]:
+    """The audit of a client-level DP run's canary clients (its ``canary-clients.npz``, the same log and the same
+    estimators as a Flower app's), as one attack result per view: (name, metrics, scores, roc), the metrics in the
+    shape of every canary audit's (``canary_audit``: counts, threat model, estimators, estimate, bound by guesses),
+    against the log's client-level epsilon."""
+    log = read_log(path)
+    audited = audit(log, source=str(path), seed=seed)
+    results = []
+    for view in VIEWS:
+        numbers = audited.metrics["views"][view.name]
+        canary_audit = {
+            "canaries": log.canaries,
+            "canary_kind": "client",
+            "threat_model": numbers["threat_model"],
+            "score": numbers["score"],
+            "per_estimator_confidence": LEVEL,
+            "informative_canaries": None,
+            "estimate": numbers["estimate"],
+            "estimators": numbers["estimators"],
+            "bound_by_guesses": numbers["bound_by_guesses"],
+        }
+        metrics = {
+            "auc": numbers["auc"],
+            "auc_ci95": numbers["auc_ci95"],
+            "num_members": numbers["num_members"],
+            "num_nonmembers": numbers["num_nonmembers"],
+            "epsilon_lower_bound": numbers["epsilon_lower_bound"],
+            "epsilon_lower_bound_confidence": CONFIDENCE,
+            "accountant_epsilon": audited.metrics["accountant_epsilon"],
+            "accountant": audited.metrics["accountant"],
+            "canary_audit": canary_audit,
+            "warnings": audited.metrics["warnings"],
+        }
+        columns = ["canary", "included", view.name, f"bound_role_{view.name}"]
+        scores = audited.scores[columns].rename(columns={view.name: "score", f"bound_role_{view.name}": "bound_role"})
+        curve = audited.roc[audited.roc["view"] == view.name].drop(columns="view").reset_index(drop=True)
+        results.append((CLIENT_RESULTS[view.name], metrics, scores, curve))
+    return results
 
 
 def _ratio(value: float, budget: float) -> float | None:

@@ -122,6 +122,7 @@ class RoundContext:
     server_state: TensorDict = field(default_factory=dict)
     server_kept: TensorDict = field(default_factory=dict)
     run_id: str = ""  # the run's public identifier: a site's secret derives this run's keys with it
+    population: int = 0  # client-level DP: the clients the server samples from, canary clients included (0: K)
 
     def cosine_lr(self, base_lr: float) -> float:
         """``base_lr`` with cosine decay over rounds (round 0 uses the full rate)."""

@@ -130,7 +130,7 @@ class FedAvg:
             global_params,
             max_update_norm=priv.max_update_norm,
             noise_multiplier=priv.noise_multiplier,
-            expected_clients=config.federated.client_fraction * config.data.num_clients,
+            expected_clients=config.federated.client_fraction * (ctx.population or config.data.num_clients),
             generator=generator,
         )
         new = {name: p + config.federated.server_lr * mean[name] for name, p in clone_params(global_params).items()}

@@ -1,7 +1,9 @@
-"""The canary log of a Flower app: what ``fedaudit.flower.CanaryClients`` records and ``fedaudit attack
---flower-log`` reads.
+"""The canary log of canary clients: what ``fedaudit.flower.CanaryClients`` records for a Flower app (read by
+``fedaudit attack --flower-log``) and what a client-level DP run with ``--canary-clients`` keeps in its run directory
+(read by ``fedaudit attack --method canary``).
 
-Format ``fedaudit-flower-canaries``, version 1: one NumPy ``.npz`` archive of typed arrays (no pickled objects, no
+Format ``fedaudit-flower-canaries``, version 2 (version 1, without ``sample_rate``, is read too): one NumPy ``.npz``
+archive of typed arrays (no pickled objects, no
 JSON), rewritten atomically after every round, so a run that stops early leaves the log of the rounds it finished.
 Its fields (m canaries, T rounds, d the number of floating-point model parameters):
 
@@ -15,6 +17,8 @@ Its fields (m canaries, T rounds, d the number of floating-point model parameter
   included or not; ``round_norms`` (float64[T]): the norm of each round's aggregate update;
 - ``released`` (int8[T]): 1 where the strategy released an aggregate; ``sampled`` (int64[T]): clients sampled in
   the round, canary clients included; ``population`` (int64[T]): real nodes plus included canary clients;
+  ``sample_rate`` (float64[T]): each client's probability of being sampled where the sample is Poisson (a
+  client-level DP run of fedaudit), NaN where exactly ``sampled`` of ``population`` were drawn (Flower's sampler);
   ``equal_weights`` (int8[T]): 1 where every aggregated reply had the same weight;
 - ``final_cosines`` (float64[m]), ``final_norm`` (float): the same for the final model minus the initial one;
 - ``flower_epsilon``, ``flower_delta`` (float, NaN when Flower reports none) and ``flower_report`` (str): what
@@ -35,7 +39,8 @@ import numpy as np
 from fedaudit.errors import UserError
 
 FORMAT = "fedaudit-flower-canaries"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # version 1 logs have no sample_rate (Flower's sampler draws exactly n of N)
 _ZIP_MAGIC = b"PK\x03\x04"
 _COSINE_SLACK = 1e-6  # float rounding of a cosine
 
@@ -65,6 +70,7 @@ class CanaryLog:
     equal_weights: np.ndarray
     final_cosines: np.ndarray
     final_norm: float
+    sample_rate: np.ndarray
     flower_epsilon: float
     flower_delta: float
     flower_report: str
@@ -118,13 +124,14 @@ _KINDS: dict[str, type] = {
     "equal_weights": np.int8,
     "final_cosines": np.float64,
     "final_norm": np.float64,
+    "sample_rate": np.float64,
     "flower_epsilon": np.float64,
     "flower_delta": np.float64,
     "flower_report": str,
     "flower_version": str,
     "fedaudit_version": str,
 }
-_PER_ROUND = ("round_norms", "released", "sampled", "population", "equal_weights")
+_PER_ROUND = ("round_norms", "released", "sampled", "population", "equal_weights", "sample_rate")
 _ARRAYS = {"included": 1, "round_cosines": 2, "final_cosines": 1, **{name: 1 for name in _PER_ROUND}}
 
 
@@ -138,10 +145,13 @@ def read_log(path: str | Path) -> CanaryLog:
     version = arrays.get("version")
     if version is None or version.shape != () or version.dtype.kind not in "iu":
         raise CanaryLogError(f"{path} has no readable format version.")
-    if int(version) != VERSION:
+    if int(version) not in READABLE:
         raise CanaryLogError(
-            f"{path} is a Flower canary log of version {int(version)}; this fedaudit reads version {VERSION}."
+            f"{path} is a Flower canary log of version {int(version)}; this fedaudit reads versions "
+            f"{' and '.join(map(str, READABLE))}."
         )
+    if int(version) == 1 and "round_norms" in arrays:  # Flower's sampler: exactly n of N each round
+        arrays = {**arrays, "sample_rate": np.full(arrays["round_norms"].shape, np.nan)}
     missing = sorted(set(_KINDS) - set(arrays))
     if missing:
         raise CanaryLogError(f"{path} lacks the field(s) {', '.join(missing)} of a Flower canary log.")
@@ -219,8 +229,11 @@ def _check(path: Path, log: CanaryLog) -> None:
         raise CanaryLogError(f"{path}: released and equal_weights must be 0 or 1.")
     if not log.released.any():
         raise CanaryLogError(f"{path}: no round released an aggregate.")
-    if (log.sampled < 1).any() or (log.population < log.sampled).any():
+    poisson = np.isfinite(log.sample_rate)
+    if (log.sampled[~poisson] < 1).any() or (log.sampled < 0).any() or (log.population < log.sampled).any():
         raise CanaryLogError(f"{path}: a round sampled fewer than 1 client or more clients than its population.")
+    if ((log.sample_rate[poisson] <= 0) | (log.sample_rate[poisson] > 1)).any():
+        raise CanaryLogError(f"{path}: a sample rate is not in (0, 1].")
     numbers = {
         "scale": (log.scale, 1.0, math.inf),
         "clipping_norm": (log.clipping_norm, 0.0, math.inf),

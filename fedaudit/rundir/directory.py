@@ -77,6 +77,7 @@ class RunDirectory(CommittedFiles):
     transmitted_dir = property(lambda self: self.path / "transmitted")
     attacks_dir = property(lambda self: self.path / "attacks")  # written by fedaudit attack, read by reports
     queries_dir = property(lambda self: self.path / "queries")  # canary runs: the query log of every round
+    canary_clients_path = property(lambda self: self.path / "canary-clients.npz")  # --canary-clients: their log
     verification_path = property(lambda self: self.path / "verification.json")  # written by fedaudit verify
     signature_path = property(lambda self: self.path / integrity.SIGNATURE)  # written by fedaudit sign
     secrets_path = property(lambda self: self.path / SECRETS_FILE)  # the simulated clients' secrets (mode 0600)

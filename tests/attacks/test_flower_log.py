@@ -17,6 +17,7 @@ from fedaudit.attacks import AttackError
 from fedaudit.attacks.canary.estimators import epsilon_from_gdp, epsilon_one_run, gdp_epsilon
 from fedaudit.attacks.canary.flower_log import LEVEL, accountant_epsilon, audit, audit_log, view_scores, write_results
 from fedaudit.instruments.canary_log import FORMAT, CanaryLog, CanaryLogError, read_log
+from fedaudit.privacy.accounting import SGMEvent, compute_epsilon
 
 DELTA = 1e-5
 
@@ -56,6 +57,7 @@ def make_log(
         equal_weights=np.ones(rounds, dtype=np.int8),
         final_cosines=np.clip(rng.normal(mean, sd), -1, 1),
         final_norm=1.0,
+        sample_rate=np.full(rounds, math.nan),
         flower_epsilon=math.nan,
         flower_delta=math.nan,
         flower_report="Flower reports no epsilon.",
@@ -75,7 +77,7 @@ def test_a_log_reads_back_as_written_and_leaves_no_temporary(tmp_path: Path) -> 
         np.testing.assert_array_equal(getattr(back, name), value, err_msg=name)
     assert [p.name for p in tmp_path.iterdir()] == ["log.npz"]
     with np.load(tmp_path / "log.npz", allow_pickle=False) as data:  # plain typed arrays, nothing pickled
-        assert str(data["format"]) == FORMAT and int(data["version"]) == 1
+        assert str(data["format"]) == FORMAT and int(data["version"]) == 2
         assert all(data[key].dtype != object for key in data.files)
 
 
@@ -86,7 +88,7 @@ def _arrays(**changes: object) -> dict[str, np.ndarray]:
 
 
 def _bad_logs(root: Path) -> dict[str, Path]:
-    """Files that are not a whole log of version 1, by what is wrong with them."""
+    """Files that are not a whole log of a version fedaudit reads, by what is wrong with them."""
     good = make_log().to_bytes()
     files = {
         "text": b"round,cosine\n1,0.5\n",
@@ -98,7 +100,7 @@ def _bad_logs(root: Path) -> dict[str, Path]:
         paths[name].write_bytes(data)
     arrays = {
         "other-npz": {"x": np.zeros(3)},
-        "wrong-version": _arrays(version=np.array(2, dtype=np.int64)),
+        "wrong-version": _arrays(version=np.array(3, dtype=np.int64)),
         "no-version": {k: v for k, v in _arrays().items() if k != "version"},
         "missing-field": {k: v for k, v in _arrays().items() if k != "final_cosines"},
         "mismatched-rounds": _arrays(round_norms=np.ones(5)),
@@ -134,7 +136,7 @@ def test_what_is_not_a_whole_log_is_one_sentence(tmp_path: Path) -> None:
         message = str(caught.value)
         assert message.endswith(".") and "\n" not in message and str(path) in message, (name, message)
     assert "pickled" in str(pytest.raises(CanaryLogError, read_log, tmp_path / "pickled.npz").value)
-    assert "version 2" in str(pytest.raises(CanaryLogError, read_log, tmp_path / "wrong-version.npz").value)
+    assert "version 3" in str(pytest.raises(CanaryLogError, read_log, tmp_path / "wrong-version.npz").value)
 
 
 def test_canaries_on_one_side_only_cannot_be_audited() -> None:
@@ -243,3 +245,26 @@ def test_the_results_recompute_from_their_own_files(tmp_path: Path) -> None:
     assert metrics["epsilon_lower_bound_exceeds_accountant"] == (
         metrics["epsilon_lower_bound"] > metrics["accountant_epsilon"]
     )
+
+
+def test_a_version_1_log_reads_with_exact_samples_and_a_poisson_log_is_accounted_at_its_rate(tmp_path: Path) -> None:
+    """Version 1 (a Flower app's, before client-level runs) has no sample_rate: read as exactly n of N each round.
+    A log whose rounds are Poisson samples at rate q (a client-level run's) is charged at q, whatever each round's
+    count, and may have rounds that sampled no client."""
+    import io
+
+    log = make_log(rounds=3)
+    arrays = {k: v for k, v in log.to_arrays().items() if k != "sample_rate"}
+    arrays["version"] = np.array(1, dtype=np.int64)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    old = tmp_path / "old.npz"
+    old.write_bytes(buffer.getvalue())
+    assert np.isnan(read_log(old).sample_rate).all()
+    poisson = CanaryLog(
+        **{**vars(log), "sample_rate": np.full(3, 0.1), "sampled": np.array([0, 7, 3]), "population": np.full(3, 60)}
+    )
+    path = tmp_path / "poisson.npz"
+    poisson.write(path)
+    expected = compute_epsilon([SGMEvent(noise_multiplier=log.noise_multiplier, sample_rate=0.1, steps=3)], delta=DELTA)
+    assert accountant_epsilon(read_log(path))["epsilon"] == pytest.approx(expected, rel=1e-12)

@@ -391,7 +391,7 @@ def workspace(plain_run, tmp_path_factory) -> dict[str, Path]:
     flower = _flower_log()
     flower.write(root / "flower.npz")
     (root / "flower_truncated.npz").write_bytes(flower.to_bytes()[:300])
-    np.savez(root / "flower_version.npz", **{**flower.to_arrays(), "version": np.array(2)})
+    np.savez(root / "flower_version.npz", **{**flower.to_arrays(), "version": np.array(3)})
     np.savez(root / "flower_mismatch.npz", **{**flower.to_arrays(), "final_cosines": np.zeros(39)})
     np.savez(root / "flower_one_side.npz", **{**flower.to_arrays(), "included": np.ones(40, dtype=np.int8)})
     (root / "truncated.npz").write_bytes((root / "good.npz").read_bytes()[:300])
@@ -557,6 +557,7 @@ def _flower_log():
         equal_weights=np.ones(2, dtype=np.int8),
         final_cosines=rng.normal(0, 0.1, 40),
         final_norm=1.0,
+        sample_rate=np.full(2, float("nan")),
         flower_epsilon=float("nan"),
         flower_delta=float("nan"),
         flower_report="Flower reports no epsilon.",
