@@ -539,6 +539,28 @@ class _RoundLoop:
         assert self.run is not None
         self.canaries.resumed(read_log(self.run.canary_clients_path), m, initial, flat(state.params))
 
+    def _run_clients(self, selected: list[int], ctx: RoundContext, state: _TrainingState) -> list[ClientMessage]:
+        """The round's clients on the engine, each with its secret (made and written now for a client taking part
+        for the first time, before anything is drawn from it); their kept states stored."""
+        self.randomness.prepare(selected, None if self.run is None else self.run.secrets_path)
+        messages = []
+        if selected:  # a client-level round may sample no client: its release is the noise alone
+            messages = self.engine.run_clients(
+                self.setup.algorithm,
+                self.model,
+                state.params,
+                [self.client(k) for k in selected],
+                ctx,
+                self.randomness.keys,
+                state.states.of(selected),
+            )
+        if not self.every_round:
+            self._clients.clear()
+        for msg in messages:
+            if msg.state:
+                state.states.set(msg.client_id, msg.state)
+        return messages
+
     def _canary_messages(self, params: TensorDict) -> list[ClientMessage]:
         """What the canary clients sampled this round send the server (never stored, never counted as traffic)."""
         if self.canaries is None:
@@ -578,24 +600,7 @@ class _RoundLoop:
         )
         self._begin_canaries(m, state)
         selected = self.participants(m)
-        # a client taking part for the first time gets its secret now, written before anything is drawn from it
-        self.randomness.prepare(selected, None if self.run is None else self.run.secrets_path)
-        messages = []
-        if selected:  # a client-level round may sample no client: its release is the noise alone
-            messages = self.engine.run_clients(
-                setup.algorithm,
-                self.model,
-                state.params,
-                [self.client(k) for k in selected],
-                ctx,
-                self.randomness.keys,
-                state.states.of(selected),
-            )
-        if not self.every_round:
-            self._clients.clear()
-        for msg in messages:
-            if msg.state:
-                state.states.set(msg.client_id, msg.state)
+        messages = self._run_clients(selected, ctx, state)
         if self.server_keys is not None:
             server = self.server_keys.query_source(m, SERVER_NOISE, device)
         else:
@@ -613,14 +618,8 @@ class _RoundLoop:
                 "epochs, then start again."
             )
         if self.canaries is not None:
-            self.canaries.space.record(
-                flat(state.params),
-                flat(params),
-                sampled=len(selected) + len(canary),
-                population=ctx.population,
-                equal=True,
-                sample_rate=setup.client_fraction,
-            )
+            sampled = len(selected) + len(canary)
+            self.canaries.record(flat(state.params), flat(params), sampled, ctx.population, setup.client_fraction)
         wall = time.perf_counter() - began
         epsilon = math.inf
         if state.ledger is not None:

@@ -175,6 +175,11 @@ class RunCanaries:
             out.append(update)
         return out
 
+    def record(self, before: np.ndarray, after: np.ndarray, sampled: int, population: int, rate: float) -> None:
+        """A round's row: the released update (every update weighs the same), ``sampled`` clients of ``population``
+        (canary clients counted in both), each sampled with probability ``rate``."""
+        self.space.record(before, after, sampled=sampled, population=population, equal=True, sample_rate=rate)
+
     def to_log(self, *, strategy: str) -> CanaryLog:
         """The log of the rounds so far."""
         return self.space.log(
