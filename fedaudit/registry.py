@@ -67,6 +67,7 @@ class AlgorithmEntry:
         proximal: its local steps add the proximal term mu (FedProx).
         control_variates: its local steps are corrected by control variates (SCAFFOLD).
         inner_algorithms: the algorithms it can run after its generation rounds (``--inner-algorithm``).
+        queries_note: how its worst-case DP queries per round are made up, in words, where the report should say it.
         settings: the module of its own configuration section (``"package.module"``, torch-free), or "" when it
             has none: ``SECTION`` (the section's key), ``Section`` (its dataclass), ``validate(section, config,
             selected=...)`` (its rules, and its refusal when another algorithm is chosen) and, where its defaults
@@ -93,6 +94,7 @@ class AlgorithmEntry:
     proximal: bool = False
     control_variates: bool = False
     inner_algorithms: tuple[str, ...] = ()
+    queries_note: str = ""
     settings: str = ""
 
     def settings_module(self) -> Any:
@@ -222,6 +224,7 @@ _ALGORITHMS: dict[str, AlgorithmEntry] = {
             options=("fedlap.*",),
             colour="#8c564b",
             wire=WIRE_SYNTHETIC,
+            queries_note="R_i * L * R_b, as if the trust region never ended a loop early",
             settings="fedaudit.algorithms.fedlap_settings",
         ),
         AlgorithmEntry(

@@ -22,7 +22,7 @@ from fedaudit.config import PrivacyConfig, RunConfig
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.privacy.randomness import CLIENT_SECRETS, NOISE_SEED, RUN_SEED
-from fedaudit.registry import ALGORITHMS, algorithm_label
+from fedaudit.registry import ALGORITHMS, WIRE_SYNTHETIC, AlgorithmEntry, algorithm_label
 from fedaudit.rundir import AttackRecord, Manifest, RateRecord, RunDirectory, RunError, bounded_size
 
 SYNTHETIC_ROUNDS = 6  # stored rounds of synthetic images shown in a report at most
@@ -366,6 +366,27 @@ class RunSummary:
     reconstructions: tuple[ReconstructionSummary, ...] = ()  # attack --method reconstruction, by round and client
     randomness: str = RUN_SEED  # where the clients' noise came from (the manifest's source; old runs: the run seed)
     secrets_here: bool = False  # whether the simulated clients' secrets file is in the run directory
+    algorithm: str = ""  # the registry's name of the run's algorithm (its facts: :attr:`facts`)
+
+    @property
+    def facts(self) -> AlgorithmEntry | None:
+        """The run's algorithm's registry entry (what crosses the wire, its rounds, its worst case), if known."""
+        return ALGORITHMS.get(self.algorithm)
+
+    @property
+    def sends_synthetic(self) -> bool:
+        """Whether its clients send synthetic sets rather than model updates."""
+        return self.facts is not None and self.facts.wire == WIRE_SYNTHETIC
+
+    @property
+    def generates(self) -> bool:
+        """Whether its clients first send generated records (a generation round)."""
+        return self.facts is not None and self.facts.generation_rounds > 0
+
+    @property
+    def worst_case_queries(self) -> str:
+        """How its worst-case number of DP queries per round is made up, in words ("" when plain)."""
+        return "" if self.facts is None else self.facts.queries_note
 
     @property
     def reconstruction_rounds(self) -> tuple[ReconstructionRound, ...]:
@@ -559,6 +580,7 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
         reconstructions,
         manifest.randomness_source,
         run.secrets_path.exists(),
+        config.federated.algorithm,
     )
 
 

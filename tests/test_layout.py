@@ -6,6 +6,7 @@ import ast
 import importlib
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -226,6 +227,26 @@ def test_algorithm_names_are_compared_only_where_the_algorithm_s_facts_live() ->
         if lines:
             found[name] = lines
     assert {name: len(lines) for name, lines in found.items()} == NAMED_OUTSIDE, found
+
+
+def template_name_uses(text: str, names: frozenset[str]) -> list[str]:
+    """The Jinja tags (``{% ... %}``, ``{{ ... }}``) of a report template that name an algorithm in quotes (its
+    registry name or its literature label): a template must ask the run's facts instead."""
+    tags = re.findall(r"{%.*?%}|{{.*?}}", text, flags=re.DOTALL)
+    quoted = [re.findall(r"[\"']([^\"']+)[\"']", tag) for tag in tags]
+    return [tag for tag, words in zip(tags, quoted) if any(word in names for word in words)]
+
+
+def test_report_templates_ask_the_runs_facts_not_algorithm_names() -> None:
+    from fedaudit.registry import ALGORITHMS
+
+    names = frozenset(
+        {*ALGORITHMS, *(e.label for e in ALGORITHMS.values()), *(e.dp_label for e in ALGORITHMS.values())}
+    )
+    for template in sorted((ROOT / "reports" / "templates").iterdir()):
+        assert template_name_uses(template.read_text(encoding="utf-8"), names) == [], template.name
+    assert template_name_uses('{% if "FedLAP" in r.run.setup.algorithm %}x{% endif %}', names)
+    assert template_name_uses("{{ 'lap' if r.run.algorithm == 'fedlap' else '' }}", names)
 
 
 @pytest.mark.parametrize(
