@@ -661,8 +661,8 @@ class RunConfig:
         if p.client_level:
             require(
                 ALGORITHMS[f.algorithm].client_dp,
-                f"--dp-level client is for the algorithms whose clients send model updates: "
-                f"{', '.join(client_dp_algorithms())}.",
+                f"--dp-level client is available for {', '.join(client_dp_algorithms())}; the other algorithms' "
+                "clients send synthetic sets or control variates, which client-level clipping does not cover yet.",
             )
             require(
                 not a.canaries,
