@@ -245,11 +245,14 @@ def coverage_table(run: RunSummary) -> pd.DataFrame:
                 ),
             )
         )
+        verified = run.verification is not None
         rows.append(
             (
                 "conformance of the client-level mechanism (fedaudit verify)",
-                NOT_RUN,
-                "fedaudit verify does not check a client-level run's clipping, noise and sampling yet",
+                RUN if verified else NOT_RUN,
+                f"{len(run.verification.checks)} checks"
+                if verified
+                else f"`fedaudit verify {run.path}` on a run trained with --save-transmitted",
             )
         )
     elif run.privacy.dp:

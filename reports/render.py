@@ -261,16 +261,16 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
     unchecked: list[str] = []
     checks = []
     verification = run.verification
-    if run.privacy.client_level:
-        unchecked.append(
-            "the client-level mechanism's conformance (each update's clipping, the server's noise, its client "
-            "sampling) is not checked by fedaudit verify yet"
+    if verification is None:
+        needs = (
+            " on a run trained with --save-transmitted"
+            if run.privacy.client_level
+            else " on a run trained with --canaries"
         )
-    elif verification is None:
         unchecked.append(
             "the mechanism's conformance (noise, clipping, sampling, the ledger recomputed with dp-accounting) was not "
             f"verified: run `fedaudit verify {run.path}`"
-            + ("" if run.canary_audits else " on a run trained with --canaries")
+            + ("" if run.canary_audits and not run.privacy.client_level else needs)
         )
     else:
         checks = [

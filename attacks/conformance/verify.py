@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import fedaudit
+from fedaudit.attacks.conformance import client_level
 from fedaudit.attacks.conformance.checks import Verification, verify
 from fedaudit.attacks.conformance.probe import probe_run
 from fedaudit.rundir import RunDirectory, json_bytes, now_iso
@@ -52,10 +53,9 @@ def verify_runs(
             if problems:
                 skipped = "its files are not those fedaudit wrote"
             elif run.read_run_config().privacy.client_level:
-                skipped = (
-                    "it is a client-level DP run, whose mechanism (each update's clipping, the server's noise and its "
-                    "client sampling) fedaudit verify does not check yet"
-                )
+                skipped = client_level.needs(run)
+                if skipped is None:
+                    verification = client_level.verify_client_level(run)
             elif (public_key is not None or probe) and not run.queries_dir.is_dir():
                 skipped = "it was trained without --canaries, so it has no query log to check"
                 if probe:

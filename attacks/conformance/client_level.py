@@ -1,0 +1,204 @@
+"""``fedaudit verify`` for a client-level DP run (``--dp --dp-level client``): is what the server released each round
+the mechanism its ledger charged for?
+
+The mechanism: every round the server samples each client with probability q, clips each sampled client's update to
+C, sums, adds N(0, (sigma C)^2 I) and divides by q P (P the clients it samples from, canary clients included); the
+global model moves by the server's step times that. From the run's files alone (every round's checkpoint, what each
+client sent: ``--save-transmitted``, and the canary clients' log), with numpy, scipy and Google's dp-accounting and
+nothing of ``fedaudit.privacy``, each round's residual
+
+    r_t = q P (theta_t - theta_{t-1}) / eta - sum_k clip_C(u_k)
+
+must be the noise alone: N(0, (sigma C)^2 I), once the span of the canary clients' directions (whose sampled updates
+the files do not name) is projected out. Four checks, each at the family-wise level over four:
+
+- ``noise``: sum_t |r_t|^2 / (sigma C)^2 against chi-square with its degrees of freedom (two-sided): noise removed,
+  scaled, or a release divided by the wrong number of clients moves it;
+- ``clipping``: the part of r_t in the span of the round's updates against chi-square with its rank (upper tail): an
+  update released unclipped leaves (|u_k| - C) along its own direction there;
+- ``sampling``: the clients sampled over all rounds (real ones from what they sent, canary clients from the log)
+  against Binomial(P T, q) with the ledger's q (two-sided): a server sampling more often than it charges;
+- ``ledger``: privacy.json's unit, sigma, q and rounds for every client, and its final epsilon at least what an exact
+  RDP computation of T Poisson-sampled Gaussians at (sigma, q) gives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+from scipy import stats
+
+from fedaudit.attacks import AttackError
+from fedaudit.attacks.conformance.checks import LEDGER_RTOL, Check, Verification, recorded_rdp
+from fedaudit.instruments.canary_log import read_log
+from fedaudit.models import initial_params
+from fedaudit.rundir import RunDirectory
+from fedaudit.seeding import Stream, numpy_rng
+
+CHECKS = ("noise", "clipping", "sampling", "ledger")
+
+
+def needs(run: RunDirectory) -> str | None:
+    """Why ``run`` cannot be verified at client level, or None."""
+    if not run.transmitted_dir.is_dir():
+        return "it was trained without --save-transmitted, so the clients' updates the checks recompute are not here"
+    config = run.read_run_config()
+    if config.keep_checkpoints is not None:
+        return "it kept only its last checkpoints (--keep-checkpoints), and the checks need every round's model"
+    return None
+
+
+def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verification:
+    """The four checks of a client-level run (module docstring), each at ``level`` / 4.
+
+    Raises:
+        AttackError: a run that is not client level, or whose files the checks need are missing.
+    """
+    config, manifest = run.read_run_config(), run.read_manifest()
+    if not config.privacy.client_level:
+        raise AttackError(f"{run.path} is not a client-level DP run.")
+    missing = needs(run)
+    if missing is not None:
+        raise AttackError(f"{run.path} cannot be verified at client level: {missing}.")
+    priv, fed = config.privacy, config.federated
+    sigma, clip, q, eta = priv.noise_multiplier, priv.max_update_norm, fed.client_fraction, fed.server_lr
+    rounds, clients = manifest.rounds_done, config.data.num_clients
+    names = sorted(initial_params(manifest.model.spec, config.seed))
+    models = [_flat(_initial(manifest, config.seed), names)]
+    models += [_flat(load_file(str(run.checkpoints.path(t))), names) for t in range(1, rounds + 1)]
+    sent = [_sent(run, t, names) for t in range(1, rounds + 1)]
+    log = read_log(run.canary_clients_path) if config.audit.canary_clients else None
+    population = clients + (int(log.included.sum()) if log is not None else 0)
+    basis = _canary_basis(config.seed, log, models[0].size) if log is not None else None
+    per_check = level / len(CHECKS)
+    std = sigma * clip
+    noise, noise_dof, spans, span_dof = 0.0, 0, 0.0, 0
+    for t in range(rounds):
+        clipped = [u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300)) for u in sent[t]]
+        residual = q * population * (models[t + 1] - models[t]) / eta - sum(clipped, np.zeros_like(models[t]))
+        residual, dof = _outside(residual, basis)
+        noise += float(residual @ residual) / std**2
+        noise_dof += dof
+        if sent[t]:
+            span = np.linalg.qr(_outside_all(np.stack(sent[t], axis=1), basis))[0]
+            inside = span.T @ residual
+            spans += float(inside @ inside) / std**2
+            span_dof += span.shape[1]
+    # real clients from what they sent; with canary clients, the log's count of every client sampled
+    sampled = int(log.sampled.sum()) if log is not None else sum(len(s) for s in sent)
+    checks = [
+        _noise_check(noise, noise_dof, per_check, rounds),
+        _clipping_check(spans, span_dof, per_check),
+        _sampling_check(sampled, population * rounds, _ledger_rate(run, q), per_check),
+        _ledger_check(run, sigma, q, rounds, clients),
+    ]
+    return Verification(checks=checks, level=level, per_check_level=per_check)
+
+
+def _initial(manifest: Any, seed: int) -> dict[str, np.ndarray]:
+    return {name: p.detach().double().numpy() for name, p in initial_params(manifest.model.spec, seed).items()}
+
+
+def _flat(params: dict[str, Any], names: list[str]) -> np.ndarray:
+    return np.concatenate([np.asarray(params[name], dtype=np.float64).ravel() for name in names])
+
+
+def _sent(run: RunDirectory, round_number: int, names: list[str]) -> list[np.ndarray]:
+    folder = run.transmitted_dir / f"round-{round_number:04d}"
+    return [_flat(load_file(str(path)), names) for path in sorted(folder.glob("client-*.safetensors"))]
+
+
+def _canary_basis(seed: int, log: Any, dimension: int) -> np.ndarray:
+    """An orthonormal basis of the canary clients' directions (each drawn from (seed, CANARY, i), as the log's)."""
+    directions = np.stack([numpy_rng(seed, Stream.CANARY, i).standard_normal(dimension) for i in range(log.canaries)])
+    return np.linalg.qr(directions.T)[0]
+
+
+def _outside(vector: np.ndarray, basis: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """``vector`` with the canary span projected out, and the dimensions left."""
+    if basis is None:
+        return vector, vector.size
+    return vector - basis @ (basis.T @ vector), vector.size - basis.shape[1]
+
+
+def _outside_all(columns: np.ndarray, basis: np.ndarray | None) -> np.ndarray:
+    return columns if basis is None else columns - basis @ (basis.T @ columns)
+
+
+def _ledger_rate(run: RunDirectory, default: float) -> float:
+    """The client sampling rate the ledger charged (the largest of its entries), else the configuration's."""
+    stored = run.read_privacy() or {}
+    rates = [float(e["sample_rate"]) for e in stored.get("entries", []) if "sample_rate" in e]
+    return max(rates) if rates else default
+
+
+def _two_sided_chi2(statistic: float, dof: int) -> float:
+    return float(min(1.0, 2 * min(stats.chi2.cdf(statistic, dof), stats.chi2.sf(statistic, dof))))
+
+
+def _noise_check(statistic: float, dof: int, level: float, rounds: int) -> Check:
+    p = _two_sided_chi2(statistic, dof)
+    ratio = statistic / dof if dof else math.nan
+    passed = p >= level
+    sentence = (
+        f"The released updates of {rounds} rounds, less the clipped updates the clients sent, are noise of the "
+        f"charged standard deviation sigma C (variance ratio {ratio:.4f} over {dof} coordinates)."
+        if passed
+        else f"The released updates less the clipped updates are not N(0, (sigma C)^2): their variance is {ratio:.4g} "
+        f"times the charged one over {dof} coordinates (noise missing or scaled, or the sum divided by another "
+        "number of clients)."
+    )
+    return Check("noise", passed, p, dof, statistic, sentence, {"variance_ratio": ratio})
+
+
+def _clipping_check(statistic: float, dof: int, level: float) -> Check:
+    p = float(stats.chi2.sf(statistic, dof)) if dof else 1.0
+    passed = p >= level
+    sentence = (
+        f"Along the {dof} directions of the updates the clients sent, the release carries nothing beyond the clipped "
+        "updates and the noise."
+        if passed
+        else f"Along the clients' own update directions the release carries {statistic / max(dof, 1):.4g} times the "
+        "noise's energy: some update was released beyond its clipping norm."
+    )
+    return Check("clipping", passed, p, dof, statistic, sentence)
+
+
+def _sampling_check(sampled: int, trials: int, rate: float, level: float) -> Check:
+    p = float(stats.binomtest(sampled, trials, rate).pvalue) if trials else 1.0
+    passed = p >= level
+    observed = sampled / trials if trials else math.nan
+    sentence = (
+        f"The server sampled {sampled} of {trials} client-rounds, as Poisson sampling at the charged rate "
+        f"{rate:.4g} gives."
+        if passed
+        else f"The server sampled {sampled} of {trials} client-rounds ({observed:.4g}), not what the charged rate "
+        f"{rate:.4g} gives."
+    )
+    return Check("sampling", passed, p, trials, float(sampled), sentence, {"observed_rate": observed, "rate": rate})
+
+
+def _ledger_check(run: RunDirectory, sigma: float, q: float, rounds: int, clients: int) -> Check:
+    stored = run.read_privacy() or {}
+    failures = []
+    if stored.get("unit") != "client":
+        failures.append(f"the ledger's unit is {stored.get('unit')!r}, not 'client'")
+    expected = [{"noise_multiplier": sigma, "sample_rate": q, "steps": rounds}]
+    per_client = stored.get("per_client", {})
+    wrong = [k for k in range(clients) if (per_client.get(str(k)) or {}).get("entries") != expected]
+    if wrong:
+        failures.append(f"{len(wrong)} of {clients} clients are not charged {rounds} rounds at sigma {sigma}, q {q}")
+    final = (stored.get("epsilon_per_round") or [0.0])[-1]
+    exact = recorded_rdp({(sigma, q): rounds}, float(stored.get("delta", 1e-5)))
+    if final < exact * (1 - LEDGER_RTOL):
+        failures.append(f"its final epsilon {final:.4g} is below the {exact:.4g} of {rounds} such rounds (exact RDP)")
+    sentence = (
+        f"The ledger charges every one of {clients} clients {rounds} rounds at sigma {sigma:g} and q {q:g}, and its "
+        f"epsilon {final:.4g} covers the {exact:.4g} they spend (exact RDP)."
+        if not failures
+        else "The ledger undercharges: " + "; ".join(failures) + "."
+    )
+    return Check("ledger", not failures, 1.0 if not failures else 0.0, clients, final, sentence, {"exact_rdp": exact})

@@ -1,0 +1,90 @@
+"""``fedaudit verify`` of client-level DP runs: planted faults in the server's mechanism or its ledger are caught,
+each by the check it breaks, and correct runs are never flagged (20 seeds). Runs draw from --noise-seed, so that each
+outcome is the same on every machine (a faulty run's sample is not q K in every round, say)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import FAST_ARGS, invoke
+
+import fedaudit.algorithms.fedavg as fedavg
+import fedaudit.training as training
+from fedaudit.attacks.conformance.client_level import verify_client_level
+from fedaudit.rundir import RunDirectory
+
+CLIENT_LEVEL = (
+    *("--dp", "--dp-level", "client", "--max-update-norm", "0.2", "--noise-multiplier", "1"),
+    *("--num-clients", "8", "--partition", "iid", "--client-fraction", "0.5", "--save-transmitted"),
+)
+
+
+def _verified(tmp_path, name: str, *extra: str):
+    run = tmp_path / name
+    result = invoke("train", *FAST_ARGS, *CLIENT_LEVEL, *extra, "--out", run)
+    assert result.exit_code == 0, result.output
+    return verify_client_level(RunDirectory(run))
+
+
+def test_correct_runs_are_never_flagged(tmp_path) -> None:
+    for seed in range(20):
+        verification = _verified(
+            tmp_path, f"run-{seed}", "--rounds", "2", "--seed", str(seed), "--noise-seed", str(seed)
+        )
+        assert verification.passed, (seed, [c.sentence for c in verification.checks if not c.passed])
+
+
+def _release(**changed):
+    """The server's release with some of its arguments replaced (a planted fault)."""
+    honest = fedavg.client_level_mean
+
+    def faulty(updates, like, **kw):
+        kw.update({k: (v(updates, kw) if callable(v) else v) for k, v in changed.items()})
+        return honest(updates, like, **kw)
+
+    return faulty
+
+
+FAULTS = {
+    "noise-removed": ("noise", _release(noise_multiplier=1e-9)),
+    "noise-halved": ("noise", _release(noise_multiplier=lambda _, kw: kw["noise_multiplier"] / 2)),
+    "clipping-off": ("clipping", _release(max_update_norm=1e9)),
+    "realised-denominator": ("noise", _release(expected_clients=lambda updates, _: max(len(updates), 1))),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=list(FAULTS))
+def test_a_faulty_release_is_caught(tmp_path, monkeypatch, fault: str) -> None:
+    check, release = FAULTS[fault]
+    monkeypatch.setattr(fedavg, "client_level_mean", release)
+    verification = _verified(tmp_path, "run", "--rounds", "3", "--noise-seed", "3")  # a sample not of q K each round
+    assert not verification.check(check).passed, verification.check(check).sentence
+
+
+def test_a_server_sampling_more_often_than_it_charges_is_caught(tmp_path, monkeypatch) -> None:
+    honest = training.poisson_sample
+    monkeypatch.setattr(
+        training, "poisson_sample", lambda n, rate, generator: honest(n, min(1.0, 1.8 * rate), generator=generator)
+    )
+    verification = _verified(tmp_path, "run", "--rounds", "4", "--noise-seed", "3")
+    assert not verification.check("sampling").passed, verification.check("sampling").sentence
+
+
+def test_a_ledger_charging_half_the_sampling_rate_is_caught(tmp_path, monkeypatch) -> None:
+    honest = training.round_events
+
+    def cheaper(*, noise_multiplier, sample_rate, queries_per_round):
+        return honest(
+            noise_multiplier=noise_multiplier, sample_rate=sample_rate / 2, queries_per_round=queries_per_round
+        )
+
+    monkeypatch.setattr(training, "round_events", cheaper)
+    verification = _verified(tmp_path, "run", "--rounds", "3", "--noise-seed", "3")
+    assert not verification.check("ledger").passed and "undercharges" in verification.check("ledger").sentence
+
+
+def test_verify_says_what_a_client_level_run_lacks(tmp_path) -> None:
+    run = tmp_path / "run"
+    args = [a for a in CLIENT_LEVEL if a != "--save-transmitted"]
+    assert invoke("train", *FAST_ARGS, *args, "--rounds", "1", "--out", run).exit_code == 0
+    result = invoke("verify", run)
+    assert result.exit_code == 0 and "without --save-transmitted" in result.output
