@@ -223,4 +223,4 @@ def test_the_report_and_verify_state_the_client_as_the_unit(tmp_path) -> None:
     assert "one training record of one client (record-level DP)" not in text
     result = invoke("verify", run)
     assert result.exit_code == 0 and "PASS integrity" in result.output
-    assert "conformance not checked: it is a client-level DP run" in result.output
+    assert "conformance not checked: it was trained without --save-transmitted" in result.output
