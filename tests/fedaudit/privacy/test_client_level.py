@@ -206,8 +206,8 @@ def _weights(run) -> dict[str, bytes]:
 
 
 def test_the_report_and_verify_state_the_client_as_the_unit(tmp_path) -> None:
-    """The report says what a client-level run protects and how it was accounted, and that its mechanism was not
-    checked; verify checks the files and ledger and says it did not check the mechanism."""
+    """The report says what a client-level run protects and how it was accounted; verify, on a run trained without
+    --save-transmitted, checks the files and ledger and says why it could not check the mechanism."""
     run, report = tmp_path / "run", tmp_path / "report"
     args = (*FAST_ARGS, *CLIENT_LEVEL, "--num-clients", "6", "--client-fraction", "0.5", "--rounds", "2")
     assert invoke("train", *args, "--out", run).exit_code == 0
