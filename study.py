@@ -33,7 +33,7 @@ from fedaudit.attacks.registry import REFERENCE
 from fedaudit.attacks.runner import expected_results, results_current, run_attacks, target_round
 from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
 from fedaudit.preparation import Setup, data_access, prepare
-from fedaudit.registry import ALGORITHMS, EQUAL_ACCESS_REFERENCE, algorithm_label
+from fedaudit.registry import ALGORITHMS, EQUAL_ACCESS_REFERENCE, algorithm_label, client_dp_algorithms
 from fedaudit.reports.collect import collect_runs
 from fedaudit.reports.policy import Policy, load_policy, read_yaml
 from fedaudit.reports.render import FORMATS, SUFFIXES, ReportOutcome, output_paths, write_report
@@ -62,7 +62,7 @@ ATTACK_KEYS: dict[str, str] = {
     "reconstruction": "reconstruction",  # iterations, restarts, psnr_threshold of --method reconstruction
 }
 RECONSTRUCTION_KEYS = ("iterations", "restarts", "psnr_threshold")
-STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "base", "attack", "report")
+STUDY_KEYS = ("algorithms", "budgets", "seeds", "equal_data_access", "max_update_norm", "base", "attack", "report")
 
 Echo = Callable[[str], None]
 
@@ -84,6 +84,7 @@ class Study(StudySettings):
             "budgets": [str(b) for b in self.budgets],
             "seeds": list(self.seeds),
             "equal_data_access": self.equal_data_access,
+            "max_update_norm": self.max_update_norm,
             "base": self.base.to_dict(),
             "attack": {key: list(value) if isinstance(value, tuple) else value for key, value in attack.items()},
             "report": {"formats": list(self.formats), "policy": self.policy},
@@ -106,6 +107,8 @@ class Study(StudySettings):
                 "The base configuration must not set privacy.dp, noise_multiplier or target_epsilon: "
                 "a study's budgets set them for every run."
             )
+        if any(budget.client_level for budget in self.budgets):
+            _check_client_level(self)
         if self.equal_data_access:
             if EQUAL_ACCESS_REFERENCE not in self.algorithms:
                 raise StudyError(
@@ -118,6 +121,21 @@ class Study(StudySettings):
             if name not in FORMATS:
                 raise StudyError(f"Unknown report format {name!r}; choose from {', '.join(FORMATS)}.")
         self.attack.validate()
+
+
+def _check_client_level(study: Study) -> None:
+    """A study with client-level budgets needs their clipping norm and an algorithm that has a client level."""
+    norm = study.max_update_norm
+    if norm is None or isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 < norm < math.inf:
+        raise StudyError(
+            f"A client-level budget needs --max-update-norm (max_update_norm in a study file), a positive number, got "
+            f"{norm!r}."
+        )
+    if not any(ALGORITHMS[name].client_dp for name in study.algorithms):
+        raise StudyError(
+            f"No algorithm of the study has a client level ({', '.join(client_dp_algorithms())} have), so its "
+            "client-level budgets would train nothing."
+        )
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,8 @@ def load_study(path: str | Path) -> Study:
         values["budgets"] = tuple(Budget.parse(b) for b in _as_list(data["budgets"], "budgets", file))
     if "seeds" in data:
         values["seeds"] = tuple(_as_list(data["seeds"], "seeds", file))
+    if data.get("max_update_norm") is not None:
+        values["max_update_norm"] = data["max_update_norm"]
     if "equal_data_access" in data:
         if not isinstance(data["equal_data_access"], bool):
             raise StudyError(f"equal_data_access in the study file {file} must be true or false.")
@@ -233,7 +253,10 @@ def plan(study: Study) -> list[PlannedRun]:
     for seed in study.seeds:
         for budget in study.budgets:
             for algorithm in study.algorithms:
-                # without record-level DP (FedGM, FedDM): trained once per seed, beside the budgets
+                # without record-level DP (FedGM, FedDM): trained once per seed, beside the budgets; without a
+                # client level (FedLAP, SCAFFOLD, ...): not trained at a client-level budget (skipped_runs says so)
+                if budget.client_level and not ALGORITHMS[algorithm].client_dp:
+                    continue
                 own = budget if ALGORITHMS[algorithm].record_dp else Budget("none")
                 name = f"{algorithm}-{own.slug}-seed{seed}"
                 if any(run.name == name for run in runs):
@@ -244,7 +267,7 @@ def plan(study: Study) -> list[PlannedRun]:
                     base = replace(base, privacy=replace(base.privacy, noise_seed=noise_seed))
                 if RECONSTRUCTION in study.attack.methods:  # the audit reads what crossed the wire
                     base = replace(base, save_transmitted=True)
-                config = own.apply(_own_sections(base, algorithm))
+                config = own.apply(_own_sections(base, algorithm), max_update_norm=study.max_update_norm)
                 runs.append(PlannedRun(name, algorithm, own, seed, config))
     if study.equal_data_access:
         runs = [_equal_data_access(run) for run in runs]
@@ -332,6 +355,8 @@ def run_study(
     expected = estimate_study(planned, setups, actions, folder, attack)
     for line in expected.lines(len(planned), actions.count("keep")):
         echo(line)
+    for skipped in skipped_runs(study):
+        echo(f"Not trained: {skipped}.")
     if expected.seconds > CONFIRM_SECONDS and not yes and not os.environ.get("CI"):
         raise StudyError(
             f"This study would take about {_duration(expected.seconds)} here, more than "
@@ -599,6 +624,17 @@ def _outcome(accuracy: float, epsilon: float) -> str:
     return f"test accuracy {accuracy:.4f}, " + ("no DP" if math.isinf(epsilon) else f"epsilon {epsilon:.3f}")
 
 
+def skipped_runs(study: Study) -> list[str]:
+    """The (algorithm, budget) pairs a study does not train, in words: client-level budgets of algorithms without a
+    client level."""
+    return [
+        f"{algorithm} at {budget} (it has no client level)"
+        for budget in study.budgets
+        for algorithm in study.algorithms
+        if budget.client_level and not ALGORITHMS[algorithm].client_dp
+    ]
+
+
 def study_from_options(
     study_file: str | None,
     *,
@@ -606,6 +642,7 @@ def study_from_options(
     budgets: Sequence[str],
     seeds: Sequence[int],
     equal_data_access: bool | None,
+    max_update_norm: float | None = None,
     config_file: str | None,
     base_overrides: Mapping[str, Any],
     attack_overrides: Mapping[str, Any],
@@ -630,6 +667,7 @@ def study_from_options(
         budgets=tuple(Budget.parse(b) for b in budgets) or study.budgets,
         seeds=tuple(dict.fromkeys(seeds)) or study.seeds,
         equal_data_access=study.equal_data_access if equal_data_access is None else equal_data_access,
+        max_update_norm=study.max_update_norm if max_update_norm is None else max_update_norm,
         base=base,
         attack=attack,
         formats=tuple(f.lower() for f in formats) or study.formats,

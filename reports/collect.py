@@ -693,13 +693,15 @@ def _label_dp(config: RunConfig) -> str | None:
 
 
 def budget_label(privacy: PrivacyConfig) -> str:
-    """How a run's privacy level was chosen: "epsilon E" (sigma calibrated to it), "sigma S", or "no DP"."""
+    """How a run's privacy level was chosen: "epsilon E" (sigma calibrated to it), "sigma S", or "no DP"; at client
+    level with " per client" after it."""
     if not privacy.dp:
         return "no DP"
+    unit = " per client" if privacy.client_level else ""
     if privacy.target_epsilon is not None:
-        return f"epsilon {privacy.target_epsilon:g}"
+        return f"epsilon {privacy.target_epsilon:g}{unit}"
     sigma = privacy.noise_multiplier
-    return f"sigma {sigma:g}" if isinstance(sigma, (int, float)) else "DP"
+    return f"sigma {sigma:g}{unit}" if isinstance(sigma, (int, float)) else f"DP{unit}"
 
 
 def _privacy(

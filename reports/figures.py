@@ -38,6 +38,7 @@ DEFAULT_LOG_FLOOR = 1e-3  # start of the log-log ROC axes when no curve resolves
 BAND_LEVEL = 0.95  # of the pointwise TPR band around each ROC curve
 BAND_ALPHA = 0.15
 MAX_RECORDS = 10**7  # the largest sample size read off an ROC table that did not record its own
+CLIENT_LEVEL = "(client level)"  # how a client-level run's algorithm label ends (fedaudit.registry.algorithm_label)
 LOG_EPSILON_SPAN = 20.0  # epsilons spanning this factor or more go on a log axis
 MAX_BUDGET_TICKS = 8  # on a log epsilon axis, up to this many distinct budgets are its ticks
 DODGE = 0.025  # offset between two algorithms' points at equal epsilon, as a fraction of the epsilons' span
@@ -441,7 +442,9 @@ def draw_privacy_utility(groups: pd.DataFrame) -> Figure:
         first = eps_ax if eps_ax is not None else apart_ax
         first.set(ylabel=ylabel, title=title)
         if eps_ax is not None:
-            eps_ax.set_xlabel("epsilon")
+            client = [CLIENT_LEVEL in name for name in algorithms[dp]]
+            mixed = any(client) and not all(client)
+            eps_ax.set_xlabel("epsilon (per record; client-level series: per client)" if mixed else "epsilon")
             if log:
                 _log_epsilon_axis(eps_ax, epsilon[dp])
             eps_ax.grid(alpha=0.3)

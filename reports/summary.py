@@ -584,6 +584,15 @@ def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
     """What a study's comparison shows, each in one sentence with its intervals: the ordering of the algorithms at each
     privacy budget, whether it is the FedLAP-DP paper's, and whether the attacks can tell DP from no DP at this size."""
     sentences = []
+    budgets = [str(b) for b in groups["budget"]] if "budget" in groups else []
+    if any(b.endswith(" per client") for b in budgets) and any(
+        b != "no DP" and not b.endswith(" per client") and "label DP" not in b for b in budgets
+    ):
+        sentences.append(
+            "These runs protect two units: an epsilon per client bounds what the models reveal about a client's whole "
+            "data, an epsilon per record about one of its records, so each budget is compared within its own unit "
+            "(the figures put both on one epsilon axis as numbers only)."
+        )
     below: list[str] = []  # budgets where FedLAP-DP's mean accuracy is below DP-FedAvg's
     separated: list[str] = []  # ... with the two intervals apart
     for budget, part in groups.groupby("budget", sort=False):

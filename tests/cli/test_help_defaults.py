@@ -192,6 +192,7 @@ def test_compare_shows_the_study_s_own_defaults() -> None:
         "seeds",
         "equal_data_access",
         "formats",
+        "max_update_norm",
         "policy",
     ]
     for field in own:
