@@ -37,3 +37,4 @@ class Draw(enum.IntEnum):
     REFERENCES = 7  # the reference models' seeds and training records
     POPULATION = 8  # the population records RMIA compares with
     RECONSTRUCTION = 9  # the dummy records, their restarts and the nulls of a reconstruction audit
+    CLIENT_MEMBERSHIP = 10  # which records of each client, their held-out twins and the halves of the clients

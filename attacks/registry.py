@@ -20,10 +20,13 @@ MEMBERSHIP = "membership"  # a per-record signal of the attacked models turned i
 REFERENCE = "reference"  # membership scores that compare the signal with reference models trained like the run
 CANARY = "canary"  # the run's canaries scored and turned into epsilon lower bounds
 RECONSTRUCTION = "reconstruction"  # a client's records rebuilt from what it sent
+CLIENT = "client"  # whether a client's data as a whole took part: the unit is a client
 
 # The names of the two attacks that are families of their own: their result directories and metrics.json say them.
 CANARY_METHOD = "canary"
 RECONSTRUCTION_METHOD = "reconstruction"
+CLIENT_METHOD = "client"
+CLIENT_RESULT = "loss-client"  # its one result directory
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class AttackEntry:
 
     Attributes:
         name: the ``--method`` name, and the last part of its result directories' names.
-        family: :data:`MEMBERSHIP`, :data:`REFERENCE`, :data:`CANARY` or :data:`RECONSTRUCTION`.
+        family: :data:`MEMBERSHIP`, :data:`REFERENCE`, :data:`CANARY`, :data:`RECONSTRUCTION` or :data:`CLIENT`.
         summary: one line for help texts and docs.
         needs: what it needs from a run.
         writes: the result directories it writes under ``RUN_DIR/attacks/``.
@@ -126,6 +129,16 @@ ATTACKS: dict[str, AttackEntry] = {
             "a run trained with --canaries (its canaries and, for the query views, its query log)",
             "<view>-canary",
             "fedaudit.attacks.canary.audit:canary_audit",
+        ),
+        AttackEntry(
+            CLIENT_METHOD,
+            CLIENT,
+            "client-level membership: each client's mean loss on the final model against a held-out twin of its "
+            "class mix; the unit is a client",
+            "the run's clients and enough held-out records for their twins (--holdout-fraction)",
+            CLIENT_RESULT,
+            "fedaudit.attacks.membership.client_audit:client_membership",
+            final_only=True,
         ),
         AttackEntry(
             RECONSTRUCTION_METHOD,

@@ -23,6 +23,7 @@ import fedaudit
 from fedaudit.attacks import AttackError, Draw
 from fedaudit.attacks.canary.audit import VIEWS, canary_audit, read_canaries, run_views
 from fedaudit.attacks.canary.flower_log import CLIENT_RESULTS, client_canary_results
+from fedaudit.attacks.membership.client_audit import client_membership
 from fedaudit.attacks.membership.evaluation import (
     EvaluationSet,
     build_evaluation_set,
@@ -51,6 +52,9 @@ from fedaudit.attacks.reconstruction.attack import (
 from fedaudit.attacks.registry import (
     CANARY,
     CANARY_METHOD,
+    CLIENT,
+    CLIENT_METHOD,
+    CLIENT_RESULT,
     MEMBERSHIP,
     RECONSTRUCTION,
     RECONSTRUCTION_METHOD,
@@ -351,6 +355,8 @@ def attack_run(prepared: PreparedRun, options: AttackOptions) -> list[AttackResu
         results += _membership_attacks(prepared, options, methods, device, scorer)
     if options.of(CANARY):
         results += _canary(prepared)
+    if options.of(CLIENT):
+        results.append(_client_attack(prepared, options, device))
     if prepared.reconstruction is not None:
         results += _reconstructions(prepared, options)
     return results
@@ -530,6 +536,45 @@ def _canary_result(
     }
     footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
     return AttackResult(name=name, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
+
+
+def _client_attack(prepared: PreparedRun, options: AttackOptions, device: torch.device) -> AttackResult:
+    """Client-level membership inference on the final model (attacks/membership/client_audit.py), judged against
+    the run's epsilon only when that epsilon is per client."""
+    run, config = prepared.run, prepared.config
+    if prepared.partition is None or (prepared.sites is not None and not prepared.sites.local):
+        raise AttackError(f"--method client needs {run.path}'s records here; its sites keep them.")
+    model = run.load_model(None, device)
+    x, y = prepared.dataset.train_x, prepared.dataset.train_y
+
+    def loss_of(index: np.ndarray) -> np.ndarray:
+        chosen = torch.from_numpy(index)
+        found = compute_signals(model, x[chosen], y[chosen], ["loss"], batch_size=options.batch_size, device=device)
+        return np.asarray(found.values["loss"], dtype=np.float64)
+
+    metrics, scores, curve = client_membership(
+        prepared.partition,
+        y.numpy(),
+        loss_of,
+        seed=derive_seed(prepared.seed, Stream.ATTACK, Draw.CLIENT_MEMBERSHIP),
+        delta=config.privacy.delta,
+        resamples=options.resamples,
+    )
+    done = run.read_manifest().rounds_done
+    comparable = prepared.accountant_epsilon is not None and config.privacy.client_level
+    header = {
+        "format": RESULT_FORMAT,
+        "format_version": RESULT_FORMAT_VERSION,
+        "run": str(run.path),
+        "signal": "loss",
+        "method": CLIENT_METHOD,
+        "target": "final",
+        "round": done,
+        "seed": prepared.seed,
+        "accountant_epsilon": prepared.accountant_epsilon[done - 1] if comparable else None,
+    }
+    footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
+    return AttackResult(name=CLIENT_RESULT, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
 
 
 def _attack(
@@ -773,6 +818,8 @@ def expected_results(run: RunDirectory, options: AttackOptions) -> dict[str, int
         except (RunError, AttackError):
             return {}
         expected.update({name: run.read_manifest().rounds_done for name in names})
+    if options.of(CLIENT):
+        expected[CLIENT_RESULT] = run.read_manifest().rounds_done
     expected.update({target.name: target.round for target in planned})
     return expected
 
@@ -812,7 +859,7 @@ def results_current(path: str | Path, options: AttackOptions) -> bool:
             or record.round != round_number
             or any(
                 record.settings.get(k) != v
-                for k, v in (expected if name not in CANARY_NAMES else {"seed": seed}).items()
+                for k, v in (expected if name not in (*CANARY_NAMES, CLIENT_RESULT) else {"seed": seed}).items()
             )
             or (family_of(name.rpartition("-")[2]) == REFERENCE and not _same_references(record.references, options))
         ):

@@ -188,6 +188,7 @@ class AttackSummary:
     direction: str | None = None  # "inverted": members score lower, with the whole AUC interval below 0.5
     risk: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     references: dict[str, Any] | None = None  # rmia / lira: how many reference models, offline or online
+    unit: str = "record"  # what one member is: a record, or a client (attack --method client)
 
     @property
     def inverted(self) -> bool:
@@ -461,7 +462,13 @@ class RunSummary:
         """The epsilon lower bound of each of ``attacks`` (default: the final-model attacks) with a recorded test, by
         attack name, recomputed at confidence 1 - (1 - ``confidence``) / K for those K attacks (Bonferroni), so that
         the largest of them still holds at ``confidence``."""
-        tested = [a for a in (self.final_attacks if attacks is None else attacks) if a.epsilon_lower_bound_test]
+        chosen = self.final_attacks if attacks is None else attacks
+        # a client-level attack's bound is judged against an epsilon per client only (a client is many records)
+        tested = [
+            a
+            for a in chosen
+            if a.epsilon_lower_bound_test and (a.unit == "record" or self.privacy.client_level or not self.privacy.dp)
+        ]
         level = 1.0 - (1.0 - confidence) / max(len(tested), 1)
         return {a.name: a.epsilon_bound_at(level) for a in tested}
 
@@ -882,6 +889,7 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         direction=record.direction,
         risk=None if record.risk is None else dict(record.risk),
         references=None if record.references is None else dict(record.references),
+        unit=record.unit,
     )
 
 

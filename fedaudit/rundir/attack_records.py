@@ -174,6 +174,7 @@ class AttackRecord:
     direction: str | None = None  # "inverted" when the whole AUC interval is below 0.5
     risk: Mapping[str, Any] | None = None  # the most exposed records and TPR at low FPR per client and class
     references: Mapping[str, Any] | None = None  # rmia / lira: the reference models used
+    unit: str = "record"  # what one member is: a record, or a client (attack --method client)
 
     SETTINGS = ("seed", "nonmembers", "max_records", "bootstrap_resamples", "per_layer")
 
@@ -219,4 +220,5 @@ class AttackRecord:
             else None,
             risk=_risk(data.get("risk")),
             references=data["references"] if isinstance(data.get("references"), dict) else None,
+            unit="client" if data.get("unit") == "client" else "record",
         )

@@ -14,7 +14,7 @@ from helpers import invoke
 
 import fedaudit.attacks.registry as registry
 from fedaudit.attacks.membership.methods import MethodOutput
-from fedaudit.attacks.registry import ATTACKS, CANARY, MEMBERSHIP, RECONSTRUCTION, REFERENCE, AttackEntry
+from fedaudit.attacks.registry import ATTACKS, CANARY, CLIENT, MEMBERSHIP, RECONSTRUCTION, REFERENCE, AttackEntry
 from fedaudit.attacks.runner import AttackOptions, expected_results
 from fedaudit.rundir import RunDirectory
 
@@ -24,7 +24,7 @@ MEMBERSHIP_PARAMETERS = ["signal", "score", "member", "attack_train", "seed"]
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_every_entry_loads_its_implementation(name: str) -> None:
     entry = ATTACKS[name]
-    assert entry.name == name and entry.family in (MEMBERSHIP, REFERENCE, CANARY, RECONSTRUCTION)
+    assert entry.name == name and entry.family in (MEMBERSHIP, REFERENCE, CANARY, RECONSTRUCTION, CLIENT)
     function = entry.load()
     assert callable(function)
     parameters = list(inspect.signature(function).parameters)
