@@ -1,15 +1,12 @@
 """Gradient-sharing baselines: FedAvg, FedProx, FedSGD and their DP variants, record-level and client-level.
 
-Clients run local SGD from the global model and send their model delta; the
-server adds the weighted mean delta times the server learning rate. With
-record-level DP, every local step is one query of the shared DP primitive on a
-Poisson batch (DP-FedAvg / DP-FedProx, "local DP-SGD"). With client-level DP
-(``--dp-level client``) the clients train without DP and the server releases
-the mean of their updates clipped to C with noise sigma C on the sum, divided by
-the expected number of clients (McMahan et al. 2018), drawn from its own secret. FedProx's proximal gradient
-mu (w - w_g) is added *after* the noise: it does not touch data, so it costs
-no privacy, and putting it into the loss would be discarded by the clipping
-(a known bug of DP-FedProx implementations; docs/algorithms.md).
+Clients run local SGD from the global model and send their model delta; the server adds the weighted mean delta
+times the server learning rate. With record-level DP, every local step is one query of the shared DP primitive on a
+Poisson batch (DP-FedAvg / DP-FedProx, "local DP-SGD"). With client-level DP (``--dp-level client``) the clients
+train without DP and the server releases the mean of their updates clipped to C with noise sigma C on the sum,
+divided by the expected number of clients (McMahan et al. 2018), drawn from its own secret. FedProx's proximal
+gradient mu (w - w_g) is added *after* the noise: it does not touch data, so it costs no privacy, and putting it
+into the loss would be discarded by the clipping (a known bug of DP-FedProx implementations; docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -134,6 +131,8 @@ class FedAvg:
             generator=generator,
         )
         new = {name: p + config.federated.server_lr * mean[name] for name, p in clone_params(global_params).items()}
+        real = torch.tensor([m.client_id < config.data.num_clients for m in messages], dtype=torch.bool)
+        norms = norms[real.to(norms.device)] if len(norms) else norms  # canary clients' updates are not the clients'
         clipped = float((norms > priv.max_update_norm).double().mean()) if len(norms) else 0.0
         median = float(norms.double().median()) if len(norms) else float("nan")
         return ServerResult(params=new, metrics={"clipped_updates": clipped, "update_norm_median": median})

@@ -1,18 +1,15 @@
 """The one DP primitive: per-sample gradients, clipping, Gaussian noise, Poisson sampling.
 
-Every DP query in fedaudit (DP-FedAvg, DP-FedProx, FedLAP-DP's real-gradient
-target) goes through :func:`dp_gradient`, and client-level DP's round through :func:`client_level_mean` (the same
-clipped sum and noise, a client's update in place of an example's gradient); the white-box membership attack
-uses :func:`per_sample_sq_norms` without clipping. Both work layer by layer
-(:mod:`fedaudit.privacy.layers`): one forward and one backward of the batch,
-per-sample norms from each layer's inputs and output gradients, and the
-clipped sum as each layer's weight gradient with the examples reweighted, so
-the per-sample gradients of the whole model never exist at once. The module is
-only hooked for the duration of one forward pass, and the parameters are
-passed functionally, so the same model can be used in double-backward code
-(FedLAP's gradient matching) without interference. :func:`per_sample_gradients`
-(``torch.func``: vmap of grad of functional_call) is the reference and the path
-for models the layer-wise one cannot follow.
+Every DP query in fedaudit (DP-FedAvg, DP-FedProx, FedLAP-DP's real-gradient target) goes through
+:func:`dp_gradient`, and client-level DP's round through :func:`client_level_mean` (the same clipped sum and noise,
+a client's update in place of an example's gradient); the white-box membership attack uses
+:func:`per_sample_sq_norms` without clipping. Both work layer by layer (:mod:`fedaudit.privacy.layers`): one
+forward and one backward of the batch, per-sample norms from each layer's inputs and output gradients, and the
+clipped sum as each layer's weight gradient with the examples reweighted, so the per-sample gradients of the whole
+model never exist at once. The module is only hooked for the duration of one forward pass, and the parameters are
+passed functionally, so the same model can be used in double-backward code (FedLAP's gradient matching) without
+interference. :func:`per_sample_gradients` (``torch.func``: vmap of grad of functional_call) is the reference and
+the path for models the layer-wise one cannot follow.
 """
 
 from __future__ import annotations
