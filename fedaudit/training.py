@@ -35,7 +35,7 @@ from fedaudit.algorithms.base import (
 from fedaudit.config import RunConfig, option_field
 from fedaudit.data.sites import is_sites
 from fedaudit.engine import Engine, LocalEngine, make_engine
-from fedaudit.instruments.canary_clients import RunCanaries, flat
+from fedaudit.instruments.canary_clients import RunCanaries
 from fedaudit.instruments.canary_log import read_log
 from fedaudit.models import build_model, initial_params, num_parameters
 from fedaudit.preparation import Setup, TrainingError, client_data, prepare, round_participants
@@ -566,11 +566,14 @@ class _RoundLoop:
         if self.canaries is None:
             return []
         first = self.setup.config.data.num_clients
-        updates = self.canaries.updates(self._sampled_canaries, params)
-        return [
-            ClientMessage(client_id=first + int(i), num_examples=0, payload=update)
-            for i, update in zip(self._sampled_canaries, updates)
-        ]
+        messages = []
+        for i, row in zip(self._sampled_canaries, self.canaries.updates(self._sampled_canaries)):
+            payload, start = {}, 0
+            for name, p in params.items():  # the flattened row, cut into the parameters' shapes in their order
+                payload[name] = torch.from_numpy(row[start : start + p.numel()].reshape(p.shape)).to(p.device, p.dtype)
+                start += p.numel()
+            messages.append(ClientMessage(client_id=first + int(i), num_examples=0, payload=payload))
+        return messages
 
     def client(self, k: int) -> ClientData:
         """Client ``k``'s data on the device (at a site that keeps its records, only its id: the site has them)."""
@@ -762,6 +765,11 @@ def _run_rounds(
         run.write_manifest(manifest.advanced(status="complete"))
     epsilon = state.ledger.epsilon if state.ledger is not None else math.inf
     return TrainResult(run_dir=run.path, rounds_done=rounds, test_accuracy=accuracy, epsilon=epsilon)
+
+
+def flat(params: TensorDict) -> np.ndarray:
+    """A model's parameters, in their order, as one float64 vector (the canary clients' space)."""
+    return np.concatenate([p.detach().cpu().double().numpy().ravel() for p in params.values()])
 
 
 def _canary_strategy(config: RunConfig) -> str:

@@ -1,7 +1,8 @@
 """Canary clients (Andrew, Kairouz, Oh et al., ICLR 2024, "One-shot empirical privacy estimation for federated
 learning"): clients whose update is a random direction, each included in the population with probability 1/2,
 sampled and clipped like the real clients. The cosine of every round's released update, and of the final model minus
-the initial one, with every canary's direction is what the audit scores (``attacks/canary/flower_log.py``).
+the initial one, with every canary's direction is what the audit scores (``attacks/canary/flower_log.py``). NumPy
+only: a Flower app imports it through :mod:`fedaudit.flower`.
 
 One implementation for both places canary clients live: a Flower app's strategy wrapper
 (:class:`fedaudit.flower.CanaryClients`) and fedaudit's own client-level DP runs (``--canary-clients``,
@@ -14,7 +15,6 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 import fedaudit
 from fedaudit.instruments.canary_log import CanaryLog
@@ -23,8 +23,6 @@ from fedaudit.seeding import Stream, numpy_rng
 CANARY_SCALE = 10.0  # a canary's update norm before clipping, in units of the clipping norm
 _CACHED_ENTRIES = 1 << 24  # directions held in memory up to m * d entries (128 MB); beyond, drawn again per use
 _BLOCK = 256  # canaries drawn at once when the directions are not held
-
-TensorDict = dict[str, torch.Tensor]
 
 
 def draw_inclusion(canaries: int, seed: int) -> np.ndarray:
@@ -133,11 +131,6 @@ class CanarySpace:
         )
 
 
-def flat(params: TensorDict) -> np.ndarray:
-    """A model's parameters, in their order, as one float64 vector (the canaries' space)."""
-    return np.concatenate([p.detach().cpu().double().numpy().ravel() for p in params.values()])
-
-
 class RunCanaries:
     """The canary clients of a client-level DP run (``--canary-clients m``): canary i, if included, is sampled by the
     server with the real clients' probability q and sends ``CANARY_SCALE`` C u_i, which the server's clipping brings
@@ -162,18 +155,12 @@ class RunCanaries:
         real clients') below q."""
         return np.flatnonzero(self.included.astype(bool) & (uniforms < sample_rate))
 
-    def updates(self, indices: np.ndarray, like: TensorDict) -> list[TensorDict]:
-        """What sampled canaries ``indices`` send: ``CANARY_SCALE`` C u_i, shaped as the model's parameters."""
-        out = []
-        for direction in self.space.directions(indices) if len(indices) else []:
-            update, start = {}, 0
-            for name, p in like.items():
-                size = p.numel()
-                piece = CANARY_SCALE * self.clipping_norm * direction[start : start + size].reshape(tuple(p.shape))
-                update[name] = torch.from_numpy(piece).to(p.device, p.dtype)
-                start += size
-            out.append(update)
-        return out
+    def updates(self, indices: np.ndarray) -> np.ndarray:
+        """What sampled canaries ``indices`` send, one row each in the flattened space of the model's parameters:
+        ``CANARY_SCALE`` C u_i."""
+        if not len(indices):
+            return np.zeros((0, self.space.dimension))
+        return CANARY_SCALE * self.clipping_norm * self.space.directions(indices)
 
     def record(self, before: np.ndarray, after: np.ndarray, sampled: int, population: int, rate: float) -> None:
         """A round's row: the released update (every update weighs the same), ``sampled`` clients of ``population``
