@@ -41,6 +41,7 @@ from fedaudit.registry import (
 # Seeds are 32-bit: every random stream is derived from (seed, stream, keys) word by word (fedaudit.seeding).
 MAX_SEED = 2**32 - 1
 DEVICES = ("auto", "cpu", "cuda")
+CLIPPINGS = ("fixed", "adaptive")  # client level: a fixed C, or C following a quantile of the update norms
 ENGINES = ("local", "flower")
 WEIGHTINGS = ("num_examples", "uniform")
 LR_SCHEDULES = ("constant", "cosine")
@@ -334,6 +335,20 @@ class PrivacyConfig:
     max_update_norm: float | None = setting(
         None, "C at client level: each client's model update is clipped to this L2 norm (--dp-level client needs it)."
     )
+    clipping: str = setting(
+        "fixed",
+        "Client level: fixed (C = --max-update-norm throughout) or adaptive (Andrew et al. 2021: C starts at "
+        "--max-update-norm and follows the --target-quantile of the clients' update norms, by a noisy count "
+        "released with each round's update; the two together charged as one Gaussian of --noise-multiplier).",
+        choices=CLIPPINGS,
+    )
+    target_quantile: float = setting(0.5, "Adaptive clipping: the quantile gamma of the update norms C follows.")
+    clip_lr: float = setting(0.2, "Adaptive clipping: eta_C of C <- C exp(-eta_C (b - gamma)), b the noisy fraction.")
+    count_noise: float | None = setting(
+        None,
+        "Adaptive clipping: sigma_b, the standard deviation of the noise on the count of updates under C.",
+        shown="the expected clients of a round / 20",
+    )
     target_epsilon: float | None = setting(
         None, "Calibrate sigma so that epsilon after the last round is at most this."
     )
@@ -363,6 +378,10 @@ class PrivacyConfig:
         """Whether the server clips the clients' updates and noises their sum (client-level DP)."""
         return bool(self.dp) and self.dp_level == "client"
 
+    def count_noise_for(self, expected_clients: float) -> float:
+        """Adaptive clipping's sigma_b: --count-noise, else the expected clients of a round / 20 (the paper's)."""
+        return self.count_noise if self.count_noise is not None else expected_clients / 20
+
     def check(self) -> None:
         """The section's own values, and which of them need ``dp`` (:class:`ConfigError` for the first invalid
         one)."""
@@ -388,6 +407,27 @@ class PrivacyConfig:
         require(
             self.max_update_norm is None or (is_number(self.max_update_norm) and 0 < self.max_update_norm < math.inf),
             f"--max-update-norm must be a positive number, got {self.max_update_norm!r}.",
+        )
+        self._check_clipping()
+
+    def _check_clipping(self) -> None:
+        """The adaptive clipping's settings, and that it is asked for at client level only."""
+        require(self.clipping in CLIPPINGS, f"--clipping must be one of {', '.join(CLIPPINGS)}, got {self.clipping!r}.")
+        require(
+            self.clipping == "fixed" or self.dp_level == "client",
+            "--clipping adaptive clips client updates: add --dp --dp-level client.",
+        )
+        require(
+            is_number(self.target_quantile) and 0 < self.target_quantile < 1,
+            f"--target-quantile must be in (0, 1), got {self.target_quantile!r}.",
+        )
+        require(
+            is_number(self.clip_lr) and 0 < self.clip_lr < math.inf,
+            f"--clip-lr must be positive, got {self.clip_lr!r}.",
+        )
+        require(
+            self.count_noise is None or (is_number(self.count_noise) and 0 < self.count_noise < math.inf),
+            f"--count-noise must be a positive number, got {self.count_noise!r}.",
         )
         require(
             self.accountant in ACCOUNTANTS,

@@ -21,7 +21,12 @@ from fedaudit.errors import UserError
 from fedaudit.instruments.canaries import GRADIENT_CANARY_NORM, Canaries, canary_directions, layout_for
 from fedaudit.instruments.queries import query_audit
 from fedaudit.models import ModelSpec, build_model, default_depth
-from fedaudit.privacy.accounting import calibrate_events, calibrate_noise_multiplier
+from fedaudit.privacy.accounting import (
+    AccountingError,
+    calibrate_events,
+    calibrate_noise_multiplier,
+    update_noise_multiplier,
+)
 from fedaudit.registry import ALGORITHMS
 from fedaudit.seeding import Stream, numpy_rng
 
@@ -138,6 +143,12 @@ def prepare(
     sample_rates: dict[int, float] = {}
     if client_level and config.privacy.noise_multiplier is None:
         config = mark_calibrated(config, _calibrated_client_sigma(config))
+    if client_level and config.privacy.clipping == "adaptive":
+        try:
+            expected = config.federated.client_fraction * config.data.num_clients
+            update_noise_multiplier(config.privacy.noise_multiplier, config.privacy.count_noise_for(expected))
+        except AccountingError as exc:
+            raise TrainingError(str(exc)) from None
     if config.privacy.record_level:
         batch = config.federated.batch_size
         smallest = min(sizes.values())

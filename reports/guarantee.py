@@ -103,13 +103,7 @@ def _client_level_rows(run: RunSummary) -> list[tuple[str, str]]:
         ),
         ("privacy loss", f"epsilon {fmt(privacy.epsilon)} at delta {fmt(privacy.delta)}"),
         ("delta against 1/n", _delta(privacy.delta, privacy.clients, "clients")),
-        (
-            "mechanism",
-            f"the Sampled Gaussian Mechanism once per round at the server: each client's model update clipped to C = "
-            f"{fmt(privacy.max_update_norm)}, the clipped updates summed, Gaussian noise of standard deviation "
-            f"sigma C with sigma = {fmt(privacy.noise_multiplier)} added by the server, divided by the expected number "
-            f"of clients; each client sampled by the server with probability q = {fmt(privacy.client_fraction)}",
-        ),
+        ("mechanism", _client_mechanism(run)),
         (
             "composition and conversion",
             f"one query per round for {privacy.rounds} rounds, charged to every client whether sampled or not, "
@@ -118,6 +112,27 @@ def _client_level_rows(run: RunSummary) -> list[tuple[str, str]]:
             "(the sample is drawn from the server's secret and not published), converted to (epsilon, delta)",
         ),
     ]
+
+
+def _client_mechanism(run: RunSummary) -> str:
+    """The client-level mechanism in words: fixed clipping, or adaptive clipping with its count released beside."""
+    privacy = run.privacy
+    settings = (json.loads(run.seedless_config) if run.seedless_config else {}).get("privacy") or {}
+    sampled = f"each client sampled by the server with probability q = {fmt(privacy.client_fraction)}"
+    if settings.get("clipping") == "adaptive":
+        return (
+            f"one Gaussian mechanism per round at the server with noise multiplier sigma = "
+            f"{fmt(privacy.noise_multiplier)}, made of two releases (Andrew et al. 2021): the sum of the clients' "
+            f"updates, each clipped to this round's C (from {fmt(privacy.max_update_norm)}, following the "
+            f"{fmt(settings.get('target_quantile'))} quantile of the update norms), with Gaussian noise, and the count "
+            f"of updates under C with noise of its own; {sampled}"
+        )
+    return (
+        f"the Sampled Gaussian Mechanism once per round at the server: each client's model update clipped to C = "
+        f"{fmt(privacy.max_update_norm)}, the clipped updates summed, Gaussian noise of standard deviation "
+        f"sigma C with sigma = {fmt(privacy.noise_multiplier)} added by the server, divided by the expected number "
+        f"of clients; {sampled}"
+    )
 
 
 def _delta(delta: float | None, records: int | None, what: str = "training records") -> str:

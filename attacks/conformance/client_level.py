@@ -19,7 +19,11 @@ the files do not name) is projected out. Four checks, each at the family-wise le
 - ``sampling``: the clients sampled over all rounds (real ones from what they sent, canary clients from the log)
   against Binomial(P T, q) with the ledger's q (two-sided): a server sampling more often than it charges;
 - ``ledger``: privacy.json's unit, sigma, q and rounds for every client, and its final epsilon at least what an exact
-  RDP computation of T Poisson-sampled Gaussians at (sigma, q) gives.
+  RDP computation of T Poisson-sampled Gaussians at (sigma, q) gives;
+- with adaptive clipping, C of each round is the server's saved state, the updates' noise is sigma_Delta C with
+  sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^-1/2, and ``quantile``: the count released with each round, recovered
+  from how C moved (C' = C exp(-eta_C (b - gamma))), less the centred count of the updates under C, against
+  N(0, sigma_b^2) (chi-square, two-sided): a count released without its noise.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from fedaudit.models import initial_params
 from fedaudit.rundir import RunDirectory
 from fedaudit.seeding import Stream, numpy_rng
 
-CHECKS = ("noise", "clipping", "sampling", "ledger")
+CHECKS = ("noise", "clipping", "sampling", "ledger")  # and "quantile" for adaptive clipping
 
 
 def needs(run: RunDirectory) -> str | None:
@@ -64,8 +68,12 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     if missing is not None:
         raise AttackError(f"{run.path} cannot be verified at client level: {missing}.")
     priv, fed = config.privacy, config.federated
-    sigma, clip, q, eta = priv.noise_multiplier, priv.max_update_norm, fed.client_fraction, fed.server_lr
+    sigma, q, eta = priv.noise_multiplier, fed.client_fraction, fed.server_lr
     rounds, clients = manifest.rounds_done, config.data.num_clients
+    adaptive = priv.clipping == "adaptive"
+    clips = _clip_norms(run, priv.max_update_norm, rounds + 1) if adaptive else [priv.max_update_norm] * (rounds + 1)
+    count_noise = priv.count_noise if priv.count_noise is not None else q * clients / 20
+    update_sigma = (sigma**-2 - (2 * count_noise) ** -2) ** -0.5 if adaptive else sigma
     names = sorted(initial_params(manifest.model.spec, config.seed))
     models = [_flat(_initial(manifest, config.seed), names)]
     models += [_flat(load_file(str(run.checkpoints.path(t))), names) for t in range(1, rounds + 1)]
@@ -73,15 +81,22 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     log = read_log(run.canary_clients_path) if config.audit.canary_clients else None
     population = clients + (int(log.included.sum()) if log is not None else 0)
     basis = _canary_basis(config.seed, log, models[0].size) if log is not None else None
-    per_check = level / len(CHECKS)
-    std = sigma * clip
-    noise, noise_dof, spans, span_dof = 0.0, 0, 0.0, 0
+    per_check = level / (len(CHECKS) + adaptive)
+    noise, noise_dof, spans, span_dof, counts = 0.0, 0, 0.0, 0, []
     for t in range(rounds):
-        clipped = [u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300)) for u in sent[t]]
+        clip = clips[t]
+        std = update_sigma * clip
+        norms = [float(np.linalg.norm(u)) for u in sent[t]]
+        clipped = [u * min(1.0, clip / max(n, 1e-300)) for u, n in zip(sent[t], norms)]
         residual = q * population * (models[t + 1] - models[t]) / eta - sum(clipped, np.zeros_like(models[t]))
         residual, dof = _outside(residual, basis)
         noise += float(residual @ residual) / std**2
         noise_dof += dof
+        if adaptive:  # the count's noise, from the next C: canary clients (10 C) are never under C
+            fraction = priv.target_quantile - math.log(clips[t + 1] / clip) / priv.clip_lr
+            canaries = int(log.sampled[t]) - len(sent[t]) if log is not None else 0
+            centred = sum(n <= clip for n in norms) - (len(norms) + canaries) / 2
+            counts.append((fraction - 0.5) * q * population - centred)
         if sent[t]:
             span = np.linalg.qr(_outside_all(np.stack(sent[t], axis=1), basis))[0]
             inside = span.T @ residual
@@ -95,7 +110,37 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
         _sampling_check(sampled, population * rounds, _ledger_rate(run, q), per_check),
         _ledger_check(run, sigma, q, rounds, clients),
     ]
+    if adaptive:
+        checks.insert(2, _count_check(np.array(counts), count_noise, per_check))
     return Verification(checks=checks, level=level, per_check_level=per_check)
+
+
+def _clip_norms(run: RunDirectory, initial: float, rounds: int) -> list[float]:
+    """Adaptive clipping's C of every round (and the one after the last): the first given, each next one the server
+    state its round saved. Empty for fixed clipping."""
+    norms = [initial]
+    for t in range(1, rounds):
+        path = run.states.server_path(t)
+        if not path.is_file():
+            raise AttackError(f"{run.path} has no server state for round {t}, where adaptive clipping keeps its C.")
+        norms.append(float(load_file(str(path))["clip_norm"]))
+    return norms
+
+
+def _count_check(errors: np.ndarray, count_noise: float, level: float) -> Check:
+    """The noise on each round's count of updates under C, recovered from how C moved: N(0, sigma_b^2)."""
+    statistic = float((errors**2).sum()) / count_noise**2
+    p = _two_sided_chi2(statistic, len(errors)) if len(errors) else 1.0
+    ratio = statistic / len(errors) if len(errors) else math.nan
+    passed = p >= level
+    sentence = (
+        f"How C moved in {len(errors)} rounds is the noisy count of updates under it, with the charged noise "
+        f"(variance ratio {ratio:.4g})."
+        if passed
+        else f"How C moved is not a count of updates under it with the charged noise sigma_b (variance ratio "
+        f"{ratio:.4g} over {len(errors)} rounds): the count was released without its noise, or C moved otherwise."
+    )
+    return Check("quantile", passed, p, len(errors), statistic, sentence, {"variance_ratio": ratio})
 
 
 def _initial(manifest: Any, seed: int) -> dict[str, np.ndarray]:

@@ -11,6 +11,8 @@ into the loss would be discarded by the clipping (a known bug of DP-FedProx impl
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,8 +29,11 @@ from fedaudit.algorithms.base import (
     load_params,
 )
 from fedaudit.config import RunConfig
-from fedaudit.privacy.accounting import SGMEvent
+from fedaudit.privacy.accounting import SGMEvent, update_noise_multiplier
 from fedaudit.privacy.primitive import client_level_mean, dp_gradient
+from fedaudit.privacy.randomness import add_gaussian
+
+CLIP_NORM = "clip_norm"  # adaptive clipping: the server's state, C of the next round
 
 
 class FedAvg:
@@ -119,23 +124,40 @@ class FedAvg:
     def _client_level_update(
         self, global_params: TensorDict, messages: list[ClientMessage], ctx: RoundContext, generator: torch.Generator
     ) -> ServerResult:
-        """The client-level DP round: every update weighs the same, clipped to C, noised, over q K clients."""
+        """The client-level DP round: every update weighs the same, clipped to C, noised, over q P clients; with
+        adaptive clipping, C is this round's (broadcast as the server's state) and the noisy count of the updates
+        under it moves C towards the target quantile for the next round."""
         config = ctx.config
         priv = config.privacy
+        expected = config.federated.client_fraction * (ctx.population or config.data.num_clients)
+        adaptive = priv.clipping == "adaptive"
+        clip = (
+            float(ctx.server_state[CLIP_NORM]) if adaptive and CLIP_NORM in ctx.server_state else priv.max_update_norm
+        )
+        count_noise = priv.count_noise_for(config.federated.client_fraction * config.data.num_clients)
         mean, norms = client_level_mean(
             [message.payload for message in messages],
             global_params,
-            max_update_norm=priv.max_update_norm,
-            noise_multiplier=priv.noise_multiplier,
-            expected_clients=config.federated.client_fraction * (ctx.population or config.data.num_clients),
+            max_update_norm=clip,
+            noise_multiplier=update_noise_multiplier(priv.noise_multiplier, count_noise)
+            if adaptive
+            else priv.noise_multiplier,
+            expected_clients=expected,
             generator=generator,
         )
         new = {name: p + config.federated.server_lr * mean[name] for name, p in clone_params(global_params).items()}
+        state = {}
+        if adaptive:  # the centred count of updates under C, noised, over q P: the fraction b of the rule
+            centred = torch.tensor(float((norms <= clip).double().sum()) - len(norms) / 2, dtype=torch.float64)
+            fraction = float(add_gaussian(centred, count_noise, generator)) / expected + 0.5
+            following = clip * math.exp(-priv.clip_lr * (fraction - priv.target_quantile))
+            state = {CLIP_NORM: torch.tensor(following, dtype=torch.float64)}
         real = torch.tensor([m.client_id < config.data.num_clients for m in messages], dtype=torch.bool)
         norms = norms[real.to(norms.device)] if len(norms) else norms  # canary clients' updates are not the clients'
-        clipped = float((norms > priv.max_update_norm).double().mean()) if len(norms) else 0.0
+        clipped = float((norms > clip).double().mean()) if len(norms) else 0.0
         median = float(norms.double().median()) if len(norms) else float("nan")
-        return ServerResult(params=new, metrics={"clipped_updates": clipped, "update_norm_median": median})
+        metrics = {"clipped_updates": clipped, "update_norm_median": median, "clip_norm": clip}
+        return ServerResult(params=new, metrics=metrics, state=state)
 
     def _adjust(self, model: nn.Module, global_params: TensorDict, correction: TensorDict | None) -> None:
         """What is added to a step's gradient after the noise: FedProx's mu (w - w_g) and a drift correction."""

@@ -50,6 +50,24 @@ if TYPE_CHECKING:
 
 UNITS = ("record", "client")  # what a ledger's epsilon protects (the configuration's --dp-level)
 
+
+def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
+    """Adaptive clipping's noise multiplier of the clipped updates' sum, sigma_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2:
+    released with the count of updates under C (each centred to +-1/2, noise sigma_b), the two queries together are
+    one Gaussian mechanism of noise multiplier z (Andrew et al., NeurIPS 2021, Theorem 1), which the ledger charges.
+
+    Raises:
+        AccountingError: the count's noise leaves nothing for the updates (z >= 2 sigma_b).
+    """
+    z, b = _check_noise_multiplier(noise_multiplier), _check_real("count_noise", count_noise)
+    if not 0 < z < 2 * b:
+        raise AccountingError(
+            f"Adaptive clipping needs the noise multiplier ({z:g}) below twice the count's noise ({2 * b:g}): raise "
+            "--count-noise or lower the noise multiplier."
+        )
+    return (z**-2 - (2 * b) ** -2) ** -0.5
+
+
 __all__ = [
     "ACCOUNTANTS",
     "RDP_ORDERS",

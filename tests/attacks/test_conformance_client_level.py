@@ -88,3 +88,33 @@ def test_verify_says_what_a_client_level_run_lacks(tmp_path) -> None:
     assert invoke("train", *FAST_ARGS, *args, "--rounds", "1", "--out", run).exit_code == 0
     result = invoke("verify", run)
     assert result.exit_code == 0 and "without --save-transmitted" in result.output
+
+
+ADAPTIVE = ("--clipping", "adaptive", "--count-noise", "1")
+
+
+def test_correct_adaptive_runs_are_flagged_no_more_often_than_the_level_allows(tmp_path) -> None:
+    """20 correct runs: each is flagged with probability at most 0.001 (the checks' family-wise level), so two flags
+    would be a one-in-5,000 event. One is tolerated: seed 9's server drew a count noise of -4.35 sigma_b in its first
+    round (regenerated from its noise seed: a one-in-70,000 draw), which the quantile check rightly finds improbable
+    (p 1.3e-5 over three rounds)."""
+    flagged = []
+    for seed in range(20):
+        name, extra = f"run-{seed}", ("--rounds", "3", "--seed", str(seed), "--noise-seed", str(seed))
+        verification = _verified(tmp_path, name, *ADAPTIVE, *extra)
+        assert [c.name for c in verification.checks] == ["noise", "clipping", "quantile", "sampling", "ledger"]
+        flagged += [(seed, c.name, c.p_value) for c in verification.checks if not c.passed]
+    assert len(flagged) <= 1, flagged
+
+
+def test_adaptive_clipping_whose_count_is_uncharged_or_unnoised_is_caught(tmp_path, monkeypatch) -> None:
+    """Uncharged: the updates get the whole noise multiplier, as if the count cost nothing, and the count its own
+    noise besides (the noise check sees too little noise); unnoised: the count released exact (the quantile check)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(fedavg, "update_noise_multiplier", lambda sigma, count_noise: sigma)
+        uncharged = _verified(tmp_path, "uncharged", *ADAPTIVE, "--rounds", "4", "--noise-seed", "3")
+    assert not uncharged.check("noise").passed, uncharged.check("noise").sentence
+    with monkeypatch.context() as patch:
+        patch.setattr(fedavg, "add_gaussian", lambda total, std, source: total)
+        exact = _verified(tmp_path, "exact", *ADAPTIVE, "--rounds", "4", "--noise-seed", "3")
+    assert not exact.check("quantile").passed, exact.check("quantile").sentence

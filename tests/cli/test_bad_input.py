@@ -83,6 +83,12 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--algorithm", "fedlap"),  # shares synthetic sets
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--canaries", "10"),  # no canary clients yet
     ("--dp", "--dp-level", "clients", "--max-update-norm", "1"),
+    ("--dp", "--clipping", "adaptive"),  # adaptive clipping clips client updates
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--target-quantile", "1.5"),
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--count-noise", "-1"),
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--clip-lr", "0"),
+    # the count's noise leaves nothing for the updates: sigma 3 >= 2 * sigma_b
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--noise-multiplier", "3"),
     ("--resume", "RUN", "--lr", "0.1"),
     ("--resume", "RUN", "--out", "OTHER"),
     ("--resume", "NOWHERE"),

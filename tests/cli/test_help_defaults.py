@@ -28,6 +28,7 @@ DESCRIBED = {
     "ray_address",
     "client_gpus",
     "parallel_clients",
+    "count_noise",
 }
 DATASETS = ("digits", "fashion-mnist", "mnist", "cifar10")
 
