@@ -702,12 +702,17 @@ class RunConfig:
             require(
                 ALGORITHMS[f.algorithm].client_dp,
                 f"--dp-level client is available for {', '.join(client_dp_algorithms())}; the other algorithms' "
-                "clients send synthetic sets or control variates, which client-level clipping does not cover yet.",
+                "clients send synthetic sets, which a server cannot clip and average as updates.",
             )
             require(
                 not a.canaries,
-                "--canaries plants records and gradients for a record-level audit; a client-level run has no canary "
-                "clients yet.",
+                "--canaries plants records and gradients for a record-level audit; a client-level run takes "
+                "--canary-clients.",
+            )
+            require(
+                not ALGORITHMS[f.algorithm].control_variates or f.local_steps is not None,
+                "SCAFFOLD at client level needs --local-steps K: the server moves its control variate by the released "
+                "update alone, which needs every client's number of steps.",
             )
         self._validate_sites()
 

@@ -198,6 +198,7 @@ _ALGORITHMS: dict[str, AlgorithmEntry] = {
             colour="#d62728",
             local_sgd=True,
             control_variates=True,
+            client_dp=True,
         ),
         _sgd(
             "fedssyn",

@@ -11,10 +11,13 @@ It sends the model delta y_k - x and the control delta c_k+ - c_k (twice FedAvg'
 deltas like FedAvg (``--weighting``, ``--server-lr``) and moves c by |S| / N times the plain mean of the selected
 clients' control deltas, which keeps c the mean of all N clients' c_k.
 
-With ``--dp`` the local steps are DP-SGD queries of the one DP primitive and the correction is added after the
-noise (it does not depend on the batch), and the control update is a function of the client's DP output and of
-earlier state: post-processing. The privacy ledger is therefore DP-FedAvg's, query for query. Option II's
-(x - y_k) / (K eta_l) is the mean applied gradient for plain SGD; with ``--momentum`` it is an approximation.
+At client level (``--dp --dp-level client --local-steps K``) the updates are clipped and noised by the server like
+FedAvg's and the server's control variate moves by the released update alone
+(:meth:`Scaffold._client_level_controls`). With record-level ``--dp`` the local steps are DP-SGD queries of the one
+DP primitive and the correction is added after the noise (it does not depend on the batch), and the control update is
+a function of the client's DP output and of earlier state: post-processing. The privacy ledger is therefore
+DP-FedAvg's, query for query. Option II's (x - y_k) / (K eta_l) is the mean applied gradient for plain SGD; with
+``--momentum`` it is an approximation.
 """
 
 from __future__ import annotations
@@ -68,9 +71,13 @@ class Scaffold(FedAvg):
         ctx: RoundContext,
         generator: torch.Generator,
     ) -> ServerResult:
-        """x <- x + eta_s * weighted mean model delta; c <- c + |S| / N * mean control delta."""
+        """x <- x + eta_s * weighted mean model delta; c <- c + |S| / N * mean control delta. At client level the
+        control update is computed from the released update alone (:meth:`_client_level_controls`)."""
         result = super().server_update(model, global_params, messages, ctx, generator)
         server = _controls(ctx.server_state, global_params)
+        if ctx.config.privacy.client_level:
+            control = self._client_level_controls(server, global_params, result.params, ctx)
+            return ServerResult(params=result.params, metrics=result.metrics, state={**result.state, **control})
         share = 1.0 / ctx.config.data.num_clients  # |S| / N times the mean over the |S| messages
         control = {}
         for name, c in server.items():
@@ -79,6 +86,19 @@ class Scaffold(FedAvg):
                 total += message.payload[f"{CONTROL}{name}"].to(c.device)
             control[name] = c + share * total
         return ServerResult(params=result.params, metrics=result.metrics, state=control)
+
+    @staticmethod
+    def _client_level_controls(
+        server: TensorDict, before: TensorDict, after: TensorDict, ctx: RoundContext
+    ) -> TensorDict:
+        """Client-level SCAFFOLD: a client's control delta is -c - delta_k / (K eta_l) (option II), so the mean of
+        the sampled clients' is -c - mean delta / (K eta_l), taken here from the released (clipped, noised) mean
+        update, with q for |S| / N: post-processing of the DP release, at no privacy cost. It needs every client's K,
+        so client-level SCAFFOLD takes --local-steps K (the configuration says so)."""
+        fed = ctx.config.federated
+        step = fed.local_steps * ctx.cosine_lr(fed.client_lr)
+        released = {name: (after[name] - before[name]) / fed.server_lr for name in server}
+        return {name: c + fed.client_fraction * (-c - released[name] / step) for name, c in server.items()}
 
 
 def _controls(values: TensorDict | None, like: TensorDict) -> TensorDict:

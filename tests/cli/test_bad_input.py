@@ -81,7 +81,8 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--max-grad-norm", "1"),  # record-level clipping
     ("--dp", "--max-update-norm", "1"),  # record level: no update clipping
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--algorithm", "fedlap"),  # shares synthetic sets
-    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--canaries", "10"),  # no canary clients yet
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--canaries", "10"),  # record-level canaries
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--algorithm", "scaffold"),  # needs --local-steps
     ("--dp", "--dp-level", "clients", "--max-update-norm", "1"),
     ("--dp", "--clipping", "adaptive"),  # adaptive clipping clips client updates
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--target-quantile", "1.5"),

@@ -13,6 +13,7 @@ import torch
 from helpers import FAST_ARGS, invoke
 from safetensors.numpy import load_file
 
+from fedaudit.attacks.conformance.client_level import verify_client_level
 from fedaudit.models import initial_params
 from fedaudit.preparation import prepare
 from fedaudit.privacy.accounting import RDP_ORDERS, PrivacyLedger, round_events
@@ -224,3 +225,21 @@ def test_the_report_and_verify_state_the_client_as_the_unit(tmp_path) -> None:
     result = invoke("verify", run)
     assert result.exit_code == 0 and "PASS integrity" in result.output
     assert "conformance not checked: it was trained without --save-transmitted" in result.output
+
+
+def test_scaffold_at_client_level_moves_its_control_variate_by_the_release_alone(tmp_path) -> None:
+    """Round 1 from c = 0: the server's control variate is q (-c - released / (K eta_l)), the released update
+    (theta_1 - theta_0) / eta_s read from the run's own files; verify passes the run."""
+    run = tmp_path / "run"
+    args = (*FAST_ARGS, *CLIENT_LEVEL, "--algorithm", "scaffold", "--local-steps", "3", "--lr", "0.1")
+    extra = ("--num-clients", "6", "--client-fraction", "0.5", "--rounds", "1", "--save-transmitted")
+    result = invoke("train", *args, *extra, "--lr-schedule", "constant", "--noise-seed", "2", "--out", run)
+    assert result.exit_code == 0, result.output
+    initial = _initial(run)
+    final = load_file(str(run / "model.safetensors"))
+    control = load_file(str(RunDirectory(run).states.server_path(1)))
+    step = json.loads((run / "config.json").read_text())["federated"]["server_lr"]
+    for name in initial:
+        released = (final[name].astype(np.float64) - initial[name]) / step
+        assert np.allclose(control[name], 0.5 * (-released / (3 * 0.1)), rtol=1e-4, atol=1e-6), name
+    assert verify_client_level(RunDirectory(run)).passed
