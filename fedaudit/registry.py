@@ -33,6 +33,7 @@ DP_NONE = "none"
 # The unit ``--dp`` protects (``--dp-level``): one record (DP-SGD on every client step) or one client's data as a whole
 # (each client's update clipped, Gaussian noise on their sum: McMahan et al. 2018).
 DP_LEVELS = ("record", "client")
+CLIENT_LEVEL_LABEL = "(client level)"  # what a client-level run's algorithm label ends with (algorithm_label)
 
 
 def load(target: str) -> Any:
@@ -279,7 +280,7 @@ def algorithm_label(name: str, dp: bool, level: str = "record") -> str:
     if entry is None:
         return name
     label = entry.display_name(dp)
-    return f"{label} (client level)" if dp and level == "client" else label
+    return f"{label} {CLIENT_LEVEL_LABEL}" if dp and level == "client" else label
 
 
 def client_dp_algorithms() -> tuple[str, ...]:

@@ -699,12 +699,15 @@ def _label_dp(config: RunConfig) -> str | None:
     return f"label DP, epsilon {gm.label_epsilon:g} ({gm.label_mechanism})"
 
 
+PER_CLIENT = " per client"  # how a client-level run's budget label ends (budget_label)
+
+
 def budget_label(privacy: PrivacyConfig) -> str:
     """How a run's privacy level was chosen: "epsilon E" (sigma calibrated to it), "sigma S", or "no DP"; at client
     level with " per client" after it."""
     if not privacy.dp:
         return "no DP"
-    unit = " per client" if privacy.client_level else ""
+    unit = PER_CLIENT if privacy.client_level else ""
     if privacy.target_epsilon is not None:
         return f"epsilon {privacy.target_epsilon:g}{unit}"
     sigma = privacy.noise_multiplier

@@ -29,7 +29,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from fedaudit.attacks.metrics import clopper_pearson_lower, clopper_pearson_upper  # noqa: E402
-from fedaudit.registry import ALGORITHMS  # noqa: E402
+from fedaudit.registry import ALGORITHMS, CLIENT_LEVEL_LABEL  # noqa: E402
 from fedaudit.reports.collect import AttackSummary, ReconstructionSummary, RunSummary, SyntheticSet  # noqa: E402
 
 DPI = 100
@@ -38,7 +38,6 @@ DEFAULT_LOG_FLOOR = 1e-3  # start of the log-log ROC axes when no curve resolves
 BAND_LEVEL = 0.95  # of the pointwise TPR band around each ROC curve
 BAND_ALPHA = 0.15
 MAX_RECORDS = 10**7  # the largest sample size read off an ROC table that did not record its own
-CLIENT_LEVEL = "(client level)"  # how a client-level run's algorithm label ends (fedaudit.registry.algorithm_label)
 LOG_EPSILON_SPAN = 20.0  # epsilons spanning this factor or more go on a log axis
 MAX_BUDGET_TICKS = 8  # on a log epsilon axis, up to this many distinct budgets are its ticks
 DODGE = 0.025  # offset between two algorithms' points at equal epsilon, as a fraction of the epsilons' span
@@ -442,7 +441,7 @@ def draw_privacy_utility(groups: pd.DataFrame) -> Figure:
         first = eps_ax if eps_ax is not None else apart_ax
         first.set(ylabel=ylabel, title=title)
         if eps_ax is not None:
-            client = [CLIENT_LEVEL in name for name in algorithms[dp]]
+            client = [CLIENT_LEVEL_LABEL in name for name in algorithms[dp]]
             mixed = any(client) and not all(client)
             eps_ax.set_xlabel("epsilon (per record; client-level series: per client)" if mixed else "epsilon")
             if log:

@@ -251,42 +251,29 @@ def coverage_table(run: RunSummary) -> pd.DataFrame:
             *_tried([a.label for a in final if a.references], f"`{attack} --method rmia`"),
         ),
     ]
-    if run.privacy.client_level:
+    if run.privacy.dp:
+        client = run.privacy.client_level
+        planted = "--canary-clients N" if client else "--dp --canaries N"
         rows.append(
             (
-                "canary clients (one-run epsilon bound of the client-level mechanism)",
+                "canary clients (one-run epsilon bound of the client-level mechanism)"
+                if client
+                else "canary audit of the DP mechanism (one-run epsilon bound)",
                 *_tried(
-                    [a.name for a in run.canary_audits], "train with --canary-clients N, attack with --method canary"
+                    [a.name for a in run.canary_audits],
+                    f"train with {planted}, attack with --method canary",
                 ),
             )
         )
         verified = run.verification is not None
         rows.append(
             (
-                "conformance of the client-level mechanism (fedaudit verify)",
+                f"conformance of the {'client-level ' if client else ''}mechanism (fedaudit verify)",
                 RUN if verified else NOT_RUN,
                 f"{len(run.verification.checks)} checks"
                 if verified
-                else f"`fedaudit verify {run.path}` on a run trained with --save-transmitted",
-            )
-        )
-    elif run.privacy.dp:
-        rows.append(
-            (
-                "canary audit of the DP mechanism (one-run epsilon bound)",
-                *_tried(
-                    [a.name for a in run.canary_audits], "train with --dp --canaries N, attack with --method canary"
-                ),
-            )
-        )
-        verified = run.verification is not None
-        rows.append(
-            (
-                "conformance of the mechanism (fedaudit verify)",
-                RUN if verified else NOT_RUN,
-                f"{len(run.verification.checks)} checks"
-                if verified
-                else f"`fedaudit verify {run.path}` on a canary run",
+                else f"`fedaudit verify {run.path}` on "
+                + ("a run trained with --save-transmitted" if client else "a canary run"),
             )
         )
     else:

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import scipy.stats
 
-from fedaudit.reports.collect import AttackSummary, LowFprRate, ReconstructionRound, RunSummary
+from fedaudit.reports.collect import PER_CLIENT, AttackSummary, LowFprRate, ReconstructionRound, RunSummary
 from fedaudit.reports.policy import Check, Policy, overall
 
 NOT_AVAILABLE = "not available"
@@ -585,8 +585,8 @@ def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
     privacy budget, whether it is the FedLAP-DP paper's, and whether the attacks can tell DP from no DP at this size."""
     sentences = []
     budgets = [str(b) for b in groups["budget"]] if "budget" in groups else []
-    if any(b.endswith(" per client") for b in budgets) and any(
-        b != "no DP" and not b.endswith(" per client") and "label DP" not in b for b in budgets
+    if any(b.endswith(PER_CLIENT) for b in budgets) and any(
+        b != "no DP" and not b.endswith(PER_CLIENT) and "label DP" not in b for b in budgets
     ):
         sentences.append(
             "These runs protect two units: an epsilon per client bounds what the models reveal about a client's whole "

@@ -81,6 +81,7 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     log = read_log(run.canary_clients_path) if config.audit.canary_clients else None
     population = clients + (int(log.included.sum()) if log is not None else 0)
     basis = _canary_basis(config.seed, log, models[0].size) if log is not None else None
+    stored = run.read_privacy() or {}
     per_check = level / (len(CHECKS) + adaptive)
     noise, noise_dof, spans, span_dof, counts = 0.0, 0, 0.0, 0, []
     for t in range(rounds):
@@ -107,8 +108,8 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     checks = [
         _noise_check(noise, noise_dof, per_check, rounds),
         _clipping_check(spans, span_dof, per_check),
-        _sampling_check(sampled, population * rounds, _ledger_rate(run, q), per_check),
-        _ledger_check(run, sigma, q, rounds, clients),
+        _sampling_check(sampled, population * rounds, _ledger_rate(stored, q), per_check),
+        _ledger_check(stored, sigma, q, rounds, clients),
     ]
     if adaptive:
         checks.insert(2, _count_check(np.array(counts), count_noise, per_check))
@@ -173,9 +174,9 @@ def _outside_all(columns: np.ndarray, basis: np.ndarray | None) -> np.ndarray:
     return columns if basis is None else columns - basis @ (basis.T @ columns)
 
 
-def _ledger_rate(run: RunDirectory, default: float) -> float:
-    """The client sampling rate the ledger charged (the largest of its entries), else the configuration's."""
-    stored = run.read_privacy() or {}
+def _ledger_rate(stored: dict[str, Any], default: float) -> float:
+    """The client sampling rate the ledger (privacy.json) charged (the largest of its entries), else the
+    configuration's."""
     rates = [float(e["sample_rate"]) for e in stored.get("entries", []) if "sample_rate" in e]
     return max(rates) if rates else default
 
@@ -226,8 +227,7 @@ def _sampling_check(sampled: int, trials: int, rate: float, level: float) -> Che
     return Check("sampling", passed, p, trials, float(sampled), sentence, {"observed_rate": observed, "rate": rate})
 
 
-def _ledger_check(run: RunDirectory, sigma: float, q: float, rounds: int, clients: int) -> Check:
-    stored = run.read_privacy() or {}
+def _ledger_check(stored: dict[str, Any], sigma: float, q: float, rounds: int, clients: int) -> Check:
     failures = []
     if stored.get("unit") != "client":
         failures.append(f"the ledger's unit is {stored.get('unit')!r}, not 'client'")
