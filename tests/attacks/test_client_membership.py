@@ -114,3 +114,23 @@ def test_against_an_epsilon_per_record_its_bound_is_not_compared(tmp_path) -> No
     (summary,) = collect_runs([run])
     assert {a.name for a in summary.final_attacks} == {"loss-client", "loss-threshold"}
     assert set(summary.corrected_bounds()) == {"loss-threshold"}
+
+
+def test_scores_independent_of_membership_prove_nothing_over_many_seeds() -> None:
+    """The null side: losses drawn independently of membership give a bound of 0 and an AUC interval around 0.5 in
+    all but the few seeds the 95% level allows."""
+    labels = np.repeat(np.arange(5), 400)
+    order = np.random.default_rng(0).permutation(2000)
+    partition = Partition(
+        clients=[np.sort(order[i * 25 : (i + 1) * 25]) for i in range(40)], holdout=np.sort(order[1000:])
+    )
+    bounded = outside = 0
+    for seed in range(40):
+        noise = np.random.default_rng(1000 + seed).exponential(size=2000)
+        metrics, _, _ = client_membership(
+            partition, labels, lambda index, noise=noise: noise[index], seed=seed, delta=1e-5, resamples=200
+        )
+        bounded += metrics["epsilon_lower_bound"] > 0
+        low, high = metrics["auc_ci95"]
+        outside += not low <= 0.5 <= high
+    assert bounded <= 4 and outside <= 5, (bounded, outside)
