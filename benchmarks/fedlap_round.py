@@ -9,7 +9,7 @@ matching steps, the model training on the synthetic set, and the server's
 training on the union.
 
     python benchmarks/fedlap_round.py [--widths 32 128] [--trajectories 4] [--augment] [--threads 1] [--device cuda]
-        [--smoke]
+        [--profile profile.txt] [--smoke]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from _machine import describe
@@ -87,6 +88,12 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every figure is of this device)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="also profile one FedLAP-DP client round per width with torch.profiler and write its operator tables "
+        "(by device time and by host time) and the accelerator's busy share to this file",
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -172,6 +179,45 @@ def main() -> None:
             f"{share('dp'):>11} {share('matching'):>9} "
             f"{f'{client_training:.1f}s {100 * client_training / lap_seconds:.0f}%':>14} {server_seconds:>11.1f}"
         )
+        if args.profile is not None:
+            profile_round(model, params, data, lap, device, width, args.profile)
+
+
+def profile_round(
+    model: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    data: ClientData,
+    config: RunConfig,
+    device: torch.device,
+    width: int,
+    out: Path,
+) -> None:
+    """One FedLAP-DP client round under torch.profiler: its operators by device and by host time, appended to
+    ``out``, and the share of the round's wall time in which the device ran kernels (what host work leaves idle)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    algorithm = get_algorithm(config)
+    ctx = RoundContext(round=0, rounds=1, config=config, device=device)
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        algorithm.client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    kernel_us = sum(e.self_device_time_total for e in kernels)  # the kernels' rows alone: operators' rows repeat them
+    line = (
+        f"width {width}: profiled client round {wall:.1f} s wall (with the profiler's overhead), device kernels "
+        f"{kernel_us / 1e6:.2f} s = {100 * kernel_us / 1e6 / wall:.0f}% busy, {sum(e.count for e in kernels)} kernels"
+    )
+    print(line, flush=True)
+    with out.open("a") as handle:
+        handle.write(f"{line}\n\n")
+        if device.type == "cuda":
+            handle.write(events.table(sort_by="self_device_time_total", row_limit=30) + "\n")
+        handle.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
 
 
 if __name__ == "__main__":

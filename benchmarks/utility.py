@@ -14,6 +14,7 @@ and Fedssyn's rounds to FedAvg's final accuracy against FedAvg's (its generation
 ``--algorithms`` trains a subset (run two processes on two cores); the table covers every run under ``--out``.
 
     python benchmarks/utility.py [--study dp|others] [--rounds 3] [--width 16] [--out runs/utility] [--threads 1]
+                                 [--device cuda]
                                  [--smoke]
 """
 
@@ -92,7 +93,7 @@ def others(args: argparse.Namespace) -> None:
     """The other systems without DP, each with its own defaults; the table covers every run under ``--out``."""
     base = RunConfig(
         seed=args.seed,
-        device="cpu",
+        device=args.device,
         data=DataConfig(dataset=args.dataset, partition="classes:2", num_clients=5),
         model=ModelConfig(width=args.width),
     )
@@ -167,6 +168,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every figure is of this device)")
     parser.add_argument("--out", help="where the runs go [default: runs/utility; with --smoke a temporary folder]")
     parser.add_argument(
         "--smoke",
@@ -191,7 +193,7 @@ def dp(args: argparse.Namespace) -> None:
     """FedLAP-DP, DP-FedAvg and DP-FedProx at equal data access, beside the paper's Table 2."""
     base = RunConfig(
         seed=args.seed,
-        device="cpu",
+        device=args.device,
         data=DataConfig(dataset=args.dataset, partition="classes:2", num_clients=5),
         model=ModelConfig(width=args.width),
         privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
@@ -208,7 +210,7 @@ def dp(args: argparse.Namespace) -> None:
             {"federated": FederatedConfig(algorithm="fedprox", rounds=args.rounds, local_steps=queries)}
         ),
     }
-    print(describe("cpu"), flush=True)
+    print(describe(args.device), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}; {TITLES[args.dataset]}, 5 clients x 2 "
         f"classes, ConvNet width {args.width}, sigma 1, B {lap.resolved().federated.batch_size}, T = {queries} DP "

@@ -86,6 +86,9 @@ def test_smoke(script: Path, tmp_path: Path, scripts: Zygote) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     logs = tmp_path.parent / f"{tmp_path.name}-output"
     logs.mkdir()
+    profile = logs / "profile.txt"
+    if script.name == "fedlap_round.py":  # its profiler too, whose tables go beside the logs
+        args += ["--profile", str(profile)]
     out, err = logs / "stdout", logs / "stderr"
     process = scripts.start(str(script), args, cwd=tmp_path, env=env, stdout=out, stderr=err)
     try:
@@ -104,3 +107,5 @@ def test_smoke(script: Path, tmp_path: Path, scripts: Zygote) -> None:
     )
     assert re.search(row, "\n".join(lines[at + 1 :]), re.MULTILINE), f"no row matching {row!r}:\n{stdout}"
     assert {p.name for p in tmp_path.iterdir()} <= {"out"}, "wrote into the working directory"
+    if script.name == "fedlap_round.py":
+        assert "% busy" in stdout and "Self CPU time total" in profile.read_text()

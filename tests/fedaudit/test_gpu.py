@@ -58,10 +58,10 @@ def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm, fixed_secret
     assert invoke("train", *args[:-1], "1", "--out", part).exit_code == 0
     assert invoke("train", "--resume", part, "--rounds", "2", "--no-progress").exit_code == 0
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    cpu = tmp_path / "cpu"
+    shutil.copytree(full, cpu)  # before the attack: a copy of an attacked run without its attacks' files is refused
     result = invoke("attack", full, "--device", "cuda", "--no-progress", "--bootstrap", "50")
     assert result.exit_code == 0, result.output
-    cpu = tmp_path / "cpu"
-    shutil.copytree(full, cpu, ignore=shutil.ignore_patterns("attacks"))
     assert invoke("attack", cpu, "--device", "cpu", "--no-progress", "--bootstrap", "50").exit_code == 0
     for name in ("loss-threshold", "grad-norm-threshold"):
         on_gpu, on_cpu = (json.loads((run / "attacks" / name / "metrics.json").read_text()) for run in (full, cpu))
