@@ -58,8 +58,10 @@ class LayerTrace:
     """The layer's own trainable parameters: local name -> name in the params dict."""
     inputs: torch.Tensor
     output_grads: torch.Tensor
-    kept: TensorDict = field(default_factory=dict)
-    """Per-sample gradients [B, *shape] that were materialised anyway (small layers, fallback layers)."""
+    kept: list[TensorDict] = field(default_factory=list)
+    """Per-sample gradients that were materialised anyway (small layers, fallback layers), by local name: chunks
+    of consecutive examples [n, *shape] in batch order (a convolution's come chunk by chunk, and are not copied
+    into one tensor)."""
 
 
 def trace_layers(
@@ -128,12 +130,10 @@ def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor], *, for
         local = _linear_sq_norms(a, b)
     elif isinstance(module, nn.Conv2d) and _plain_conv(module):
         local, layer.kept = _conv2d_sq_norms(module, a, b, keep=for_sum)
-    elif isinstance(module, nn.GroupNorm):
-        layer.kept = _group_norm_grads(module, a, b)
-        local = {name: g.flatten(1).pow(2).sum(1) for name, g in layer.kept.items()}
     else:
-        layer.kept = _fallback_grads(layer, params)
-        local = {name: g.flatten(1).pow(2).sum(1) for name, g in layer.kept.items()}
+        grads = _group_norm_grads(module, a, b) if isinstance(module, nn.GroupNorm) else _fallback_grads(layer, params)
+        layer.kept = [grads]
+        local = {name: g.flatten(1).pow(2).sum(1) for name, g in grads.items()}
     return {layer.names[name]: local[name] for name in layer.names}
 
 
@@ -141,7 +141,14 @@ def layer_weighted_sums(layer: LayerTrace, factors: torch.Tensor) -> TensorDict:
     """sum_i factors_i g_i for each of the layer's parameters (the clipped sum when factors are the clip factors)."""
     module, a, b = layer.module, layer.inputs, layer.output_grads
     if layer.kept:
-        local = {name: torch.einsum("b,b...->...", factors.to(g.dtype), g) for name, g in layer.kept.items()}
+        local, start = {}, 0
+        for chunk in layer.kept:
+            n = len(next(iter(chunk.values())))
+            f = factors[start : start + n]
+            for name, g in chunk.items():
+                part = torch.einsum("b,b...->...", f.to(g.dtype), g)
+                local[name] = local[name] + part if name in local else part
+            start += n
     elif isinstance(module, nn.Linear):
         scaled = b * factors.view(-1, *([1] * (b.dim() - 1)))
         flat_a, flat_b = a.reshape(-1, a.shape[-1]), scaled.reshape(-1, scaled.shape[-1])
@@ -163,32 +170,33 @@ def _linear_sq_norms(a: torch.Tensor, b: torch.Tensor) -> TensorDict:
 
 def _conv2d_sq_norms(
     module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool
-) -> tuple[TensorDict, TensorDict]:
-    """Squared per-sample norms of a convolution's weight and bias, and the per-sample gradients where they are
-    small enough to keep (then the clipped sum is a weighted sum of them)."""
+) -> tuple[TensorDict, list[TensorDict]]:
+    """Squared per-sample norms of a convolution's weight and bias, and the per-sample gradients where a sum
+    follows and they are small enough to keep: then the clipped sum is a weighted sum of them, cheaper than the
+    ghost norm and a weight gradient after it, so the ghost norm is taken only where nothing is kept."""
     batch, groups = a.shape[0], module.groups
     positions = b.shape[2] * b.shape[3]
     d = module.weight[0].numel()  # inputs per output channel: C_in / groups x kernel
     p = module.weight.shape[0] // groups
     bias = b.flatten(2).sum(2)
-    if uses_ghost_norm(positions, d, p):
+    keep = keep and batch * module.weight.numel() <= CHUNK_ELEMENTS
+    if not keep and uses_ghost_norm(positions, d, p):
         unfolded = F.unfold(
             a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
         )
         a3 = unfolded.view(batch, groups, d, positions).transpose(2, 3).reshape(batch * groups, positions, d)
         b3 = b.reshape(batch, groups, p, positions).transpose(2, 3).reshape(batch * groups, positions, p)
         weight = _outer_sum_sq_norms(a3, b3).view(batch, groups).sum(1)
-        return {"weight": weight, "bias": bias.pow(2).sum(1)}, {}
-    keep = keep and batch * module.weight.numel() <= CHUNK_ELEMENTS
+        return {"weight": weight, "bias": bias.pow(2).sum(1)}, []
     chunk = max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // module.weight.numel()))
     squares, kept = [], []
     for start in range(0, batch, chunk):
         grads = _per_sample_conv2d_weight(module, a[start : start + chunk], b[start : start + chunk])
         squares.append(torch.linalg.vector_norm(grads.flatten(1), dim=1).pow(2))
         if keep:
-            kept.append(grads)
-    norms = {"weight": torch.cat(squares), "bias": bias.pow(2).sum(1)}
-    return norms, ({"weight": torch.cat(kept), "bias": bias} if keep else {})
+            kept.append({"weight": grads, "bias": bias[start : start + chunk]})
+    norms = {"weight": torch.cat(squares) if len(squares) > 1 else squares[0], "bias": bias.pow(2).sum(1)}
+    return norms, kept
 
 
 def _per_sample_conv2d_weight(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

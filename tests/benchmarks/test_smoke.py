@@ -31,6 +31,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "client_canaries.py": ("estimate/eps", r"^\s+0\.1\s+1\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s"),
     "canary_directions.py": ("previous/ours", r"^\s+8\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+True$"),
     "demo_spread.py": ("spread", r"^dp-fedavg\s+accuracy\s+\d"),
+    "dp_price.py": ("DP/no DP", r"^\s+8\s+1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d-\d+\.\d\d$"),
     "engine_overhead.py": ("s_per_round", r"^digits dp-fedavg\s+local\s+\d"),
     "fault_detection.py": ("probe", r"^noise replaced by zeros\s+1\s+1\.00"),
     "fedlap_round.py": ("FedLAP-DP (s)", r"^\s+8\s+\d+\s+\d"),
