@@ -42,6 +42,7 @@ from fedaudit.registry import (
 MAX_SEED = 2**32 - 1
 DEVICES = ("auto", "cpu", "cuda")
 CLIPPINGS = ("fixed", "adaptive")  # client level: a fixed C, or C following a quantile of the update norms
+NOISE_AT = ("server", "clients")  # client level: who adds the noise on the sum of the clipped updates
 ENGINES = ("local", "flower")
 WEIGHTINGS = ("num_examples", "uniform")
 LR_SCHEDULES = ("constant", "cosine")
@@ -342,6 +343,15 @@ class PrivacyConfig:
         "released with each round's update; the two together charged as one Gaussian of --noise-multiplier).",
         choices=CLIPPINGS,
     )
+    noise_at: str = setting(
+        "server",
+        "Client level: who adds the noise. server: the server clips the updates and adds N(0, (sigma C)^2) to their "
+        "sum (central DP: the server is trusted). clients: each sampled client clips its own update to C and adds "
+        "its share N(0, (sigma C)^2 / m), m the clients of the round, from its own secret, so that the sum carries "
+        "sigma C; this protects against the server only if it sees the sum alone (secure aggregation, such as "
+        "Flower's SecAgg+), which fedaudit's engines do not run: the report says the server saw each share.",
+        choices=NOISE_AT,
+    )
     target_quantile: float = setting(0.5, "Adaptive clipping: the quantile gamma of the update norms C follows.")
     clip_lr: float = setting(0.2, "Adaptive clipping: eta_C of C <- C exp(-eta_C (b - gamma)), b the noisy fraction.")
     count_noise: float | None = setting(
@@ -375,8 +385,13 @@ class PrivacyConfig:
 
     @property
     def client_level(self) -> bool:
-        """Whether the server clips the clients' updates and noises their sum (client-level DP)."""
+        """Whether the clients' updates are clipped and their sum noised (client-level DP)."""
         return bool(self.dp) and self.dp_level == "client"
+
+    @property
+    def noise_in_shares(self) -> bool:
+        """Whether, at client level, each client clips its own update and adds its share of the noise."""
+        return self.client_level and self.noise_at == "clients"
 
     def count_noise_for(self, expected_clients: float) -> float:
         """Adaptive clipping's sigma_b: --count-noise, else the expected clients of a round / 20 (the paper's)."""
@@ -404,6 +419,11 @@ class PrivacyConfig:
                 self.max_update_norm is None,
                 "--max-update-norm clips client updates for client-level DP: add --dp --dp-level client.",
             )
+        require(self.noise_at in NOISE_AT, f"--noise-at must be one of {', '.join(NOISE_AT)}, got {self.noise_at!r}.")
+        require(
+            self.noise_at == "server" or self.dp_level == "client",
+            "--noise-at clients shares the noise of client-level DP among the clients: add --dp --dp-level client.",
+        )
         require(
             self.max_update_norm is None or (is_number(self.max_update_norm) and 0 < self.max_update_norm < math.inf),
             f"--max-update-norm must be a positive number, got {self.max_update_norm!r}.",
@@ -416,6 +436,10 @@ class PrivacyConfig:
         require(
             self.clipping == "fixed" or self.dp_level == "client",
             "--clipping adaptive clips client updates: add --dp --dp-level client.",
+        )
+        require(
+            self.clipping == "fixed" or self.noise_at == "server",
+            "--clipping adaptive needs --noise-at server: its noisy count of the updates under C is the server's.",
         )
         require(
             is_number(self.target_quantile) and 0 < self.target_quantile < 1,
@@ -714,6 +738,14 @@ class RunConfig:
                 "SCAFFOLD at client level needs --local-steps K: the server moves its control variate by the released "
                 "update alone, which needs every client's number of steps.",
             )
+            alone = sampled_alone(self)
+            require(
+                alone <= p.delta / 10,
+                f"--noise-at clients with {self.data.num_clients} clients at --client-fraction "
+                f"{f.client_fraction:g}: a client sampled alone in a round has no other client's share to hide it, "
+                f"which happens with probability {alone:.2g} over the run, more than a tenth of --delta {p.delta:g}; "
+                "add clients, raise --client-fraction or use --noise-at server.",
+            )
         self._validate_sites()
 
     def _validate_sites(self) -> None:
@@ -955,3 +987,18 @@ def option_field(option: str) -> str:
     if len(found) != 1:
         raise KeyError(f"The option {option!r} names {len(found)} configuration fields.")
     return found[0]
+
+
+def sampled_alone(config: RunConfig) -> float:
+    """With the noise in shares, a bound on the chance that some round samples a client with no other (T q
+    (1 - q)^(K - 1)): then the release is the noise of its share alone, or nothing where it is absent, which no
+    Gaussian mechanism covers, so the accountant spends --delta less this (0.0 otherwise)."""
+    if not config.privacy.noise_in_shares:
+        return 0.0
+    q, clients = config.federated.client_fraction, config.data.num_clients
+    return config.federated.rounds * q * (1.0 - q) ** (clients - 1)
+
+
+def accountant_delta(config: RunConfig) -> float:
+    """The delta the accountant computes epsilon at: --delta, less :func:`sampled_alone`."""
+    return config.privacy.delta - sampled_alone(config)

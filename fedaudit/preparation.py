@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedaudit.algorithms.base import Algorithm, ClientData, get_algorithm, setup_rounds
-from fedaudit.config import RunConfig, mark_calibrated
+from fedaudit.config import RunConfig, accountant_delta, mark_calibrated
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.data.sites import SiteReport, federation, is_sites, load_sites
 from fedaudit.errors import UserError
@@ -380,7 +380,7 @@ def _calibrated_client_sigma(config: RunConfig) -> float:
         sample_rate=config.federated.client_fraction,
         queries_per_round=1,
         rounds=config.federated.rounds,
-        delta=priv.delta,
+        delta=accountant_delta(config),
         accountant=priv.accountant,
     )
 

@@ -32,7 +32,7 @@ from fedaudit.algorithms.base import (
     privacy_plan,
     run_client,
 )
-from fedaudit.config import RunConfig, option_field
+from fedaudit.config import RunConfig, accountant_delta, option_field
 from fedaudit.data.sites import is_sites
 from fedaudit.engine import Engine, LocalEngine, make_engine
 from fedaudit.instruments.canary_clients import RunCanaries
@@ -338,7 +338,7 @@ def _new_ledger(config: RunConfig) -> PrivacyLedger | None:
         return None
     return PrivacyLedger(
         accountant=config.privacy.accountant,
-        delta=config.privacy.delta,
+        delta=accountant_delta(config),
         noise_multiplier=config.privacy.noise_multiplier,
         max_grad_norm=config.privacy.max_grad_norm,
         unit=config.privacy.dp_level,
@@ -591,6 +591,8 @@ class _RoundLoop:
         setup, config, device = self.setup, self.setup.config, self.setup.device
         began = time.perf_counter()
         rounds = config.federated.rounds
+        self._begin_canaries(m, state)
+        selected = self.participants(m)
         ctx = RoundContext(
             round=m,
             rounds=rounds,
@@ -600,9 +602,8 @@ class _RoundLoop:
             server_kept=state.server_kept,
             run_id=self.randomness.run_id,
             population=config.data.num_clients + (self.canaries.population if self.canaries is not None else 0),
+            participants=len(selected) + (len(self._sampled_canaries) if self.canaries is not None else 0),
         )
-        self._begin_canaries(m, state)
-        selected = self.participants(m)
         messages = self._run_clients(selected, ctx, state)
         if self.server_keys is not None:
             server = self.server_keys.query_source(m, SERVER_NOISE, device)

@@ -80,6 +80,12 @@ class PrivacySummary:
     unit: str = "record"  # what epsilon protects: one record, or one client's data as a whole (--dp-level client)
     max_update_norm: float | None = None  # client level: the clipping norm of each client's update
     clients: int | None = None  # client level: the clients, each a unit of the guarantee
+    noise_at: str = "server"  # client level: who added the noise: the server, or the clients in shares
+
+    @property
+    def noise_in_shares(self) -> bool:
+        """Whether, at client level, each client added its share of the noise (the server saw each share)."""
+        return self.client_level and self.noise_at == "clients"
 
     @property
     def client_level(self) -> bool:
@@ -674,6 +680,11 @@ def noise_origin(config: RunConfig, source: str) -> str:
     if not config.dp_randomness:
         return "no DP noise"
     secure = "; secure sampling (ChaCha20, each Gaussian the sum of four)" if config.privacy.secure_noise else ""
+    if config.privacy.noise_in_shares and source == CLIENT_SECRETS:
+        return (
+            "each sampled client's own secret, for its share of the noise; the server samples the clients from its "
+            f"own secret (server-secret.json){secure}"
+        )
     if config.privacy.client_level and source == CLIENT_SECRETS:
         return (
             f"the server's own secret (server-secret.json): the server adds the noise and samples the clients{secure}"
@@ -768,7 +779,7 @@ def _privacy(
     fraction = clients.client_fraction_effective
     q = batch / sizes[worst] if worst is not None and batch and not generates else None
     if ledger.unit == "client":
-        return _client_level_privacy(ledger, fraction, len(sizes))
+        return _client_level_privacy(ledger, fraction, len(sizes), config.privacy.noise_at)
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,
@@ -787,7 +798,7 @@ def _privacy(
     )
 
 
-def _client_level_privacy(ledger: PrivacyLedger, fraction: float, clients: int) -> PrivacySummary:
+def _client_level_privacy(ledger: PrivacyLedger, fraction: float, clients: int, noise_at: str) -> PrivacySummary:
     """A client-level run's guarantee: one query per round at the server's client sampling rate, every client
     charged every round."""
     worst = ledger.worst_client
@@ -806,6 +817,7 @@ def _client_level_privacy(ledger: PrivacyLedger, fraction: float, clients: int) 
         unit="client",
         max_update_norm=ledger.max_update_norm,
         clients=clients,
+        noise_at=noise_at,
     )
 
 

@@ -127,6 +127,13 @@ def _client_mechanism(run: RunSummary) -> str:
             f"{fmt(settings.get('target_quantile'))} quantile of the update norms), with Gaussian noise, and the count "
             f"of updates under C with noise of its own; {sampled}"
         )
+    if settings.get("noise_at") == "clients":
+        return (
+            f"the Sampled Gaussian Mechanism once per round, its noise added in shares: each sampled client clips "
+            f"its model update to C = {fmt(privacy.max_update_norm)} and adds Gaussian noise of standard deviation "
+            f"sigma C / sqrt(m) with sigma = {fmt(privacy.noise_multiplier)} and m the round's clients, so that the "
+            f"sum carries sigma C; the server divides the sum by the expected number of clients; {sampled}"
+        )
     return (
         f"the Sampled Gaussian Mechanism once per round at the server: each client's model update clipped to C = "
         f"{fmt(privacy.max_update_norm)}, the clipped updates summed, Gaussian noise of standard deviation "
@@ -186,7 +193,16 @@ def _trust(run: RunSummary) -> str:
 
 
 def _server_noise(run: RunSummary) -> str:
-    """Whom a client-level run's guarantee holds against: the server is the trusted party of central DP."""
+    """Whom a client-level run's guarantee holds against: the server is the trusted party of central DP, or with
+    the noise in shares, would not need to be if it saw their sum alone."""
+    if run.privacy.noise_in_shares and run.randomness != NOISE_SEED:
+        return (
+            "each sampled client clips its update and adds its share of the noise from its own secret, and sends "
+            "the result in clear: fedaudit's engines run no secure aggregation, so the server saw each client's "
+            "clipped update under only its share of the noise (standard deviation sigma C / sqrt(m)), and the "
+            "guarantee holds against anyone who sees the global models, not against the server; with secure "
+            "aggregation (Flower's SecAgg+, secaggplus_mod, in your own Flower app) it would see the sum alone"
+        )
     if run.randomness == NOISE_SEED:
         return (
             "each client sends its update in clear and the server clips them and adds noise drawn from a public "

@@ -83,6 +83,19 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     basis = _canary_basis(config.seed, log, models[0].size) if log is not None else None
     stored = run.read_privacy() or {}
     per_check = level / (len(CHECKS) + adaptive)
+    sampled = int(log.sampled.sum()) if log is not None else sum(len(s) for s in sent)
+    common = [
+        _sampling_check(sampled, population * rounds, _ledger_rate(stored, q), per_check),
+        _ledger_check(stored, sigma, q, rounds, clients),
+    ]
+    if priv.noise_in_shares:
+        taking_part = [int(log.sampled[t]) if log is not None else len(sent[t]) for t in range(rounds)]
+        shares = _Shares(sigma * priv.max_update_norm, priv.max_update_norm, q * population / eta, basis)
+        return Verification(
+            checks=[*shares.checks(models, sent, taking_part, per_check), *common],
+            level=level,
+            per_check_level=per_check,
+        )
     noise, noise_dof, spans, span_dof, counts = 0.0, 0, 0.0, 0, []
     for t in range(rounds):
         clip = clips[t]
@@ -103,17 +116,92 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
             inside = span.T @ residual
             spans += float(inside @ inside) / std**2
             span_dof += span.shape[1]
-    # real clients from what they sent; with canary clients, the log's count of every client sampled
-    sampled = int(log.sampled.sum()) if log is not None else sum(len(s) for s in sent)
-    checks = [
-        _noise_check(noise, noise_dof, per_check, rounds),
-        _clipping_check(spans, span_dof, per_check),
-        _sampling_check(sampled, population * rounds, _ledger_rate(stored, q), per_check),
-        _ledger_check(stored, sigma, q, rounds, clients),
-    ]
+    checks = [_noise_check(noise, noise_dof, per_check, rounds), _clipping_check(spans, span_dof, per_check), *common]
     if adaptive:
         checks.insert(2, _count_check(np.array(counts), count_noise, per_check))
     return Verification(checks=checks, level=level, per_check_level=per_check)
+
+
+class _Shares:
+    """The checks of a run whose clients add the noise in shares (``--noise-at clients``): each client sends its
+    update clipped to C plus N(0, (sigma C)^2 / m), m the round's clients (canary clients included, whose shares the
+    server adds), and the server releases their sum over q P.
+
+    - ``shares``: what client k sent is c_k + n_k, its clipped update (|c_k| <= C) and its share n_k ~ N(0, s^2 I),
+      s = sigma C / sqrt(m), drawn after c_k. So E = sum_k |sent_k|^2 / s^2 is chi-square with D degrees of freedom
+      (every coordinate sent) plus sum_k (|c_k|^2 + 2 <c_k, n_k>) / s^2, whose mean lies in [0, K C^2 / s^2] and
+      whose variance is at most 4 K C^2 / s^2 over K updates. E below D by more than the spread allows: a share
+      left out or scaled down; E above D + K C^2 / s^2 by more than it allows: updates sent unclipped (or more
+      noise than charged). Normal tails, with the variance 2 D + 4 K C^2 / s^2;
+    - ``server``: q P (theta_t - theta_{t-1}) / eta less the sum of what the clients sent, outside the canary
+      clients' span, is the canary clients' shares alone: N(0, c_t s^2) for c_t of them (zero where none was
+      sampled): a server that adds, removes or rescales anything is seen here."""
+
+    def __init__(self, std: float, clip: float, scale: float, basis: np.ndarray | None) -> None:
+        self.std, self.clip, self.scale, self.basis = std, clip, scale, basis
+
+    def checks(
+        self, models: list[np.ndarray], sent: list[list[np.ndarray]], taking_part: list[int], level: float
+    ) -> list[Check]:
+        """The ``shares`` and ``server`` checks over every round."""
+        energy = slack = 0.0
+        dof = updates_sent = server = server_dof = 0
+        stray = 0.0
+        for t, updates in enumerate(sent):
+            share = self.std / math.sqrt(max(taking_part[t], 1))
+            for update in updates:
+                energy += float(update @ update) / share**2
+                slack += self.clip**2 / share**2
+                dof += update.size
+                updates_sent += 1
+            residual = self.scale * (models[t + 1] - models[t]) - sum(updates, np.zeros_like(models[t]))
+            residual, free = _outside(residual, self.basis)
+            canaries = taking_part[t] - len(updates)
+            if canaries > 0:
+                server += float(residual @ residual) / (canaries * share**2)
+                server_dof += free
+            else:  # nothing but float rounding: far below one share's noise
+                stray = max(stray, float(np.linalg.norm(residual)) / (share * math.sqrt(free)))
+        shares = _shares_check(energy, slack, dof, updates_sent, level)
+        return [shares, _server_check(server, server_dof, stray, level)]
+
+
+def _shares_check(energy: float, slack: float, dof: int, updates: int, level: float) -> Check:
+    """The ``shares`` test of :class:`_Shares`: ``energy`` E, ``slack`` K C^2 / s^2, over ``dof`` coordinates."""
+    if not dof:
+        return Check("shares", True, None, 0, None, "No client sent an update, so no share is tested.")
+    spread = math.sqrt(2 * dof + 4 * slack)
+    too_small = float(stats.norm.cdf((energy - dof) / spread))
+    too_large = float(stats.norm.sf((energy - dof - slack) / spread))
+    p = min(1.0, 2 * min(too_small, too_large))
+    ratio = energy / dof
+    passed = p >= level
+    sentence = (
+        f"The {updates} updates the clients sent carry their shares of the noise, sigma C / sqrt(m), and at most C "
+        f"each besides (energy {ratio:.4f} of the shares' over {dof} coordinates)."
+        if passed
+        else f"The clients' shares are not the charged noise (energy {ratio:.4g} of the shares' over {dof} "
+        "coordinates): "
+        + (
+            "less than the shares alone carry (a share left out or scaled down)."
+            if too_small < too_large
+            else "more than the shares and C per update can carry (updates sent unclipped, or noise not charged)."
+        )
+    )
+    return Check("shares", passed, p, dof, energy, sentence, {"energy_ratio": ratio, "updates": updates})
+
+
+def _server_check(statistic: float, dof: int, stray: float, level: float) -> Check:
+    p = _two_sided_chi2(statistic, dof) if dof else 1.0
+    passed = p >= level and stray < 1e-3
+    sentence = (
+        "The server released the sum of what the clients sent (and the canary clients' shares), over q P."
+        if passed
+        else f"The release is not the sum of what the clients sent over q P (its remainder is {stray:.3g} of a "
+        f"share's noise, or the canary clients' part has {statistic / max(dof, 1):.4g} times their shares' "
+        "variance): the server added, removed or rescaled something."
+    )
+    return Check("server", passed, p if stray < 1e-3 else 0.0, dof, statistic, sentence, {"remainder": stray})
 
 
 def _clip_norms(run: RunDirectory, initial: float, rounds: int) -> list[float]:

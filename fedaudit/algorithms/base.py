@@ -123,6 +123,7 @@ class RoundContext:
     server_kept: TensorDict = field(default_factory=dict)
     run_id: str = ""  # the run's public identifier: a site's secret derives this run's keys with it
     population: int = 0  # client-level DP: the clients the server samples from, canary clients included (0: K)
+    participants: int = 0  # client-level DP: the clients the server sampled this round, canary clients included
 
     def cosine_lr(self, base_lr: float) -> float:
         """``base_lr`` with cosine decay over rounds (round 0 uses the full rate)."""

@@ -30,7 +30,7 @@ from fedaudit.algorithms.base import (
 )
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent, update_noise_multiplier
-from fedaudit.privacy.primitive import client_level_mean, dp_gradient
+from fedaudit.privacy.primitive import client_level_mean, client_noise_share, dp_gradient
 from fedaudit.privacy.randomness import add_gaussian
 
 CLIP_NORM = "clip_norm"  # adaptive clipping: the server's state, C of the next round
@@ -67,15 +67,32 @@ class FedAvg:
         generator: torch.Generator,
         state: TensorDict | None = None,
     ) -> ClientMessage:
-        """Local training from the global model; the message carries the model delta."""
+        """Local training from the global model; the message carries the model delta (with the noise in shares,
+        clipped and with the client's share of the noise)."""
         delta, events, metrics = self.local_update(model, global_params, data, ctx, generator)
         return ClientMessage(
             client_id=data.client_id,
             num_examples=data.num_examples,
-            payload=delta,
+            payload=self.sent_update(delta, data, ctx),
             metrics=metrics,
             privacy_events=events,
         )
+
+    @staticmethod
+    def sent_update(delta: TensorDict, data: ClientData, ctx: RoundContext) -> TensorDict:
+        """What the client sends of its model delta: the delta, or with the noise in shares (``--noise-at
+        clients``) the delta clipped to C with the client's share of the noise, drawn from its own secret."""
+        priv = ctx.config.privacy
+        if not priv.noise_in_shares:
+            return delta
+        share, _ = client_noise_share(
+            delta,
+            max_update_norm=priv.max_update_norm,
+            noise_multiplier=priv.noise_multiplier,
+            participants=ctx.participants,
+            generator=data.next_query(),
+        )
+        return share
 
     def local_update(
         self,
@@ -130,6 +147,8 @@ class FedAvg:
         config = ctx.config
         priv = config.privacy
         expected = config.federated.client_fraction * (ctx.population or config.data.num_clients)
+        if priv.noise_in_shares:
+            return self._sum_of_shares(global_params, messages, ctx, expected, generator)
         adaptive = priv.clipping == "adaptive"
         clip = (
             float(ctx.server_state[CLIP_NORM]) if adaptive and CLIP_NORM in ctx.server_state else priv.max_update_norm
@@ -167,6 +186,35 @@ class FedAvg:
         if correction is not None:
             for name, p in model.named_parameters():
                 p.grad.add_(correction[name])
+
+    @staticmethod
+    def _sum_of_shares(
+        global_params: TensorDict,
+        messages: list[ClientMessage],
+        ctx: RoundContext,
+        expected: float,
+        generator: torch.Generator,
+    ) -> ServerResult:
+        """Client-level DP with the noise in shares: the clients' updates come clipped, each with its share of the
+        noise; the server adds the canary clients' it runs (clipped and noised alike, from its own source), and
+        moves the model by the sum over q P. It sees no update before its noise, so it reports no norm."""
+        config = ctx.config
+        priv = config.privacy
+        total = {name: torch.zeros_like(p) for name, p in global_params.items()}
+        for message in messages:
+            payload = message.payload
+            if message.client_id >= config.data.num_clients:  # a canary client: the server runs it
+                payload, _ = client_noise_share(
+                    payload,
+                    max_update_norm=priv.max_update_norm,
+                    noise_multiplier=priv.noise_multiplier,
+                    participants=ctx.participants,
+                    generator=generator,
+                )
+            for name in total:
+                total[name] += payload[name].to(total[name].device, total[name].dtype)
+        step = config.federated.server_lr / expected
+        return ServerResult(params={name: p + step * total[name] for name, p in global_params.items()})
 
     def _train_plain(
         self,

@@ -54,10 +54,12 @@ class Scaffold(FedAvg):
         step = metrics["local_steps"] * ctx.cosine_lr(ctx.config.federated.client_lr)
         updated = {name: own[name] - server[name] - delta[name] / step for name in global_params}
         control_delta = {f"{CONTROL}{name}": updated[name] - own[name] for name in global_params}
+        # at client level the server moves its control variate by the release alone: the client sends its update
+        sent = self.sent_update(delta, data, ctx) if ctx.config.privacy.client_level else {**delta, **control_delta}
         return ClientMessage(
             client_id=data.client_id,
             num_examples=data.num_examples,
-            payload={**delta, **control_delta},
+            payload=sent,
             metrics=metrics,
             privacy_events=events,
             state=updated,

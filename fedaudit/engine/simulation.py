@@ -177,6 +177,8 @@ def round_inputs(task: Any, tensors: Sequence[Mapping[str, torch.Tensor]]) -> st
         settings.pop(key, None)
     settings.get("data", {}).pop("data_dir", None)
     described = [settings, int(task["round"]), int(task["rounds"]), str(task.get("federation", ""))]
+    if int(task.get("participants", 0)):  # the noise share of a client-level round depends on it
+        described.append(int(task["participants"]))
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
     for group in tensors:
         for name in sorted(group):
@@ -277,6 +279,7 @@ def client_round(
         device=device,
         server_state=server_state,
         run_id=str(task["run"]),
+        participants=int(task.get("participants", 0)),
     )
     result = run_client(algorithm, model, global_params, data, ctx, keys, state=state)
     content = {
@@ -329,6 +332,8 @@ def train_message(
         "rounds": ctx.rounds,
         "run": ctx.run_id,
     }
+    if ctx.participants:
+        task["participants"] = ctx.participants
     if federation is not None:
         task["federation"] = federation
     if key is not None:

@@ -2,7 +2,8 @@
 
 Every DP query in fedaudit (DP-FedAvg, DP-FedProx, FedLAP-DP's real-gradient target) goes through
 :func:`dp_gradient`, and client-level DP's round through :func:`client_level_mean` (the same clipped sum and noise,
-a client's update in place of an example's gradient); the white-box membership attack uses
+a client's update in place of an example's gradient), or with the noise in shares through each client's
+:func:`client_noise_share`; the white-box membership attack uses
 :func:`per_sample_sq_norms` without clipping. Both work layer by layer (:mod:`fedaudit.privacy.layers`): one
 forward and one backward of the batch, per-sample norms from each layer's inputs and output gradients, and the
 clipped sum as each layer's weight gradient with the examples reweighted, so the per-sample gradients of the whole
@@ -14,6 +15,7 @@ the path for models the layer-wise one cannot follow.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -242,6 +244,31 @@ def client_level_mean(
         generator=generator,
     )
     return released, norms
+
+
+def client_noise_share(
+    update: Mapping[str, torch.Tensor],
+    *,
+    max_update_norm: float,
+    noise_multiplier: float,
+    participants: int,
+    generator: Source,
+) -> tuple[TensorDict, torch.Tensor]:
+    """A client's part of client-level DP with the noise in shares (``--noise-at clients``): its model update clipped
+    to ``max_update_norm`` C (not finite: zero) plus one draw of N(0, (sigma C)^2 / m I) from the client's own
+    source, m the round's ``participants``, so that the sum of the m shares is the clipped sum plus N(0, (sigma C)^2
+    I), the release of :func:`client_level_mean` times q K. Returns the share and the update's norm before
+    clipping."""
+    if participants < 1:
+        raise ValueError(f"a noise share needs the round's number of clients, got {participants}.")
+    summed, norms = clip_and_sum({name: u.unsqueeze(0) for name, u in update.items()}, max_update_norm)
+    share = noisy_sum(
+        summed,
+        noise_multiplier=noise_multiplier / math.sqrt(participants),
+        max_grad_norm=max_update_norm,
+        generator=generator,
+    )
+    return share, norms[0]
 
 
 @dataclass(frozen=True)

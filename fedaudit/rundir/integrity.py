@@ -150,7 +150,9 @@ def settled(root: Path, files: Mapping[str, str], pending: Mapping[str, str | No
     return result
 
 
-def ledger_problems(ledger: Any, privacy: Mapping[str, Any] | None, rounds_done: int) -> list[str]:
+def ledger_problems(
+    ledger: Any, privacy: Mapping[str, Any] | None, rounds_done: int, delta: float | None = None
+) -> list[str]:
     """privacy.json against itself and the configuration: every epsilon it states, recomputed from its own events
     with the accountant it names; its mechanism (sigma, C, delta, accountant) against config.json's; and at least
     the rounds the manifest committed.
@@ -159,6 +161,8 @@ def ledger_problems(ledger: Any, privacy: Mapping[str, Any] | None, rounds_done:
         ledger: privacy.json's content.
         privacy: config.json's "privacy" entry (None when it has none).
         rounds_done: the rounds manifest.json committed.
+        delta: the delta the configuration's accountant spends, where it is not its --delta (client-level noise in
+            shares: :func:`fedaudit.config.accountant_delta`).
     """
     from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 
@@ -168,7 +172,9 @@ def ledger_problems(ledger: Any, privacy: Mapping[str, Any] | None, rounds_done:
     except AccountingError as exc:
         return [f"{where} is inconsistent: {exc}"]
     problems = []
-    config = privacy or {}
+    config = dict(privacy or {})
+    if delta is not None:
+        config["delta"] = delta
     for key, name in (("noise_multiplier", "sigma"), ("max_grad_norm", "max_grad_norm"), ("delta", "delta")):
         if ledger.get(key) != config.get(key):
             problems.append(f"{where} charges {name} {ledger.get(key)!r} but config.json says {config.get(key)!r}")

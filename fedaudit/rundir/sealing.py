@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from fedaudit.rundir import integrity
 from fedaudit.rundir.files import RunError, atomic_write_json, process_umask
@@ -49,7 +50,8 @@ class Seal:
             ledger = run.read_json(run.privacy_path)
             done = document.get("rounds_done") if isinstance(document.get("rounds_done"), int) else 0
             if isinstance(ledger, dict):
-                problems = integrity.ledger_problems(ledger, privacy if isinstance(privacy, dict) else None, done)
+                privacy = privacy if isinstance(privacy, dict) else None
+                problems = integrity.ledger_problems(ledger, privacy, done, _accountant_delta(config))
             else:
                 problems = ["privacy.json is not a ledger (not a JSON object)"]
             findings += [("privacy.json", problem) for problem in problems]
@@ -139,3 +141,16 @@ class Seal:
                 changed.append(f"{relative} changed after the run was signed")
         unsigned = tuple(sorted({*rewritten, *(set(integrity.present_files(run.path)) - set(recorded[0]))}))
         return tuple(changed), unsigned
+
+
+def _accountant_delta(config: Any) -> float | None:
+    """The delta config.json's accountant spends where it is not its --delta (None: its --delta, or a configuration
+    that does not load, which the other checks report)."""
+    from fedaudit.config import RunConfig, accountant_delta
+    from fedaudit.errors import ConfigError
+
+    try:
+        loaded = RunConfig.from_dict(config)
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return accountant_delta(loaded) if loaded.privacy.noise_in_shares else None

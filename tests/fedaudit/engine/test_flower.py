@@ -114,8 +114,13 @@ def test_flower_trains_and_resumes_the_same_run_as_the_local_engine(tmp_path, cl
             "--client-fraction",
             "0.5",
         ),  # fmt: skip
+        # the noise in shares: each client adds its share for the round's m clients, which the task tells it
+        (
+            *("--dp", "--dp-level", "client", "--max-update-norm", "0.5", "--noise-at", "clients"),
+            *("--noise-seed", "5", "--num-clients", "12", "--client-fraction", "0.9"),
+        ),
     ],
-    ids=["fedssyn", "fedgm", "feddm", "fedprox-client-level"],
+    ids=["fedssyn", "fedgm", "feddm", "fedprox-client-level", "fedavg-noise-in-shares"],
 )
 def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra, fixed_secrets, ray_cluster):
     args = (*FAST_ARGS, "--rounds", "2", "--save-transmitted", *extra)

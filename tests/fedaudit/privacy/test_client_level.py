@@ -17,7 +17,7 @@ from fedaudit.attacks.conformance.client_level import verify_client_level
 from fedaudit.models import initial_params
 from fedaudit.preparation import prepare
 from fedaudit.privacy.accounting import RDP_ORDERS, PrivacyLedger, round_events
-from fedaudit.privacy.primitive import client_level_mean
+from fedaudit.privacy.primitive import client_level_mean, client_noise_share
 from fedaudit.privacy.randomness import SERVER_NOISE, SeededServerKeys, add_gaussian
 from fedaudit.rundir import RunDirectory
 
@@ -66,6 +66,30 @@ def test_the_noise_has_standard_deviation_sigma_c_over_q_k_and_comes_alone_when_
     noise = released["w"].double()
     assert abs(float(noise.mean())) < 4 * 0.25 / np.sqrt(200_000)
     assert float(noise.std()) == pytest.approx(2.0 * 0.5 / 4.0, rel=0.01)
+
+
+def test_a_clients_noise_share_is_its_clipped_update_plus_sigma_c_over_root_m_and_m_shares_make_sigma_c() -> None:
+    """--noise-at clients: a share is u min(1, C / ||u||) plus N(0, (sigma C)^2 / m), by hand in float64; the noise
+    of m shares (each from its own generator) sums to standard deviation sigma C, as the server's single draw."""
+    direction = torch.randn(200_000, generator=_silent(5), dtype=torch.float64)
+    update = {"w": (direction * 5.0 / direction.norm()).float()}
+    share, norm = client_noise_share(
+        update, max_update_norm=1.0, noise_multiplier=2.0, participants=16, generator=_silent(7)
+    )
+    assert float(norm) == pytest.approx(5.0, rel=1e-5)
+    noise = share["w"].double() - update["w"].double() / 5.0
+    assert float(noise.std()) == pytest.approx(2.0 * 1.0 / 4.0, rel=0.01)
+    assert abs(float(noise @ update["w"].double())) / 5.0 < 5 * 0.5  # independent of the update's direction
+    zero = {"w": torch.zeros(50_000)}
+    total = sum(
+        client_noise_share(zero, max_update_norm=0.5, noise_multiplier=2.0, participants=9, generator=_silent(k))[0][
+            "w"
+        ].double()
+        for k in range(9)
+    )
+    assert float(total.std()) == pytest.approx(2.0 * 0.5, rel=0.02)
+    with pytest.raises(ValueError, match="number of clients"):
+        client_noise_share(zero, max_update_norm=0.5, noise_multiplier=2.0, participants=0, generator=_silent())
 
 
 def test_clipping_and_noise_scale_equal_flowers_server_side_fixed_clipping() -> None:
