@@ -126,3 +126,22 @@ def test_importing_fedaudit_or_its_api_does_not_import_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_importing_fedaudit_before_torch_asks_torch_for_huge_pages_unless_told_otherwise() -> None:
+    """fedaudit/__init__ sets THP_MEM_ALLOC_ENABLE=1 only where torch is not imported yet (torch reads it once) and
+    the environment does not say otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    def seen(code: str, **env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        done = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    show = "print(__import__('os').environ.get('THP_MEM_ALLOC_ENABLE', 'unset'))"
+    assert seen(f"import fedaudit, torch; {show}") == "1"
+    assert seen(f"import fedaudit, torch; {show}", THP_MEM_ALLOC_ENABLE="0") == "0"
+    assert seen(f"import torch, fedaudit; {show}") == "unset"
