@@ -5,7 +5,13 @@ of which about half were included, the cosine of every round's aggregate update 
 one with each canary's direction. Two views, each a score per canary (Andrew et al., ICLR 2024):
 
 - ``all-iterates``: whoever sees every round's aggregate (the server, or anyone who sees every global model) scores
-  canary i by max_t cos(Delta_t, u_i) over the released rounds;
+  canary i by the log-likelihood ratio of "sampled in each round with probability q" against "never there": each
+  released round's cosines standardised over all canaries (median and MAD, which the inclusion bits do not enter),
+  z_t,i, and sum_t log(1 - q + q exp(mu z_t,i - mu^2 / 2)) with mu = 1 / sigma, the shift a canary's clipped update
+  makes in units of the noise on its direction (1 / (sigma sqrt(n)) under local DP, n the round's clients). With
+  every client in every round this is mu times the sum of z (the cosines' evidence added up, where the largest
+  cosine kept one round's); with q small it weighs the rounds where a canary stands out. Without DP noise (sigma 0),
+  max_t cos(Delta_t, u_i);
 - ``final-model``: whoever sees only the final model scores it by cos(theta_T - theta_0, u_i).
 
 For each view: the two-Gaussian estimate of Andrew et al. (``gaussian_estimate``: a Gaussian fitted to the excluded
@@ -51,7 +57,8 @@ class FlowerView:
 ALL_ITERATES = FlowerView(
     "all-iterates",
     "the server sees every round's aggregate update (all model iterates)",
-    "max over released rounds t of cos(Delta_t, u_i)",
+    "sum over released rounds t of log(1 - q + q exp(mu z_t,i - mu^2 / 2)), z_t,i the round's cosine with u_i "
+    "standardised over the canaries, mu = 1 / sigma (max_t cos(Delta_t, u_i) without noise)",
 )
 FINAL_MODEL = FlowerView("final-model", "only the final model is seen", "cos(theta_T - theta_0, u_i)")
 VIEWS = (ALL_ITERATES, FINAL_MODEL)
@@ -69,8 +76,29 @@ class FlowerAudit:
 
 def view_scores(log: CanaryLog) -> dict[str, np.ndarray]:
     """Each view's score of every canary."""
-    released = log.round_cosines[log.released == 1]
-    return {ALL_ITERATES.name: released.max(axis=0), FINAL_MODEL.name: log.final_cosines.copy()}
+    return {ALL_ITERATES.name: iterates_llr(log), FINAL_MODEL.name: log.final_cosines.copy()}
+
+
+def iterates_llr(log: CanaryLog) -> np.ndarray:
+    """The all-iterates score of every canary (module docstring): the log-likelihood ratio of a canary sampled
+    with each round's probability against one never there, from the released rounds' standardised cosines."""
+    kept = log.released == 1
+    cosines = log.round_cosines[kept]
+    sigma = float(log.noise_multiplier)
+    if not cosines.size or not (math.isfinite(sigma) and sigma > 0):
+        return cosines.max(axis=0) if cosines.size else np.zeros(log.canaries)
+    centre = np.median(cosines, axis=1, keepdims=True)
+    spread = 1.4826 * np.median(np.abs(cosines - centre), axis=1, keepdims=True)
+    z = (cosines - centre) / np.where(spread > 0, spread, 1.0)
+    sampled = np.maximum(log.sampled[kept], 1).astype(np.float64)
+    poisson = log.sample_rate[kept]
+    rates = np.where(np.isfinite(poisson), poisson, sampled / np.maximum(log.population[kept], 1))
+    shift = 1.0 / (sigma * np.sqrt(sampled)) if log.mechanism.startswith("local") else np.full(len(rates), 1.0 / sigma)
+    evidence = shift[:, None] * z - shift[:, None] ** 2 / 2
+    rates = np.clip(rates, 0.0, 1.0)[:, None]
+    with np.errstate(divide="ignore"):
+        terms = np.logaddexp(np.log1p(-rates), np.log(rates) + evidence)
+    return np.where(rates >= 1.0, evidence, terms).sum(axis=0)
 
 
 def accountant_epsilon(log: CanaryLog, *, accountant: str = ACCOUNTANT) -> dict[str, Any]:
