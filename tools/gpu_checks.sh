@@ -1,0 +1,40 @@
+#!/bin/bash
+# The GPU checks of the speed work, in one call that fits a short lease: the CUDA tests, the DP step against Opacus,
+# a FedLAP-DP client round (then a profiled one), the thousand-client federation with its floor, and Table 2's first
+# round; each step under its own time limit, never past the budget, everything logged to OUT/log.txt.
+#
+#   bash tools/gpu_checks.sh [OUT] [BUDGET_SECONDS]
+#
+# Needs python3 with torch (CUDA), fedaudit installed (pip install --no-deps -e .), opacus, dp-accounting and
+# cryptography, and Fashion-MNIST where fedaudit finds it (DEVELOPERS.md, "On a GPU").
+set -u
+OUT=${1:-gpu-results}
+END=$((SECONDS + ${2:-540}))
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 want=$2
+  shift 2
+  local left=$((END - SECONDS))
+  local limit=$((want < left ? want : left))
+  if [ "$limit" -lt 15 ]; then
+    echo "=== $name skipped: no time left" | tee -a "$LOG"
+    return
+  fi
+  echo "=== $name (at most ${limit}s) $(date +%T)" | tee -a "$LOG"
+  local began=$SECONDS
+  timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1
+  echo "=== $name: exit $? after $((SECONDS - began))s" | tee -a "$LOG"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
+python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" \
+  | tee -a "$LOG"
+step tests 150 python3 -m pytest tests/fedaudit/test_gpu.py -n 4 -q -p no:cacheprovider --durations=10
+step per_sample_grads 100 python3 benchmarks/per_sample_grads.py --device cuda --widths 32 128
+step fedlap_round_profiled 120 python3 benchmarks/fedlap_round.py --device cuda --widths 32 --trajectories 1 \
+  --profile "$OUT/profile.txt"
+step fedlap_round 90 python3 benchmarks/fedlap_round.py --device cuda --widths 32
+step scale 150 python3 benchmarks/scale.py --device cuda --clients 1000 --rounds 20 --sampled-only --floor
+step table2_round1 150 python3 benchmarks/utility.py --device cuda --rounds 1 --width 128 --out "$OUT/utility"
+echo "=== done $(date +%T), ${SECONDS}s" | tee -a "$LOG"
