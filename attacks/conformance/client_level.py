@@ -24,6 +24,10 @@ the files do not name) is projected out. Four checks, each at the family-wise le
   sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^-1/2, and ``quantile``: the count released with each round, recovered
   from how C moved (C' = C exp(-eta_C (b - gamma))), less the centred count of the updates under C, against
   N(0, sigma_b^2) (chi-square, two-sided): a count released without its noise.
+
+With the noise in shares (``--noise-at clients``) what the clients sent already carries the noise, so ``noise`` and
+``clipping`` give way to ``shares`` (each client's share of the noise, with at most C of update beside it) and
+``server`` (the release is the sum of what was sent): :class:`_Shares`.
 """
 
 from __future__ import annotations
