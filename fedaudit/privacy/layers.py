@@ -146,7 +146,7 @@ def layer_weighted_sums(layer: LayerTrace, factors: torch.Tensor) -> TensorDict:
             n = len(next(iter(chunk.values())))
             f = factors[start : start + n]
             for name, g in chunk.items():
-                part = torch.einsum("b,b...->...", f.to(g.dtype), g)
+                part = (f.to(g.dtype) @ g.reshape(n, -1)).view(g.shape[1:])  # one matrix-vector product
                 local[name] = local[name] + part if name in local else part
             start += n
     elif isinstance(module, nn.Linear):
