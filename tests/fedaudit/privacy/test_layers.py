@@ -258,3 +258,25 @@ def test_dp_gradient_keeps_its_noise_stream() -> None:
     for key in before:
         torch.testing.assert_close(ours.grads[key], before[key], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours.per_sample_norms, norms, rtol=1e-4, atol=1e-6)
+
+
+def test_a_layer_replaced_after_a_query_is_traced_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers that own the parameters are kept per model between queries; a layer swapped for another of the
+    same name is found again (layer by layer: the whole-model fallback is not taken), so the next clipped sum is the
+    new model's (against the per-example loop)."""
+    import fedaudit.privacy.primitive as primitive
+
+    model, x, y = _model_and_batch("convnet", batch=5, seed=4)
+    clipped_sum(model, x, y, 0.05)
+    last = max((name for name, m in model.named_modules() if isinstance(m, nn.Linear)), key=len)
+    parent, _, child = last.rpartition(".")
+    old = model.get_submodule(last)
+    torch.manual_seed(9)
+    replacement = nn.Linear(old.in_features, old.out_features).double()
+    setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    monkeypatch.setattr(primitive, "per_sample_gradients", lambda *a, **k: pytest.fail("took the fallback"))
+    summed, _ = clipped_sum(model, x, y, 0.05)
+    monkeypatch.undo()
+    expected = _loop_clipped_sum(loop_grads(model, x, y), 0.05)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
