@@ -31,7 +31,7 @@ from fedaudit.algorithms.base import (
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent, update_noise_multiplier
 from fedaudit.privacy.primitive import client_level_mean, client_noise_share, dp_gradient
-from fedaudit.privacy.randomness import add_gaussian
+from fedaudit.privacy.randomness import Source, add_gaussian
 
 CLIP_NORM = "clip_norm"  # adaptive clipping: the server's state, C of the next round
 
@@ -82,17 +82,7 @@ class FedAvg:
     def sent_update(delta: TensorDict, data: ClientData, ctx: RoundContext) -> TensorDict:
         """What the client sends of its model delta: the delta, or with the noise in shares (``--noise-at
         clients``) the delta clipped to C with the client's share of the noise, drawn from its own secret."""
-        priv = ctx.config.privacy
-        if not priv.noise_in_shares:
-            return delta
-        share, _ = client_noise_share(
-            delta,
-            max_update_norm=priv.max_update_norm,
-            noise_multiplier=priv.noise_multiplier,
-            participants=ctx.participants,
-            generator=data.next_query(),
-        )
-        return share
+        return _share(delta, ctx, data.next_query()) if ctx.config.privacy.noise_in_shares else delta
 
     def local_update(
         self,
@@ -199,18 +189,11 @@ class FedAvg:
         noise; the server adds the canary clients' it runs (clipped and noised alike, from its own source), and
         moves the model by the sum over q P. It sees no update before its noise, so it reports no norm."""
         config = ctx.config
-        priv = config.privacy
         total = {name: torch.zeros_like(p) for name, p in global_params.items()}
         for message in messages:
             payload = message.payload
             if message.client_id >= config.data.num_clients:  # a canary client: the server runs it
-                payload, _ = client_noise_share(
-                    payload,
-                    max_update_norm=priv.max_update_norm,
-                    noise_multiplier=priv.noise_multiplier,
-                    participants=ctx.participants,
-                    generator=generator,
-                )
+                payload = _share(payload, ctx, generator)
             for name in total:
                 total[name] += payload[name].to(total[name].device, total[name].dtype)
         step = config.federated.server_lr / expected
@@ -285,6 +268,19 @@ class FedAvg:
             optimizer.step()
         event = SGMEvent(noise_multiplier=priv.noise_multiplier, sample_rate=sample_rate, steps=steps)
         return [event], {"local_steps": float(steps)}
+
+
+def _share(update: TensorDict, ctx: RoundContext, source: Source) -> TensorDict:
+    """``update`` clipped to C with one share of the round's noise from ``source`` (the noise in shares)."""
+    priv = ctx.config.privacy
+    share, _ = client_noise_share(
+        update,
+        max_update_norm=priv.max_update_norm,
+        noise_multiplier=priv.noise_multiplier,
+        participants=ctx.participants,
+        generator=source,
+    )
+    return share
 
 
 class FedProx(FedAvg):
