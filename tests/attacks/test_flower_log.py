@@ -18,7 +18,7 @@ from fedaudit.attacks import AttackError
 from fedaudit.attacks.canary.estimators import epsilon_from_gdp, epsilon_one_run, gdp_epsilon
 from fedaudit.attacks.canary.flower_log import LEVEL, accountant_epsilon, audit, audit_log, view_scores, write_results
 from fedaudit.instruments.canary_log import FORMAT, CanaryLog, CanaryLogError, read_log
-from fedaudit.privacy.accounting import SGMEvent, compute_epsilon
+from fedaudit.privacy.accounting import SGMEvent, calibrate_noise_multiplier, compute_epsilon
 
 DELTA = 1e-5
 
@@ -207,6 +207,31 @@ def test_with_clients_sampled_the_likelihood_ratio_separates_the_canaries_better
     baseline = audit(largest, source="x", resamples=100).metrics["views"]["all-iterates"]
     assert ratio["auc"] > baseline["auc"] + 0.01, (ratio["auc"], baseline["auc"])
     assert ratio["epsilon_lower_bound"] >= baseline["epsilon_lower_bound"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_with_clients_sampled_the_bound_grows_with_the_rounds_that_sample_each_canary(seed: int) -> None:
+    """Poisson sampling at q = 0.1, sigma calibrated to epsilon 8 over the run's rounds, 1,000 canaries whose
+    cosines are the mechanism's own (N(0, 1) in units of the noise, plus 1 / sigma in a round that samples the
+    canary): in 10 rounds a third of the included canaries are never sampled, and the all-iterates bound stays low;
+    in 100 rounds the ratio adds up about ten sampled rounds per canary, and the bound is above 0.3 of the
+    accountant's epsilon (never above it)."""
+
+    def ratio(rounds: int) -> float:
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=8.0, sample_rate=0.1, queries_per_round=1, rounds=rounds, delta=DELTA
+        )
+        rng = np.random.default_rng(seed)
+        log = make_log(canaries=1000, rounds=rounds, sampled=100, population=1000, sigma=sigma, seed=seed)
+        present = (rng.random(log.round_cosines.shape) < 0.1) & log.included.astype(bool)[None, :]
+        cosines = rng.normal(0.0, 0.02, log.round_cosines.shape) + present * 0.02 / sigma
+        log = CanaryLog(**{**vars(log), "round_cosines": cosines, "sample_rate": np.full(rounds, 0.1)})
+        metrics = audit(log, source="x", resamples=20).metrics
+        assert metrics["accountant_epsilon"] == pytest.approx(8.0, rel=1e-3)
+        return metrics["views"]["all-iterates"]["epsilon_lower_bound"] / metrics["accountant_epsilon"]
+
+    few, many = ratio(10), ratio(100)
+    assert 0.3 < many <= 1.0 and few < many, (few, many)
 
 
 def test_gaussian_scores_give_the_closed_form_epsilon_and_a_bound_below_it() -> None:
