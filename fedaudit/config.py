@@ -348,8 +348,9 @@ class PrivacyConfig:
         "Client level: who adds the noise. server: the server clips the updates and adds N(0, (sigma C)^2) to their "
         "sum (central DP: the server is trusted). clients: each sampled client clips its own update to C and adds "
         "its share N(0, (sigma C)^2 / m), m the clients of the round, from its own secret, so that the sum carries "
-        "sigma C; this protects against the server only if it sees the sum alone (secure aggregation, such as "
-        "Flower's SecAgg+), which fedaudit's engines do not run: the report says the server saw each share.",
+        "sigma C; this protects against the server only if it sees the sum alone: in a Flower deployment "
+        "(--superlink) the sites' payloads are summed under Flower's SecAgg+; on the local engine and Flower's "
+        "simulation the server sees each share, and the report says so.",
         choices=NOISE_AT,
     )
     target_quantile: float = setting(0.5, "Adaptive clipping: the quantile gamma of the update norms C follows.")
@@ -738,6 +739,11 @@ class RunConfig:
                 "SCAFFOLD at client level needs --local-steps K: the server moves its control variate by the released "
                 "update alone, which needs every client's number of steps.",
             )
+            require(
+                not (secure_aggregation(self) and ALGORITHMS[f.algorithm].control_variates),
+                "SCAFFOLD with --noise-at clients in a Flower deployment: each site's control variate would reach the "
+                "server beside the secure sum of the updates; use --noise-at server, or DP-FedAvg or DP-FedProx.",
+            )
             alone = sampled_alone(self)
             require(
                 alone <= p.delta / 10,
@@ -997,6 +1003,12 @@ def sampled_alone(config: RunConfig) -> float:
         return 0.0
     q, clients = config.federated.client_fraction, config.data.num_clients
     return config.federated.rounds * q * (1.0 - q) ** (clients - 1)
+
+
+def secure_aggregation(config: RunConfig) -> bool:
+    """Whether the server receives the clients' noise shares only added up: in a Flower deployment, under Flower's
+    SecAgg+ (fedaudit.engine.secure_sum); the local engine and Flower's simulation have no such sum."""
+    return config.privacy.noise_in_shares and config.engine == "flower" and config.flower.superlink is not None
 
 
 def accountant_delta(config: RunConfig) -> float:

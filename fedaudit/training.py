@@ -326,6 +326,7 @@ class _RoundOutcome:
     messages: list[ClientMessage]
     server_metrics: dict[str, float]
     row: dict[str, Any]
+    summed: ClientMessage | None = None  # the payloads the server received only added up (secure aggregation)
 
 
 def _initial_params(setup: Setup) -> TensorDict:
@@ -605,12 +606,14 @@ class _RoundLoop:
             participants=len(selected) + (len(self._sampled_canaries) if self.canaries is not None else 0),
         )
         messages = self._run_clients(selected, ctx, state)
+        summed = self.engine.take_secure_sum() if selected else None
         if self.server_keys is not None:
             server = self.server_keys.query_source(m, SERVER_NOISE, device)
         else:
             server = make_generator(config.seed, Stream.SERVER, m, device=device)
         canary = self._canary_messages(state.params)
-        result = setup.algorithm.server_update(self.model, state.params, [*messages, *canary], ctx, server)
+        received = [*messages, *([] if summed is None else [summed]), *canary]
+        result = setup.algorithm.server_update(self.model, state.params, received, ctx, server)
         for k, dealt in result.dealt.items():
             state.states.merge(k, dealt)
         params = clone_params(result.params)
@@ -642,7 +645,7 @@ class _RoundLoop:
             "test_loss": loss,
             "epsilon": epsilon,
             "wall_seconds": wall,
-            "bytes_up": sum(msg.nbytes for msg in messages),
+            "bytes_up": sum(msg.nbytes for msg in messages) + (0 if summed is None else summed.nbytes * len(messages)),
             "clients": len(messages),
             **numbers,
         }
@@ -654,6 +657,7 @@ class _RoundLoop:
             messages=messages,
             server_metrics=numbers,
             row=row,
+            summed=summed,
         )
 
     def commit(self, outcome: _RoundOutcome, state: _TrainingState, manifest: Manifest) -> Manifest:
@@ -703,7 +707,10 @@ class _RoundLoop:
             run.states.save_server(number, state.server_kept, kept=True)
         if config.save_transmitted:
             for msg in outcome.messages:
-                run.wire.save(number, msg.client_id, msg.payload)
+                if msg.payload:  # an empty one reached the server only inside the secure sum
+                    run.wire.save(number, msg.client_id, msg.payload)
+            if outcome.summed is not None:
+                run.wire.save_sum(number, [msg.client_id for msg in outcome.messages], outcome.summed.payload)
         if self.setup.canaries is not None:
             run.queries.save(number, {msg.client_id: msg.audit for msg in outcome.messages})
         if self.canaries is not None:

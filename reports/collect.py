@@ -18,7 +18,7 @@ from scipy.stats import norm
 from fedaudit.attacks.metrics import rate_interval, threshold_bounds
 from fedaudit.attacks.reconstruction.image_quality import quality_summary
 from fedaudit.attacks.registry import RECONSTRUCTION_METHOD
-from fedaudit.config import PrivacyConfig, RunConfig
+from fedaudit.config import PrivacyConfig, RunConfig, secure_aggregation
 from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import AccountingError, PrivacyLedger
 from fedaudit.privacy.randomness import CLIENT_SECRETS, NOISE_SEED, RUN_SEED
@@ -81,10 +81,12 @@ class PrivacySummary:
     max_update_norm: float | None = None  # client level: the clipping norm of each client's update
     clients: int | None = None  # client level: the clients, each a unit of the guarantee
     noise_at: str = "server"  # client level: who added the noise: the server, or the clients in shares
+    secure_sum: bool = False  # with the noise in shares: the server received the shares only summed (SecAgg+)
 
     @property
     def noise_in_shares(self) -> bool:
-        """Whether, at client level, each client added its share of the noise (the server saw each share)."""
+        """Whether, at client level, each client added its share of the noise (the server saw each share, or with
+        :attr:`secure_sum` their sum alone)."""
         return self.client_level and self.noise_at == "clients"
 
     @property
@@ -779,7 +781,7 @@ def _privacy(
     fraction = clients.client_fraction_effective
     q = batch / sizes[worst] if worst is not None and batch and not generates else None
     if ledger.unit == "client":
-        return _client_level_privacy(ledger, fraction, len(sizes), config.privacy.noise_at)
+        return _client_level_privacy(ledger, fraction, len(sizes), config.privacy.noise_at, secure_aggregation(config))
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,
@@ -798,7 +800,9 @@ def _privacy(
     )
 
 
-def _client_level_privacy(ledger: PrivacyLedger, fraction: float, clients: int, noise_at: str) -> PrivacySummary:
+def _client_level_privacy(
+    ledger: PrivacyLedger, fraction: float, clients: int, noise_at: str, secure_sum: bool
+) -> PrivacySummary:
     """A client-level run's guarantee: one query per round at the server's client sampling rate, every client
     charged every round."""
     worst = ledger.worst_client
@@ -818,6 +822,7 @@ def _client_level_privacy(ledger: PrivacyLedger, fraction: float, clients: int, 
         max_update_norm=ledger.max_update_norm,
         clients=clients,
         noise_at=noise_at,
+        secure_sum=secure_sum,
     )
 
 

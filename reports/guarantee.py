@@ -195,6 +195,16 @@ def _trust(run: RunSummary) -> str:
 def _server_noise(run: RunSummary) -> str:
     """Whom a client-level run's guarantee holds against: the server is the trusted party of central DP, or with
     the noise in shares, would not need to be if it saw their sum alone."""
+    if run.privacy.noise_in_shares and run.privacy.secure_sum and run.randomness != NOISE_SEED:
+        return (
+            "each sampled client clips its update and adds its share of the noise from its own secret, and the "
+            "sites' results are summed under Flower's SecAgg+ (secure aggregation: each masked with masks agreed "
+            "with the round's other sites), so the server received their sum alone, which carries the whole noise "
+            "(sigma C): the guarantee holds against the server too, and against anyone who sees the global models. "
+            "A round that sampled one client sent its result unmasked (no sum to hide it in): the accountant's "
+            "delta covers that chance. The server knows the canary clients' shares it adds itself, so in an audit "
+            "run it sees the real clients' shares summed with less than the whole noise"
+        )
     if run.privacy.noise_in_shares and run.randomness != NOISE_SEED:
         return (
             "each sampled client clips its update and adds its share of the noise from its own secret, and sends "

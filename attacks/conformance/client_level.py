@@ -27,7 +27,11 @@ the files do not name) is projected out. Four checks, each at the family-wise le
 
 With the noise in shares (``--noise-at clients``) what the clients sent already carries the noise, so ``noise`` and
 ``clipping`` give way to ``shares`` (each client's share of the noise, with at most C of update beside it) and
-``server`` (the release is the sum of what was sent): :class:`_Shares`.
+``server`` (the release is the sum of what was sent): :class:`_Shares`. In a Flower deployment the server
+received the shares of a round's clients only summed (secure aggregation): the run kept that sum and how many
+clients it adds up, and the checks take it as one update of that many shares and clipped updates. From a sum the
+clipping is checked only as |sum_k c_k| <= n C: unclipped updates whose sum stays under that cannot be told from
+clipped ones by a server that holds the sum alone (what secure aggregation is for).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import math
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file
 from scipy import stats
 
@@ -44,6 +49,7 @@ from fedaudit.attacks.conformance.checks import LEDGER_RTOL, Check, Verification
 from fedaudit.instruments.canary_log import read_log
 from fedaudit.models import initial_params
 from fedaudit.rundir import RunDirectory
+from fedaudit.rundir.stores import SECURE_SUM_FILE
 from fedaudit.seeding import Stream, numpy_rng
 
 CHECKS = ("noise", "clipping", "sampling", "ledger")  # and "quantile" for adaptive clipping
@@ -82,21 +88,24 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     models = [_flat(_initial(manifest, config.seed), names)]
     models += [_flat(load_file(str(run.checkpoints.path(t))), names) for t in range(1, rounds + 1)]
     sent = [_sent(run, t, names) for t in range(1, rounds + 1)]
+    summed = [_summed(run, t, names) for t in range(1, rounds + 1)]
+    in_sums = [0 if s is None else s[1] for s in summed]
     log = read_log(run.canary_clients_path) if config.audit.canary_clients else None
     population = clients + (int(log.included.sum()) if log is not None else 0)
     basis = _canary_basis(config.seed, log, models[0].size) if log is not None else None
     stored = run.read_privacy() or {}
     per_check = level / (len(CHECKS) + adaptive)
-    sampled = int(log.sampled.sum()) if log is not None else sum(len(s) for s in sent)
+    sampled = int(log.sampled.sum()) if log is not None else sum(len(s) for s in sent) + sum(in_sums)
     common = [
         _sampling_check(sampled, population * rounds, _ledger_rate(stored, q), per_check),
         _ledger_check(stored, sigma, q, rounds, clients),
     ]
     if priv.noise_in_shares:
-        taking_part = [int(log.sampled[t]) if log is not None else len(sent[t]) for t in range(rounds)]
+        taking_part = [int(log.sampled[t]) if log is not None else len(sent[t]) + in_sums[t] for t in range(rounds)]
         shares = _Shares(sigma * priv.max_update_norm, priv.max_update_norm, q * population / eta, basis)
+        received = [[(u, 1) for u in sent[t]] + ([] if summed[t] is None else [summed[t]]) for t in range(rounds)]
         return Verification(
-            checks=[*shares.checks(models, sent, taking_part, per_check), *common],
+            checks=[*shares.checks(models, received, taking_part, per_check), *common],
             level=level,
             per_check_level=per_check,
         )
@@ -145,22 +154,29 @@ class _Shares:
         self.std, self.clip, self.scale, self.basis = std, clip, scale, basis
 
     def checks(
-        self, models: list[np.ndarray], sent: list[list[np.ndarray]], taking_part: list[int], level: float
+        self,
+        models: list[np.ndarray],
+        sent: list[list[tuple[np.ndarray, int]]],
+        taking_part: list[int],
+        level: float,
     ) -> list[Check]:
-        """The ``shares`` and ``server`` checks over every round."""
+        """The ``shares`` and ``server`` checks over every round; ``sent`` holds each round's vectors received, each
+        with how many clients' results it adds up (1, or a secure sum's count n: then n shares, variance n s^2,
+        and an update part of norm at most n C, so its energy |v|^2 / (n s^2) has slack n C^2 / s^2)."""
         energy = slack = 0.0
         dof = updates_sent = server = server_dof = 0
         stray = 0.0
-        for t, updates in enumerate(sent):
+        for t, vectors in enumerate(sent):
             share = self.std / math.sqrt(max(taking_part[t], 1))
-            for update in updates:
-                energy += float(update @ update) / share**2
-                slack += self.clip**2 / share**2
-                dof += update.size
-                updates_sent += 1
+            for vector, count in vectors:
+                energy += float(vector @ vector) / (count * share**2)
+                slack += count * self.clip**2 / share**2
+                dof += vector.size
+                updates_sent += count
+            updates = [vector for vector, _ in vectors]
             residual = self.scale * (models[t + 1] - models[t]) - sum(updates, np.zeros_like(models[t]))
             residual, free = _outside(residual, self.basis)
-            canaries = taking_part[t] - len(updates)
+            canaries = taking_part[t] - sum(count for _, count in vectors)
             if canaries > 0:
                 server += float(residual @ residual) / (canaries * share**2)
                 server_dof += free
@@ -247,6 +263,16 @@ def _flat(params: dict[str, Any], names: list[str]) -> np.ndarray:
 def _sent(run: RunDirectory, round_number: int, names: list[str]) -> list[np.ndarray]:
     folder = run.transmitted_dir / f"round-{round_number:04d}"
     return [_flat(load_file(str(path)), names) for path in sorted(folder.glob("client-*.safetensors"))]
+
+
+def _summed(run: RunDirectory, round_number: int, names: list[str]) -> tuple[np.ndarray, int] | None:
+    """A round's secure sum and how many clients it adds up, where the server received the shares only summed."""
+    path = run.transmitted_dir / f"round-{round_number:04d}" / SECURE_SUM_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "np") as file:
+        clients = [k for k in (file.metadata() or {}).get("clients", "").split(",") if k]
+    return _flat(load_file(str(path)), names), len(clients)
 
 
 def _canary_basis(seed: int, log: Any, dimension: int) -> np.ndarray:

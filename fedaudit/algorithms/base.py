@@ -132,6 +132,9 @@ class RoundContext:
         return base_lr * 0.5 * (1.0 + math.cos(math.pi * self.round / self.rounds))
 
 
+SECURE_SUM = -1  # the client id of a round's secure sum: the payloads the server received only added up
+
+
 @dataclass
 class ClientMessage:
     """What a client sends to the server after a round.

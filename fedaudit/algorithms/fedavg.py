@@ -186,12 +186,16 @@ class FedAvg:
         generator: torch.Generator,
     ) -> ServerResult:
         """Client-level DP with the noise in shares: the clients' updates come clipped, each with its share of the
-        noise; the server adds the canary clients' it runs (clipped and noised alike, from its own source), and
-        moves the model by the sum over q P. It sees no update before its noise, so it reports no norm."""
+        noise (on their own, or under secure aggregation already added up: then each client's message comes empty
+        and one message holds the sum); the server adds the canary clients' it runs (clipped and noised alike, from
+        its own source), and moves the model by the sum over q P. It sees no update before its noise, so it reports
+        no norm."""
         config = ctx.config
         total = {name: torch.zeros_like(p) for name, p in global_params.items()}
         for message in messages:
             payload = message.payload
+            if not payload:  # a client whose update the server received only inside the secure sum
+                continue
             if message.client_id >= config.data.num_clients:  # a canary client: the server runs it
                 payload = _share(payload, ctx, generator)
             for name in total:

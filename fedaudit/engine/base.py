@@ -51,3 +51,9 @@ class Engine(Protocol):
             RuntimeError: a client failed; the round is not committed and the run stays resumable.
         """
         ...
+
+    def take_secure_sum(self) -> ClientMessage | None:
+        """The last round's payloads that reached the server only added up (secure aggregation: their messages
+        came with empty payloads), as one message of client :data:`~fedaudit.algorithms.base.SECURE_SUM` whose
+        ``num_examples`` is how many it sums; None where every payload came on its own. Given once."""
+        ...

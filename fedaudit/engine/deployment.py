@@ -15,7 +15,9 @@ checkpoints and audit stay exactly those of the local engine:
 3. each round, send the selected clients the global model and what they kept, and turn the replies back into
    client messages. A site that dies (no heartbeat for a minute) or does not answer within ``round_timeout``
    ends the round with one sentence naming it; nothing of that round is committed, so ``--resume`` continues
-   once the site is back. A site whose data fingerprint changes during the run is refused.
+   once the site is back. A site whose data fingerprint changes during the run is refused. With the noise of
+   client-level DP in shares (``--noise-at clients``), a round's results are summed under Flower's SecAgg+
+   (fedaudit.engine.secure_sum), and the server receives and keeps their sum alone.
 
 Every site computes exactly what the local engine's client computes (the same ``client_update``), with its draws
 from a secret that only the site holds: a file the site creates (mode 0600) where its node config says (``secret``)
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from fedaudit.algorithms.base import (
+    SECURE_SUM,
     Algorithm,
     ClientData,
     ClientMessage,
@@ -51,8 +54,16 @@ from fedaudit.algorithms.base import (
     evaluation_counts,
     load_params,
 )
-from fedaudit.config import RunConfig
+from fedaudit.config import RunConfig, secure_aggregation
 from fedaudit.data.sites import SiteReport, is_sites, recorded_hashes, sites_fingerprint
+from fedaudit.engine.secure_sum import (
+    SecureRoundError,
+    as_fit_result,
+    clipping_range,
+    is_secure,
+    secure_round,
+    secure_sum_mod,
+)
 from fedaudit.engine.simulation import (
     SiteSecret,
     _client_side,
@@ -160,8 +171,10 @@ def _secret(context: Any, client: int, data_dir: str | None) -> SiteSecret:
 
 
 def _train(message: Any, context: Any) -> Any:
+    """One round of this site's client; under secure aggregation, its reply as SecAgg+'s mod masks it."""
     client, data_dir, data = _site(context)
-    return client_round(message, client, data_dir, data, site=_secret(context, client, data_dir))
+    reply = client_round(message, client, data_dir, data, site=_secret(context, client, data_dir))
+    return as_fit_result(reply, message) if is_secure(message) else reply
 
 
 def _evaluate(message: Any, context: Any) -> Any:
@@ -217,7 +230,7 @@ def _signals(message: Any, context: Any) -> Any:
 def _make_client_app() -> Any:
     from flwr.clientapp import ClientApp
 
-    app = ClientApp()
+    app = ClientApp(mods=[secure_sum_mod])
     app.query()(_hello)
     app.query("signals")(_signals)
     app.train()(_train)
@@ -385,6 +398,9 @@ class DeploymentEngine:
         self.wait_seconds = float(dep.wait_seconds)
         self.round_timeout = float(dep.round_timeout)
         self.window = config.parallel_clients  # at most this many sites at work at once; None: all of a round's
+        self.secure = secure_aggregation(config)  # two or more sites a round: their payloads summed under SecAgg+
+        self.clip = (config.privacy.max_update_norm, config.privacy.noise_multiplier)  # C and sigma: SecAgg+'s range
+        self._summed: ClientMessage | None = None
         self.num_clients = num_clients
         self.site_map = SiteMap(num_clients, membership, sites, survey=survey)
         self._grid: Any = None
@@ -397,6 +413,11 @@ class DeploymentEngine:
 
     def __enter__(self) -> DeploymentEngine:
         return self
+
+    def take_secure_sum(self) -> ClientMessage | None:
+        """The last round's secure sum; None where its payloads came on their own (no shares, or one site)."""
+        summed, self._summed = self._summed, None
+        return summed
 
     def __exit__(self, *exc: object) -> None:
         self.close(completed=exc[0] is None)
@@ -429,7 +450,11 @@ class DeploymentEngine:
             )
             for data in clients
         }
-        replies = self._exchange(requests, ctx.round + 1, time.monotonic() + self.round_timeout)
+        self._summed = None
+        if self.secure and len(requests) >= 2:
+            replies = self._secure_exchange(requests, ctx, global_params)
+        else:
+            replies = self._exchange(requests, ctx.round + 1, time.monotonic() + self.round_timeout)
         messages = []
         for data in clients:
             reply = replies[data.client_id]
@@ -485,7 +510,9 @@ class DeploymentEngine:
         replies: dict[int, Any] = {}
         while len(replies) < len(requests):
             if not self._task_alive:
-                raise DeploymentError(f"The SuperLink at {self.address} ended this run (its heartbeat was refused).")
+                raise DeploymentError(
+                    f"The SuperLink at {self.address} ended this run (its heartbeat was refused)."
+                ) from None
             room = window - (len(sent) - len(replies))
             if room > 0 and queue:
                 batch, queue = queue[:room], queue[room:]
@@ -505,6 +532,29 @@ class DeploymentEngine:
                     )
                 time.sleep(POLL_SECONDS)
         return replies
+
+    def _secure_exchange(self, requests: dict[int, Any], ctx: RoundContext, params: TensorDict) -> dict[int, Any]:
+        """The round under SecAgg+ (fedaudit.engine.secure_sum): every site at once, whatever the window; each
+        reply without its payload, and the payloads' sum kept for :meth:`take_secure_sum`."""
+        round_number = ctx.round + 1
+        client_of = {self.site_map.node_of[client]: client for client in requests}
+        try:
+            by_node, total = secure_round(
+                self._grid,
+                self._context,
+                {node: requests[client] for node, client in client_of.items()},
+                round_number=round_number,
+                like=params,
+                clip_range=clipping_range(*self.clip, ctx.participants),
+                timeout=self.round_timeout,
+                poll=POLL_SECONDS,
+                alive=lambda: self._task_alive,
+            )
+        except SecureRoundError as exc:
+            client = client_of.get(exc.node, min(requests))
+            raise _secure_failure(exc, client, round_number, self) from None
+        self._summed = ClientMessage(client_id=SECURE_SUM, num_examples=len(by_node), payload=total)
+        return {client_of[node]: reply for node, reply in by_node.items()}
 
     def _failure(self, client: int, round_number: int, error: Any) -> str:
         node = self.site_map.node_of.get(client)
@@ -623,6 +673,23 @@ class DeploymentEngine:
             self._control.close()
             self._grid = None
             TaskIdentity.task_id = TaskIdentity.run_id = TaskIdentity.node_id = None
+
+
+def _secure_failure(exc: SecureRoundError, client: int, round_number: int, engine: DeploymentEngine) -> UserError:
+    """The one sentence for a round whose secure sum did not complete at ``client``'s site."""
+    if exc.stage == "heartbeat":
+        return DeploymentError(f"The SuperLink at {engine.address} ended this run (its heartbeat was refused).")
+    if exc.error is not None:
+        return DeploymentError(engine._failure(client, round_number, exc.error))
+    if exc.stage == "tensors":
+        return DeploymentError(
+            f"Client {client}'s site summed other tensors than the model's under SecAgg+; it runs another fedaudit: "
+            "install the same version at every site."
+        )
+    return DeploymentError(
+        f"Client {client}'s site did not answer round {round_number}'s {exc.stage} stage of the secure sum within "
+        f"{engine.round_timeout:g} s; check its SuperNode and resume the run."
+    )
 
 
 def survey_sites(config: RunConfig) -> list[SiteReport]:

@@ -93,6 +93,10 @@ class LocalEngine:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def take_secure_sum(self) -> None:
+        """Every payload is the server's own to read here (no secure aggregation)."""
+        return None
+
     def run_clients(
         self,
         algorithm: Algorithm,

@@ -347,12 +347,13 @@ def train_message(
 
 
 def client_message(reply: Any, device: torch.device) -> ClientMessage:
-    """The :class:`ClientMessage` that a client's reply carries."""
+    """The :class:`ClientMessage` that a client's reply carries (its payload empty where the server received it
+    only inside a secure sum)."""
     info = reply.content["info"]
     return ClientMessage(
         client_id=int(info["client"]),
         num_examples=int(info["num_examples"]),
-        payload=_from_record(reply.content["payload"], device),
+        payload=_from_record(reply.content["payload"], device) if "payload" in reply.content else {},
         metrics={k: float(v) for k, v in json.loads(str(info["metrics"])).items()},
         privacy_events=[SGMEvent.from_dict(e) for e in json.loads(str(info["events"]))],
         state=_from_record(reply.content["state"], device) if "state" in reply.content else {},
@@ -395,6 +396,10 @@ class FlowerEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def take_secure_sum(self) -> None:
+        """A simulation's payloads come on their own (its server is the simulator: no secure aggregation)."""
+        return None
 
     def run_clients(
         self,

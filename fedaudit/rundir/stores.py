@@ -14,6 +14,8 @@ import torch
 from fedaudit.rundir.attack_records import AttackRecord
 from fedaudit.rundir.files import RunError, json_bytes, load_tensors, tensor_names, tensors_bytes
 
+SECURE_SUM_FILE = "secure-sum.safetensors"  # a round's payloads as the server received them under secure aggregation
+
 
 class RunFiles(Protocol):
     """What the stores and the seal need of their run directory (a RunDirectory): where its files are, and how
@@ -193,6 +195,12 @@ class WireStore(Store):
     def save(self, round_number: int, client_id: int, payload: Mapping[str, torch.Tensor]) -> None:
         path = self.run.transmitted_dir / _round_name(round_number) / f"client-{client_id:03d}.safetensors"
         self.run.put(path, tensors_bytes(payload, {"round": str(round_number), "client": str(client_id)}))
+
+    def save_sum(self, round_number: int, clients: list[int], payload: Mapping[str, torch.Tensor]) -> None:
+        """What ``clients`` sent, as the server received it under secure aggregation: added up."""
+        path = self.run.transmitted_dir / _round_name(round_number) / SECURE_SUM_FILE
+        meta = {"round": str(round_number), "clients": ",".join(str(k) for k in clients)}
+        self.run.put(path, tensors_bytes(payload, meta))
 
 
 class QueryStore(Store):

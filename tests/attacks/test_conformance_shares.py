@@ -75,6 +75,44 @@ def test_a_faulty_share_is_caught(tmp_path, monkeypatch, fault: str) -> None:
     assert not verification.check("shares").passed, verification.check("shares").sentence
 
 
+def _as_secure_sums(run) -> None:
+    """What a Flower deployment keeps of the same run (SecAgg+): each round's client files replaced by their sum,
+    with the clients it adds up."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    for folder in sorted((run / "transmitted").glob("round-*")):
+        files = sorted(folder.glob("client-*.safetensors"))
+        sent = [load_file(str(f)) for f in files]
+        total = {name: np.sum([s[name] for s in sent], axis=0, dtype=np.float64).astype(np.float32) for name in sent[0]}
+        clients = ",".join(str(int(f.stem.split("-")[1])) for f in files)
+        save_file(total, str(folder / "secure-sum.safetensors"), metadata={"round": folder.name, "clients": clients})
+        for f in files:
+            f.unlink()
+
+
+@pytest.mark.parametrize("fault", [None, *CLIENT_FAULTS], ids=["correct", *CLIENT_FAULTS])
+def test_shares_received_only_summed_are_checked_as_sums(tmp_path, monkeypatch, fault: str | None) -> None:
+    """Runs as above with what the server kept turned into each round's secure sum: the correct one passes (every
+    client counted once), each faulty share is still caught. From a sum alone the clipping is seen only where the
+    clients' updates add up to more than n C: at --lr 0.5 the unclipped updates' sum stays under it (as the
+    server, holding the sum alone, cannot tell them from clipped ones); at --lr 4 it does not."""
+    if fault is not None:
+        monkeypatch.setattr(fedavg, "client_noise_share", CLIENT_FAULTS[fault])
+    run = tmp_path / "run"
+    result = invoke("train", *FAST_ARGS, *SHARES, "--rounds", "3", "--lr", "4", "--out", run)
+    assert result.exit_code == 0, result.output
+    counted = sum(len(list(f.glob("client-*"))) for f in (run / "transmitted").glob("round-*"))
+    _as_secure_sums(run)
+    verification = verify_client_level(RunDirectory(run))
+    shares = verification.check("shares")
+    if fault is None:
+        assert verification.passed, [c.sentence for c in verification.checks if not c.passed]
+        assert shares.details["updates"] == counted > 0
+    else:
+        assert not shares.passed, shares.sentence
+
+
 def _server_adding_noise(global_params, messages, ctx, expected, generator):
     result = HONEST_SUM(global_params, messages, ctx, expected, generator)
     noisy = {name: p + 0.01 * torch.randn(p.shape, generator=generator) for name, p in result.params.items()}

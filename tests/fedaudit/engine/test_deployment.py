@@ -150,6 +150,23 @@ def test_missing_sites_and_bad_connections_are_one_sentence(tmp_path, cli, feder
         (("--insecure",), "--superlink"),
         (("--engine", "flower", "--superlink", "h:1", "--root-certificates", "/nonexistent/ca.crt"), "readable"),
         (("--engine", "flower", "--superlink", "h:1", "--insecure", "--wait-seconds", "0"), "--wait-seconds"),
+        (  # a site's control variate would reach the server beside the secure sum
+            (
+                *("--engine", "flower", "--superlink", "h:1", "--insecure", "--algorithm", "scaffold"),
+                *(
+                    "--local-steps",
+                    "2",
+                    "--dp",
+                    "--dp-level",
+                    "client",
+                    "--noise-at",
+                    "clients",
+                    "--max-update-norm",
+                    "1",
+                ),
+            ),
+            "secure sum",
+        ),
     ],
 )
 def test_bad_deployment_options_are_one_sentence(tmp_path, cli, extra, mentions):
@@ -318,3 +335,47 @@ def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_a
     np.savez(files[-1], x=changed["x"], y=(changed["y"] + 1) % 10)  # the site's records are no longer the run's
     line = assert_user_error(cli("attack", deployed, *attack, *deployment_args(federation)[2:]))
     assert f"Client {SITES - 1}'s site holds other records than the run was trained on" in line
+
+
+def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, cli, federation):
+    """Client-level DP with the noise in shares on three sites: each round's payloads are summed under Flower's
+    SecAgg+ (its workflow's stages and its client mod at every site), so the server keeps no site's payload, only
+    the sum, which is the local engine's sum of the same shares (a public --noise-seed) to SecAgg+'s quantisation;
+    the models agree to it, verify's checks pass on the sum, and the report says the server saw the sum alone."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    from fedaudit.attacks.conformance.client_level import verify_client_level
+    from fedaudit.rundir import RunDirectory
+
+    for client in range(CLIENTS):
+        federation.start_supernode(client, public_noise=True)
+    args = (
+        *FAST_ARGS,
+        *("--num-clients", str(CLIENTS), "--rounds", "2", "--dp", "--dp-level", "client", "--noise-at", "clients"),
+        *("--max-update-norm", "0.5", "--noise-multiplier", "1", "--noise-seed", "0", "--save-transmitted"),
+    )
+    local, deployed = tmp_path / "local", tmp_path / "deployed"
+    assert cli("train", *args, "--out", local).exit_code == 0
+    result = cli("train", *args, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
+    assert result.exit_code == 0, result.output + federation.log("supernode-0")
+    for number in (1, 2):
+        folder = deployed / "transmitted" / f"round-{number:04d}"
+        assert sorted(p.name for p in folder.iterdir()) == ["secure-sum.safetensors"]  # no site's payload
+        with safe_open(str(folder / "secure-sum.safetensors"), "np") as file:
+            assert file.metadata()["clients"] == "0,1,2"
+        summed = load_file(str(folder / "secure-sum.safetensors"))
+        sent = [load_file(str(p)) for p in sorted((local / "transmitted" / folder.name).glob("client-*"))]
+        assert len(sent) == CLIENTS
+        for name, total in summed.items():
+            # within a few quantisation steps: R = C (1 + 10 sigma / sqrt(3)) over 2^21, three sites
+            assert np.abs(total - sum(s[name] for s in sent)).max() < 1e-4, name
+    mine, theirs = load_file(str(deployed / "model.safetensors")), load_file(str(local / "model.safetensors"))
+    assert max(float(np.abs(mine[k] - theirs[k]).max()) for k in mine) < 1e-4
+    verification = verify_client_level(RunDirectory(deployed))
+    assert verification.passed, [c.sentence for c in verification.checks if not c.passed]
+    assert verification.check("shares").details["updates"] == 2 * CLIENTS
+    assert cli("report", deployed, "--out", tmp_path / "report", "--format", "md").exit_code == 0
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "SecAgg+" in report and "saw only the sum" in report

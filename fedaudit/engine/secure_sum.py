@@ -1,0 +1,229 @@
+"""A round's noise shares summed under Flower's SecAgg+ in a Flower deployment, so that the server sees the sum alone.
+
+With ``--noise-at clients`` each sampled client sends its clipped update plus its share of the noise, and only the
+sum of the shares carries the noise the accountant charges: the guarantee holds against the server only if the
+server learns the sum and nothing else. In a Flower deployment fedaudit therefore sums the round's payloads with
+Flower's own SecAgg+ protocol (Bell et al., CCS 2020): the four stages of Flower's ``SecAggPlusWorkflow`` (set-up,
+key sharing, masked vectors, unmasking), driven here round by round with fedaudit's own training message as each
+site's fit instruction, and Flower's ``secaggplus_mod`` in every site's ClientApp. Each site masks its quantised
+payload with masks agreed pairwise with the round's other sites and a private mask; the server unmasks the sum.
+The reply still carries in the clear what it carries without secure aggregation and is not the update: which
+client, its number of examples, its training metrics and privacy events, its data's fingerprint.
+
+Quantisation: SecAgg+ adds integers modulo 2^32, each coordinate clipped to [-R, R] and stochastically rounded to
+one of 2^22 levels. A clipped update's coordinate is at most C and a share's standard deviation is sigma C /
+sqrt(m), so R = C (1 + 10 sigma / sqrt(m)) clips a coordinate with probability below 1e-22; the rounding is unbiased
+and adds a variance of at most (R / 2^21)^2 / 4 per coordinate and site, under 1e-11 of the noise's at C = 1, sigma
+1. Every site of a round must finish every stage (the reconstruction threshold is all of them): a site that fails
+or falls silent ends the round, as without secure aggregation, and the run resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedaudit.errors import UserError
+
+SUMMED = "summed"  # the reply's info entry naming the payload's tensors, in the order they were summed
+MAX_SITES = 1000  # 2^22 levels a site, summed modulo 2^32: at most 1,024 sites before the sum wraps
+TARGET_RANGE = 1 << 22
+MOD_RANGE = 1 << 32
+
+
+def clipping_range(max_update_norm: float, noise_multiplier: float, participants: int) -> float:
+    """R: a clipped update's largest coordinate (C) plus ten standard deviations of a share (sigma C / sqrt(m))."""
+    return float(max_update_norm) * (1.0 + 10.0 * float(noise_multiplier) / np.sqrt(max(participants, 1)))
+
+
+# ---------------------------------------------------------------------------- at each site
+
+
+def secure_sum_mod(message: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
+    """Flower's ``secaggplus_mod`` for the training messages of a secure sum; every other message passes by."""
+    from flwr.client.mod import secaggplus_mod
+
+    if message.metadata.message_type == "train" and is_secure(message):
+        return secaggplus_mod(message, context, call_next)
+    return call_next(message, context)
+
+
+def is_secure(message: Any) -> bool:
+    """Whether ``message`` is one of SecAgg+'s stages."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    return RECORD_KEY_CONFIGS in message.content.config_records
+
+
+def as_fit_result(reply: Any, message: Any) -> Any:
+    """A site's training reply to ``message`` as SecAgg+'s mod masks it: the payload as the fit result's parameters
+    (weight 1, so that the unmasked mean times the sites is the sum), its tensors' names in the info; no other
+    array (the mod clears what it does not mask, and nothing else may reach the server)."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.common import Code, ndarrays_to_parameters
+    from flwr.compat.common.recorddict_compat import parameters_to_arrayrecord
+
+    content = reply.content
+    if set(content.array_records) != {"payload"}:
+        extra = sorted(set(content.array_records) - {"payload"})
+        raise RuntimeError(f"a secure sum's reply carries {extra} beside the payload, which would reach the server")
+    payload = content["payload"]
+    arrays = [array.numpy() for array in payload.values()]
+    out = RecordDict(
+        {
+            "info": ConfigRecord({**content["info"], SUMMED: json.dumps(list(payload.keys()))}),
+            "fitres.metrics": ConfigRecord({}),
+            "fitres.num_examples": MetricRecord({"num_examples": 1}),
+            "fitres.parameters": parameters_to_arrayrecord(ndarrays_to_parameters(arrays), True),
+            "fitres.status": ConfigRecord({"code": int(Code.OK.value), "message": "Success"}),
+        }
+    )
+    return Message(content=out, reply_to=message)
+
+
+# ---------------------------------------------------------------------------- at the server
+
+
+class SecureRoundError(UserError):
+    """A stage of the secure sum did not complete: ``node`` failed with ``error`` (a Flower error) or, with
+    ``error`` None, did not answer in time (the deployment engine says which client, in one sentence)."""
+
+    def __init__(self, node: int, error: Any, stage: str) -> None:
+        super().__init__(f"Node {node} did not complete SecAgg+'s {stage} stage.")
+        self.node, self.error, self.stage = node, error, stage
+
+
+class _Proxy:
+    """What SecAgg+'s set-up stage needs of a client proxy: its node."""
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+        self.cid = str(node_id)
+
+
+class _Strategy:
+    """The legacy strategy SecAgg+'s workflow calls: it samples the round's nodes and keeps the unmasked mean."""
+
+    def __init__(self, nodes: Iterable[int]) -> None:
+        self.nodes = list(nodes)
+        self.mean: list[np.ndarray] | None = None
+
+    def configure_fit(self, server_round: int, parameters: Any, client_manager: Any) -> list[tuple[Any, Any]]:
+        from flwr.common import FitIns
+
+        return [(_Proxy(node), FitIns(parameters, {})) for node in self.nodes]
+
+    def aggregate_fit(self, server_round: int, results: list[Any], failures: list[Any]) -> tuple[None, dict]:
+        from flwr.common import parameters_to_ndarrays
+
+        if results and not failures:
+            self.mean = parameters_to_ndarrays(results[0][1].parameters)
+        return None, {}
+
+
+class _Grid:
+    """The run's grid for SecAgg+'s stages: replies pulled every ``poll`` seconds (Flower's own waits 3 s between
+    pulls), the stage failed on the first error or once ``timeout`` passes, and the masked stage's replies kept."""
+
+    STAGES = ("set-up", "key sharing", "masked vectors", "unmasking")
+
+    def __init__(self, grid: Any, timeout: float, poll: float, alive: Callable[[], bool]) -> None:
+        self.grid, self.timeout, self.poll, self.alive = grid, timeout, poll, alive
+        self.stage = 0
+        self.replies: dict[int, Any] = {}
+
+    def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None) -> list[Any]:
+        messages = list(messages)
+        ids = self.grid.push_messages(messages)
+        pending = {mid: message.metadata.dst_node_id for mid, message in zip(ids, messages, strict=True)}
+        deadline = time.monotonic() + self.timeout
+        replies: list[Any] = []
+        while pending:
+            if not self.alive():
+                raise SecureRoundError(next(iter(pending.values())), None, "heartbeat")
+            for reply in self.grid.pull_messages(list(pending)):
+                node = pending.pop(reply.metadata.reply_to_message_id)
+                if reply.has_error():
+                    raise SecureRoundError(node, reply.error, self.STAGES[self.stage])
+                replies.append(reply)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise SecureRoundError(min(pending.values()), None, self.STAGES[self.stage])
+                time.sleep(self.poll)
+        if self.stage == 2:
+            self.replies = {reply.metadata.src_node_id: reply for reply in replies}
+        self.stage += 1
+        return replies
+
+
+def secure_round(
+    grid: Any,
+    context: Any,
+    requests: Mapping[int, Any],
+    *,
+    round_number: int,
+    like: Mapping[str, torch.Tensor],
+    clip_range: float,
+    timeout: float,
+    poll: float,
+    alive: Callable[[], bool],
+) -> tuple[dict[int, Any], dict[str, torch.Tensor]]:
+    """Run SecAgg+ over the nodes of ``requests`` (node -> fedaudit's training message for it): each node's reply
+    (its payload masked away) and the sum of the payloads, as tensors named, shaped and typed as ``like``'s.
+
+    Raises:
+        SecureRoundError: a node failed, went silent or the server task ended (stage "heartbeat"), or summed other
+            tensors than ``like``'s (stage "tensors").
+    """
+    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    from flwr.server.compat.legacy_context import LegacyContext
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+    from flwr.server.workflow.constant import Key as WorkflowKey
+
+    nodes = sorted(requests)
+    if len(nodes) > MAX_SITES:
+        raise ValueError(f"SecAgg+ sums at most {MAX_SITES} sites a round without wrapping, got {len(nodes)}")
+
+    class Workflow(SecAggPlusWorkflow):
+        def setup_stage(self, grid: Any, context: Any, state: Any) -> bool:
+            done = super().setup_stage(grid, context, state)
+            state.nid_to_fitins = {node: requests[node].content for node in nodes}
+            return done
+
+    state = RecordDict(
+        {
+            MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: round_number}),
+            MAIN_PARAMS_RECORD: ArrayRecord(),
+        }
+    )
+    own = Context(
+        run_id=context.run_id, node_id=context.node_id, node_config={}, state=state, run_config=context.run_config
+    )
+    strategy = _Strategy(nodes)
+    legacy = LegacyContext(own, strategy=strategy)  # type: ignore[arg-type]
+    stages = _Grid(grid, timeout, poll, alive)
+    workflow = Workflow(
+        num_shares=1.0,  # every site shares its keys with every other site of the round
+        reconstruction_threshold=1.0,  # and every share is needed: no site may drop out
+        max_weight=1.0,
+        clipping_range=clip_range,
+        quantization_range=TARGET_RANGE,
+        modulus_range=MOD_RANGE,
+    )
+    workflow(stages, legacy)
+    if strategy.mean is None:
+        raise SecureRoundError(nodes[0], None, "unmasking")
+    for node, reply in stages.replies.items():
+        if json.loads(str(reply.content["info"][SUMMED])) != list(like):
+            raise SecureRoundError(node, None, "tensors")
+    total = {
+        name: torch.from_numpy(mean * len(nodes)).to(p.device, p.dtype)
+        for (name, p), mean in zip(like.items(), strategy.mean, strict=True)
+    }
+    return stages.replies, total
