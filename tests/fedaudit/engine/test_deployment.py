@@ -379,3 +379,54 @@ def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, c
     assert cli("report", deployed, "--out", tmp_path / "report", "--format", "md").exit_code == 0
     report = (tmp_path / "report" / "report.md").read_text()
     assert "SecAgg+" in report and "saw only the sum" in report
+
+
+@pytest.mark.parametrize("answer", ["error", "silence"])
+def test_a_site_that_fails_or_falls_silent_in_a_secure_round_is_one_sentence(monkeypatch, answer):
+    """SecAgg+'s set-up stage with two sites, one of which answers with an error or not at all (a stand-in grid
+    answers for the sites): the round ends with one sentence naming that site's client and the stage."""
+    from types import SimpleNamespace
+
+    import torch
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedaudit.algorithms.base import RoundContext
+    from fedaudit.config import RunConfig
+    from fedaudit.engine.deployment import DeploymentEngine, DeploymentError
+
+    for name in ("_task_id", "_run_id", "_node_id"):  # what the engine's session would have set
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    engine = DeploymentEngine(RunConfig(), num_clients=2, membership=[])
+    engine.site_map.node_of = {0: 7, 1: 8}
+    engine._context = SimpleNamespace(run_id=1, node_id=0, run_config={})
+    engine.round_timeout, engine.clip = 0.3, (1.0, 1.0)
+    sent: dict[str, int] = {}
+
+    def push(messages):
+        ids = [f"m{len(sent) + i}" for i in range(len(messages))]
+        sent.update(zip(ids, (m.metadata.dst_node_id for m in messages)))
+        return ids
+
+    def pull(ids):  # client 0's site (node 7) answers; client 1's (node 8) fails or says nothing
+        failed = SimpleNamespace(code=0, reason="the site's disk is full")
+        return [
+            SimpleNamespace(
+                has_error=lambda node=sent[mid]: node == 8,
+                error=failed,
+                metadata=SimpleNamespace(reply_to_message_id=mid, src_node_id=sent[mid]),
+            )
+            for mid in ids
+            if sent[mid] == 7 or answer == "error"
+        ]
+
+    engine._grid = SimpleNamespace(push_messages=push, pull_messages=pull)
+    ctx = RoundContext(0, 2, RunConfig(), torch.device("cpu"), participants=2)
+    requests = {0: SimpleNamespace(content=None), 1: SimpleNamespace(content=None)}
+    with pytest.raises(DeploymentError) as raised:
+        engine._secure_exchange(requests, ctx, {"w": torch.zeros(2)})
+    sentence = str(raised.value)
+    assert sentence.count(".") <= 2 and "Client 1" in sentence and "round 1" in sentence, sentence
+    if answer == "error":
+        assert "the site's disk is full" in sentence and "node 8" in sentence
+    else:
+        assert "set-up stage of the secure sum within 0.3 s" in sentence
