@@ -20,6 +20,7 @@ or falls silent ends the round, as without secure aggregation, and the run resum
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -45,12 +46,29 @@ def clipping_range(max_update_norm: float, noise_multiplier: float, participants
 
 
 def secure_sum_mod(message: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
-    """Flower's ``secaggplus_mod`` for the training messages of a secure sum; every other message passes by."""
+    """Flower's ``secaggplus_mod`` for the training messages of a secure sum; every other message passes by.
+
+    The masked stage (the one that carries fedaudit's training task) rounds the site's result with NumPy's global
+    generator; it is seeded here from the client, the round and the global model it was sent (and restored after),
+    so that a round asked again (a resumed run) sums to exactly what its first try would have. DP does not rest on
+    this rounding (the Gaussian shares carry the noise), and the server sees the rounded results only summed."""
     from flwr.client.mod import secaggplus_mod
 
-    if message.metadata.message_type == "train" and is_secure(message):
+    if message.metadata.message_type != "train" or not is_secure(message):
+        return call_next(message, context)
+    if "task" not in message.content.config_records:
         return secaggplus_mod(message, context, call_next)
-    return call_next(message, context)
+    task = message.content["task"]
+    digest = hashlib.sha256(f"fedaudit secure-sum rounding/{task['client']}/{task['round']}".encode())
+    for name, array in message.content["global"].items():
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(array.numpy()).tobytes())
+    kept = np.random.get_state()
+    np.random.seed(int.from_bytes(digest.digest()[:4], "little"))
+    try:
+        return secaggplus_mod(message, context, call_next)
+    finally:
+        np.random.set_state(kept)
 
 
 def is_secure(message: Any) -> bool:

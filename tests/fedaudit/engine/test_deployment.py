@@ -341,7 +341,9 @@ def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, c
     """Client-level DP with the noise in shares on three sites: each round's payloads are summed under Flower's
     SecAgg+ (its workflow's stages and its client mod at every site), so the server keeps no site's payload, only
     the sum, which is the local engine's sum of the same shares (a public --noise-seed) to SecAgg+'s quantisation;
-    the models agree to it, verify's checks pass on the sum, and the report says the server saw the sum alone."""
+    the models agree to it, verify's checks pass on the sum, and the report says the server saw the sum alone. The
+    sites' rounding is seeded by run, client and round, so the same round summed again (here: the run's first round
+    trained again as a run of one round) gives the same bytes, as a resumed round must."""
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import load_file
@@ -376,6 +378,14 @@ def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, c
     verification = verify_client_level(RunDirectory(deployed))
     assert verification.passed, [c.sentence for c in verification.checks if not c.passed]
     assert verification.check("shares").details["updates"] == 2 * CLIENTS
+    again = tmp_path / "again"
+    one_round = tuple("1" if i and args[i - 1] == "--rounds" else a for i, a in enumerate(args))
+    result = cli("train", *one_round, *deployment_args(federation), "--wait-seconds", "120", "--out", again)
+    assert result.exit_code == 0, result.output + federation.log("supernode-0")
+    first = "transmitted/round-0001/secure-sum.safetensors"
+    assert load_file(str(again / first)).keys() == load_file(str(deployed / first)).keys()
+    for name, total in load_file(str(again / first)).items():
+        assert np.array_equal(total, load_file(str(deployed / first))[name]), name
     assert cli("report", deployed, "--out", tmp_path / "report", "--format", "md").exit_code == 0
     report = (tmp_path / "report" / "report.md").read_text()
     assert "SecAgg+" in report and "saw only the sum" in report
