@@ -63,8 +63,17 @@ def test_a_correct_run_passes_every_check(correct):
     assert seconds < 30
 
 
-def test_correct_runs_with_other_seeds_pass(tmp_path):
-    """The null side: at level 0.001 no correct run should fail (a failure here is a bug, or 1 in 1000 bad luck)."""
+def test_correct_runs_with_other_seeds_pass(tmp_path, monkeypatch):
+    """The null side: at level 0.001 no correct run should fail. The clients' secrets come from a fixed sequence, so
+    these are the same runs on every machine (with fresh secrets a correct run fails at the checks' level, 1 in
+    1,000: it happened once, a tensor's noise variance 0.938 of the charged over 10,240 coordinates)."""
+    import hashlib
+    import itertools
+
+    import fedaudit.privacy.randomness as randomness
+
+    drawn = itertools.count()
+    monkeypatch.setattr(randomness, "new_secret", lambda: hashlib.sha256(f"null {next(drawn)}".encode()).digest())
     for seed in range(1, 5):
         verification = verify(train(tmp_path / f"seed{seed}", "--rounds", "3", "--seed", str(seed)))
         assert verification.passed, (seed, [check.sentence for check in verification.checks if not check.passed])
