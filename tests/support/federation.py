@@ -72,6 +72,19 @@ sys.exit(flower_supernode())
 """
 
 
+# flower-superlink accepting heartbeat intervals from SHORTEST_HEARTBEAT seconds (Flower's HEARTBEAT_MIN_INTERVAL is
+# 10 s): a test's site that is going to die declares a short one, so that the SuperLink says it is gone after twice
+# that instead of after 20 s or more (the wait was most of the kill-and-resume test's time)
+SUPERLINK = """
+import sys
+import flwr.superlink.servicer.fleet.fleet_handlers as handlers
+handlers.HEARTBEAT_MIN_INTERVAL = float(sys.argv.pop(1))
+from flwr.superlink.cli import flower_superlink
+sys.exit(flower_superlink())
+"""
+SHORTEST_HEARTBEAT = 2.0
+
+
 def make_tls_files(directory: Path, host: str = "127.0.0.1") -> dict[str, Path]:
     """A throwaway CA and a server certificate for ``host``: ca.crt, server.pem, server.key (PEM)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -193,7 +206,7 @@ class SuperLink:
             tls = self.tls
             self.process = _spawn(
                 [
-                    str(BIN / "flower-superlink"),
+                    *(sys.executable, "-c", SUPERLINK, str(SHORTEST_HEARTBEAT)),
                     *("--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])),
                     *("--ssl-keyfile", str(tls["key"]), "--host", "127.0.0.1", "--port", str(self.port)),
                     *("--isolation", "process", "--disable-runtime-dependency-installation"),
@@ -270,8 +283,9 @@ class Federation:
     ) -> subprocess.Popen:
         """A SuperNode hosting ``client``; its node config, unless given: ``client-id=CLIENT`` and its secret's file
         (:meth:`secret_path`), with ``public-noise=true`` when the site lets the server choose a --noise-seed.
-        ``heartbeat_seconds``: the heartbeat interval it declares instead of Flower's 30 s (at least 10 s), for a
-        site that is going to die: the SuperLink then says it is gone after twice that, not after a minute."""
+        ``heartbeat_seconds``: the heartbeat interval it declares instead of Flower's 30 s (at least
+        :data:`SHORTEST_HEARTBEAT`), for a site that is going to die: the SuperLink then says it is gone after twice
+        that, not after a minute."""
         config = node_config or f'client-id={client} secret="{self.secret_path(client)}"'
         if public_noise:
             config += " public-noise=true"

@@ -178,8 +178,8 @@ def test_bad_deployment_options_are_one_sentence(tmp_path, cli, extra, mentions)
 def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp_path, cli, federation, monkeypatch):
     from fedaudit.engine.deployment import DeploymentEngine
 
-    for client in range(SITES):  # the site that dies declares Flower's shortest heartbeat interval (10 s, not 30 s)
-        federation.start_supernode(client, public_noise=True, heartbeat_seconds=10 if client == 1 else None)
+    for client in range(SITES):  # the site that dies declares a heartbeat every 3 s (not Flower's 30 s)
+        federation.start_supernode(client, public_noise=True, heartbeat_seconds=3 if client == 1 else None)
     args = (*dp_args(SITES), "--noise-seed", "0", *ALGORITHMS["fedlap"])
     local, deployed = tmp_path / "local", tmp_path / "deployed"
     assert cli("train", *args, "--out", local).exit_code == 0
@@ -189,7 +189,7 @@ def test_a_site_killed_mid_round_stops_the_round_and_the_run_resumes_exactly(tmp
     def kill_in_round_two(self, requests, round_number, deadline):
         if round_number == 2:
             federation.kill("supernode-1")  # SIGKILL: the site is gone without a word
-            # the site comes back (a new node id) while the server waits for the dead one's heartbeat (20 s); the
+            # the site comes back (a new node id) while the server waits for the dead one's heartbeat (6 s); the
             # server knows nothing of it until it resumes
             federation.start_supernode(1, public_noise=True)
         return exchange(self, requests, round_number, deadline)
