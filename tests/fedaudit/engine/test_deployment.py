@@ -338,12 +338,12 @@ def test_sites_that_keep_their_records_train_and_are_audited_where_the_records_a
 
 
 def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, cli, federation):
-    """Client-level DP with the noise in shares on three sites: each round's payloads are summed under Flower's
-    SecAgg+ (its workflow's stages and its client mod at every site), so the server keeps no site's payload, only
-    the sum, which is the local engine's sum of the same shares (a public --noise-seed) to SecAgg+'s quantisation;
-    the models agree to it, verify's checks pass on the sum, and the report says the server saw the sum alone. The
-    sites' rounding is seeded by run, client and round, so the same round summed again (here: the run's first round
-    trained again as a run of one round) gives the same bytes, as a resumed round must."""
+    """Client-level DP with the noise in shares on three sites, one round: the round's payloads are summed under
+    Flower's SecAgg+ (its workflow's stages and its client mod at every site), so the server keeps no site's payload,
+    only the sum, which is the local engine's sum of the same shares (a public --noise-seed) to SecAgg+'s
+    quantisation; the models agree to it, verify's checks pass on the sum, and the report says the server saw the
+    sum alone. The sites seed their rounding by client, round and the model sent, so the same round asked again
+    (here: the same run trained again) sums to the same bytes, as a resumed round must."""
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import load_file
@@ -355,37 +355,32 @@ def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, c
         federation.start_supernode(client, public_noise=True)
     args = (
         *FAST_ARGS,
-        *("--num-clients", str(CLIENTS), "--rounds", "2", "--dp", "--dp-level", "client", "--noise-at", "clients"),
+        *("--num-clients", str(CLIENTS), "--rounds", "1", "--dp", "--dp-level", "client", "--noise-at", "clients"),
         *("--max-update-norm", "0.5", "--noise-multiplier", "1", "--noise-seed", "0", "--save-transmitted"),
     )
-    local, deployed = tmp_path / "local", tmp_path / "deployed"
+    local, deployed, again = tmp_path / "local", tmp_path / "deployed", tmp_path / "again"
     assert cli("train", *args, "--out", local).exit_code == 0
-    result = cli("train", *args, *deployment_args(federation), "--wait-seconds", "120", "--out", deployed)
-    assert result.exit_code == 0, result.output + federation.log("supernode-0")
-    for number in (1, 2):
-        folder = deployed / "transmitted" / f"round-{number:04d}"
-        assert sorted(p.name for p in folder.iterdir()) == ["secure-sum.safetensors"]  # no site's payload
-        with safe_open(str(folder / "secure-sum.safetensors"), "np") as file:
-            assert file.metadata()["clients"] == "0,1,2"
-        summed = load_file(str(folder / "secure-sum.safetensors"))
-        sent = [load_file(str(p)) for p in sorted((local / "transmitted" / folder.name).glob("client-*"))]
-        assert len(sent) == CLIENTS
-        for name, total in summed.items():
-            # within a few quantisation steps: R = C (1 + 10 sigma / sqrt(3)) over 2^21, three sites
-            assert np.abs(total - sum(s[name] for s in sent)).max() < 1e-4, name
+    for out in (deployed, again):
+        result = cli("train", *args, *deployment_args(federation), "--wait-seconds", "120", "--out", out)
+        assert result.exit_code == 0, result.output + federation.log("supernode-0")
+    folder = deployed / "transmitted" / "round-0001"
+    assert sorted(p.name for p in folder.iterdir()) == ["secure-sum.safetensors"]  # no site's payload
+    with safe_open(str(folder / "secure-sum.safetensors"), "np") as file:
+        assert file.metadata()["clients"] == "0,1,2"
+    summed = load_file(str(folder / "secure-sum.safetensors"))
+    sent = [load_file(str(p)) for p in sorted((local / "transmitted" / folder.name).glob("client-*"))]
+    assert len(sent) == CLIENTS
+    for name, total in summed.items():
+        # within a few quantisation steps: R = C (1 + 10 sigma / sqrt(3)) over 2^21, three sites
+        assert np.abs(total - sum(s[name] for s in sent)).max() < 1e-4, name
     mine, theirs = load_file(str(deployed / "model.safetensors")), load_file(str(local / "model.safetensors"))
     assert max(float(np.abs(mine[k] - theirs[k]).max()) for k in mine) < 1e-4
+    assert (again / "model.safetensors").read_bytes() == (deployed / "model.safetensors").read_bytes()
+    repeated = load_file(str(again / "transmitted" / "round-0001" / "secure-sum.safetensors"))
+    assert repeated.keys() == summed.keys() and all(np.array_equal(repeated[k], summed[k]) for k in summed)
     verification = verify_client_level(RunDirectory(deployed))
     assert verification.passed, [c.sentence for c in verification.checks if not c.passed]
-    assert verification.check("shares").details["updates"] == 2 * CLIENTS
-    again = tmp_path / "again"
-    one_round = tuple("1" if i and args[i - 1] == "--rounds" else a for i, a in enumerate(args))
-    result = cli("train", *one_round, *deployment_args(federation), "--wait-seconds", "120", "--out", again)
-    assert result.exit_code == 0, result.output + federation.log("supernode-0")
-    first = "transmitted/round-0001/secure-sum.safetensors"
-    assert load_file(str(again / first)).keys() == load_file(str(deployed / first)).keys()
-    for name, total in load_file(str(again / first)).items():
-        assert np.array_equal(total, load_file(str(deployed / first))[name]), name
+    assert verification.check("shares").details["updates"] == CLIENTS
     assert cli("report", deployed, "--out", tmp_path / "report", "--format", "md").exit_code == 0
     report = (tmp_path / "report" / "report.md").read_text()
     assert "SecAgg+" in report and "saw only the sum" in report
