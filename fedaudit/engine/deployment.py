@@ -510,9 +510,7 @@ class DeploymentEngine:
         replies: dict[int, Any] = {}
         while len(replies) < len(requests):
             if not self._task_alive:
-                raise DeploymentError(
-                    f"The SuperLink at {self.address} ended this run (its heartbeat was refused)."
-                ) from None
+                raise DeploymentError(f"The SuperLink at {self.address} ended this run (its heartbeat was refused).")
             room = window - (len(sent) - len(replies))
             if room > 0 and queue:
                 batch, queue = queue[:room], queue[room:]
