@@ -739,11 +739,7 @@ class RunConfig:
                 "SCAFFOLD at client level needs --local-steps K: the server moves its control variate by the released "
                 "update alone, which needs every client's number of steps.",
             )
-            require(
-                not (secure_aggregation(self) and ALGORITHMS[f.algorithm].control_variates),
-                "SCAFFOLD with --noise-at clients in a Flower deployment: each site's control variate would reach the "
-                "server beside the secure sum of the updates; use --noise-at server, or DP-FedAvg or DP-FedProx.",
-            )
+            _check_secure_sum(self)
             alone = sampled_alone(self)
             require(
                 alone <= p.delta / 10,
@@ -1005,10 +1001,30 @@ def sampled_alone(config: RunConfig) -> float:
     return config.federated.rounds * q * (1.0 - q) ** (clients - 1)
 
 
+SECURE_SUM_SITES = 1000  # SecAgg+ adds 2^22 levels a site modulo 2^32 (fedaudit.engine.secure_sum.MAX_SITES)
+
+
 def secure_aggregation(config: RunConfig) -> bool:
     """Whether the server receives the clients' noise shares only added up: in a Flower deployment, under Flower's
     SecAgg+ (fedaudit.engine.secure_sum); the local engine and Flower's simulation have no such sum."""
     return config.privacy.noise_in_shares and config.engine == "flower" and config.flower.superlink is not None
+
+
+def _check_secure_sum(config: RunConfig) -> None:
+    """What a secure sum of the noise shares cannot carry: more sites than SecAgg+ adds without wrapping, and
+    SCAFFOLD's control variates beside it."""
+    if not secure_aggregation(config):
+        return
+    require(
+        config.data.num_clients <= SECURE_SUM_SITES,
+        f"--noise-at clients in a Flower deployment sums a round's sites under SecAgg+, which holds at most "
+        f"{SECURE_SUM_SITES} sites a round; this run has {config.data.num_clients} clients.",
+    )
+    require(
+        not ALGORITHMS[config.federated.algorithm].control_variates,
+        "SCAFFOLD with --noise-at clients in a Flower deployment: each site's control variate would reach the "
+        "server beside the secure sum of the updates; use --noise-at server, or DP-FedAvg or DP-FedProx.",
+    )
 
 
 def accountant_delta(config: RunConfig) -> float:

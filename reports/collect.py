@@ -781,7 +781,9 @@ def _privacy(
     fraction = clients.client_fraction_effective
     q = batch / sizes[worst] if worst is not None and batch and not generates else None
     if ledger.unit == "client":
-        return _client_level_privacy(ledger, fraction, len(sizes), config.privacy.noise_at, secure_aggregation(config))
+        secure = secure_aggregation(config) and manifest.randomness_source != NOISE_SEED  # a public seed's noise is
+        # anyone's to remove, summed or not
+        return _client_level_privacy(ledger, fraction, len(sizes), config.privacy.noise_at, secure)
     return PrivacySummary(
         dp=True,
         accountant=ledger.accountant,

@@ -195,23 +195,32 @@ def _trust(run: RunSummary) -> str:
 def _server_noise(run: RunSummary) -> str:
     """Whom a client-level run's guarantee holds against: the server is the trusted party of central DP, or with
     the noise in shares, would not need to be if it saw their sum alone."""
-    if run.privacy.noise_in_shares and run.privacy.secure_sum and run.randomness != NOISE_SEED:
+    if run.privacy.noise_in_shares and run.privacy.secure_sum:
         return (
             "each sampled client clips its update and adds its share of the noise from its own secret, and the "
             "sites' results are summed under Flower's SecAgg+ (secure aggregation: each masked with masks agreed "
             "with the round's other sites), so the server received their sum alone, which carries the whole noise "
-            "(sigma C): the guarantee holds against the server too, and against anyone who sees the global models. "
-            "A round that sampled one client sent its result unmasked (no sum to hide it in): the accountant's "
-            "delta covers that chance. The server knows the canary clients' shares it adds itself, so in an audit "
-            "run it sees the real clients' shares summed with less than the whole noise"
+            "(sigma C): the guarantee holds against a server that follows the protocol (honest but curious), and "
+            "against anyone who sees the global models; besides the sum the server received each site's number of "
+            "examples, local steps and data fingerprint. A round that sampled one client sent its result unmasked "
+            "(no sum to hide it in): the accountant's delta covers that chance. A site that took part knows its "
+            "own share, so against it the other sites' updates carry noise sigma C sqrt((m - 1) / m). The server "
+            "knows the canary clients' shares it adds itself, so in an audit run it sees the real clients' shares "
+            "summed with less than the whole noise"
+        )
+    if run.privacy.noise_in_shares and run.randomness == NOISE_SEED:
+        return (
+            "each sampled client clips its update and adds its share of the noise, drawn from a public --noise-seed "
+            "(for experiments): whoever holds the run's configuration can remove the noise, summed or not, so the "
+            "guarantee holds only against those who see the models and not the configuration; the server is trusted"
         )
     if run.privacy.noise_in_shares and run.randomness != NOISE_SEED:
         return (
             "each sampled client clips its update and adds its share of the noise from its own secret, and sends "
-            "the result in clear: fedaudit's engines run no secure aggregation, so the server saw each client's "
+            "the result in clear: this engine runs no secure aggregation, so the server saw each client's "
             "clipped update under only its share of the noise (standard deviation sigma C / sqrt(m)), and the "
-            "guarantee holds against anyone who sees the global models, not against the server; with secure "
-            "aggregation (Flower's SecAgg+, secaggplus_mod, in your own Flower app) it would see the sum alone"
+            "guarantee holds against anyone who sees the global models, not against the server; in a Flower "
+            "deployment (--superlink) the shares are summed under Flower's SecAgg+ and the server sees the sum alone"
         )
     if run.randomness == NOISE_SEED:
         return (

@@ -17,7 +17,7 @@ checkpoints and audit stay exactly those of the local engine:
    ends the round with one sentence naming it; nothing of that round is committed, so ``--resume`` continues
    once the site is back. A site whose data fingerprint changes during the run is refused. With the noise of
    client-level DP in shares (``--noise-at clients``), a round's results are summed under Flower's SecAgg+
-   (fedaudit.engine.secure_sum), and the server receives and keeps their sum alone.
+   (fedaudit.engine.secure_sum), and a server that follows the protocol receives and keeps their sum alone.
 
 Every site computes exactly what the local engine's client computes (the same ``client_update``), with its draws
 from a secret that only the site holds: a file the site creates (mode 0600) where its node config says (``secret``)
@@ -173,8 +173,21 @@ def _secret(context: Any, client: int, data_dir: str | None) -> SiteSecret:
 def _train(message: Any, context: Any) -> Any:
     """One round of this site's client; under secure aggregation, its reply as SecAgg+'s mod masks it."""
     client, data_dir, data = _site(context)
+    secure = is_secure(message)
+    if not secure:
+        _no_share_in_clear(message.content["task"])
     reply = client_round(message, client, data_dir, data, site=_secret(context, client, data_dir))
-    return as_fit_result(reply, message) if is_secure(message) else reply
+    return as_fit_result(reply, message) if secure else reply
+
+
+def _no_share_in_clear(task: Any) -> None:
+    """A site adding its share of client-level noise sends it only through SecAgg+ when the round has other sites:
+    asked for it in clear (a server that skipped the secure sum, by fault or on purpose), it refuses."""
+    privacy = json.loads(str(task["config"]))["privacy"]
+    if privacy.get("dp_level") == "client" and privacy.get("noise_at") == "clients" and int(task.get("sites", 1)) > 1:
+        raise RuntimeError(
+            "this site adds its share of the noise for a sum under SecAgg+, and the server asked for it in clear"
+        )
 
 
 def _evaluate(message: Any, context: Any) -> Any:
@@ -450,7 +463,8 @@ class DeploymentEngine:
             )
             for data in clients
         }
-        self._summed = None
+        for request in requests.values():  # a site sends its share in clear only with no other site to sum it with
+            request.content["task"]["sites"] = len(requests)
         if self.secure and len(requests) >= 2:
             replies = self._secure_exchange(requests, ctx, global_params)
         else:

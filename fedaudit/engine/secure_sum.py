@@ -12,29 +12,68 @@ client, its number of examples, its training metrics and privacy events, its dat
 
 Quantisation: SecAgg+ adds integers modulo 2^32, each coordinate clipped to [-R, R] and stochastically rounded to
 one of 2^22 levels. A clipped update's coordinate is at most C and a share's standard deviation is sigma C /
-sqrt(m), so R = C (1 + 10 sigma / sqrt(m)) clips a coordinate with probability below 1e-22; the rounding is unbiased
-and adds a variance of at most (R / 2^21)^2 / 4 per coordinate and site, under 1e-11 of the noise's at C = 1, sigma
-1. Every site of a round must finish every stage (the reconstruction threshold is all of them): a site that fails
-or falls silent ends the round, as without secure aggregation, and the run resumes from it.
+sqrt(m), so R = C (1 + 10 sigma / sqrt(m)) clips a coordinate with probability below 1e-22; the rounding (of the
+result in float64) is unbiased and adds a variance of at most (R / 2^21)^2 / 4 per coordinate and site, under 1e-11
+of the noise's at C = 1, sigma 1. Every site of a round must finish every stage (the reconstruction threshold is all
+of them): a site that fails or falls silent ends the round, as without secure aggregation, and the run resumes.
+
+Masks: Flower 1.42 expands each mask key into its mask with NumPy's ``RandomState`` seeded by the key folded to 32
+bits, which a server could search (2^32 seeds) to strip a pairwise mask in a round of two or three sites. Both ends
+here are fedaudit's, so the masks are expanded instead by :func:`mask_of` (a PCG64 generator seeded with a SHA-256 of
+the whole key) at the sites and at the server alike (:func:`_full_key_masks`).
+
+What it protects against: a server that follows the protocol (honest but curious). A site refuses a training
+message for noise in shares that does not come through SecAgg+ (fedaudit.engine.deployment), and a site's round is
+seeded by its inputs, so a server asking the same round again gets the same shares; a server that departs from the
+protocol (asking a subset of the same round's sites for a second sum, or lying about who dropped out) is outside it.
+A site that takes part knows its own share, so against it the others' updates carry noise sigma C sqrt((m - 1) / m).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedaudit.config import SECURE_SUM_SITES
 from fedaudit.errors import UserError
 
 SUMMED = "summed"  # the reply's info entry naming the payload's tensors, in the order they were summed
-MAX_SITES = 1000  # 2^22 levels a site, summed modulo 2^32: at most 1,024 sites before the sum wraps
+CLEAR_METRICS = ("local_steps",)  # what a site's reply tells of its training beside the sum (the steps it took)
+MAX_SITES = SECURE_SUM_SITES  # 2^22 levels a site, summed modulo 2^32: at most 1,023 sites before the sum wraps
 TARGET_RANGE = 1 << 22
 MOD_RANGE = 1 << 32
+
+
+def mask_of(seed: bytes, num_range: int, dimensions_list: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Flower's ``pseudo_rand_gen`` (the masks of SecAgg+, integers in [0, num_range - 1)) from the whole key: a PCG64
+    generator seeded with the key's SHA-256 (256 bits), where Flower's folds the key to a 32-bit seed."""
+    generator = np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence(int.from_bytes(hashlib.sha256(seed).digest())))
+    )
+    return [
+        np.asarray(generator.integers(0, num_range - 1, size=dimension, dtype=np.int64), dtype=np.int64)
+        for dimension in dimensions_list
+    ]
+
+
+@contextlib.contextmanager
+def _full_key_masks(module: Any) -> Iterator[None]:
+    """SecAgg+'s masks expanded by :func:`mask_of` in ``module`` (Flower's client mod or server workflow) for the
+    block; both ends of fedaudit's secure sums use it."""
+    flowers = module.pseudo_rand_gen
+    module.pseudo_rand_gen = mask_of
+    try:
+        yield
+    finally:
+        module.pseudo_rand_gen = flowers
 
 
 def clipping_range(max_update_norm: float, noise_multiplier: float, participants: int) -> float:
@@ -49,24 +88,32 @@ def secure_sum_mod(message: Any, context: Any, call_next: Callable[[Any, Any], A
     """Flower's ``secaggplus_mod`` for the training messages of a secure sum; every other message passes by.
 
     The masked stage (the one that carries fedaudit's training task) rounds the site's result with NumPy's global
-    generator; it is seeded here from the client, the round and the global model it was sent (and restored after),
-    so that a round asked again (a resumed run) sums to exactly what its first try would have. DP does not rest on
-    this rounding (the Gaussian shares carry the noise), and the server sees the rounded results only summed."""
-    from flwr.client.mod import secaggplus_mod
-
+    generator; it is seeded here, after training and for the rounding alone (and restored after), from the client,
+    the round and the global model it was sent, so that a round asked again (a resumed run) sums to exactly what
+    its first try would have. The rounding is unbiased and its draws are not secret: the Gaussian shares, not the
+    rounding, are the noise the accountant charges, and the server sees the rounded results only summed."""
+    flowers_mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")  # the module (its
+    # package's attribute of that name is the function)
     if message.metadata.message_type != "train" or not is_secure(message):
         return call_next(message, context)
     if "task" not in message.content.config_records:
-        return secaggplus_mod(message, context, call_next)
+        with _full_key_masks(flowers_mod):
+            return flowers_mod.secaggplus_mod(message, context, call_next)
     task = message.content["task"]
     digest = hashlib.sha256(f"fedaudit secure-sum rounding/{task['client']}/{task['round']}".encode())
     for name, array in message.content["global"].items():
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(array.numpy()).tobytes())
+
+    def train_then_seed(inner: Any, inner_context: Any) -> Any:
+        reply = call_next(inner, inner_context)
+        np.random.seed(int.from_bytes(digest.digest()[:4], "little"))  # for the rounding that follows, alone
+        return reply
+
     kept = np.random.get_state()
-    np.random.seed(int.from_bytes(digest.digest()[:4], "little"))
     try:
-        return secaggplus_mod(message, context, call_next)
+        with _full_key_masks(flowers_mod):
+            return flowers_mod.secaggplus_mod(message, context, train_then_seed)
     finally:
         np.random.set_state(kept)
 
@@ -81,7 +128,8 @@ def is_secure(message: Any) -> bool:
 def as_fit_result(reply: Any, message: Any) -> Any:
     """A site's training reply to ``message`` as SecAgg+'s mod masks it: the payload as the fit result's parameters
     (weight 1, so that the unmasked mean times the sites is the sum), its tensors' names in the info; no other
-    array (the mod clears what it does not mask, and nothing else may reach the server)."""
+    array (the mod clears what it does not mask, and nothing else may reach the server), and of the training's
+    metrics only :data:`CLEAR_METRICS` (a training loss is a function of the site's data, without noise)."""
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.common import Code, ndarrays_to_parameters
     from flwr.compat.common.recorddict_compat import parameters_to_arrayrecord
@@ -91,10 +139,13 @@ def as_fit_result(reply: Any, message: Any) -> Any:
         extra = sorted(set(content.array_records) - {"payload"})
         raise RuntimeError(f"a secure sum's reply carries {extra} beside the payload, which would reach the server")
     payload = content["payload"]
-    arrays = [array.numpy() for array in payload.values()]
+    arrays = [array.numpy().astype(np.float64) for array in payload.values()]  # rounded without float32's bias
+    info = dict(content["info"])
+    metrics = json.loads(str(info["metrics"]))
+    info["metrics"] = json.dumps({name: metrics[name] for name in CLEAR_METRICS if name in metrics})
     out = RecordDict(
         {
-            "info": ConfigRecord({**content["info"], SUMMED: json.dumps(list(payload.keys()))}),
+            "info": ConfigRecord({**info, SUMMED: json.dumps(list(payload.keys()))}),
             "fitres.metrics": ConfigRecord({}),
             "fitres.num_examples": MetricRecord({"num_examples": 1}),
             "fitres.parameters": parameters_to_arrayrecord(ndarrays_to_parameters(arrays), True),
@@ -205,8 +256,8 @@ def secure_round(
     from flwr.server.workflow.constant import Key as WorkflowKey
 
     nodes = sorted(requests)
-    if len(nodes) > MAX_SITES:
-        raise ValueError(f"SecAgg+ sums at most {MAX_SITES} sites a round without wrapping, got {len(nodes)}")
+    if len(nodes) > MAX_SITES:  # the configuration refuses more clients (fedaudit.config)
+        raise SecureRoundError(nodes[MAX_SITES], None, f"set-up (at most {MAX_SITES} sites a round)")
 
     class Workflow(SecAggPlusWorkflow):
         def setup_stage(self, grid: Any, context: Any, state: Any) -> bool:
@@ -234,7 +285,8 @@ def secure_round(
         quantization_range=TARGET_RANGE,
         modulus_range=MOD_RANGE,
     )
-    workflow(stages, legacy)
+    with _full_key_masks(importlib.import_module("flwr.server.workflow.secure_aggregation.secaggplus_workflow")):
+        workflow(stages, legacy)
     if strategy.mean is None:
         raise SecureRoundError(nodes[0], None, "unmasking")
     for node, reply in stages.replies.items():

@@ -94,3 +94,20 @@ def test_the_reports_guarantee_table_holds_every_runs_guarantee_once_and_merges_
     assert [aspect for aspect, *_ in merged] == sorted((a for a, *_ in merged), key=ASPECTS.index)
     assert {runs for aspect, runs, _ in merged if aspect == "privacy loss"} == {dp.name}
     assert "nothing protects a record" in own[("trust model", plain.name)]
+
+
+def test_the_trust_model_of_noise_in_shares_says_whether_the_server_saw_them_summed(dp_run):
+    """Client-level DP with the noise in shares: summed under SecAgg+ (a deployment, the clients' own secrets), the
+    server is not trusted but assumed to follow the protocol; without a secure sum, or with a public noise seed,
+    it is trusted, and the report never says both."""
+    (run,) = collect_runs([dp_run])
+    shares = replace(run.privacy, unit="client", noise_at="clients", max_update_norm=1.0, clients=5)
+    deployed = json.dumps({"flower": {"superlink": "127.0.0.1:9093"}})
+    summed = replace(run, privacy=replace(shares, secure_sum=True), seedless_config=deployed)
+    trust = _rows(guarantee_table(summed))["trust model"][0]
+    assert "summed under Flower's SecAgg+" in trust and "honest but curious" in trust
+    assert "number of examples, local steps and data fingerprint" in trust
+    local = _rows(guarantee_table(replace(run, privacy=shares)))["trust model"][0]
+    assert "this engine runs no secure aggregation" in local and "not against the server" in local
+    public = _rows(guarantee_table(replace(summed, privacy=shares, randomness="noise-seed")))["trust model"][0]
+    assert "public --noise-seed" in public and "the server is trusted" in public and "SecAgg+" not in public

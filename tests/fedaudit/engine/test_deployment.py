@@ -167,6 +167,13 @@ def test_missing_sites_and_bad_connections_are_one_sentence(tmp_path, cli, feder
             ),
             "secure sum",
         ),
+        (  # SecAgg+ adds 2^22 levels a site modulo 2^32
+            (
+                *("--engine", "flower", "--superlink", "h:1", "--insecure", "--num-clients", "1001"),
+                *("--dp", "--dp-level", "client", "--noise-at", "clients", "--max-update-norm", "1"),
+            ),
+            "at most 1000 sites a round",
+        ),
     ],
 )
 def test_bad_deployment_options_are_one_sentence(tmp_path, cli, extra, mentions):
@@ -381,9 +388,26 @@ def test_noise_shares_reach_the_server_only_summed_under_secagg_plus(tmp_path, c
     verification = verify_client_level(RunDirectory(deployed))
     assert verification.passed, [c.sentence for c in verification.checks if not c.passed]
     assert verification.check("shares").details["updates"] == CLIENTS
+    clear = json.loads((deployed / "checkpoints" / "round-0001.json").read_text())["clients"]
+    assert [sorted(entry) for entry in clear] == [["bytes_up", "client", "local_steps"]] * CLIENTS  # no loss in clear
     assert cli("report", deployed, "--out", tmp_path / "report", "--format", "md").exit_code == 0
-    report = (tmp_path / "report" / "report.md").read_text()
-    assert "SecAgg+" in report and "saw only the sum" in report
+    report = (tmp_path / "report" / "report.md").read_text()  # a public noise seed: anyone can remove the noise
+    assert "public --noise-seed" in report and "need not be trusted" not in report and "saw only the sum" not in report
+
+
+def test_a_site_refuses_to_send_its_share_in_clear_beside_other_sites():
+    """A server that skips the secure sum (by fault or on purpose) for a round of several sites gets no share."""
+    from fedaudit.config import RunConfig
+    from fedaudit.engine.deployment import _no_share_in_clear
+
+    shares = RunConfig.from_dict(
+        {"privacy": {"dp": True, "dp_level": "client", "noise_at": "clients", "max_update_norm": 1.0}}
+    )
+    config = json.dumps(shares.to_dict())
+    with pytest.raises(RuntimeError, match="under SecAgg"):
+        _no_share_in_clear({"config": config, "sites": 2})
+    _no_share_in_clear({"config": config, "sites": 1})  # alone in its round: nothing to sum it with
+    _no_share_in_clear({"config": json.dumps(RunConfig().to_dict()), "sites": 3})  # no shares
 
 
 @pytest.mark.parametrize("answer", ["error", "silence"])
