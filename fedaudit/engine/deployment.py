@@ -693,6 +693,11 @@ def _secure_failure(exc: SecureRoundError, client: int, round_number: int, engin
         return DeploymentError(f"The SuperLink at {engine.address} ended this run (its heartbeat was refused).")
     if exc.error is not None:
         return DeploymentError(engine._failure(client, round_number, exc.error))
+    if exc.reason is not None:
+        return DeploymentError(
+            f"Round {round_number}'s secure sum failed in SecAgg+'s {exc.stage} stage ({exc.reason.rstrip('.')}); "
+            "check that every site runs the same fedaudit and Flower, and resume the run."
+        )
     if exc.stage == "tensors":
         return DeploymentError(
             f"Client {client}'s site summed other tensors than the model's under SecAgg+; it runs another fedaudit: "

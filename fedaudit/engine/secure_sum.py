@@ -159,12 +159,13 @@ def as_fit_result(reply: Any, message: Any) -> Any:
 
 
 class SecureRoundError(UserError):
-    """A stage of the secure sum did not complete: ``node`` failed with ``error`` (a Flower error) or, with
-    ``error`` None, did not answer in time (the deployment engine says which client, in one sentence)."""
+    """A stage of the secure sum did not complete: ``node`` failed with ``error`` (a Flower error), or with
+    ``error`` None did not answer in time, or (``reason``) the sites' replies did not fit the protocol (the
+    deployment engine says which, in one sentence)."""
 
-    def __init__(self, node: int, error: Any, stage: str) -> None:
+    def __init__(self, node: int, error: Any, stage: str, reason: str | None = None) -> None:
         super().__init__(f"Node {node} did not complete SecAgg+'s {stage} stage.")
-        self.node, self.error, self.stage = node, error, stage
+        self.node, self.error, self.stage, self.reason = node, error, stage, reason
 
 
 class _Proxy:
@@ -285,10 +286,16 @@ def secure_round(
         quantization_range=TARGET_RANGE,
         modulus_range=MOD_RANGE,
     )
-    with _full_key_masks(importlib.import_module("flwr.server.workflow.secure_aggregation.secaggplus_workflow")):
-        workflow(stages, legacy)
+    try:
+        with _full_key_masks(importlib.import_module("flwr.server.workflow.secure_aggregation.secaggplus_workflow")):
+            workflow(stages, legacy)
+    except SecureRoundError:
+        raise
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:  # a reply not of the protocol
+        stage = _Grid.STAGES[min(max(stages.stage - 1, 0), len(_Grid.STAGES) - 1)]  # the stage whose replies these were
+        raise SecureRoundError(nodes[0], None, stage, f"{type(exc).__name__}: {exc}") from exc
     if strategy.mean is None:
-        raise SecureRoundError(nodes[0], None, "unmasking")
+        raise SecureRoundError(nodes[0], None, "unmasking", "too few shares came back to remove the masks")
     for node, reply in stages.replies.items():
         if json.loads(str(reply.content["info"][SUMMED])) != list(like):
             raise SecureRoundError(node, None, "tensors")

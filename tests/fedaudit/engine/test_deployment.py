@@ -410,10 +410,11 @@ def test_a_site_refuses_to_send_its_share_in_clear_beside_other_sites():
     _no_share_in_clear({"config": json.dumps(RunConfig().to_dict()), "sites": 3})  # no shares
 
 
-@pytest.mark.parametrize("answer", ["error", "silence"])
+@pytest.mark.parametrize("answer", ["error", "silence", "garbled"])
 def test_a_site_that_fails_or_falls_silent_in_a_secure_round_is_one_sentence(monkeypatch, answer):
-    """SecAgg+'s set-up stage with two sites, one of which answers with an error or not at all (a stand-in grid
-    answers for the sites): the round ends with one sentence naming that site's client and the stage."""
+    """SecAgg+'s set-up stage with two sites, one of which answers with an error, not at all, or with a reply that
+    is not of the protocol (a stand-in grid answers for the sites): the round ends with one sentence naming that
+    site's client and the stage, or the stage and what did not fit."""
     from types import SimpleNamespace
 
     import torch
@@ -436,16 +437,17 @@ def test_a_site_that_fails_or_falls_silent_in_a_secure_round_is_one_sentence(mon
         sent.update(zip(ids, (m.metadata.dst_node_id for m in messages)))
         return ids
 
-    def pull(ids):  # client 0's site (node 7) answers; client 1's (node 8) fails or says nothing
+    def pull(ids):  # client 0's site (node 7) answers; client 1's (node 8) fails, says nothing or says nonsense
         failed = SimpleNamespace(code=0, reason="the site's disk is full")
         return [
             SimpleNamespace(
-                has_error=lambda node=sent[mid]: node == 8,
+                has_error=lambda node=sent[mid]: node == 8 and answer == "error",
                 error=failed,
                 metadata=SimpleNamespace(reply_to_message_id=mid, src_node_id=sent[mid]),
+                content=SimpleNamespace(config_records={}),  # no public keys
             )
             for mid in ids
-            if sent[mid] == 7 or answer == "error"
+            if sent[mid] == 7 or answer != "silence"
         ]
 
     engine._grid = SimpleNamespace(push_messages=push, pull_messages=pull)
@@ -454,6 +456,9 @@ def test_a_site_that_fails_or_falls_silent_in_a_secure_round_is_one_sentence(mon
     with pytest.raises(DeploymentError) as raised:
         engine._secure_exchange(requests, ctx, {"w": torch.zeros(2)})
     sentence = str(raised.value)
+    if answer == "garbled":
+        assert sentence.startswith("Round 1's secure sum failed in SecAgg+'s set-up stage (KeyError"), sentence
+        return
     assert sentence.count(".") <= 2 and "Client 1" in sentence and "round 1" in sentence, sentence
     if answer == "error":
         assert "the site's disk is full" in sentence and "node 8" in sentence
