@@ -173,7 +173,6 @@ class _Proxy:
 
     def __init__(self, node_id: int) -> None:
         self.node_id = node_id
-        self.cid = str(node_id)
 
 
 class _Strategy:

@@ -5,12 +5,10 @@ outcome is the same on every machine (a faulty run's sample is not q K in every 
 from __future__ import annotations
 
 import pytest
-from helpers import FAST_ARGS, invoke
+from helpers import FAST_ARGS, invoke, verified_client_level
 
 import fedaudit.algorithms.fedavg as fedavg
 import fedaudit.training as training
-from fedaudit.attacks.conformance.client_level import verify_client_level
-from fedaudit.rundir import RunDirectory
 
 CLIENT_LEVEL = (
     *("--dp", "--dp-level", "client", "--max-update-norm", "0.2", "--noise-multiplier", "1"),
@@ -19,10 +17,7 @@ CLIENT_LEVEL = (
 
 
 def _verified(tmp_path, name: str, *extra: str):
-    run = tmp_path / name
-    result = invoke("train", *FAST_ARGS, *CLIENT_LEVEL, *extra, "--out", run)
-    assert result.exit_code == 0, result.output
-    return verify_client_level(RunDirectory(run))
+    return verified_client_level(tmp_path / name, *CLIENT_LEVEL, *extra)
 
 
 def test_correct_runs_are_never_flagged(tmp_path) -> None:

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers import FAST_ARGS, invoke
+from helpers import FAST_ARGS, invoke, verified_client_level
 
 import fedaudit.algorithms.fedavg as fedavg
 from fedaudit.attacks.conformance.client_level import verify_client_level
@@ -24,10 +24,7 @@ SHARES = (
 
 
 def _verified(tmp_path, name: str, *extra: str):
-    run = tmp_path / name
-    result = invoke("train", *FAST_ARGS, *SHARES, *extra, "--out", run)
-    assert result.exit_code == 0, result.output
-    return verify_client_level(RunDirectory(run))
+    return verified_client_level(tmp_path / name, *SHARES, *extra)
 
 
 def test_correct_runs_are_never_flagged(tmp_path) -> None:

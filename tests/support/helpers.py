@@ -9,7 +9,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pandas as pd
 import pytest
@@ -82,6 +82,16 @@ def invoke(*args: str) -> Result:
     from fedaudit.cli import main
 
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def verified_client_level(out: Path, *args: str) -> Any:
+    """Train ``fedaudit train FAST_ARGS ARGS`` into ``out`` and return its client-level verification."""
+    from fedaudit.attacks.conformance.client_level import verify_client_level
+    from fedaudit.rundir import RunDirectory
+
+    result = invoke("train", *FAST_ARGS, *args, "--out", out)
+    assert result.exit_code == 0, result.output
+    return verify_client_level(RunDirectory(out))
 
 
 def tree_digest(path: Path) -> dict[str, str]:
