@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from helpers import FAST_ARGS, assert_user_error, interrupt_in_round, invoke, same_secrets
+from helpers import FAST_ARGS, assert_user_error, fixed_sequence_secrets, interrupt_in_round, invoke, same_secrets
 
 import fedaudit.privacy.primitive as primitive
 
@@ -267,17 +267,12 @@ def test_correct_runs_with_other_seeds_are_never_flagged(tmp_path, monkeypatch):
     none with a view's rigorous bound above the budget, none failing a conformance check (attack --method canary
     runs verify).
 
-    The clients' secrets come from a fixed sequence, so these are the same 20 runs on every machine: verify's checks
-    are at level 0.001 a run, so 20 runs with fresh secrets would raise a false alarm in about 2% of test runs.
+    The run ids and clients' secrets come from a fixed sequence, so these are the same 20 runs on every machine:
+    verify's checks are at level 0.001 a run, so 20 runs with fresh secrets would raise a false alarm in about 2% of
+    test runs.
     benchmarks/fault_detection.py measures the false alarms on fresh secrets; 97 fresh correct runs of this
     configuration were never flagged, each sub-test's p-values spread evenly over (0, 1)."""
-    import hashlib
-    import itertools
-
-    import fedaudit.privacy.randomness as randomness
-
-    drawn = itertools.count()
-    monkeypatch.setattr(randomness, "new_secret", lambda: hashlib.sha256(f"null {next(drawn)}".encode()).digest())
+    fixed_sequence_secrets(monkeypatch, "null")
     flagged = []
     for seed in range(20):
         out = tmp_path / f"seed{seed}"

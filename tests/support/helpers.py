@@ -151,6 +151,22 @@ def same_secrets() -> Iterator[None]:
         patch.undo()
 
 
+def fixed_sequence_secrets(monkeypatch: pytest.MonkeyPatch, label: str) -> None:
+    """Every run started after this gets the next run id and its clients the next secrets of a fixed sequence
+    (``label``), so that a test training several runs trains the same runs on every machine: each run's noise is
+    still its clients' own (unlike :func:`same_secrets`, where every run is the same run)."""
+    import itertools
+
+    import fedaudit.privacy.randomness as randomness
+    import fedaudit.training as training
+
+    secrets, runs = itertools.count(), itertools.count()
+    monkeypatch.setattr(randomness, "new_secret", lambda: hashlib.sha256(f"{label} {next(secrets)}".encode()).digest())
+    monkeypatch.setattr(
+        training, "new_run_id", lambda: hashlib.sha256(f"{label} run {next(runs)}".encode()).hexdigest()[:32]
+    )
+
+
 def digit_halves(folder: Path) -> tuple[Path, Path]:
     """Two npz files of digits with the same shapes and labels, in the same order, but other records: what a server
     that chose the seed sees of two runs that differ only in their records."""
