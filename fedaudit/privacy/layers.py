@@ -59,6 +59,8 @@ class LayerTrace:
     """The layer's own trainable parameters: local name -> name in the params dict."""
     inputs: torch.Tensor
     output_grads: torch.Tensor
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A GroupNorm's per-example group means and inverse deviations, [N, groups] each, from its forward."""
     kept: list[TensorDict] = field(default_factory=list)
     """Per-sample gradients that were materialised anyway (small layers, fallback layers), by local name: chunks
     of consecutive examples [n, *shape] in batch order (a convolution's come chunk by chunk, and are not copied
@@ -73,9 +75,7 @@ def trace_layers(
     ``loss_fn`` is a mean over examples (as ``F.cross_entropy``); it is multiplied by the batch size so that the
     output gradients are those of each example's own loss.
     """
-    leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
-    buffers = dict(model.named_buffers())
-    owners = _owners(model, frozenset(leaves))
+    owners = _owners(model, frozenset(params))
     records: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def hook_for(prefix: str) -> Callable[[nn.Module, tuple, object], None]:
@@ -91,7 +91,11 @@ def trace_layers(
     handles = [module.register_forward_hook(hook_for(prefix)) for prefix, (module, _) in owners.items()]
     try:
         with torch.enable_grad():
-            out = functional_call(model, (leaves, buffers), (x,))
+            if _own_parameters(model, params):  # no parameter swapping: about 5% of a small DP step
+                out = model(x)
+            else:
+                leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+                out = functional_call(model, (leaves, dict(model.named_buffers())), (x,))
     finally:
         for handle in handles:
             handle.remove()
@@ -101,6 +105,7 @@ def trace_layers(
         if output._version != version:
             raise Untraceable(f"the output of layer {prefix!r} is modified in place")
     prefixes = list(records)
+    stats = {p: _group_stats(records[p][1], owners[p][0]) for p in prefixes if isinstance(owners[p][0], nn.GroupNorm)}
     with torch.enable_grad():
         total = loss_fn(out, y) * x.shape[0]
         grads = torch.autograd.grad(total, [records[p][1] for p in prefixes], allow_unused=True)
@@ -109,8 +114,41 @@ def trace_layers(
         inputs, output, _ = records[prefix]
         g = torch.zeros_like(output) if g is None else g
         module, names = owners[prefix]
-        traces.append(LayerTrace(module, names, inputs.detach(), g.detach()))
+        traces.append(LayerTrace(module, names, inputs.detach(), g.detach(), stats=stats.get(prefix)))
     return traces
+
+
+def _group_stats(output: torch.Tensor, module: nn.GroupNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The mean and inverse deviation [N, groups] that a GroupNorm's forward saved for its backward (read before
+    the backward frees them), or None where autograd holds them under other names (they are then recomputed)."""
+    node = output.grad_fn
+    mean, rstd = getattr(node, "_saved_result1", None), getattr(node, "_saved_result2", None)
+    expected = (output.shape[0], module.num_groups)
+    if not (isinstance(mean, torch.Tensor) and isinstance(rstd, torch.Tensor)):
+        return None
+    if mean.shape != expected or rstd.shape != expected:
+        return None
+    return mean.detach(), rstd.detach()
+
+
+def _own_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``params`` are the model's own trainable parameters (or detached views of them), so that the forward
+    pass can run the model as it is. Only the layer outputs' gradients are asked for, so the parameters' ``.grad``
+    is left untouched either way."""
+    own = dict(model.named_parameters())
+    for name, value in params.items():
+        mine = own.get(name)
+        if (
+            mine is None
+            or not mine.requires_grad
+            or mine.data_ptr() != value.data_ptr()
+            or mine.shape != value.shape
+            or mine.stride() != value.stride()
+            or mine.dtype != value.dtype
+            or mine.device != value.device
+        ):
+            return False
+    return True
 
 
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, dict[frozenset[str], dict[str, tuple[nn.Module, dict[str, str]]]]] = (
@@ -148,7 +186,11 @@ def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor], *, for
     elif isinstance(module, nn.Conv2d) and _plain_conv(module):
         local, layer.kept = _conv2d_sq_norms(module, a, b, keep=for_sum)
     else:
-        grads = _group_norm_grads(module, a, b) if isinstance(module, nn.GroupNorm) else _fallback_grads(layer, params)
+        grads = (
+            _group_norm_grads(module, a, b, layer.stats)
+            if isinstance(module, nn.GroupNorm)
+            else _fallback_grads(layer, params)
+        )
         layer.kept = [grads]
         local = {name: g.flatten(1).pow(2).sum(1) for name, g in grads.items()}
     return {layer.names[name]: local[name] for name in layer.names}
@@ -189,15 +231,22 @@ def _conv2d_sq_norms(
     module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool
 ) -> tuple[TensorDict, list[TensorDict]]:
     """Squared per-sample norms of a convolution's weight and bias, and the per-sample gradients where a sum
-    follows and they are small enough to keep: then the clipped sum is a weighted sum of them, cheaper than the
-    ghost norm and a weight gradient after it, so the ghost norm is taken only where nothing is kept."""
+    follows and they are small enough to keep: then the clipped sum is a weighted sum of them. The ghost norm is
+    taken where nothing is kept and it is cheaper, and also instead of keeping where it costs less than half the
+    per-sample gradients (its clipped sum is a second weight gradient; measured in docs/performance.md: at width
+    128 the 7x7 layer's ghost norm is the faster, at widths 64 and 256 the 14x14 one's kept gradients)."""
     batch, groups = a.shape[0], module.groups
     positions = b.shape[2] * b.shape[3]
     d = module.weight[0].numel()  # inputs per output channel: C_in / groups x kernel
     p = module.weight.shape[0] // groups
     bias = b.flatten(2).sum(2)
-    keep = keep and batch * module.weight.numel() <= CHUNK_ELEMENTS
-    if not keep and uses_ghost_norm(positions, d, p):
+    ghost = uses_ghost_norm(positions, d, p)
+    keep = (
+        keep
+        and batch * module.weight.numel() <= CHUNK_ELEMENTS
+        and not (ghost and uses_ghost_norm(2 * positions, d, p))
+    )
+    if not keep and ghost:
         unfolded = F.unfold(
             a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
         )
@@ -279,15 +328,33 @@ def _plain_conv(module: nn.Conv2d) -> bool:
     return module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
-def _group_norm_grads(module: nn.GroupNorm, a: torch.Tensor, b: torch.Tensor) -> TensorDict:
-    """GroupNorm normalises each example alone, so its affine gradients per example are sums over positions."""
-    normalised = F.group_norm(a, module.num_groups, eps=module.eps)
-    grads = {}
-    if module.weight is not None:
-        grads["weight"] = (normalised * b).flatten(2).sum(2)
-    if module.bias is not None:
-        grads["bias"] = b.flatten(2).sum(2)
-    return grads
+def _group_norm_grads(
+    module: nn.GroupNorm, a: torch.Tensor, b: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> TensorDict:
+    """GroupNorm normalises each example alone, so its affine gradients per example are sums over positions: for
+    channel c of group g, sum_t b_t (a_t - mu_g) r_g and sum_t b_t, with the group's mean mu_g and inverse
+    deviation r_g (``stats``, from the forward pass, or recomputed). Both come from one pass of GroupNorm's own
+    backward kernel over the batch taken as one example whose channels are every example's (groups stay whole)."""
+    n, channels, groups = a.shape[0], a.shape[1], module.num_groups
+    positions = a[0, 0].numel()
+    if stats is None:
+        _, mean, rstd = torch.native_group_norm(a, None, None, n, channels, positions, groups, module.eps)
+    else:
+        mean, rstd = stats
+    wide = (1, n * channels, positions)
+    _, weight, bias = torch.ops.aten.native_group_norm_backward(
+        b.reshape(wide),
+        a.reshape(wide),
+        mean.reshape(1, n * groups),
+        rstd.reshape(1, n * groups),
+        a.new_ones(n * channels),
+        1,
+        n * channels,
+        positions,
+        n * groups,
+        [False, True, True],
+    )
+    return {"weight": weight.view(n, channels), "bias": bias.view(n, channels)}
 
 
 def _fallback_grads(layer: LayerTrace, params: Mapping[str, torch.Tensor]) -> TensorDict:
