@@ -25,7 +25,7 @@ used outside its layer's forward) raises :class:`Untraceable`; the primitive the
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +61,10 @@ class LayerTrace:
     output_grads: torch.Tensor
     stats: tuple[torch.Tensor, torch.Tensor] | None = None
     """A GroupNorm's per-example group means and inverse deviations, [N, groups] each, from its forward."""
+    streamed: bool = False
+    """A convolution whose per-sample weight gradients are too large to keep for the whole batch: they are taken
+    chunk by chunk, with every streamed layer's at once, and weighed as soon as the chunk's norms are known
+    (:func:`streamed_chunks`), instead of taken once for the norms and a weight gradient after."""
     kept: list[TensorDict] = field(default_factory=list)
     """Per-sample gradients that were materialised anyway (small layers, fallback layers), by local name: chunks
     of consecutive examples [n, *shape] in batch order (a convolution's come chunk by chunk, and are not copied
@@ -184,6 +188,9 @@ def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor], *, for
     if isinstance(module, nn.Linear):
         local = _linear_sq_norms(a, b)
     elif isinstance(module, nn.Conv2d) and _plain_conv(module):
+        layer.streamed = for_sum and "weight" in layer.names and _streams(module, a, b)
+        if layer.streamed:  # the weight's norms come with its chunks
+            return {layer.names["bias"]: b.flatten(2).sum(2).pow(2).sum(1)} if "bias" in layer.names else {}
         local, layer.kept = _conv2d_sq_norms(module, a, b, keep=for_sum)
     else:
         grads = (
@@ -263,6 +270,30 @@ def _conv2d_sq_norms(
             kept.append({"weight": grads, "bias": bias[start : start + chunk]})
     norms = {"weight": torch.cat(squares) if len(squares) > 1 else squares[0], "bias": bias.pow(2).sum(1)}
     return norms, kept
+
+
+def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a convolution before a clipped sum takes per-sample weight gradients it cannot keep for the whole
+    batch (and the ghost norm is not cheaper): they are then streamed."""
+    positions = b.shape[2] * b.shape[3]
+    d, p = module.weight[0].numel(), module.weight.shape[0] // module.groups
+    return a.shape[0] * module.weight.numel() > CHUNK_ELEMENTS and not uses_ghost_norm(positions, d, p)
+
+
+def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[LayerTrace]]]:
+    """The streamed layers' per-sample gradients, chunk by chunk of consecutive examples: (start, stop, each
+    layer's trace of the chunk, its per-sample weight and bias gradients kept). At most GROUPED_CHUNK examples a
+    chunk, and GROUPED_ELEMENTS floats of the largest layer's gradients, as for one layer."""
+    batch = layers[0].inputs.shape[0]
+    chunk = min(max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // layer.module.weight.numel())) for layer in layers)
+    for start in range(0, batch, chunk):
+        stop = min(batch, start + chunk)
+        parts = []
+        for layer in layers:
+            a, b = layer.inputs[start:stop], layer.output_grads[start:stop]
+            grads = {"weight": _per_sample_conv2d_weight(layer.module, a, b), "bias": b.flatten(2).sum(2)}
+            parts.append(LayerTrace(layer.module, layer.names, a, b, kept=[grads]))
+        yield start, stop, parts
 
 
 def _per_sample_conv2d_weight(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

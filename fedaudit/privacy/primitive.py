@@ -30,6 +30,7 @@ from fedaudit.privacy.layers import (
     Untraceable,
     layer_sq_norms,
     layer_weighted_sums,
+    streamed_chunks,
     trace_layers,
 )
 from fedaudit.privacy.randomness import Source, add_gaussian, source_device, uniform
@@ -86,7 +87,7 @@ def clip_and_sum(grads: Mapping[str, torch.Tensor], max_grad_norm: float) -> tup
     """
     norms = per_sample_norms(grads)
     finite = torch.isfinite(norms)
-    factors = torch.where(finite, (max_grad_norm / (norms + 1e-6)).clamp(max=1.0), 0.0)
+    factors = torch.where(finite, _clip_factors(norms, max_grad_norm), 0.0)
     summed = {
         name: torch.einsum("b,b...->...", factors, torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, 0.0))
         for name, g in grads.items()
@@ -135,7 +136,7 @@ def _layer_squares(
     squares: TensorDict = {}
     for layer in traces:
         squares.update(layer_sq_norms(layer, params, for_sum=for_sum))
-    return traces, {name: squares[name] for name in params}
+    return traces, {name: squares[name] for name in params if name in squares}  # streamed weights come later
 
 
 def clipped_sum(
@@ -164,18 +165,48 @@ def clipped_sum(
             summed, norms = clip_and_sum(grads, max_grad_norm)
         else:
             traces, squares = traced
-            norms = torch.stack(list(squares.values())).sum(0).sqrt()
+            total = (
+                torch.stack(list(squares.values())).sum(0)
+                if squares
+                else torch.zeros(x.shape[0], dtype=next(iter(params.values())).dtype, device=x.device)
+            )
+            streamed = [layer for layer in traces if layer.streamed]
+            parts = _streamed_sums(streamed, total, max_grad_norm) if streamed else {}
+            norms = total.sqrt()
             finite = torch.isfinite(norms)
             if not bool(finite.all()):  # see clip_and_sum: overflowed examples add nothing (their inputs, too, are
                 # left out, since a layer's weighted sum would multiply their infinities by a zero factor)
                 summed = clipped_sum(model, x[finite], y[finite], max_grad_norm, params=params, loss_fn=loss_fn)[0]
                 return _with_extra(summed, norms, extra, max_grad_norm)
-            factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-            parts: TensorDict = {}
+            factors = _clip_factors(norms, max_grad_norm)
             for layer in traces:
-                parts.update(layer_weighted_sums(layer, factors))
+                if not layer.streamed:
+                    parts.update(layer_weighted_sums(layer, factors))
             summed = {name: parts[name] for name in params}
     return _with_extra(summed, norms, extra, max_grad_norm)
+
+
+def _clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """min(1, C / ||g_i||) for every example (the 1e-6 keeps a zero gradient's factor finite)."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def _streamed_sums(streamed: list[LayerTrace], total: torch.Tensor, max_grad_norm: float) -> TensorDict:
+    """The streamed layers' clipped sums, chunk by chunk of examples: each chunk's per-sample gradients are
+    added to ``total`` (the batch's squared norms so far, completed in place) and weighed by the chunk's clip
+    factors at once. A chunk with an overflowed example adds nothing (the caller then sums again without it)."""
+    parts: TensorDict = {}
+    for start, stop, chunk in streamed_chunks(streamed):
+        for layer in chunk:
+            total[start:stop] += torch.linalg.vector_norm(layer.kept[0]["weight"].flatten(1), dim=1).pow(2)
+        norms = total[start:stop].sqrt()
+        if not bool(torch.isfinite(norms).all()):
+            continue
+        factors = _clip_factors(norms, max_grad_norm)
+        for layer in chunk:
+            for name, part in layer_weighted_sums(layer, factors).items():
+                parts[name] = parts[name] + part if name in parts else part
+    return parts
 
 
 def _with_extra(

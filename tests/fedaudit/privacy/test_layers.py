@@ -14,7 +14,7 @@ from helpers import loop_grads
 from torch import nn
 
 from fedaudit.models import ModelSpec, build_model
-from fedaudit.privacy import layers
+from fedaudit.privacy import layers, primitive
 from fedaudit.privacy.primitive import (
     add_noise,
     clip_and_sum,
@@ -362,3 +362,27 @@ def test_group_norm_statistics_come_from_the_forward_pass(monkeypatch: pytest.Mo
     recomputed, _ = clipped_sum(model, x, y, 0.4)
     for key in summed:
         torch.testing.assert_close(summed[key], recomputed[key], rtol=1e-12, atol=1e-15)
+
+
+def test_streamed_convolutions_leave_an_overflowed_example_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-sample convolution gradients too large to keep are streamed chunk by chunk (here one example a chunk):
+    the clipped sum is the per-example loop's, and an example whose gradient is not finite adds nothing."""
+    monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(layers, "GROUPED_ELEMENTS", 1)
+    chunks = []
+    real = layers.streamed_chunks
+    monkeypatch.setattr(primitive, "streamed_chunks", lambda traced: (chunks.append(1), real(traced))[1])
+    model, x, y = _model_and_batch("convnet", batch=5, seed=9)
+    summed, _ = clipped_sum(model, x, y, 0.3)
+    assert chunks
+    expected = _loop_clipped_sum(loop_grads(model, x, y), 0.3)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+    broken = x.clone()
+    broken[2, 0, 0, 0] = float("inf")
+    with_inf, norms = clipped_sum(model, broken, y, 0.3)
+    rest = torch.tensor([0, 1, 3, 4])
+    without, _ = clipped_sum(model, x[rest], y[rest], 0.3)
+    assert not bool(torch.isfinite(norms[2])) and bool(torch.isfinite(norms[rest]).all())
+    for key in without:
+        torch.testing.assert_close(with_inf[key], without[key], rtol=1e-12, atol=1e-15)
