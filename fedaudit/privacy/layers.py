@@ -24,6 +24,7 @@ used outside its layer's forward) raises :class:`Untraceable`; the primitive the
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -244,7 +245,7 @@ def _conv2d_sq_norms(
     128 the 7x7 layer's ghost norm is the faster, at widths 64 and 256 the 14x14 one's kept gradients)."""
     batch, groups = a.shape[0], module.groups
     positions = b.shape[2] * b.shape[3]
-    d = module.weight[0].numel()  # inputs per output channel: C_in / groups x kernel
+    d = math.prod(module.weight.shape[1:])  # inputs per output channel: C_in / groups x kernel
     p = module.weight.shape[0] // groups
     bias = b.flatten(2).sum(2)
     ghost = uses_ghost_norm(positions, d, p)
@@ -276,7 +277,7 @@ def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a convolution before a clipped sum takes per-sample weight gradients it cannot keep for the whole
     batch (and the ghost norm is not cheaper): they are then streamed."""
     positions = b.shape[2] * b.shape[3]
-    d, p = module.weight[0].numel(), module.weight.shape[0] // module.groups
+    d, p = math.prod(module.weight.shape[1:]), module.weight.shape[0] // module.groups
     return a.shape[0] * module.weight.numel() > CHUNK_ELEMENTS and not uses_ghost_norm(positions, d, p)
 
 
@@ -367,7 +368,7 @@ def _group_norm_grads(
     deviation r_g (``stats``, from the forward pass, or recomputed). Both come from one pass of GroupNorm's own
     backward kernel over the batch taken as one example whose channels are every example's (groups stay whole)."""
     n, channels, groups = a.shape[0], a.shape[1], module.num_groups
-    positions = a[0, 0].numel()
+    positions = math.prod(a.shape[2:])
     if stats is None:
         _, mean, rstd = torch.native_group_norm(a, None, None, n, channels, positions, groups, module.eps)
     else:
