@@ -20,6 +20,7 @@ printed (``--memory``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,10 @@ def main() -> None:
         "each)",
     )
     args = parser.parse_args()
+    # Huge pages for tensors of 2 MB and more, as `import fedaudit` gives its users (this script imports torch first;
+    # torch reads the setting at its first allocation): without them the large batch's activations cost a page
+    # fault per 4 kB on every step, on every side alike (docs/performance.md). THP_MEM_ALLOC_ENABLE=0 turns them off.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if args.smoke:
         args.batch, args.widths, args.repeats = 8, [8], 1
     torch.set_num_threads(args.threads)
@@ -72,7 +77,7 @@ def main() -> None:
     print(describe(device), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}, device={device}, batch={args.batch}, "
-        "input 1x28x28"
+        f"input 1x28x28, THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}"
     )
     print(
         f"{'width':>5} {'plain (s)':>9} {'ours (s)':>9} {'previous (s)':>13} {'GSM (s)':>8} {'fgc (s)':>8} "
@@ -100,14 +105,30 @@ def main() -> None:
                 p.grad_sample = None
             F.cross_entropy(gsm(x), y, reduction="sum").backward()
 
+        def opacus_release() -> None:
+            """Drop the grad samples (300 MB at width 128) after the timed step: left alive, they change what the
+            allocator hands the next side (our step took 0.74 s after them instead of 0.55 s, plain's 0.45 s)."""
+            for p in gsm.parameters():
+                p.grad_sample = None
+
         fast = {ghost: fast_clipping_step(width, device, x, y, ghost=ghost) for ghost in (False, True)}
-        steps = {"plain": plain, "ours": ours, "previous": previous, "opacus": opacus, "fgc": fast[False], "ghost": fast[True]}
-        for fn in steps.values():  # warm-up
+        steps = {
+            "plain": plain,
+            "ours": ours,
+            "previous": previous,
+            "opacus": opacus,
+            "fgc": fast[False],
+            "ghost": fast[True],
+        }
+        after = {"opacus": opacus_release}  # untimed, so that no side's leftovers weigh on the next
+        for key, fn in steps.items():  # warm-up
             fn()
+            after.get(key, lambda: None)()
         times: dict[str, list[float]] = {key: [] for key in steps}
         for _ in range(args.repeats):  # alternate so background load hits all of them alike
             for key, fn in steps.items():
                 times[key].append(_time(fn, device))
+                after.get(key, lambda: None)()
         med = {key: statistics.median(values) for key, values in times.items()}
         fastest = min(med["fgc"], med["ghost"])
         print(

@@ -255,13 +255,7 @@ def _conv2d_sq_norms(
         and not (ghost and uses_ghost_norm(2 * positions, d, p))
     )
     if not keep and ghost:
-        unfolded = F.unfold(
-            a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
-        )
-        a3 = unfolded.view(batch, groups, d, positions).transpose(2, 3).reshape(batch * groups, positions, d)
-        b3 = b.reshape(batch, groups, p, positions).transpose(2, 3).reshape(batch * groups, positions, p)
-        weight = _outer_sum_sq_norms(a3, b3).view(batch, groups).sum(1)
-        return {"weight": weight, "bias": bias.pow(2).sum(1)}, []
+        return {"weight": _conv2d_ghost_sq_norms(module, a, b), "bias": bias.pow(2).sum(1)}, []
     chunk = max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // module.weight.numel()))
     squares, kept = [], []
     for start in range(0, batch, chunk):
@@ -271,6 +265,31 @@ def _conv2d_sq_norms(
             kept.append({"weight": grads, "bias": bias[start : start + chunk]})
     norms = {"weight": torch.cat(squares) if len(squares) > 1 else squares[0], "bias": bias.pow(2).sum(1)}
     return norms, kept
+
+
+def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The ghost norm of a convolution's per-sample weight gradients, over chunks of examples whose unfolded
+    inputs take at most GROUPED_ELEMENTS floats: a whole batch's (58 MB at width 128, batch 256, 7x7) would be
+    fresh memory, and a page fault per page, on every step. Without groups the unfolded inputs and the output
+    gradients enter the Gram matrices as transposed views, not copies."""
+    batch, groups = a.shape[0], module.groups
+    positions = b.shape[2] * b.shape[3]
+    d, p = math.prod(module.weight.shape[1:]), module.weight.shape[0] // groups
+    chunk = max(1, GROUPED_ELEMENTS // (groups * d * positions))
+    parts = []
+    for start in range(0, batch, chunk):
+        ac, bc = a[start : start + chunk], b[start : start + chunk]
+        n = ac.shape[0]
+        unfolded = F.unfold(
+            ac, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
+        )
+        if groups == 1:
+            a3, b3 = unfolded.transpose(1, 2), bc.flatten(2).transpose(1, 2)
+        else:
+            a3 = unfolded.view(n, groups, d, positions).transpose(2, 3).reshape(n * groups, positions, d)
+            b3 = bc.reshape(n, groups, p, positions).transpose(2, 3).reshape(n * groups, positions, p)
+        parts.append(_outer_sum_sq_norms(a3, b3).view(n, groups).sum(1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:
