@@ -12,11 +12,15 @@ sum_i f_i g_i, f_i = min(1, C / ||g_i||). Neither needs every per-sample gradien
    the ghost-norm identity ||b_i U_i^T||^2 = <U_i^T U_i, b_i^T b_i> when the two T x T Gram matrices cost fewer
    multiply-adds than the gradient: T (D + P) < P D (Bu et al.'s mixed ghost norm, with the cost in time rather
    than memory).
-   GroupNorm's per-sample gradients are [B, C] and are kept. Any other layer: its own parameters' per-sample
-   gradients by vmap over the layer alone (the fallback).
+   GroupNorm's per-sample gradients are [B, C] (from its own backward kernel and the statistics its forward
+   saved) and are kept. Any other layer: its own parameters' per-sample gradients by vmap over the layer alone
+   (the fallback).
 3. The clipped sum of a layer is its ordinary batch weight gradient with b_i scaled by f_i: for Linear a matrix
    product, for Conv2d the convolution's weight gradient, for kept per-sample gradients a weighted sum. This is
-   the weighted second backward of fast gradient clipping, restricted to the weight gradients it needs.
+   the weighted second backward of fast gradient clipping, restricted to the weight gradients it needs. A
+   convolution whose per-sample gradients are too large to keep for the whole batch is streamed instead: taken
+   chunk by chunk and weighed as soon as the chunk's norms are known (book-keeping, Bu et al. 2023), so that
+   each per-sample gradient is computed once.
 
 A model this cannot follow (a parameterised layer called twice, a layer output changed in place, a parameter
 used outside its layer's forward) raises :class:`Untraceable`; the primitive then takes the whole-model vmap path.
