@@ -247,10 +247,8 @@ def _conv2d_sq_norms(
     taken where nothing is kept and it is cheaper, and also instead of keeping where it costs less than half the
     per-sample gradients (its clipped sum is a second weight gradient; measured in docs/performance.md: at width
     128 the 7x7 layer's ghost norm is the faster, at widths 64 and 256 the 14x14 one's kept gradients)."""
-    batch, groups = a.shape[0], module.groups
-    positions = b.shape[2] * b.shape[3]
-    d = math.prod(module.weight.shape[1:])  # inputs per output channel: C_in / groups x kernel
-    p = module.weight.shape[0] // groups
+    batch = a.shape[0]
+    positions, d, p = _conv_sizes(module, b)
     bias = b.flatten(2).sum(2)
     ghost = uses_ghost_norm(positions, d, p)
     keep = (
@@ -271,14 +269,20 @@ def _conv2d_sq_norms(
     return norms, kept
 
 
+def _conv_sizes(module: nn.Conv2d, b: torch.Tensor) -> tuple[int, int, int]:
+    """A convolution's T output positions, D inputs per output channel (C_in / groups x kernel) and P outputs per
+    group, for the cost rules (:func:`uses_ghost_norm`) and the Gram matrices."""
+    positions = b.shape[2] * b.shape[3]
+    return positions, math.prod(module.weight.shape[1:]), module.weight.shape[0] // module.groups
+
+
 def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The ghost norm of a convolution's per-sample weight gradients, over chunks of examples whose unfolded
     inputs take at most GROUPED_ELEMENTS floats: a whole batch's (58 MB at width 128, batch 256, 7x7) would be
     fresh memory, and a page fault per page, on every step. Without groups the unfolded inputs and the output
     gradients enter the Gram matrices as transposed views, not copies."""
     batch, groups = a.shape[0], module.groups
-    positions = b.shape[2] * b.shape[3]
-    d, p = math.prod(module.weight.shape[1:]), module.weight.shape[0] // groups
+    positions, d, p = _conv_sizes(module, b)
     chunk = max(1, GROUPED_ELEMENTS // (groups * d * positions))
     parts = []
     for start in range(0, batch, chunk):
@@ -299,9 +303,7 @@ def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) 
 def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a convolution before a clipped sum takes per-sample weight gradients it cannot keep for the whole
     batch (and the ghost norm is not cheaper): they are then streamed."""
-    positions = b.shape[2] * b.shape[3]
-    d, p = math.prod(module.weight.shape[1:]), module.weight.shape[0] // module.groups
-    return a.shape[0] * module.weight.numel() > CHUNK_ELEMENTS and not uses_ghost_norm(positions, d, p)
+    return a.shape[0] * module.weight.numel() > CHUNK_ELEMENTS and not uses_ghost_norm(*_conv_sizes(module, b))
 
 
 def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[LayerTrace]]]:
