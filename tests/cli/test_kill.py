@@ -175,17 +175,30 @@ def assert_same_tree(done: Path, reference: Path) -> None:
 
 
 def killed_then_again(
-    spawn: Spawn, tmp_path: Path, args: tuple[str | Path, ...], ready: Callable[[], bool], moment: str
+    spawn: Spawn,
+    tmp_path: Path,
+    args: tuple[str | Path, ...],
+    ready: Callable[[], bool],
+    moment: str,
+    *,
+    again: Callable[[], None] | None = None,
 ) -> None:
-    """Start ``fedaudit ARGS``, SIGKILL it when ``ready()`` holds, then give the same command again in-process."""
-    process = spawn(*args)
-    try:
-        if not kill_when(process, ready):
+    """Start ``fedaudit ARGS``, SIGKILL it when ``ready()`` holds, then give the same command again in-process.
+    A command that finished before the moment is started again, twice at most, after ``again()`` has cleared what
+    it wrote (when given): a short moment (an attack's commit inside a study) is missed now and then."""
+    for attempt in range(3 if again is not None else 1):
+        process = spawn(*args)
+        try:
+            hit = kill_when(process, ready)
+        finally:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+        if hit:
+            break
+        if again is None or attempt == 2:
             pytest.skip(f"the command finished before {moment}")
-    finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
+        again()
     result = invoke(*args)
     assert result.exit_code == 0, result.output
 
@@ -268,7 +281,9 @@ def test_compare_killed_at_any_moment_then_given_again_ends_as_an_uninterrupted_
     study, reference = studied
     out = tmp_path / "out"
     args = ("compare", "--study", study, "--out", out, "--no-progress")
-    killed_then_again(spawn, tmp_path, args, lambda: STUDY_MOMENTS[moment](out), moment)
+    killed_then_again(
+        spawn, tmp_path, args, lambda: STUDY_MOMENTS[moment](out), moment, again=lambda: shutil.rmtree(out)
+    )
     assert_same_tree(out, reference)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
