@@ -129,13 +129,15 @@ def _layer_squares(
 ) -> tuple[list[LayerTrace], TensorDict] | None:
     """The batch's layer traces and per-parameter squared per-sample norms (in the order of ``params``), or None
     for a model the layer-wise path cannot follow (the caller then takes the whole-model vmap path)."""
+    squares: TensorDict = {}
+
+    def visit(layer: LayerTrace) -> None:
+        squares.update(layer_sq_norms(layer, params, for_sum=for_sum))
+
     try:
-        traces = trace_layers(model, x, y, params, loss_fn)
+        traces = trace_layers(model, x, y, params, loss_fn, visit)
     except Untraceable:
         return None
-    squares: TensorDict = {}
-    for layer in traces:
-        squares.update(layer_sq_norms(layer, params, for_sum=for_sum))
     return traces, {name: squares[name] for name in params if name in squares}  # streamed weights come later
 
 

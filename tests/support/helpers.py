@@ -269,7 +269,8 @@ def loop_grads(
     model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, params: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """Per-example gradients of the cross-entropy by the obviously correct loop, one backward per example (at
-    ``params`` if given, which are loaded into ``model``): the reference for every per-sample gradient path."""
+    ``params`` if given, which are loaded into ``model``): the reference for every per-sample gradient path. A
+    parameter the loss does not depend on has zero gradients."""
     if params is not None:
         model.load_state_dict(params, strict=False)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -279,7 +280,7 @@ def loop_grads(
         torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         for name, p in model.named_parameters():
             if p.requires_grad:
-                per_example[name].append(p.grad.detach().clone())
+                per_example[name].append(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
     return {name: torch.stack(gs) for name, gs in per_example.items()}
 
 

@@ -115,6 +115,22 @@ class InPlace(nn.Module):
         return self.head(self.act(self.layer(x)))
 
 
+class Branched(nn.Module):
+    """Two branches from the input and a layer the loss does not depend on: the first traced layer's output
+    gradient does not pass through the other branch, so the backward must ask for every layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(6, 4)
+        self.right = nn.Linear(6, 4)
+        self.unused = nn.Linear(6, 2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.unused(x)
+        return self.head(torch.cat([torch.tanh(self.left(x)), torch.tanh(self.right(x))], dim=1))
+
+
 def _model_and_batch(name: str, batch: int = 7, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
     if name in SPECS:
@@ -126,6 +142,7 @@ def _model_and_batch(name: str, batch: int = 7, seed: int = 0) -> tuple[nn.Modul
             "grouped": (Grouped, (2, 4, 4), 4),
             "tied": (Tied, (6,), 3),
             "inplace": (InPlace, (6,), 3),
+            "branched": (Branched, (6,), 3),
         }[name]
         model = model()
     model = model.double()
@@ -144,7 +161,7 @@ def _loop_clipped_sum(grads: dict[str, torch.Tensor], clip: float) -> dict[str, 
     return summed
 
 
-ALL = [*sorted(SPECS), "mixed", "grouped", "tied", "inplace"]
+ALL = [*sorted(SPECS), "mixed", "grouped", "tied", "inplace", "branched"]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -386,3 +403,42 @@ def test_streamed_convolutions_leave_an_overflowed_example_out(monkeypatch: pyte
     assert not bool(torch.isfinite(norms[2])) and bool(torch.isfinite(norms[rest]).all())
     for key in without:
         torch.testing.assert_close(with_inf[key], without[key], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["branched", "convnet", "mixed"])
+def test_every_layer_s_output_gradient_arrives_on_the_first_query_and_the_next(name: str) -> None:
+    """The backward asks for the first traced layer's output gradient alone; on a model where that does not reach
+    every layer (branches, an unused layer) the trace is taken again asking for every output, and so are the
+    model's later traces. Both queries equal the per-example loop."""
+    model, x, y = _model_and_batch(name, batch=5, seed=3)
+    expected = _loop_clipped_sum(loop_grads(model, x, y), 0.5)
+    for _ in range(2):
+        summed, _ = clipped_sum(model, x, y, 0.5)
+        for key in expected:
+            torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+        assert layers._MANY_ROOTS.get(model, False) == (name == "branched")
+
+
+def test_a_layer_whose_per_sample_gradients_are_kept_drops_its_input_and_output_gradient_in_the_backward() -> None:
+    """GroupNorm's and the small convolutions' per-sample gradients are taken as their output gradient arrives;
+    their input and output gradient are then dropped, where the ghost-norm and Linear layers keep theirs for the
+    weighted sum. The norms a visit takes in the backward are the ones taken after it."""
+    model, x, y = _model_and_batch("convnet-ghost", batch=6)
+    params = trainable_params(model)
+    during: dict[str, torch.Tensor] = {}
+    traced = layers.trace_layers(
+        model, x, y, params, F.cross_entropy, lambda layer: during.update(layers.layer_sq_norms(layer, params))
+    )
+    kinds = [type(layer.module).__name__ for layer in traced]
+    held = [layer.inputs.numel() > 0 and layer.output_grads.numel() > 0 for layer in traced]
+    assert held == [not layer.kept for layer in traced]
+    assert {k for k, h in zip(kinds, held) if not h} == {"Conv2d", "GroupNorm"} and "Linear" in {
+        k for k, h in zip(kinds, held) if h
+    }
+    assert any(h for k, h in zip(kinds, held) if k == "Conv2d")  # the ghost-norm convolution keeps its own
+    after = {}
+    for layer in layers.trace_layers(model, x, y, params, F.cross_entropy):
+        after.update(layers.layer_sq_norms(layer, params))
+    assert during.keys() == after.keys()
+    for key in after:
+        torch.testing.assert_close(during[key], after[key], rtol=1e-12, atol=0)
