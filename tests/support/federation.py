@@ -31,10 +31,15 @@ BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what
 
 # What a ClientApp process imports before its first message, imported once by the zygote of a SuperLink's
 # federations (tests/support/zygote.py): Flower's flwr-clientapp, torch and fedaudit's ClientApp with the algorithms
-# it runs. Each ClientApp still is a process of its own, started by Flower's SuperExec by name.
-CLIENTAPP = {"flwr-clientapp": "flwr.supernode.cli.flwr_clientapp:flwr_clientapp"}
+# it runs; and Flower's SuperExec, which every SuperNode starts by name (a second second of imports a SuperNode).
+# Each ClientApp and SuperExec still is a process of its own, started by Flower's own code by name.
+CLIENTAPP = {
+    "flwr-clientapp": "flwr.supernode.cli.flwr_clientapp:flwr_clientapp",
+    "flower-superexec": "flwr.supercore.cli:flower_superexec",
+}
 CLIENTAPP_IMPORTS = [
     "torch",
+    "flwr.supercore.cli",
     "flwr.supernode.cli.flwr_clientapp",
     "flwr.clientapp",
     "flwr.app",
