@@ -88,3 +88,34 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_child_in_a_session_of_its_own_is_stopped_with_its_group(tmp_path: Path) -> None:
+    """``new_session``: the child leads its own process group (as ``Popen(start_new_session=True)``), so that a test
+    stops it and what it started by the pid it got; its two streams go to one file, appended to."""
+    script = tmp_path / "program.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "print('out', flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('grandchild', child.pid, flush=True)\ntime.sleep(60)\n"
+    )
+    log = tmp_path / "log"
+    log.write_text("before\n")
+    zygote = Zygote(tmp_path / "zygote", {str(script): str(script)}, [])
+    try:
+        child = zygote.start(str(script), [], stdout=log, stderr=log, new_session=True)
+        deadline = time.monotonic() + 30
+        while "grandchild" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grandchild = int(log.read_text().split()[-1])
+        assert os.getpgid(child.pid) == child.pid == os.getsid(child.pid) != os.getpgid(0)
+        assert os.getpgid(grandchild) == child.pid
+        os.killpg(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        while time.monotonic() < deadline and _alive(grandchild):
+            time.sleep(0.05)
+        assert not _alive(grandchild)
+        assert log.read_text().splitlines()[:3] == ["before", "out", "err"]
+    finally:
+        zygote.close()

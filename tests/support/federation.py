@@ -2,7 +2,8 @@
 
 Every process is started in its own process group with its output in a log file (never a pipe: Flower's
 grandchildren would hold it open), and :meth:`Federation.close` (a test's SuperNodes) and :meth:`SuperLink.close`
-stop each group by the pid the test got from ``Popen``, also when the test fails. One SuperLink may serve the
+stop each group by the pid the test got (from ``Popen``, or from the zygote that forked a SuperNode), also when the
+test fails. One SuperLink may serve the
 federations of several tests in turn (started once for them), each test starting and stopping its own SuperNodes.
 """
 
@@ -18,6 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from zygote import Zygote
+from zygote import Forked, Zygote
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what they start by name
 
@@ -47,6 +49,15 @@ CLIENTAPP_IMPORTS = [
     "fedaudit.instruments.record_signals",
     "fedaudit.algorithms.fedavg",
     "fedaudit.algorithms.fedlap",
+]
+
+# What a SuperNode imports, imported once by the same zygote: each SuperNode is forked from it (a process group of its
+# own, as if started by Popen) instead of spending a second or more importing Flower.
+SUPERNODE_IMPORTS = [
+    "flwr.supercore.heartbeat",
+    "flwr.supernode.fleet_http_connection",
+    "flwr.supernode.start_client_internal",
+    "flwr.supernode.cli",
 ]
 
 # flower-supernode with two of Flower's constants replaced, each unless its argument is "-": the heartbeat interval it
@@ -174,7 +185,7 @@ def _env(home: Path, task_poll_seconds: float | None = None, first: Path | None 
     return env
 
 
-def _stop_groups(processes: list[subprocess.Popen], timeout: float = 20) -> None:
+def _stop_groups(processes: Sequence[subprocess.Popen | Forked], timeout: float = 20) -> None:
     """Stop the process group of each of ``processes`` (started by :func:`_spawn`), by the pid the test got: SIGTERM
     to every group at once (each shuts down on its own, so they stop together rather than one after the other),
     SIGKILL to a process still running after ``timeout`` s, and to what is left of every group (its SuperExec,
@@ -202,7 +213,11 @@ class SuperLink:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.zygote = Zygote(directory / "zygote", CLIENTAPP, CLIENTAPP_IMPORTS)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.supernode = directory / "supernode.py"  # the zygote runs it as `python supernode.py` would
+        self.supernode.write_text(SUPERNODE)
+        entries = {**CLIENTAPP, str(self.supernode): str(self.supernode)}
+        self.zygote = Zygote(directory / "zygote", entries, [*CLIENTAPP_IMPORTS, *SUPERNODE_IMPORTS])
         self.process: subprocess.Popen | None = None
         try:
             self.tls = make_tls_files(directory / "certs")
@@ -270,8 +285,8 @@ class Federation:
         self.message_poll_seconds = message_poll_seconds
         self.tls = superlink.tls
         self.address = superlink.address
-        self.processes: dict[str, subprocess.Popen] = {}  # the current process of each name
-        self.spawned: list[subprocess.Popen] = []  # every process started, a killed site's too
+        self.processes: dict[str, Forked] = {}  # the current process of each name
+        self.spawned: list[Forked] = []  # every process started, a killed site's too
         directory.mkdir(parents=True, exist_ok=True)
 
     def secret_path(self, client: int) -> Path:
@@ -285,7 +300,7 @@ class Federation:
         *,
         public_noise: bool = False,
         heartbeat_seconds: float | None = None,
-    ) -> subprocess.Popen:
+    ) -> Forked:
         """A SuperNode hosting ``client``; its node config, unless given: ``client-id=CLIENT`` and its secret's file
         (:meth:`secret_path`), with ``public-noise=true`` when the site lets the server choose a --noise-seed.
         ``heartbeat_seconds``: the heartbeat interval it declares instead of Flower's 30 s (at least
@@ -296,14 +311,16 @@ class Federation:
             config += " public-noise=true"
         name = f"supernode-{client}"
         replaced = (heartbeat_seconds, self.message_poll_seconds)
-        program = [sys.executable, "-c", SUPERNODE, *("-" if value is None else str(value) for value in replaced)]
-        argv = [
-            *program,
+        args = [
+            *("-" if value is None else str(value) for value in replaced),
             *("--superlink", self.address, "--root-certificates", str(self.tls["ca"])),
             *("--port", str(free_port()), "--node-config", config),
         ]
-        env = _env(self.directory / "flwr-home" / name, self.task_poll_seconds, self.superlink.zygote.bin)
-        self.processes[name] = process = _spawn(argv, env, self.directory / f"{name}.log")
+        zygote = self.superlink.zygote
+        env = _env(self.directory / "flwr-home" / name, self.task_poll_seconds, zygote.bin)
+        log = self.directory / f"{name}.log"
+        script = str(self.superlink.supernode)
+        self.processes[name] = process = zygote.start(script, args, env=env, stdout=log, stderr=log, new_session=True)
         self.spawned.append(process)
         return process
 

@@ -97,6 +97,8 @@ def _die_with_shim(conn: socket.socket) -> None:
 def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int], base: list[str]) -> None:
     """In the forked child: become the program the shim was started as, and die with the shim."""
     listener.close()
+    if request.get("session"):  # a process group of its own, which a test stops by the child's pid
+        os.setsid()
     for target, fd in enumerate(fds):
         if fd != target:
             os.dup2(fd, target)
@@ -219,10 +221,13 @@ class Zygote:
         env: dict[str, str] | None = None,
         stdout: Path | None = None,
         stderr: Path | None = None,
+        new_session: bool = False,
     ) -> Forked:
         """``program`` (one of the entries: a name, or a script's path that is its own entry) with ``args``, forked
-        now, its output written to ``stdout`` and ``stderr`` (files) or discarded: a handle with the child's own pid,
-        as :class:`subprocess.Popen` would give (the test's connection plays the shim)."""
+        now, its output written to ``stdout`` and ``stderr`` (files, the same one for both if they are the same path;
+        appended to) or discarded: a handle with the child's own pid, as :class:`subprocess.Popen` would give (the
+        test's connection plays the shim). ``new_session``: the child leads a session and process group of its own,
+        as ``Popen(start_new_session=True)`` starts it."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(self.socket))
         request = {
@@ -230,11 +235,13 @@ class Zygote:
             "argv": [program, *map(str, args)],
             "cwd": str(cwd or Path.cwd()),
             "env": dict(os.environ if env is None else env),
+            "session": new_session,
         }
         body = json.dumps(request).encode()
         with contextlib.ExitStack() as files:
             null = files.enter_context(open(os.devnull, "r+b"))
-            out, err = (null if path is None else files.enter_context(open(path, "wb")) for path in (stdout, stderr))
+            out = null if stdout is None else files.enter_context(open(stdout, "ab"))
+            err = out if stderr == stdout else null if stderr is None else files.enter_context(open(stderr, "ab"))
             fds = array.array("i", [null.fileno(), out.fileno(), err.fileno()])
             conn.sendmsg([len(body).to_bytes(8, "big") + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         return Forked(conn)
