@@ -64,13 +64,14 @@ def demo(tmp_path_factory, fedaudit_zygote: Zygote) -> Path:
 
 # How far each figure of the demo may lie from the README's, by run and kind of figure, from what
 # benchmarks/demo_spread.py measured (docs/measured-figures.md). FedAvg without DP is deterministic on one CPU, but
-# MKL and oneDNN pick their kernels per CPU: across kernel settings its accuracy did not move, its AUCs and their
-# intervals moved by at most 0.003, and its epsilon lower bounds (a threshold chosen on half of the records) by up to
-# 0.41. DP-FedAvg draws its noise from fresh client secrets in every run: over 8 runs its accuracy ranged 0.675 to
-# 0.825 and its AUCs 0.518 to 0.563 (standard deviations about 0.04 and 0.016); the bands are 3.75 of them.
+# MKL and oneDNN pick their kernels per CPU: across kernel settings and CPUs its accuracy did not move, its AUCs and
+# their intervals moved by at most 0.004, and its epsilon lower bounds (a threshold chosen on half of the records) by
+# up to 0.46. DP-FedAvg draws its noise from fresh client secrets in every run: over 30 runs its accuracy ranged
+# 0.661 to 0.817 and its AUCs 0.516 to 0.597 (standard deviations about 0.04 and 0.015; the bands are 3.75 of them),
+# and an attack's bound rose above 0 in 2 of them (0.120 at most; 0.128 in a CI run): the band is 0.2.
 TOLERANCE = {
-    "FedAvg (no DP)": {"accuracy": 0.005, "auc": 0.01, "bound": 0.45},
-    "DP-FedAvg": {"accuracy": 0.15, "auc": 0.06, "bound": 0.0},
+    "FedAvg (no DP)": {"accuracy": 0.005, "auc": 0.01, "bound": 0.5},
+    "DP-FedAvg": {"accuracy": 0.15, "auc": 0.06, "bound": 0.2},
 }
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -92,7 +93,8 @@ def _figures(run) -> list[str]:
 
 def _stale(label: str, readme: list[str], computed: list[str]) -> list[str]:
     """Where a README row and a run's figures differ by more than the spread the row allows, or in a verdict: the
-    non-DP model's AUC intervals lie above 0.5 and its bounds are positive; the DP model's bounds are 0."""
+    non-DP model's AUC intervals lie above 0.5 and its bounds are positive; no attack's bound on the DP model reaches
+    the accountant's epsilon (whether a bound on the DP model is 0 or a little above is its fresh noise's draw)."""
     kinds = ("accuracy", None, "auc", "auc", "bound")
     problems = []
     for kind, ours, theirs in zip(kinds, readme, computed):
@@ -107,8 +109,8 @@ def _stale(label: str, readme: list[str], computed: list[str]) -> list[str]:
     bounds = [float(x) for x in NUMBER.findall(computed[4])]
     if label == "FedAvg (no DP)" and not (min(auc_lows) > 0.5 and min(bounds) > 0):
         problems.append(f"the model without DP no longer shows its leakage: {computed[2:]}")
-    if label == "DP-FedAvg" and max(bounds) != 0:
-        problems.append(f"an attack's bound on the DP model is above 0: {computed[4]}")
+    if label == "DP-FedAvg" and max(bounds) >= float(NUMBER.findall(computed[1])[0]):
+        problems.append(f"an attack's bound on the DP model reaches its epsilon: {computed[4]} against {computed[1]}")
     return problems
 
 
@@ -126,7 +128,8 @@ def test_the_readme_demo_table_is_what_the_demo_computes(demo):
     assert f"simultaneous over the 2 final-model attacks: {fmt(runs['fedavg'].epsilon_lower_bound()[0])}" in sentence
     assert "1 - 0.05/2" in sentence and "for that attack alone" in sentence and "against the accountant" not in sentence
     sentence = next(line for line in dp.splitlines() if line.startswith("Strongest of the 2 attacks"))
-    assert "lower bound, simultaneous over the 2 final-model attacks: 0 against" in sentence
+    simultaneous = fmt(runs["dp-fedavg"].epsilon_lower_bound()[0])
+    assert f"lower bound, simultaneous over the 2 final-model attacks: {simultaneous} against" in sentence
     assert "better than chance" not in sentence or "though no single threshold" in sentence
 
 
@@ -179,13 +182,18 @@ def test_the_demo_report_opens_with_the_verdict_and_the_guarantee_above_the_firs
 
 def test_a_readme_or_a_demo_gone_stale_by_more_than_the_spread_fails(demo, tmp_path, fedaudit_zygote: Zygote):
     """The check has power: the README's accuracy moved by 0.02, or the run without DP trained for 5 rounds instead
-    of the Makefile's 15, is caught; the DP model with a bound above 0 is caught."""
+    of the Makefile's 15, is caught; the DP model with a bound beyond its band, or one that reaches its epsilon, is
+    caught."""
     readme = _readme_rows()
     (plain,) = collect_runs([demo / "fedavg"])
     row = _figures(plain)
     moved = [row[0].replace(row[0].split()[0], f"{float(row[0].split()[0]) + 0.02:.3f}", 1), *row[1:]]
     assert _stale("FedAvg (no DP)", moved, row)
-    assert _stale("DP-FedAvg", readme["DP-FedAvg"], [*readme["DP-FedAvg"][:4], "0.2, 0, 0.2"])
+    assert not _stale("DP-FedAvg", readme["DP-FedAvg"], [*readme["DP-FedAvg"][:4], "0.15, 0, 0.1"])
+    assert _stale("DP-FedAvg", readme["DP-FedAvg"], [*readme["DP-FedAvg"][:4], "0.3, 0, 0.2"])
+    small = ["0.1 (delta 1e-05)" if i == 1 else cell for i, cell in enumerate(readme["DP-FedAvg"])]
+    (problem,) = _stale("DP-FedAvg", small, [*small[:4], "0.15, 0, 0.1"])  # within the band, at its epsilon
+    assert "reaches its epsilon" in problem
     out = tmp_path / "demo"
     commands = _demo_commands(out, fedaudit_zygote.bin.parent)
     train, attack = [c for c in commands if "--out" not in c or f"{out}/fedavg " in c][:2]
