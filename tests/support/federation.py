@@ -3,8 +3,8 @@
 Every process is started in its own process group with its output in a log file (never a pipe: Flower's
 grandchildren would hold it open), and :meth:`Federation.close` (a test's SuperNodes) and :meth:`SuperLink.close`
 stop each group by the pid the test got (from ``Popen``, or from the zygote that forked a SuperNode), also when the
-test fails. One SuperLink may serve the
-federations of several tests in turn (started once for them), each test starting and stopping its own SuperNodes.
+test fails. One SuperLink may serve the federations of several tests in turn (started once for them), each test
+starting and stopping its own SuperNodes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and what
 
 # What a ClientApp process imports before its first message, imported once by the zygote of a SuperLink's
 # federations (tests/support/zygote.py): Flower's flwr-clientapp, torch and fedaudit's ClientApp with the algorithms
-# it runs; and Flower's SuperExec, which every SuperNode starts by name (a second second of imports a SuperNode).
+# it runs; and Flower's SuperExec, which every SuperNode starts by name (another second of imports a SuperNode).
 # Each ClientApp and SuperExec still is a process of its own, started by Flower's own code by name.
 CLIENTAPP = {
     "flwr-clientapp": "flwr.supernode.cli.flwr_clientapp:flwr_clientapp",
@@ -186,7 +186,7 @@ def _env(home: Path, task_poll_seconds: float | None = None, first: Path | None 
 
 
 def _stop_groups(processes: Sequence[subprocess.Popen | Forked], timeout: float = 20) -> None:
-    """Stop the process group of each of ``processes`` (started by :func:`_spawn`), by the pid the test got: SIGTERM
+    """Stop the process group of each of ``processes`` (each leads its own), by the pid the test got: SIGTERM
     to every group at once (each shuts down on its own, so they stop together rather than one after the other),
     SIGKILL to a process still running after ``timeout`` s, and to what is left of every group (its SuperExec,
     ClientApps)."""
@@ -208,8 +208,8 @@ def _stop_groups(processes: Sequence[subprocess.Popen | Forked], timeout: float 
 
 class SuperLink:
     """A TLS SuperLink on 127.0.0.1 (``--isolation process``: fedaudit is the server), in its own process group; it
-    serves the :class:`Federation` of one test after another, whose SuperNodes start their ClientApps from one
-    :class:`Zygote` that the SuperLink keeps with it."""
+    serves the :class:`Federation` of one test after another, whose SuperNodes are forked from one :class:`Zygote`
+    that the SuperLink keeps with it, and start their SuperExecs and ClientApps from it too."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
