@@ -128,6 +128,7 @@ def _trace(
     as the backward computes it; the backward asks for the first traced layer's output gradient alone (every
     other layer's lies on its way in a chain of layers) unless ``every_output``. None when some layer's gradient
     did not arrive that way (the caller then asks for every output)."""
+    out, inputs, outputs = _recorded_forward(model, x, params, owners)
     shapes: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
     traces: dict[str, LayerTrace] = {}
     stats: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -144,7 +145,6 @@ def _trace(
 
         return hook
 
-    out, inputs, outputs = _recorded_forward(model, x, params, owners)
     if set(outputs) != set(owners):
         raise Untraceable("some parameters are used outside their layer's forward")
     for prefix, (output, version) in outputs.items():

@@ -186,7 +186,8 @@ def killed_then_again(
     """Start ``fedaudit ARGS``, SIGKILL it when ``ready()`` holds, then give the same command again in-process.
     A command that finished before the moment is started again, twice at most, after ``again()`` has cleared what
     it wrote (when given): a short moment (an attack's commit inside a study) is missed now and then."""
-    for attempt in range(3 if again is not None else 1):
+    tries = 1 if again is None else 3
+    for attempt in range(tries):
         process = spawn(*args)
         try:
             hit = kill_when(process, ready)
@@ -196,7 +197,7 @@ def killed_then_again(
                 process.wait()
         if hit:
             break
-        if again is None or attempt == 2:
+        if again is None or attempt == tries - 1:
             pytest.skip(f"the command finished before {moment}")
         again()
     result = invoke(*args)
