@@ -15,6 +15,7 @@ training on the union.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from _machine import describe
 
 import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
+from fedaudit.algorithms.cuda_graph import GRAPHS_ENV
 from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import DataConfig, FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
 from fedaudit.data import DataError, load_dataset, partition_dataset
@@ -179,8 +181,38 @@ def main() -> None:
             f"{share('dp'):>11} {share('matching'):>9} "
             f"{f'{client_training:.1f}s {100 * client_training / lap_seconds:.0f}%':>14} {server_seconds:>11.1f}"
         )
+        if device.type == "cuda":
+            compare_graphs(model, params, data, lap, device, width)
         if args.profile is not None:
             profile_round(model, params, data, lap, device, width, args.profile)
+
+
+def compare_graphs(
+    model: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    data: ClientData,
+    config: RunConfig,
+    device: torch.device,
+    width: int,
+) -> None:
+    """One FedLAP-DP client round with its image steps replayed as a CUDA graph and one with them eager (the previous
+    path, FEDAUDIT_CUDA_GRAPHS=0), no timers inside; prints both and their ratio."""
+    seconds = {}
+    for mode in ("1", "0"):
+        os.environ[GRAPHS_ENV] = mode
+        ctx = RoundContext(round=0, rounds=1, config=config, device=device)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        get_algorithm(config).client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
+        torch.cuda.synchronize(device)
+        seconds.setdefault(mode, []).append(time.perf_counter() - start)
+    del os.environ[GRAPHS_ENV]
+    graphed, eager = seconds["1"][0], seconds["0"][0]
+    print(
+        f"width {width}: FedLAP-DP client round without timers: image steps replayed as a CUDA graph "
+        f"{graphed:.2f} s, eager ({GRAPHS_ENV}=0) {eager:.2f} s: eager/graph {eager / graphed:.2f}",
+        flush=True,
+    )
 
 
 def profile_round(

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from fedaudit.algorithms.base import (
     clone_params,
     flat_distance,
 )
+from fedaudit.algorithms.cuda_graph import GraphedStep, graphs_enabled
 from fedaudit.algorithms.fedlap_settings import FedLAPConfig
 from fedaudit.config import RunConfig
 from fedaudit.models import inert_parameters
@@ -129,6 +131,7 @@ class _Matching:
     image_opt: SGD
     lr: float  # the client's learning rate this round
     matched: list[str]  # the parameters whose gradients are matched (matched_names)
+    graphed: GraphedStep | None = None  # the image step as a CUDA graph (on CUDA, without augmentation), else None
 
     @property
     def lap(self) -> FedLAPConfig:
@@ -184,6 +187,8 @@ class FedLAP:
             lr=ctx.cosine_lr(ctx.config.federated.client_lr),
             matched=matched_names(model, global_params),
         )
+        if graphs_enabled(images.device) and not lap.augment:  # augmentation draws at random: not replayable
+            work = replace(work, graphed=GraphedStep(partial(_image_update, work, seed=0)))
         stats = _MatchingStats()
         for _ in range(lap.trajectories):
             self._trajectory(work, stats)
@@ -345,17 +350,11 @@ class FedLAP:
         return [g.detach() for g in torch.autograd.grad(loss, [leaves[name] for name in work.matched])]
 
     def _image_step(self, work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> torch.Tensor:
-        """One second-order update of the synthetic images towards the real gradient ``target`` at ``params``."""
-        lap = work.lap
-        leaves = {name: params[name].detach().requires_grad_(True) for name in work.global_params}
-        x = augment(work.images, seed=seed) if lap.augment else work.images
-        loss = F.cross_entropy(functional_call(work.model, leaves, (x,)), work.labels)
-        syn = torch.autograd.grad(loss, [leaves[name] for name in work.matched], create_graph=True)
-        distance = matching_loss(target, syn, lap.mse_weight)
-        work.image_opt.zero_grad(set_to_none=False)
-        (work.images.grad,) = torch.autograd.grad(distance, [work.images])
-        work.image_opt.step()
-        return distance.detach()
+        """One second-order update of the synthetic images towards the real gradient ``target`` at ``params``
+        (replayed as a CUDA graph where it can be, :mod:`fedaudit.algorithms.cuda_graph`)."""
+        if work.graphed is not None:
+            return work.graphed(params, target)
+        return _image_update(work, params, target, seed)
 
     def _measured_radius(
         self,
@@ -469,6 +468,21 @@ def fit_in_ball(
             if distance >= radius:
                 break
     return Fit({name: p.detach() for name, p in params.items()}, distance, steps, before)
+
+
+def _image_update(work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> torch.Tensor:
+    """The image step: the matching loss between ``target`` and the synthetic gradient at ``params``, and one SGD
+    step of the images down its gradient; returns the loss. It writes the images and their momentum in place and
+    branches on no tensor's value, so it can be captured as a CUDA graph."""
+    lap = work.lap
+    leaves = {name: params[name].detach().requires_grad_(True) for name in work.global_params}
+    x = augment(work.images, seed=seed) if lap.augment else work.images
+    loss = F.cross_entropy(functional_call(work.model, leaves, (x,)), work.labels)
+    syn = torch.autograd.grad(loss, [leaves[name] for name in work.matched], create_graph=True)
+    distance = matching_loss(target, syn, lap.mse_weight)
+    (work.images.grad,) = torch.autograd.grad(distance, [work.images])
+    work.image_opt.step()
+    return distance.detach()
 
 
 def _draw_seed(generator: torch.Generator) -> int:

@@ -138,3 +138,77 @@ def test_secure_noise_on_the_gpu_passes_verify(tmp_path):
     assert invoke("train", *args, "--out", tmp_path / "run").exit_code == 0
     result = invoke("verify", tmp_path / "run")
     assert result.exit_code == 0, result.output
+
+
+def test_a_graphed_step_equals_the_eager_step_and_reads_each_call_s_inputs():
+    """GraphedStep replays an SGD step on a model whose weights and target change between calls: every call's
+    result and the state it updates in place equal those of the eager step (a stale input would differ)."""
+    from fedaudit.algorithms.base import SGD
+    from fedaudit.algorithms.cuda_graph import GraphedStep
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3)).cuda()
+    runs = {}
+    for mode in ("eager", "graphed"):
+        x = torch.randn(8, 1, 28, 28, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        x.requires_grad_(True)
+        opt = SGD([x], lr=0.1, momentum=0.5)
+
+        def step(weights: dict, target: list, x=x, opt=opt) -> torch.Tensor:
+            out = torch.func.functional_call(model, weights, (x,))
+            loss = (out - target[0]).pow(2).mean()
+            (x.grad,) = torch.autograd.grad(loss, [x])
+            opt.step()
+            return loss.detach()
+
+        stepper = GraphedStep(step) if mode == "graphed" else step
+        weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+        losses = []
+        for i in range(8):
+            if i % 3 == 0:  # new weights (a new dict) every third call, a new target every call
+                weights = {k: v + 0.01 * i for k, v in weights.items()}
+            target = [torch.full((8, 10), float(i), device="cuda")]
+            losses.append(stepper(weights, target))
+        runs[mode] = (torch.stack(losses), x.detach().clone())
+        if mode == "graphed":
+            assert stepper.replays == 8 - GraphedStep.warmup and not stepper.failed
+    torch.testing.assert_close(runs["graphed"][0], runs["eager"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs["graphed"][1], runs["eager"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_fedlap_client_with_graphed_image_steps_equals_the_eager_one(monkeypatch):
+    """FedLAP-DP's client update on CUDA replays its image steps as a graph; the synthetic set it sends equals that of
+    the eager steps (FEDAUDIT_CUDA_GRAPHS=0) with the same client randomness."""
+    import fedaudit.algorithms.fedlap as fedlap_module
+    from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
+    from fedaudit.algorithms.cuda_graph import GraphedStep
+    from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
+    from fedaudit.privacy.randomness import QueryDraws, SeededKeys
+
+    steppers = []
+
+    class Spy(fedlap_module.GraphedStep):
+        def __init__(self, fn):
+            super().__init__(fn)
+            steppers.append(self)
+
+    monkeypatch.setattr(fedlap_module, "GraphedStep", Spy)
+    config = RunConfig(
+        federated=FederatedConfig(algorithm="fedlap", rounds=1, batch_size=32),
+        privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
+        fedlap=FedLAPConfig(ipc=3, trajectories=1, max_loops=2, real_batches=2, image_steps=4, radius=50.0),
+    ).resolved()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3)).cuda()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = torch.randn(200, 1, 28, 28, generator=torch.Generator().manual_seed(2)).cuda()
+    y = (torch.arange(200) % 2).cuda()
+    images = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", mode)
+        data = ClientData(0, x, y, draws=QueryDraws(SeededKeys(1, 0), 0, torch.device("cuda")))
+        ctx = RoundContext(round=0, rounds=1, config=config, device=torch.device("cuda"))
+        message = get_algorithm(config).client_update(model, params, data, ctx, torch.Generator("cuda").manual_seed(1))
+        images[mode] = message.payload["images"]
+    assert len(steppers) == 1 and steppers[0].replays == 2 * 2 * 4 - GraphedStep.warmup and not steppers[0].failed
+    torch.testing.assert_close(images["1"], images["0"], rtol=1e-4, atol=1e-5)
