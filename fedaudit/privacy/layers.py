@@ -51,6 +51,18 @@ GROUPED_CHUNK = 64
 time: on one CPU thread, chunks whose gradients fit in cache ran up to twice as fast as the whole batch. Measured
 (docs/performance.md): a width-128 ConvNet's middle convolution (147,456 weights) was fastest 6-10 examples at a
 time (8 here; 14, the previous bound's, was 15% slower at batch 16), a width-32 one (9,216 weights) 64 at a time."""
+GPU_ELEMENTS = 1 << 27
+"""On a GPU, at most this many floats of one layer's per-sample gradients (512 MB in float32), and no cache-sized
+chunks: there every chunk costs kernel launches (and a streamed chunk a read-back of its norms) while the device
+idles, and the bounds above made a width-128 step 2.3 times slower than one without them (docs/performance.md)."""
+
+
+def _limits(t: torch.Tensor) -> tuple[int, int, int]:
+    """(CHUNK_ELEMENTS, GROUPED_ELEMENTS, GROUPED_CHUNK) for a batch on the CPU; GPU_ELEMENTS for the first two and
+    no bound on examples on any other device."""
+    if t.device.type == "cpu":
+        return CHUNK_ELEMENTS, GROUPED_ELEMENTS, GROUPED_CHUNK
+    return GPU_ELEMENTS, GPU_ELEMENTS, GPU_ELEMENTS
 
 
 class Untraceable(Exception):
@@ -329,14 +341,11 @@ def _conv2d_sq_norms(
     positions, d, p = _conv_sizes(module, b)
     bias = b.flatten(2).sum(2)
     ghost = uses_ghost_norm(positions, d, p)
-    keep = (
-        keep
-        and batch * module.weight.numel() <= CHUNK_ELEMENTS
-        and not (ghost and uses_ghost_norm(2 * positions, d, p))
-    )
+    limit, grouped, examples = _limits(a)
+    keep = keep and batch * module.weight.numel() <= limit and not (ghost and uses_ghost_norm(2 * positions, d, p))
     if not keep and ghost:
         return {"weight": _conv2d_ghost_sq_norms(module, a, b), "bias": bias.pow(2).sum(1)}, []
-    chunk = max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // module.weight.numel()))
+    chunk = max(1, min(examples, grouped // module.weight.numel()))
     squares, kept = [], []
     for start in range(0, batch, chunk):
         grads = _per_sample_conv2d_weight(module, a[start : start + chunk], b[start : start + chunk])
@@ -361,7 +370,7 @@ def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) 
     gradients enter the Gram matrices as transposed views, not copies."""
     batch, groups = a.shape[0], module.groups
     positions, d, p = _conv_sizes(module, b)
-    chunk = max(1, GROUPED_ELEMENTS // (groups * d * positions))
+    chunk = max(1, _limits(a)[1] // (groups * d * positions))
     parts = []
     for start in range(0, batch, chunk):
         ac, bc = a[start : start + chunk], b[start : start + chunk]
@@ -381,7 +390,7 @@ def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) 
 def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a convolution before a clipped sum takes per-sample weight gradients it cannot keep for the whole
     batch (and the ghost norm is not cheaper): they are then streamed."""
-    return a.shape[0] * module.weight.numel() > CHUNK_ELEMENTS and not uses_ghost_norm(*_conv_sizes(module, b))
+    return a.shape[0] * module.weight.numel() > _limits(a)[0] and not uses_ghost_norm(*_conv_sizes(module, b))
 
 
 def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[LayerTrace]]]:
@@ -389,7 +398,8 @@ def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[L
     layer's trace of the chunk, its per-sample weight and bias gradients kept). At most GROUPED_CHUNK examples a
     chunk, and GROUPED_ELEMENTS floats of the largest layer's gradients, as for one layer."""
     batch = layers[0].inputs.shape[0]
-    chunk = min(max(1, min(GROUPED_CHUNK, GROUPED_ELEMENTS // layer.module.weight.numel())) for layer in layers)
+    _, grouped, examples = _limits(layers[0].inputs)
+    chunk = min(max(1, min(examples, grouped // layer.module.weight.numel())) for layer in layers)
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
         parts = []
@@ -432,7 +442,7 @@ def _outer_sum_sq_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.pow(2).sum((1, 2)) * b.pow(2).sum((1, 2))
     ghost = uses_ghost_norm(positions, d, p)
     per_example = positions * positions if ghost else p * d
-    chunk = max(1, CHUNK_ELEMENTS // per_example)
+    chunk = max(1, _limits(a)[0] // per_example)
     parts = []
     for start in range(0, n, chunk):
         ac, bc = a[start : start + chunk], b[start : start + chunk]

@@ -80,15 +80,23 @@ def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path, fixed_sec
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
-def test_the_layer_wise_dp_query_on_the_gpu_equals_the_cpu():
+@pytest.mark.parametrize("width, batch", [(64, 64), (128, 256)])
+def test_the_layer_wise_dp_query_on_the_gpu_equals_the_cpu(width, batch):
+    """At width 128 and batch 256 the CPU streams the 14x14 convolution's per-sample gradients in cache-sized
+    chunks and the GPU keeps them whole (layers.GPU_ELEMENTS): the same clipped sum and norms."""
+    from fedaudit.privacy import layers
     from fedaudit.privacy.primitive import clipped_sum
 
     torch.manual_seed(0)
-    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=64, depth=3))
-    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3))
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
     cpu, cpu_norms = clipped_sum(model, x, y, 0.5)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         gpu, gpu_norms = clipped_sum(model.cuda(), x.cuda(), y.cuda(), 0.5)
+    if width == 128:
+        conv = model.features[4]
+        assert batch * conv.weight.numel() > layers.CHUNK_ELEMENTS  # streamed on the CPU
+        assert batch * conv.weight.numel() <= layers.GPU_ELEMENTS  # kept whole on the GPU
     torch.testing.assert_close(gpu_norms.cpu(), cpu_norms, rtol=1e-3, atol=1e-5)
     for name, value in cpu.items():
         torch.testing.assert_close(gpu[name].cpu(), value, rtol=1e-3, atol=1e-5)
