@@ -375,9 +375,7 @@ def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) 
     for start in range(0, batch, chunk):
         ac, bc = a[start : start + chunk], b[start : start + chunk]
         n = ac.shape[0]
-        unfolded = F.unfold(
-            ac, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
-        )
+        unfolded = unfold_input(module, ac)
         if groups == 1:
             a3, b3 = unfolded.transpose(1, 2), bc.flatten(2).transpose(1, 2)
         else:
@@ -385,6 +383,21 @@ def _conv2d_ghost_sq_norms(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) 
             b3 = bc.reshape(n, groups, p, positions).transpose(2, 3).reshape(n * groups, positions, p)
         parts.append(_outer_sum_sq_norms(a3, b3).view(n, groups).sum(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def unfold_input(module: nn.Conv2d, a: torch.Tensor, *, copies: bool | None = None) -> torch.Tensor:
+    """The convolution's input patches [N, D, T], as ``F.unfold`` gives them. On a GPU (or with ``copies``) by a pad
+    and one copy of a strided view: CUDA's unfold launches a kernel per example (256 at batch 256, most of a
+    width-128 step's launches), the copy one. Same values either way (they are copies of the input)."""
+    dilation = tuple(module.dilation)
+    if copies is None:
+        copies = a.device.type != "cpu"
+    if not copies or dilation != (1, 1):
+        return F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+    (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
+    patches = F.pad(a, (pw, pw, ph, ph)).unfold(2, kh, sh).unfold(3, kw, sw)  # [N, C, H', W', kh, kw], a view
+    n, channels, rows, cols = patches.shape[:4]
+    return patches.permute(0, 1, 4, 5, 2, 3).reshape(n, channels * kh * kw, rows * cols)
 
 
 def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -396,7 +396,7 @@ def dp_gradient(
     own_sum = summed
     summed, norms = _with_extra(summed, norms, extra, max_grad_norm)
     released = noisy_sum(summed, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, generator=generator)
-    noisy = {name: s / expected_batch_size for name, s in released.items()}
+    noisy = dict(zip(released, torch._foreach_div(list(released.values()), expected_batch_size)))  # one launch
     if recorder is not None:
         own = recorder.own_rows()
         if own < x.shape[0]:

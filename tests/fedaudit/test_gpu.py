@@ -82,14 +82,20 @@ def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path, fixed_sec
 
 @pytest.mark.parametrize("width, batch", [(64, 64), (128, 256)])
 def test_the_layer_wise_dp_query_on_the_gpu_equals_the_cpu(width, batch):
-    """At width 128 and batch 256 the CPU streams the 14x14 convolution's per-sample gradients in cache-sized
-    chunks and the GPU keeps them whole (layers.GPU_ELEMENTS): the same clipped sum and norms."""
+    """The clipped sum and norms on the GPU in float32 against the CPU's in float64, no further from it than the CPU's
+    float32 (4 times its error, or 1e-5 of the tensor's norm): float32 itself is 5e-4 off at the first convolution,
+    whose gradient cancels under GroupNorm, and 1e-3 element-wise between two summation orders there; a lost
+    example moves a sum by about 1/batch. At width 128 and batch 256 the CPU streams the 14x14 convolution's
+    per-sample gradients in cache-sized chunks and the GPU keeps them whole (layers.GPU_ELEMENTS)."""
+    import copy
+
     from fedaudit.privacy import layers
     from fedaudit.privacy.primitive import clipped_sum
 
     torch.manual_seed(0)
     model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3))
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    truth, truth_norms = clipped_sum(copy.deepcopy(model).double(), x.double(), y, 0.5)
     cpu, cpu_norms = clipped_sum(model, x, y, 0.5)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         gpu, gpu_norms = clipped_sum(model.cuda(), x.cuda(), y.cuda(), 0.5)
@@ -97,9 +103,12 @@ def test_the_layer_wise_dp_query_on_the_gpu_equals_the_cpu(width, batch):
         conv = model.features[4]
         assert batch * conv.weight.numel() > layers.CHUNK_ELEMENTS  # streamed on the CPU
         assert batch * conv.weight.numel() <= layers.GPU_ELEMENTS  # kept whole on the GPU
-    torch.testing.assert_close(gpu_norms.cpu(), cpu_norms, rtol=1e-3, atol=1e-5)
-    for name, value in cpu.items():
-        torch.testing.assert_close(gpu[name].cpu(), value, rtol=1e-3, atol=1e-5)
+    for norms in (cpu_norms, gpu_norms):
+        torch.testing.assert_close(norms.cpu().double(), truth_norms, rtol=1e-4, atol=1e-6)
+    for name, value in truth.items():
+        cpu_error = float((cpu[name].double() - value).norm())
+        gpu_error = float((gpu[name].cpu().double() - value).norm())
+        assert gpu_error <= max(4 * cpu_error, 1e-5 * float(value.norm())) + 1e-7, (name, gpu_error, cpu_error)
 
 
 def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path, fixed_secrets):

@@ -442,3 +442,17 @@ def test_a_layer_whose_per_sample_gradients_are_kept_drops_its_input_and_output_
     assert during.keys() == after.keys()
     for key in after:
         torch.testing.assert_close(during[key], after[key], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, groups",
+    [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 2), ((3, 5), (2, 1), (1, 2), 1), (1, 1, 0, 4), (3, 1, 0, 1)],
+)
+def test_the_gpu_s_unfold_gives_the_patches_of_f_unfold(kernel, stride, padding, groups):
+    """The GPU's unfold (a pad and one copy of a strided view, layers.unfold_input) takes the same patches in the same
+    order as F.unfold, which the CPU uses: bit for bit, for square and oblong kernels, strides, paddings, groups."""
+    module = nn.Conv2d(4, 8, kernel, stride=stride, padding=padding, groups=groups)
+    a = torch.randn(5, 4, 13, 11)
+    expected = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+    assert torch.equal(layers.unfold_input(module, a, copies=True), expected)
+    assert torch.equal(layers.unfold_input(module, a), expected)  # the CPU's own path
