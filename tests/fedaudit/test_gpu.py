@@ -229,3 +229,27 @@ def test_a_fedlap_client_with_graphed_image_steps_equals_the_eager_one(monkeypat
         images[mode] = message.payload["images"]
     assert len(steppers) == 1 and steppers[0].replays == 2 * 2 * 4 - GraphedStep.warmup and not steppers[0].failed
     torch.testing.assert_close(images["1"], images["0"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_on_the_gpu_takes_torch_optims_foreach_steps(momentum):
+    """On CUDA fedaudit's SGD updates all parameters in one foreach launch each, as torch.optim.SGD does there."""
+    from torch import nn
+
+    from fedaudit.algorithms.base import SGD
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ours = SGD(models[0].parameters(), lr=0.3, momentum=momentum)
+    theirs = torch.optim.SGD(models[1].parameters(), lr=0.3, momentum=momentum, foreach=True)
+    for step in range(5):
+        x, y = torch.randn(11, 7, device="cuda"), torch.randint(0, 3, (11,), device="cuda")
+        for model, optimizer in zip(models, (ours, theirs)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if step == 2:  # a parameter without a gradient this step keeps its value and its momentum
+                model[2].bias.grad = None
+            optimizer.step()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(a, b)

@@ -12,9 +12,12 @@ from torch import nn
 from fedaudit.algorithms.base import SGD
 
 
+@pytest.mark.parametrize("together", [False, True])
 @pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_the_steps_are_torch_optims_bit_for_bit(momentum, set_to_none):
+def test_the_steps_are_torch_optims_bit_for_bit(momentum, set_to_none, together):
+    """``together``: the foreach step that a GPU takes, here on the CPU (where foreach falls back to the same
+    per-tensor arithmetic)."""
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -27,7 +30,10 @@ def test_the_steps_are_torch_optims_bit_for_bit(momentum, set_to_none):
             nn.functional.cross_entropy(model(x), y).backward()
             if step == 3:  # a parameter without a gradient this step keeps its value and its momentum
                 model[2].bias.grad = None
-            optimizer.step()
+            if together and optimizer is ours:
+                ours._step_together([i for i, p in enumerate(ours.params) if p.grad is not None])
+            else:
+                optimizer.step()
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b), step
             assert (a.grad is None) == (b.grad is None)
