@@ -19,12 +19,21 @@ import torch
 
 GRAPHS_ENV = "FEDAUDIT_CUDA_GRAPHS"
 Group = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
-_CAPTURE = threading.Lock()  # one capture at a time: clients on CUDA streams capture from their own threads
+_CAPTURE = threading.Lock()  # one capture at a time
 
 
 def graphs_enabled(device: torch.device) -> bool:
-    """Whether steps on ``device`` are captured: on CUDA, unless FEDAUDIT_CUDA_GRAPHS=0."""
-    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
+    """Whether steps on ``device`` are captured: on CUDA, on the main thread, unless FEDAUDIT_CUDA_GRAPHS=0.
+
+    Not on the threads of clients that run at once: their streams and the capture's come from CUDA's pool of 32
+    streams per priority, so one client's stream can be the stream another is capturing on, and its work would be
+    recorded into that graph (on an H200, a client's new CUDA generator failed because its stream was capturing).
+    """
+    return (
+        device.type == "cuda"
+        and threading.current_thread() is threading.main_thread()
+        and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
+    )
 
 
 def _tensors(group: Group) -> list[torch.Tensor]:
