@@ -19,21 +19,26 @@ import torch
 
 GRAPHS_ENV = "FEDAUDIT_CUDA_GRAPHS"
 Group = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
-_CAPTURE = threading.Lock()  # one capture at a time
+_CAPTURE = threading.Lock()  # one capture at a time, on the capture stream of its device
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def graphs_enabled(device: torch.device) -> bool:
-    """Whether steps on ``device`` are captured: on CUDA, on the main thread, unless FEDAUDIT_CUDA_GRAPHS=0.
+    """Whether steps on ``device`` are captured: on CUDA, unless FEDAUDIT_CUDA_GRAPHS=0."""
+    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
 
-    Not on the threads of clients that run at once: their streams and the capture's come from CUDA's pool of 32
-    streams per priority, so one client's stream can be the stream another is capturing on, and its work would be
-    recorded into that graph (on an H200, a client's new CUDA generator failed because its stream was capturing).
-    """
-    return (
-        device.type == "cuda"
-        and threading.current_thread() is threading.main_thread()
-        and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
-    )
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every capture on ``device`` records on: a high-priority one. PyTorch hands out streams round robin
+    from a pool of 32 per priority; clients that run at once take theirs from the default priority's pool, so after
+    32 of them one would be the capture stream torch.cuda.graph takes by default, and the work that client enqueued
+    during a capture would be recorded into the graph instead of running (seen on an H200: a client's new CUDA
+    generator refused a stream that was capturing). No client draws from the high-priority pool."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index, priority=-1)
+    return _CAPTURE_STREAMS[index]
 
 
 def _tensors(group: Group) -> list[torch.Tensor]:
@@ -87,9 +92,10 @@ class GraphedStep:
         ]
         self._sources = list(groups)
         graph = torch.cuda.CUDAGraph()
+        device = _tensors(self._static[0])[0].device
         with _CAPTURE:
             try:
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, stream=capture_stream(device), capture_error_mode="thread_local"):
                     self._output = self.fn(*self._static).detach()
             except RuntimeError as error:
                 self.failed = True

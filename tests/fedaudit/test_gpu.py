@@ -258,3 +258,15 @@ def test_sgd_on_the_gpu_takes_torch_optims_foreach_steps(momentum):
             optimizer.step()
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             torch.testing.assert_close(a, b)
+
+
+def test_no_client_stream_is_the_capture_stream():
+    """PyTorch's streams come round robin from a pool of 32 per priority: after 40 default-priority streams (the
+    clients'), none is the stream graphs are captured on."""
+    from fedaudit.algorithms.cuda_graph import capture_stream
+
+    captures = capture_stream(torch.device("cuda"))
+    assert captures == capture_stream(torch.device("cuda", torch.cuda.current_device()))
+    clients = [torch.cuda.Stream() for _ in range(40)]
+    assert len({s.cuda_stream for s in clients}) == 32  # the pool wraps: streams repeat
+    assert all(s.cuda_stream != captures.cuda_stream for s in clients)
