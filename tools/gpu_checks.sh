@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU checks of the speed work, in one call that fits a short lease: the CUDA tests, the DP step against Opacus,
-# a FedLAP-DP client round (then a profiled one), the thousand-client federation with its floor, and Table 2's first
-# round; each step under its own time limit, never past the budget, everything logged to OUT/log.txt.
+# a FedLAP-DP client round (a profiled one, then one with its image steps as CUDA graphs against eager), the rounds of
+# 5 clients at width 32, the thousand-client federation with its floor, and Table 2's first round over three seeds;
+# each step under its own time limit, never past the budget, everything logged to OUT/log.txt.
 #
 #   bash tools/gpu_checks.sh [OUT] [BUDGET_SECONDS]
 #
@@ -30,11 +31,16 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" \
   | tee -a "$LOG"
-step tests 150 python3 -m pytest tests/fedaudit/test_gpu.py -n 4 -q -p no:cacheprovider --durations=10
-step per_sample_grads 100 python3 benchmarks/per_sample_grads.py --device cuda --widths 32 128
+step tests 90 python3 -m pytest tests/fedaudit/test_gpu.py -n 4 -q -p no:cacheprovider --durations=10
+step per_sample_grads 45 python3 benchmarks/per_sample_grads.py --device cuda --widths 32 128
 step fedlap_round_profiled 120 python3 benchmarks/fedlap_round.py --device cuda --widths 32 --trajectories 1 \
   --profile "$OUT/profile.txt"
-step fedlap_round 90 python3 benchmarks/fedlap_round.py --device cuda --widths 32
-step scale 150 python3 benchmarks/scale.py --device cuda --clients 1000 --rounds 20 --sampled-only --floor
-step table2_round1 150 python3 benchmarks/utility.py --device cuda --rounds 1 --width 128 --out "$OUT/utility"
+step fedlap_round 60 python3 benchmarks/fedlap_round.py --device cuda --widths 32
+step rounds_w32 80 python3 benchmarks/utility.py --device cuda --rounds 1 --width 32 --out "$OUT/utility32"
+step scale 130 python3 benchmarks/scale.py --device cuda --clients 1000 --rounds 20 --eval-every 10 --sampled-only \
+  --floor
+for seed in 0 1 2; do
+  step "table2_round1_seed$seed" 80 python3 benchmarks/utility.py --device cuda --rounds 1 --width 128 --seed "$seed" \
+    --out "$OUT/table2-$seed"
+done
 echo "=== done $(date +%T), ${SECONDS}s" | tee -a "$LOG"
