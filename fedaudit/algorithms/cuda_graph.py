@@ -54,8 +54,7 @@ class GraphedStep:
     copies its groups into those copies and replays. A group that is the same object as in the previous call is not
     copied again, so a caller must not change a group's tensors in place between calls. Everything ``fn`` writes in
     place (parameters, buffers) is written by each replay as by an eager call; its result comes back as a new
-    tensor. If the capture fails, a warning says so and every call runs
-    eagerly.
+    tensor. If the capture fails, a warning says so and every call runs eagerly.
     """
 
     warmup = 2
