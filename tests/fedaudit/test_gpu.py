@@ -198,9 +198,14 @@ def test_a_graphed_step_equals_the_eager_step_and_reads_each_call_s_inputs():
     torch.testing.assert_close(runs["graphed"][1], runs["eager"][1], rtol=1e-5, atol=1e-6)
 
 
-def test_a_fedlap_client_with_graphed_image_steps_equals_the_eager_one(monkeypatch):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_fedlap_client_with_graphed_image_steps_equals_the_eager_one(monkeypatch, threaded):
     """FedLAP-DP's client update on CUDA replays its image steps as a graph; the synthetic set it sends equals that of
-    the eager steps (FEDAUDIT_CUDA_GRAPHS=0) with the same client randomness."""
+    the eager steps (FEDAUDIT_CUDA_GRAPHS=0) with the same client randomness. ``threaded``: the graphed client runs
+    as the local engine runs clients at once, on a thread and a stream of its own, after 40 other streams were
+    taken from the default-priority pool (which then wraps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import fedaudit.algorithms.fedlap as fedlap_module
     from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
     from fedaudit.algorithms.cuda_graph import GraphedStep
@@ -225,13 +230,29 @@ def test_a_fedlap_client_with_graphed_image_steps_equals_the_eager_one(monkeypat
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     x = torch.randn(200, 1, 28, 28, generator=torch.Generator().manual_seed(2)).cuda()
     y = (torch.arange(200) % 2).cuda()
-    images = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", mode)
+
+    def client() -> torch.Tensor:
         data = ClientData(0, x, y, draws=QueryDraws(SeededKeys(1, 0), 0, torch.device("cuda")))
         ctx = RoundContext(round=0, rounds=1, config=config, device=torch.device("cuda"))
         message = get_algorithm(config).client_update(model, params, data, ctx, torch.Generator("cuda").manual_seed(1))
-        images[mode] = message.payload["images"]
+        return message.payload["images"]
+
+    def on_a_stream_of_its_own() -> torch.Tensor:
+        taken = [torch.cuda.Stream() for _ in range(40)]
+        taken[-1].wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(taken[-1]):
+            result = client()
+        taken[-1].synchronize()
+        return result
+
+    images = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", mode)
+        if threaded and mode == "1":
+            with ThreadPoolExecutor(1) as pool:
+                images[mode] = pool.submit(on_a_stream_of_its_own).result()
+        else:
+            images[mode] = client()
     assert len(steppers) == 1 and steppers[0].replays == 2 * 2 * 4 - GraphedStep.warmup and not steppers[0].failed
     torch.testing.assert_close(images["1"], images["0"], rtol=1e-4, atol=1e-5)
 
