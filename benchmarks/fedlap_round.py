@@ -27,9 +27,9 @@ from _machine import describe
 
 import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
-from fedaudit.algorithms.cuda_graph import GRAPHS_ENV
 from fedaudit.algorithms.fedlap import FedLAP
 from fedaudit.config import DataConfig, FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
+from fedaudit.cuda_graph import GRAPHS_ENV
 from fedaudit.data import DataError, load_dataset, partition_dataset
 from fedaudit.models import ModelSpec, build_model, default_depth
 from fedaudit.privacy.randomness import QueryDraws, SeededKeys

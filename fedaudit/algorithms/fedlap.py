@@ -34,9 +34,9 @@ from fedaudit.algorithms.base import (
     clone_params,
     flat_distance,
 )
-from fedaudit.algorithms.cuda_graph import GraphedStep, graphs_enabled
 from fedaudit.algorithms.fedlap_settings import FedLAPConfig
 from fedaudit.config import RunConfig
+from fedaudit.cuda_graph import GraphedStep, graphs_enabled
 from fedaudit.models import inert_parameters
 from fedaudit.models.augment import augment
 from fedaudit.privacy.accounting import SGMEvent
@@ -351,7 +351,7 @@ class FedLAP:
 
     def _image_step(self, work: _Matching, params: TensorDict, target: list[torch.Tensor], seed: int) -> torch.Tensor:
         """One second-order update of the synthetic images towards the real gradient ``target`` at ``params``
-        (replayed as a CUDA graph where it can be, :mod:`fedaudit.algorithms.cuda_graph`)."""
+        (replayed as a CUDA graph where it can be, :mod:`fedaudit.cuda_graph`)."""
         if work.graphed is not None:
             return work.graphed(params, target)
         return _image_update(work, params, target, seed)

@@ -16,6 +16,7 @@ the path for models the layer-wise one cannot follow.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from fedaudit.cuda_graph import GraphedStep, queries_graphed
 from fedaudit.privacy.layers import (
     LayerTrace,
     Untraceable,
@@ -186,6 +188,91 @@ def clipped_sum(
                     parts.update(layer_weighted_sums(layer, factors))
             summed = {name: parts[name] for name in params}
     return _with_extra(summed, norms, extra, max_grad_norm)
+
+
+def padded_clipped_sum(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    real: torch.Tensor,
+    max_grad_norm: float,
+    *,
+    params: Mapping[str, torch.Tensor],
+    loss_fn: LossFn = F.cross_entropy,
+) -> tuple[TensorDict, torch.Tensor, torch.Tensor] | None:
+    """:func:`clipped_sum` of the rows where ``real`` is true, on a batch padded with other rows: the sum, every
+    row's norm, and whether any row's gradient overflowed (then the sum is not valid: take :func:`clipped_sum` of
+    the real rows). It branches on no tensor's value, so on CUDA it can be captured as a graph for a fixed padded
+    size. A padded row changes no real row's output gradient (each example's loss touches its own row, and the
+    layer-wise path follows only models whose layers work example by example) and enters the sums with factor 0
+    (an overflowed one would make them NaN: hence the flag covers it too). None where the layer-wise path cannot
+    follow the model or streams a layer (its chunks read norms back)."""
+    traced = _layer_squares(model, x, y, params, loss_fn, for_sum=True)
+    if traced is None or not traced[1] or any(layer.streamed for layer in traced[0]):
+        return None
+    traces, squares = traced
+    norms = torch.stack(list(squares.values())).sum(0).sqrt()
+    overflowed = ~torch.isfinite(norms).all()
+    factors = torch.where(real, _clip_factors(norms, max_grad_norm), 0.0)
+    parts: TensorDict = {}
+    for layer in traces:
+        parts.update(layer_weighted_sums(layer, factors))
+    return {name: parts[name] for name in params}, norms, overflowed
+
+
+def padded_size(expected_batch_size: float) -> int:
+    """The rows of a padded Poisson batch: B + 6 sqrt(B), rounded up to a multiple of 8. A Poisson batch of mean B
+    (variance at most B) is larger about once in 10^9 steps; that step is taken unpadded."""
+    return 8 * math.ceil((expected_batch_size + 6 * math.sqrt(expected_batch_size)) / 8)
+
+
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, GraphedStep | None]] = weakref.WeakKeyDictionary()
+"""Each model's captured padded queries, by padded size, input shape, dtype, parameter names, clipping norm and loss
+(None where the model cannot be captured)."""
+
+
+def _captured_clipped_sum(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    max_grad_norm: float,
+    *,
+    params: Mapping[str, torch.Tensor],
+    loss_fn: LossFn,
+    expected_batch_size: float,
+) -> tuple[TensorDict, torch.Tensor] | None:
+    """:func:`clipped_sum`'s result from a CUDA graph of :func:`padded_clipped_sum` (FEDAUDIT_CUDA_GRAPHS=all), or
+    None where it does not apply: the caller then computes :func:`clipped_sum`. The batch and the parameters are
+    copied into the graph's inputs; the sums returned are the graph's own, valid until the model's next query."""
+    size, n = padded_size(expected_batch_size), x.shape[0]
+    if not queries_graphed(x.device) or n == 0 or n > size:
+        return None
+    key = (size, tuple(x.shape[1:]), x.dtype, x.device, tuple(params), float(max_grad_norm), loss_fn)
+    captured = _CAPTURED.setdefault(model, {})
+    if key not in captured:
+
+        def query(batch: list[torch.Tensor], point: TensorDict) -> tuple[TensorDict, torch.Tensor, torch.Tensor] | None:
+            rows, labels, real = batch
+            return padded_clipped_sum(model, rows, labels, real, max_grad_norm, params=point, loss_fn=loss_fn)
+
+        captured[key] = GraphedStep(query, copy_outputs=False)
+    step = captured[key]
+    if step is None:
+        return None
+    pad = size - n
+    batch = [
+        torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]),
+        torch.cat([y, y.new_zeros(pad)]),
+        torch.arange(size, device=x.device) < n,
+    ]
+    result = step(batch, dict(params))
+    if result is None:
+        captured[key] = None
+        return None
+    summed, norms, overflowed = result
+    if bool(overflowed):
+        return None
+    return summed, norms[:n].clone()
 
 
 def _clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -392,7 +479,12 @@ def dp_gradient(
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}.")
     params = dict(trainable_params(model) if params is None else params)
-    summed, norms = clipped_sum(model, x, y, max_grad_norm, params=params, loss_fn=loss_fn)
+    captured = None
+    if extra is None and recorder is None:  # canaries and the query log take the eager query
+        captured = _captured_clipped_sum(
+            model, x, y, max_grad_norm, params=params, loss_fn=loss_fn, expected_batch_size=expected_batch_size
+        )
+    summed, norms = captured or clipped_sum(model, x, y, max_grad_norm, params=params, loss_fn=loss_fn)
     own_sum = summed
     summed, norms = _with_extra(summed, norms, extra, max_grad_norm)
     released = noisy_sum(summed, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, generator=generator)

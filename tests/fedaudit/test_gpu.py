@@ -166,7 +166,7 @@ def test_a_graphed_step_equals_the_eager_step_and_reads_each_call_s_inputs():
     """GraphedStep replays an SGD step on a model whose weights and target change between calls: every call's
     result and the state it updates in place equal those of the eager step (a stale input would differ)."""
     from fedaudit.algorithms.base import SGD
-    from fedaudit.algorithms.cuda_graph import GraphedStep
+    from fedaudit.cuda_graph import GraphedStep
 
     torch.manual_seed(0)
     model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3)).cuda()
@@ -208,8 +208,8 @@ def test_a_fedlap_client_with_graphed_image_steps_equals_the_eager_one(monkeypat
 
     import fedaudit.algorithms.fedlap as fedlap_module
     from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
-    from fedaudit.algorithms.cuda_graph import GraphedStep
     from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
+    from fedaudit.cuda_graph import GraphedStep
     from fedaudit.privacy.randomness import QueryDraws, SeededKeys
 
     steppers = []
@@ -284,10 +284,61 @@ def test_sgd_on_the_gpu_takes_torch_optims_foreach_steps(momentum):
 def test_no_client_stream_is_the_capture_stream():
     """PyTorch's streams come round robin from a pool of 32 per priority: after 40 default-priority streams (the
     clients'), none is the stream graphs are captured on."""
-    from fedaudit.algorithms.cuda_graph import capture_stream
+    from fedaudit.cuda_graph import capture_stream
 
     captures = capture_stream(torch.device("cuda"))
     assert captures == capture_stream(torch.device("cuda", torch.cuda.current_device()))
     clients = [torch.cuda.Stream() for _ in range(40)]
     assert len({s.cuda_stream for s in clients}) == 32  # the pool wraps: streams repeat
     assert all(s.cuda_stream != captures.cuda_stream for s in clients)
+
+
+def test_the_captured_dp_query_equals_the_eager_one(monkeypatch):
+    """FEDAUDIT_CUDA_GRAPHS=all: the DP query of a Poisson batch padded to padded_size(B), captured and replayed,
+    gives the eager query's clipped sum and norms for batches of every size up to it; a batch with an overflowed
+    example and one larger than the padded size take the eager query."""
+    from fedaudit.privacy import primitive
+    from fedaudit.privacy.primitive import dp_gradient, padded_size
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3)).cuda()
+    expected = 32.0
+    sizes = [32, 17, 40, padded_size(expected), 1, 29, 33, 30]
+    data = torch.randn(200, 1, 28, 28, device="cuda")
+    labels = torch.randint(0, 10, (200,), device="cuda")
+    data[150, 0, 0, 0] = float("inf")
+    batches = [(data[:n], labels[:n]) for n in sizes]
+    batches += [(data[140:160], labels[140:160]), (data[:120], labels[:120])]  # an overflow; beyond the padded size
+    results = {}
+    for mode in ("all", "0"):
+        monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", mode)
+        results[mode] = []
+        for x, y in batches:
+            out = dp_gradient(
+                model,
+                x,
+                y,
+                noise_multiplier=0.0,
+                max_grad_norm=0.5,
+                expected_batch_size=expected,
+                generator=torch.Generator("cuda"),
+            )
+            results[mode].append(({k: v.clone() for k, v in out.grads.items()}, out.per_sample_norms.clone()))
+    steps = [s for s in primitive._CAPTURED[model].values() if s is not None]
+    replayed = len(sizes) + 1 - steps[0].warmup  # the overflowed batch is replayed, then taken eagerly
+    assert len(steps) == 1 and steps[0].replays == replayed and not steps[0].failed
+    for (graphed, graphed_norms), (eager, eager_norms), (x, _) in zip(results["all"], results["0"], batches):
+        assert graphed_norms.shape == eager_norms.shape == (len(x),)
+        finite = torch.isfinite(eager_norms)
+        torch.testing.assert_close(graphed_norms[finite], eager_norms[finite], rtol=1e-4, atol=1e-6)
+        for name, value in eager.items():  # a relative norm error e moves a sum by up to e C B (over B here)
+            assert float((graphed[name] - value).norm()) <= 1e-5 * 0.5 * len(x) / expected + 1e-7, name
+
+
+def test_a_dp_run_with_captured_queries_passes_verify(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", "all")
+    args = (*ON_GPU, "--dp", "--rounds", "2", "--local-epochs", "2")
+    result = invoke("train", *args, "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    result = invoke("verify", tmp_path / "run")
+    assert result.exit_code == 0, result.output

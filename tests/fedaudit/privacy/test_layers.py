@@ -7,12 +7,15 @@ fallback for models the layer-wise path cannot follow.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import loop_grads
 from torch import nn
 
+from fedaudit.cuda_graph import GRAPHS_ENV, queries_graphed
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.privacy import layers, primitive
 from fedaudit.privacy.primitive import (
@@ -20,6 +23,8 @@ from fedaudit.privacy.primitive import (
     clip_and_sum,
     clipped_sum,
     dp_gradient,
+    padded_clipped_sum,
+    padded_size,
     per_sample_gradients,
     per_sample_sq_norms,
     trainable_params,
@@ -456,3 +461,144 @@ def test_the_gpu_s_unfold_gives_the_patches_of_f_unfold(kernel, stride, padding,
     expected = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
     assert torch.equal(layers.unfold_input(module, a, copies=True), expected)
     assert torch.equal(layers.unfold_input(module, a), expected)  # the CPU's own path
+
+
+# --- the query on a padded batch (what a CUDA graph of it computes, run eagerly here) ---------------------------
+
+
+def _padded(x: torch.Tensor, y: torch.Tensor, extra: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """The batch with ``extra`` rows of random finite inputs and labels after it (zeros would hide a leak)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn((extra, *x.shape[1:]), generator=g, dtype=x.dtype)
+    labels = torch.randint(0, int(y.max()) + 1, (extra,), generator=g)
+    real = torch.arange(len(x) + extra) < len(x)
+    return torch.cat([x, rows]), torch.cat([y, labels]), real
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("clip", [1e-3, 0.5])
+def test_a_padded_batch_gives_the_real_rows_clipped_sum_and_norms(name: str, clip: float) -> None:
+    model, x, y = _model_and_batch(name, batch=9, seed=1)
+    params = trainable_params(model)
+    padded = padded_clipped_sum(model, *_padded(x, y, 7, seed=2), clip, params=params)
+    if primitive._layer_squares(model, x, y, params, F.cross_entropy, for_sum=True) is None:
+        assert padded is None  # a model the layer-wise path cannot follow takes the eager query
+        return
+    assert padded is not None
+    summed, norms, overflowed = padded
+    reference = loop_grads(model, x, y)
+    expected = _loop_clipped_sum(reference, clip)
+    assert list(summed) == list(expected) and not bool(overflowed)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+    flat = torch.cat([g.flatten(1) for g in reference.values()], dim=1)
+    torch.testing.assert_close(norms[:9], flat.norm(dim=1), rtol=1e-9, atol=1e-14)
+
+
+def test_an_overflow_in_any_row_is_reported_and_a_large_padding_row_changes_nothing() -> None:
+    """The caller takes the eager query when the flag is set: a real row's overflow (left out of the sum there), or a
+    padding row's (whose factor 0 times infinity would make the sums NaN)."""
+    model, x, y = _model_and_batch("convnet", batch=6, seed=3)
+    params = trainable_params(model)
+    rows, labels, real = _padded(x, y, 4, seed=4)
+    for row in (2, 8):
+        broken = rows.clone()
+        broken[row, 0, 0, 0] = float("inf")
+        assert bool(padded_clipped_sum(model, broken, labels, real, 0.5, params=params)[2]), row
+    far = rows.clone()
+    far[8] *= 1e30  # a padding row of huge inputs: its gradient is finite, its factor 0, nothing is added
+    summed, _, overflowed = padded_clipped_sum(model, far, labels, real, 0.5, params=params)
+    assert not bool(overflowed)
+    expected = _loop_clipped_sum(loop_grads(model, x, y), 0.5)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+
+
+def test_a_model_whose_layer_streams_takes_the_eager_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed chunks read their norms back: not capturable, so no padded query."""
+    monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
+    model, x, y = _model_and_batch("convnet", batch=5, seed=5)
+    assert padded_clipped_sum(model, *_padded(x, y, 3, seed=6), 0.5, params=trainable_params(model)) is None
+
+
+@pytest.mark.parametrize("expected", [1.0, 16.0, 100.0, 256.0, 1000.5])
+def test_the_padded_size_holds_six_standard_deviations_above_the_mean(expected: float) -> None:
+    size = padded_size(expected)
+    assert size % 8 == 0 and expected + 6 * math.sqrt(expected) <= size < expected + 6 * math.sqrt(expected) + 8
+
+
+def test_the_query_is_captured_only_on_cuda_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FEDAUDIT_CUDA_GRAPHS=all captures the DP query too, on CUDA only; on the CPU dp_gradient takes no padded path."""
+    cuda = torch.device("cuda")
+    for value, graphed in ((None, False), ("1", False), ("0", False), ("all", True), (" all ", True)):
+        if value is None:
+            monkeypatch.delenv(GRAPHS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(GRAPHS_ENV, value)
+        assert queries_graphed(cuda) is graphed
+        assert not queries_graphed(torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr(primitive, "padded_clipped_sum", lambda *a, **k: calls.append(1))
+    model, x, y = _model_and_batch("convnet", batch=4, seed=7)
+    dp_gradient(
+        model, x, y, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, generator=torch.Generator()
+    )
+    assert calls == []
+
+
+def test_dp_gradient_through_the_padded_query_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp_gradient's captured path with the capture replaced by eager calls (its CUDA graph runs in test_gpu.py):
+    batches of every size up to padded_size(B) give the eager query's gradients and norms; an overflowed batch and
+    one beyond the padded size take the eager query; canaries (extra rows) never take the padded path."""
+
+    class Eager:
+        warmup = 2
+
+        def __init__(self, fn, copy_outputs: bool = True) -> None:
+            self.fn, self.calls = fn, 0
+            made.append(self)
+
+        def __call__(self, *groups):
+            self.calls += 1
+            return self.fn(*groups)
+
+    made: list[Eager] = []
+    monkeypatch.setattr(primitive, "GraphedStep", Eager)
+    model, data, labels = _model_and_batch("convnet", batch=60, seed=8)
+    data[50, 0, 0, 0] = float("inf")
+    expected = 8.0
+    size = padded_size(expected)
+    batches = [(data[:n], labels[:n]) for n in (8, 3, size, 11, 1)]
+    batches += [(data[45:55], labels[45:55]), (data[: size + 1], labels[: size + 1])]
+    results = {}
+    for padded in (True, False):
+        monkeypatch.setattr(primitive, "queries_graphed", lambda device, padded=padded: padded)
+        results[padded] = [
+            dp_gradient(
+                model,
+                x,
+                y,
+                noise_multiplier=0.0,
+                max_grad_norm=0.5,
+                expected_batch_size=expected,
+                generator=torch.Generator(),
+            )
+            for x, y in batches
+        ]
+    assert len(made) == 1 and made[0].calls == 6  # five batches and the overflowed one; not the one beyond
+    for ours, eager in zip(results[True], results[False]):
+        torch.testing.assert_close(ours.per_sample_norms, eager.per_sample_norms, rtol=1e-9, atol=1e-14, equal_nan=True)
+        for name, value in eager.grads.items():
+            torch.testing.assert_close(ours.grads[name], value, rtol=1e-9, atol=1e-13)
+    extra = {name: torch.randn(2, *p.shape, dtype=p.dtype) for name, p in model.named_parameters()}
+    dp_gradient(
+        model,
+        data[:4],
+        labels[:4],
+        noise_multiplier=0.0,
+        max_grad_norm=0.5,
+        expected_batch_size=expected,
+        generator=torch.Generator(),
+        extra=extra,
+    )
+    assert made[0].calls == 6

@@ -8,8 +8,8 @@ import torch
 
 import fedaudit.algorithms.fedlap as fedlap_module
 from fedaudit.algorithms.base import ClientData, RoundContext, get_algorithm
-from fedaudit.algorithms.cuda_graph import GRAPHS_ENV, graphs_enabled
 from fedaudit.config import FederatedConfig, FedLAPConfig, PrivacyConfig, RunConfig
+from fedaudit.cuda_graph import GRAPHS_ENV, graphs_enabled
 from fedaudit.models import ModelSpec, build_model
 
 

@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -26,6 +27,12 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def graphs_enabled(device: torch.device) -> bool:
     """Whether steps on ``device`` are captured: on CUDA, unless FEDAUDIT_CUDA_GRAPHS=0."""
     return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
+
+
+def queries_graphed(device: torch.device) -> bool:
+    """Whether the DP query itself is captured too (on a padded batch, :func:`fedaudit.privacy.primitive.dp_gradient`):
+    on CUDA with FEDAUDIT_CUDA_GRAPHS=all only, until a GPU has measured it and checked it against the eager query."""
+    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "").strip() == "all"
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -45,41 +52,59 @@ def _tensors(group: Group) -> list[torch.Tensor]:
     return list(group.values()) if isinstance(group, Mapping) else list(group)
 
 
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], out: Any) -> Any:
+    """``fn`` on every tensor of a step's result (a tensor, or tuples, lists and dictionaries of them)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, Mapping):
+        return {key: _map(fn, value) for key, value in out.items()}
+    if isinstance(out, tuple | list):
+        return type(out)(_map(fn, value) for value in out)
+    return out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class GraphedStep:
-    """A step ``fn(*groups) -> Tensor`` that updates its state in place, captured as a CUDA graph and replayed.
+    """A step ``fn(*groups)`` that updates its state in place, captured as a CUDA graph and replayed.
 
     ``groups`` are dictionaries or sequences of tensors whose shapes never change between calls. The first
     ``warmup`` calls run ``fn`` eagerly (they initialise what a capture must not: cuDNN's handles, an optimiser's
     momentum buffers); the next captures ``fn`` on the graph's own copies of the groups and every call from then on
     copies its groups into those copies and replays. A group that is the same object as in the previous call is not
     copied again, so a caller must not change a group's tensors in place between calls. Everything ``fn`` writes in
-    place (parameters, buffers) is written by each replay as by an eager call; its result comes back as a new
-    tensor. If the capture fails, a warning says so and every call runs eagerly.
+    place (parameters, buffers) is written by each replay as by an eager call. Its result (a tensor, or tuples,
+    lists and dictionaries of tensors) comes back as new tensors, or with ``copy_outputs=False`` as the graph's own
+    tensors (in new containers), which the next call overwrites. If the capture fails, a warning says so and every
+    call runs eagerly.
     """
 
     warmup = 2
 
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, copy_outputs: bool = True) -> None:
         self.fn = fn
+        self.copy_outputs = copy_outputs
         self.calls = 0
         self.replays = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.failed = False
         self._static: list[Group] = []
         self._sources: list[Group] = []
-        self._output: torch.Tensor | None = None
+        self._output: Any = None
 
-    def __call__(self, *groups: Group) -> torch.Tensor:
+    def __call__(self, *groups: Group) -> Any:
         self.calls += 1
         if self.failed or self.calls <= self.warmup:
             return self.fn(*groups)
         if self.graph is None and not self._capture(groups):
             return self.fn(*groups)
         self._load(groups)
-        assert self.graph is not None and self._output is not None
+        assert self.graph is not None
         self.graph.replay()
         self.replays += 1
-        return self._output.clone()
+        return _map(torch.clone if self.copy_outputs else _same, self._output)
 
     def _capture(self, groups: Sequence[Group]) -> bool:
         """Record ``fn`` on copies of ``groups``; nothing runs (the first replay is the step)."""
@@ -95,7 +120,7 @@ class GraphedStep:
         with _CAPTURE:
             try:
                 with torch.cuda.graph(graph, stream=capture_stream(device), capture_error_mode="thread_local"):
-                    self._output = self.fn(*self._static).detach()
+                    self._output = _map(torch.Tensor.detach, self.fn(*self._static))
             except RuntimeError as error:
                 self.failed = True
                 warnings.warn(f"CUDA graph capture failed, the step runs eagerly: {error}", stacklevel=3)
