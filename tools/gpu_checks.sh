@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU checks of the speed work, in one call that fits a short lease: the CUDA tests, the DP step against Opacus,
 # a FedLAP-DP client round (a profiled one, then one with its image steps as CUDA graphs against eager), the rounds of
-# 5 clients at width 32, the thousand-client federation with its floor, and Table 2's first round over three seeds;
+# 5 clients at width 32 and the thousand-client federation with its floor, both again with the DP query captured
+# (FEDAUDIT_CUDA_GRAPHS=all), and Table 2's first round over three seeds;
 # each step under its own time limit, never past the budget, everything logged to OUT/log.txt.
 #
 #   bash tools/gpu_checks.sh [OUT] [BUDGET_SECONDS]
@@ -36,11 +37,15 @@ step per_sample_grads 45 python3 benchmarks/per_sample_grads.py --device cuda --
 step fedlap_round_profiled 120 python3 benchmarks/fedlap_round.py --device cuda --widths 32 --trajectories 1 \
   --profile "$OUT/profile.txt"
 step fedlap_round 60 python3 benchmarks/fedlap_round.py --device cuda --widths 32
-step rounds_w32 80 python3 benchmarks/utility.py --device cuda --rounds 1 --width 32 --out "$OUT/utility32"
+step rounds_w32 80 python3 benchmarks/utility.py --device cuda --rounds 1 --width 32 --out /tmp/utility32
 step scale 130 python3 benchmarks/scale.py --device cuda --clients 1000 --rounds 20 --eval-every 10 --sampled-only \
   --floor
+step rounds_w32_all 80 env FEDAUDIT_CUDA_GRAPHS=all python3 benchmarks/utility.py --device cuda --rounds 1 --width 32 \
+  --out /tmp/utility32-all
+step scale_all 100 env FEDAUDIT_CUDA_GRAPHS=all python3 benchmarks/scale.py --device cuda --clients 1000 --rounds 20 \
+  --eval-every 10 --sampled-only
 for seed in 0 1 2; do
   step "table2_round1_seed$seed" 80 python3 benchmarks/utility.py --device cuda --rounds 1 --width 128 --seed "$seed" \
-    --out "$OUT/table2-$seed"
+    --out "/tmp/table2-$seed"
 done
 echo "=== done $(date +%T), ${SECONDS}s" | tee -a "$LOG"
