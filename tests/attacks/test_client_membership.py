@@ -83,6 +83,9 @@ def _client_attack(run) -> dict:
 
 
 def test_it_finds_the_clients_of_a_run_that_memorised_them_and_not_of_a_noisy_client_level_run(tmp_path) -> None:
+    """The noisy run's verdict is that its epsilon lower bound stays within its accountant's epsilon. Its AUC interval
+    is a 95% one over 20 clients and their twins (about +-0.13 wide): it leaves 0.5 out about one run in twenty (a
+    fresh-clone CI run saw [0.509, ...]; eight runs here gave AUCs 0.46-0.58, every bound 0 against epsilon 0.62)."""
     plain, noisy = tmp_path / "plain", tmp_path / "noisy"
     assert invoke("train", *LEAKY, "--rounds", "10", "--out", plain).exit_code == 0
     leaky = _client_attack(plain)
@@ -90,8 +93,8 @@ def test_it_finds_the_clients_of_a_run_that_memorised_them_and_not_of_a_noisy_cl
     client_level = ("--dp", "--dp-level", "client", "--max-update-norm", "0.5", "--noise-multiplier", "20")
     assert invoke("train", *LEAKY, *client_level, "--rounds", "10", "--out", noisy).exit_code == 0
     quiet = _client_attack(noisy)
-    assert quiet["auc_ci95"][0] <= 0.5 <= quiet["auc_ci95"][1]
     assert quiet["accountant_epsilon"] is not None  # an epsilon per client: the bound is judged against it
+    assert quiet["epsilon_lower_bound"] <= quiet["accountant_epsilon"]
 
 
 def test_against_an_epsilon_per_record_its_bound_is_not_compared(tmp_path) -> None:
