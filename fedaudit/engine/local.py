@@ -13,6 +13,7 @@ import copy
 import ctypes
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -167,8 +168,15 @@ class LocalEngine:
         if cuda:  # the global parameters are written on the default stream: finish before other streams read them
             torch.cuda.synchronize(device)
 
+        own = threading.local()
+
         def update_in_thread(data: ClientData) -> ClientMessage:
-            scratch = copy.deepcopy(model)  # modules carry hooks and are loaded in place: one per client
+            # modules carry hooks and are loaded in place: a copy for each thread, reused by its clients as the
+            # clients one after another reuse ``model`` (and with it what belongs to the model object, such as the
+            # CUDA graph of a captured DP query)
+            scratch = getattr(own, "model", None)
+            if scratch is None:
+                scratch = own.model = copy.deepcopy(model)
             if not cuda:
                 return update(data, scratch)
             stream = torch.cuda.Stream(device)
