@@ -5,7 +5,8 @@ matching loss, the backward of all that, an SGD step) on a synthetic set of a fe
 spends about 16 ms launching them and the device about 0.4 ms running them. The step's shapes do not change within a
 client's round, and without augmentation it draws nothing at random, so it can be captured once and replayed
 (docs/performance.md, "On a GPU"). ``FEDAUDIT_CUDA_GRAPHS=0`` turns capture off (the eager steps, for comparison
-or debugging).
+or debugging); ``FEDAUDIT_CUDA_GRAPHS=all`` also captures the DP query on a padded batch
+(:func:`fedaudit.privacy.primitive.padded_clipped_sum`), experimental until a GPU has measured it.
 """
 
 from __future__ import annotations
