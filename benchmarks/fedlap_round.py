@@ -181,32 +181,35 @@ def main() -> None:
             f"{share('dp'):>11} {share('matching'):>9} "
             f"{f'{client_training:.1f}s {100 * client_training / lap_seconds:.0f}%':>14} {server_seconds:>11.1f}"
         )
+
+        def client_round(model=model, params=params) -> None:
+            """One FedLAP-DP client round, without timers, with the randomness of the timed one."""
+            ctx = RoundContext(round=0, rounds=1, config=lap, device=device)
+            get_algorithm(lap).client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
+
         if device.type == "cuda":
-            compare_graphs(model, params, data, lap, device, width)
+            compare_graphs(client_round, device, width)
         if args.profile is not None:
-            profile_round(model, params, data, lap, device, width, args.profile)
+            profile_round(client_round, device, width, args.profile)
 
 
-def compare_graphs(
-    model: torch.nn.Module,
-    params: dict[str, torch.Tensor],
-    data: ClientData,
-    config: RunConfig,
-    device: torch.device,
-    width: int,
-) -> None:
+def compare_graphs(client_round: Callable[[], None], device: torch.device, width: int) -> None:
     """One FedLAP-DP client round with its image steps replayed as a CUDA graph and one with them eager (the previous
-    path, FEDAUDIT_CUDA_GRAPHS=0), no timers inside; prints both and their ratio."""
-    seconds = {}
-    for mode in ("1", "0"):
-        os.environ[GRAPHS_ENV] = mode
-        ctx = RoundContext(round=0, rounds=1, config=config, device=device)
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        get_algorithm(config).client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
-        torch.cuda.synchronize(device)
-        seconds[mode] = time.perf_counter() - start
-    del os.environ[GRAPHS_ENV]
+    path, FEDAUDIT_CUDA_GRAPHS=0); prints both and their ratio. The environment is left as it was."""
+    before, seconds = os.environ.get(GRAPHS_ENV), {}
+    try:
+        for mode in ("1", "0"):
+            os.environ[GRAPHS_ENV] = mode
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            client_round()
+            torch.cuda.synchronize(device)
+            seconds[mode] = time.perf_counter() - start
+    finally:
+        if before is None:
+            del os.environ[GRAPHS_ENV]
+        else:
+            os.environ[GRAPHS_ENV] = before
     graphed, eager = seconds["1"], seconds["0"]
     print(
         f"width {width}: FedLAP-DP client round without timers: image steps replayed as a CUDA graph "
@@ -215,25 +218,15 @@ def compare_graphs(
     )
 
 
-def profile_round(
-    model: torch.nn.Module,
-    params: dict[str, torch.Tensor],
-    data: ClientData,
-    config: RunConfig,
-    device: torch.device,
-    width: int,
-    out: Path,
-) -> None:
+def profile_round(client_round: Callable[[], None], device: torch.device, width: int, out: Path) -> None:
     """One FedLAP-DP client round under torch.profiler: its operators by device and by host time, appended to
     ``out``, and the share of the round's wall time in which the device ran kernels (what host work leaves idle)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    algorithm = get_algorithm(config)
-    ctx = RoundContext(round=0, rounds=1, config=config, device=device)
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
-        algorithm.client_update(model, params, data, ctx, torch.Generator(device).manual_seed(1))
+        client_round()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start

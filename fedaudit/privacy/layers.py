@@ -342,11 +342,12 @@ def _conv2d_sq_norms(
     positions, d, p = _conv_sizes(module, b)
     bias = b.flatten(2).sum(2)
     ghost = uses_ghost_norm(positions, d, p)
-    limit, grouped, examples = _limits(a)
-    keep = keep and batch * module.weight.numel() <= limit and not (ghost and uses_ghost_norm(2 * positions, d, p))
+    keep = (
+        keep and batch * module.weight.numel() <= _limits(a)[0] and not (ghost and uses_ghost_norm(2 * positions, d, p))
+    )
     if not keep and ghost:
         return {"weight": _conv2d_ghost_sq_norms(module, a, b), "bias": bias.pow(2).sum(1)}, []
-    chunk = max(1, min(examples, grouped // module.weight.numel()))
+    chunk = _grouped_chunk(module, a)
     squares, kept = [], []
     for start in range(0, batch, chunk):
         grads = _per_sample_conv2d_weight(module, a[start : start + chunk], b[start : start + chunk])
@@ -412,8 +413,7 @@ def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[L
     layer's trace of the chunk, its per-sample weight and bias gradients kept). At most GROUPED_CHUNK examples a
     chunk, and GROUPED_ELEMENTS floats of the largest layer's gradients, as for one layer."""
     batch = layers[0].inputs.shape[0]
-    _, grouped, examples = _limits(layers[0].inputs)
-    chunk = min(max(1, min(examples, grouped // layer.module.weight.numel())) for layer in layers)
+    chunk = min(_grouped_chunk(layer.module, layer.inputs) for layer in layers)
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
         parts = []
@@ -422,6 +422,13 @@ def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[L
             grads = {"weight": _per_sample_conv2d_weight(layer.module, a, b), "bias": b.flatten(2).sum(2)}
             parts.append(LayerTrace(layer.module, layer.names, a, b, kept=[grads]))
         yield start, stop, parts
+
+
+def _grouped_chunk(module: nn.Conv2d, a: torch.Tensor) -> int:
+    """How many examples' per-sample weight gradients of ``module`` are taken at once (GROUPED_CHUNK and
+    GROUPED_ELEMENTS on the CPU, :func:`_limits`)."""
+    _, grouped, examples = _limits(a)
+    return max(1, min(examples, grouped // module.weight.numel()))
 
 
 def _per_sample_conv2d_weight(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
