@@ -189,27 +189,41 @@ def main() -> None:
             dp(args)
 
 
-def dp(args: argparse.Namespace) -> None:
-    """FedLAP-DP, DP-FedAvg and DP-FedProx at equal data access, beside the paper's Table 2."""
+def dp_configs(
+    *, seed: int, width: int, device: str, dataset: str, rounds: int, smoke: bool
+) -> tuple[dict[str, RunConfig], int]:
+    """FedLAP-DP, DP-FedAvg and DP-FedProx of Table 2 by name (5 clients x 2 classes, sigma 1), and T: the
+    baselines run FedLAP-DP's worst-case T = R_i * L * R_b DP queries a round, so that all three access the same
+    data and spend the same epsilon (loads the data once to find T)."""
     base = RunConfig(
-        seed=args.seed,
-        device=args.device,
-        data=DataConfig(dataset=args.dataset, partition="classes:2", num_clients=5),
-        model=ModelConfig(width=args.width),
+        seed=seed,
+        device=device,
+        data=DataConfig(dataset=dataset, partition="classes:2", num_clients=5),
+        model=ModelConfig(width=width),
         privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
     )
-    lap = base.with_overrides({"federated": FederatedConfig(algorithm="fedlap", rounds=args.rounds)})
-    lap = smallest(lap, args.smoke)
+    lap = smallest(base.with_overrides({"federated": FederatedConfig(algorithm="fedlap", rounds=rounds)}), smoke)
     queries = max(prepare(lap).queries.values())
-    configs = {
-        "FedLAP-DP": lap,
-        "DP-FedAvg": base.with_overrides(
-            {"federated": FederatedConfig(algorithm="fedavg", rounds=args.rounds, local_steps=queries)}
-        ),
-        "DP-FedProx": base.with_overrides(
-            {"federated": FederatedConfig(algorithm="fedprox", rounds=args.rounds, local_steps=queries)}
-        ),
+    baselines = {
+        name: base.with_overrides(
+            {"federated": FederatedConfig(algorithm=algorithm, rounds=rounds, local_steps=queries)}
+        )
+        for name, algorithm in (("DP-FedAvg", "fedavg"), ("DP-FedProx", "fedprox"))
     }
+    return {"FedLAP-DP": lap, **baselines}, queries
+
+
+def dp(args: argparse.Namespace) -> None:
+    """FedLAP-DP, DP-FedAvg and DP-FedProx at equal data access, beside the paper's Table 2."""
+    configs, queries = dp_configs(
+        seed=args.seed,
+        width=args.width,
+        device=args.device,
+        dataset=args.dataset,
+        rounds=args.rounds,
+        smoke=args.smoke,
+    )
+    lap = configs["FedLAP-DP"]
     print(describe(args.device), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}; {TITLES[args.dataset]}, 5 clients x 2 "

@@ -46,6 +46,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "query_recording.py": ("median (s)", r"^with recording\s+\d"),
     "reconstruction.py": ("null PSNR dB", r"^digits\s+fedsgd\s+1\s+1\s+2\s+none\s+-\s+2\s+\d+\.\d+ \["),
     "scale.py": ("peak RSS (MB)", r"^\s+20\s+2\s+every 2, 100 records\s+\d"),
+    "table2.py": ("FedLAP-DP acc %", r"^\s+\d+\.\d\d\s+2\s+\d+\.\d\d\s+\d+\.\d\d \+- \d+\.\d\d\s+\d+\.\d\d \+- "),
     "twins.py": ("max rel. diff", r"^\s+8\s+\d+\s+8\s"),
     "units.py": ("accuracy", r"^\s+client\s+8\s+\d+\.\d\s+\d\.\d{3}$"),
     "utility.py": ("DP-FedAvg acc %", r"^1\s+\d"),
