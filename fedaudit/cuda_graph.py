@@ -49,6 +49,17 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[index]
 
 
+def _clear_blas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces (one per handle and stream), before and after a capture, as PyTorch's own
+    graph trees do: the capture then allocates its matrix products' workspace in the graph's own memory. Otherwise
+    every graph would record the one workspace of the capture stream and of the autograd thread's handle (the
+    backward's products), and two clients replaying their graphs at once on their own streams would write the same
+    workspace."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def _tensors(group: Group) -> list[torch.Tensor]:
     return list(group.values()) if isinstance(group, Mapping) else list(group)
 
@@ -119,6 +130,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         device = _tensors(self._static[0])[0].device
         with _CAPTURE:
+            _clear_blas_workspaces()
             try:
                 with torch.cuda.graph(graph, stream=capture_stream(device), capture_error_mode="thread_local"):
                     self._output = _map(torch.Tensor.detach, self.fn(*self._static))
@@ -126,6 +138,8 @@ class GraphedStep:
                 self.failed = True
                 warnings.warn(f"CUDA graph capture failed, the step runs eagerly: {error}", stacklevel=3)
                 return False
+            finally:
+                _clear_blas_workspaces()
         self.graph = graph
         return True
 

@@ -15,6 +15,7 @@ import functools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,6 +88,9 @@ class LocalEngine:
         self.echo = echo
         self.parallel = parallel
         self._estimated = False
+        # the copies of a model that client threads worked on, kept for the next round's threads: what belongs to a
+        # model object (a captured DP query's CUDA graph) is made once a run, not once a round
+        self._copies: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
 
     def __enter__(self) -> LocalEngine:
         return self
@@ -169,14 +173,20 @@ class LocalEngine:
             torch.cuda.synchronize(device)
 
         own = threading.local()
+        spare = self._copies.setdefault(model, [])
+        taken: list[nn.Module] = []
+        lock = threading.Lock()
 
         def update_in_thread(data: ClientData) -> ClientMessage:
             # modules carry hooks and are loaded in place: a copy for each thread, reused by its clients as the
             # clients one after another reuse ``model`` (and with it what belongs to the model object, such as the
-            # CUDA graph of a captured DP query)
+            # CUDA graph of a captured DP query); a copy an earlier round's thread worked on where one is spare
             scratch = getattr(own, "model", None)
             if scratch is None:
-                scratch = own.model = copy.deepcopy(model)
+                with lock:
+                    scratch = spare.pop() if spare else copy.deepcopy(model)
+                    taken.append(scratch)
+                own.model = scratch
             if not cuda:
                 return update(data, scratch)
             stream = torch.cuda.Stream(device)
@@ -209,6 +219,8 @@ class LocalEngine:
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)  # clients not started never start
                 raise
+            finally:
+                spare.extend(taken)
         if cuda:
             torch.cuda.synchronize(device)
         return messages

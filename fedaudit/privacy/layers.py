@@ -251,27 +251,32 @@ def _own_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> boo
     return True
 
 
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, dict[frozenset[str], dict[str, tuple[nn.Module, dict[str, str]]]]] = (
-    weakref.WeakKeyDictionary()
-)
+_OWNERS: weakref.WeakKeyDictionary[
+    nn.Module, dict[frozenset[str], dict[str, tuple[weakref.ref[nn.Module], dict[str, str]]]]
+] = weakref.WeakKeyDictionary()
+"""Per model and set of parameter names, the layers that own them, held by weak references: a model whose own
+parameters are at its top (its prefix is "") is one of its layers, and must not keep its own entry alive."""
 
 
 def _owners(model: nn.Module, names: frozenset[str]) -> dict[str, tuple[nn.Module, dict[str, str]]]:
     """The layers that own the parameters ``names``: prefix -> (layer, its local name -> params-dict name). Kept per
     model and set of names, since walking the modules on every DP step cost about 3% of a small step."""
     by_names = _OWNERS.setdefault(model, {})
-    found = by_names.get(names)
-    if found is None or any(module is not model.get_submodule(prefix) for prefix, (module, _) in found.items()):
-        found = {}
-        for prefix, module in model.named_modules():
-            local = {
-                name: f"{prefix}.{name}" if prefix else name
-                for name, _ in module.named_parameters(recurse=False)
-                if (f"{prefix}.{name}" if prefix else name) in names
-            }
-            if local:
-                found[prefix] = (module, local)
-        by_names[names] = found
+    known = by_names.get(names)
+    if known is not None:
+        found = {prefix: (layer(), local) for prefix, (layer, local) in known.items()}
+        if all(module is model.get_submodule(prefix) for prefix, (module, _) in found.items()):
+            return found  # each layer is alive: the model holds it
+    found = {}
+    for prefix, module in model.named_modules():
+        local = {
+            name: f"{prefix}.{name}" if prefix else name
+            for name, _ in module.named_parameters(recurse=False)
+            if (f"{prefix}.{name}" if prefix else name) in names
+        }
+        if local:
+            found[prefix] = (module, local)
+    by_names[names] = {prefix: (weakref.ref(module), local) for prefix, (module, local) in found.items()}
     return found
 
 

@@ -247,12 +247,16 @@ def _captured_clipped_sum(
     size, n = padded_size(expected_batch_size), x.shape[0]
     if not queries_graphed(x.device) or n == 0 or n > size:
         return None
-    key = (size, tuple(x.shape[1:]), x.dtype, x.device, tuple(params), float(max_grad_norm), loss_fn)
+    shapes = (tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype, x.device)
+    key = (size, *shapes, tuple(params), float(max_grad_norm), loss_fn)
     captured = _CAPTURED.setdefault(model, {})
     if key not in captured:
+        owner = weakref.ref(model)  # the model keys the cache: the query must not keep it alive
 
         def query(batch: list[torch.Tensor], point: TensorDict) -> tuple[TensorDict, torch.Tensor, torch.Tensor] | None:
             rows, labels, real = batch
+            model = owner()
+            assert model is not None  # a query runs while its model is being queried
             return padded_clipped_sum(model, rows, labels, real, max_grad_norm, params=point, loss_fn=loss_fn)
 
         captured[key] = GraphedStep(query, copy_outputs=False)
@@ -262,13 +266,19 @@ def _captured_clipped_sum(
     pad = size - n
     batch = [
         torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]),
-        torch.cat([y, y.new_zeros(pad)]),
+        torch.cat([y, y.new_zeros((pad, *y.shape[1:]))]),
         torch.arange(size, device=x.device) < n,
     ]
     result = step(batch, dict(params))
-    if result is None:
+    if result is None or step.failed:  # not capturable: the eager query on the real rows from now on
         captured[key] = None
-        return None
+        return None if result is None else _unpadded(result, n)
+    return _unpadded(result, n)
+
+
+def _unpadded(result: tuple[TensorDict, torch.Tensor, torch.Tensor], n: int) -> tuple[TensorDict, torch.Tensor] | None:
+    """The padded query's sum and its ``n`` real rows' norms, or None where a row overflowed (the caller then takes
+    the eager query of the real rows)."""
     summed, norms, overflowed = result
     if bool(overflowed):
         return None

@@ -342,3 +342,32 @@ def test_a_dp_run_with_captured_queries_passes_verify(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     result = invoke("verify", tmp_path / "run")
     assert result.exit_code == 0, result.output
+
+
+def test_clients_replaying_captured_queries_at_once_train_the_eager_queries_run(tmp_path, monkeypatch, fixed_secrets):
+    """Five clients at once on their own streams, each replaying its thread's captured DP query, over three rounds (the
+    next rounds' threads replay the graphs the first round captured): the eager queries' run up to float rounding.
+    Each capture gets a cuBLAS workspace of its own (cuda_graph._clear_blas_workspaces); graphs sharing one would mix
+    the products of clients replaying at the same time."""
+    from safetensors.torch import load_file
+
+    from fedaudit.privacy import primitive
+
+    made = []
+
+    class Spy(primitive.GraphedStep):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(primitive, "GraphedStep", Spy)
+    args = (*ON_GPU, "--dp", "--rounds", "3", "--local-epochs", "2", "--parallel-clients", "5")
+    models = {}
+    for mode in ("all", "0"):
+        monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", mode)
+        assert invoke("train", *args, "--out", tmp_path / mode).exit_code == 0
+        models[mode] = load_file(str(tmp_path / mode / "model.safetensors"))
+    assert 1 <= len(made) <= 5 and not any(step.failed for step in made)  # one capture a thread's copy, a run
+    assert sum(step.replays for step in made) > 0
+    for key, value in models["0"].items():
+        torch.testing.assert_close(models["all"][key], value, rtol=1e-4, atol=1e-5)

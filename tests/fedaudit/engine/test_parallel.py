@@ -79,6 +79,37 @@ def test_parallel_clients_answer_in_order_from_their_threads_own_model_copies():
     assert len(threads_of) == len({name for name, _, _ in recorder.calls.values()}) <= 3  # one copy a thread
 
 
+def test_the_next_round_s_threads_work_on_the_copies_of_the_last_round():
+    """A round's threads take the copies earlier rounds' threads worked on (what belongs to a model object, such as a
+    captured DP query's graph, is made once a run): three threads a round (their first clients wait for each other),
+    three copies in the whole run, none used by two threads in a round."""
+
+    class Overlapping(ThreadRecorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.together = threading.Barrier(3, timeout=30)
+
+        def client_update(self, model, global_params, data, ctx, generator, state=None) -> ClientMessage:
+            if data.client_id < 3:
+                self.together.wait()
+            return super().client_update(model, global_params, data, ctx, generator, state)
+
+    engine, model = LocalEngine(progress=False, parallel=3), nn.Linear(2, 2)
+    every_copy: dict[int, nn.Module] = {}  # held, so that no copy's id is reused by another
+    for round_index in range(3):
+        recorder = Overlapping()
+        data = [ClientData(k, torch.zeros(k + 1, 1, 2, 2), torch.zeros(k + 1, dtype=torch.long)) for k in range(6)]
+        ctx = RoundContext(round_index, 3, RunConfig(), torch.device("cpu"))
+        engine.run_clients(recorder, model, {"w": torch.ones(2)}, data, ctx, lambda k: SeededKeys(0, k), {})
+        threads_of: dict[int, set[str]] = {}
+        for name, scratch, _ in recorder.calls.values():
+            assert scratch is not model
+            threads_of.setdefault(id(scratch), set()).add(name)
+        assert len(threads_of) == 3 and all(len(names) == 1 for names in threads_of.values())
+        every_copy.update({id(scratch): scratch for _, scratch, _ in recorder.calls.values()})
+    assert len(every_copy) == 3
+
+
 def test_one_client_or_one_at_a_time_stays_in_this_thread():
     recorder = ThreadRecorder()
     _run(LocalEngine(progress=False, parallel=4), recorder, [2])

@@ -7,7 +7,9 @@ fallback for models the layer-wise path cannot follow.
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -546,30 +548,38 @@ def test_the_query_is_captured_only_on_cuda_when_asked_for(monkeypatch: pytest.M
     assert calls == []
 
 
-def test_dp_gradient_through_the_padded_query_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """dp_gradient's captured path with the capture replaced by eager calls (its CUDA graph runs in test_gpu.py):
-    batches of every size up to padded_size(B) give the eager query's gradients and norms; an overflowed batch and
-    one beyond the padded size take the eager query; canaries (extra rows) never take the padded path."""
+class _EagerStep:
+    """GraphedStep's stand-in on the CPU: every call runs the step eagerly; ``fail`` marks the capture (the call
+    after the warmups) as failed, as GraphedStep does when CUDA refuses it (it then runs the step eagerly)."""
 
-    class Eager:
-        warmup = 2
+    warmup = 2
 
-        def __init__(self, fn, copy_outputs: bool = True) -> None:
-            self.fn, self.calls = fn, 0
-            made.append(self)
+    def __init__(self, fn, copy_outputs: bool = True, *, fail: bool = False) -> None:
+        self.fn, self.calls, self.fail, self.failed = fn, 0, fail, False
 
-        def __call__(self, *groups):
-            self.calls += 1
-            return self.fn(*groups)
+    def __call__(self, *groups):
+        self.calls += 1
+        self.failed = self.fail and self.calls > self.warmup
+        return self.fn(*groups)
 
-    made: list[Eager] = []
-    monkeypatch.setattr(primitive, "GraphedStep", Eager)
-    model, data, labels = _model_and_batch("convnet", batch=60, seed=8)
-    data[50, 0, 0, 0] = float("inf")
-    expected = 8.0
-    size = padded_size(expected)
-    batches = [(data[:n], labels[:n]) for n in (8, 3, size, 11, 1)]
-    batches += [(data[45:55], labels[45:55]), (data[: size + 1], labels[: size + 1])]
+
+def _stand_in_steps(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> list[_EagerStep]:
+    """Every GraphedStep the DP query builds from now on is an :class:`_EagerStep`, listed in the list returned."""
+    made: list[_EagerStep] = []
+
+    def build(fn, copy_outputs: bool = True) -> _EagerStep:
+        made.append(_EagerStep(fn, copy_outputs, fail=fail))
+        return made[-1]
+
+    monkeypatch.setattr(primitive, "GraphedStep", build)
+    return made
+
+
+def _assert_padded_equals_eager(
+    monkeypatch: pytest.MonkeyPatch, model: nn.Module, batches: list, expected: float
+) -> None:
+    """dp_gradient of every batch through the padded path (where it takes it) gives the eager query's norms and
+    gradients."""
     results = {}
     for padded in (True, False):
         monkeypatch.setattr(primitive, "queries_graphed", lambda device, padded=padded: padded)
@@ -585,12 +595,27 @@ def test_dp_gradient_through_the_padded_query_equals_the_eager_one(monkeypatch: 
             )
             for x, y in batches
         ]
-    assert len(made) == 1 and made[0].calls == 6  # five batches and the overflowed one; not the one beyond
     for ours, eager in zip(results[True], results[False]):
         torch.testing.assert_close(ours.per_sample_norms, eager.per_sample_norms, rtol=1e-9, atol=1e-14, equal_nan=True)
         for name, value in eager.grads.items():
             torch.testing.assert_close(ours.grads[name], value, rtol=1e-9, atol=1e-13)
+
+
+def test_dp_gradient_through_the_padded_query_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp_gradient's captured path with the capture replaced by eager calls (its CUDA graph runs in test_gpu.py):
+    batches of every size up to padded_size(B) give the eager query's gradients and norms; an overflowed batch and
+    one beyond the padded size take the eager query; canaries (extra rows) never take the padded path."""
+    made = _stand_in_steps(monkeypatch)
+    model, data, labels = _model_and_batch("convnet", batch=60, seed=8)
+    data[50, 0, 0, 0] = float("inf")
+    expected = 8.0
+    size = padded_size(expected)
+    batches = [(data[:n], labels[:n]) for n in (8, 3, size, 11, 1)]
+    batches += [(data[45:55], labels[45:55]), (data[: size + 1], labels[: size + 1])]
+    _assert_padded_equals_eager(monkeypatch, model, batches, expected)
+    assert len(made) == 1 and made[0].calls == 6  # five batches and the overflowed one; not the one beyond
     extra = {name: torch.randn(2, *p.shape, dtype=p.dtype) for name, p in model.named_parameters()}
+    monkeypatch.setattr(primitive, "queries_graphed", lambda device: True)
     dp_gradient(
         model,
         data[:4],
@@ -602,3 +627,42 @@ def test_dp_gradient_through_the_padded_query_equals_the_eager_one(monkeypatch: 
         extra=extra,
     )
     assert made[0].calls == 6
+
+
+def test_a_query_whose_capture_failed_is_the_eager_query_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed capture the padded query is not run again (it would cost the padding's rows on every query
+    for nothing): the next queries take the eager query, and every result is the eager one."""
+    made = _stand_in_steps(monkeypatch, fail=True)
+    model, data, labels = _model_and_batch("convnet", batch=40, seed=9)
+    _assert_padded_equals_eager(monkeypatch, model, [(data[:n], labels[:n]) for n in (8, 5, 11, 7, 9, 3)], 8.0)
+    assert len(made) == 1 and made[0].calls == made[0].warmup + 1  # the warmups and the failed capture, no more
+
+
+def test_no_cache_keeps_a_model_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caches keyed by a model (its captured queries, the layers that own its parameters) hold it weakly: a model
+    no longer used is freed with what was made for it, also one whose parameters are its own (a single layer, whose
+    prefix is ""). Engines make models per thread and run (a client's generator, each round's scratch copies)."""
+    monkeypatch.setattr(primitive, "GraphedStep", _EagerStep)
+    monkeypatch.setattr(primitive, "queries_graphed", lambda device: True)
+    gc.collect()
+    before = (len(primitive._CAPTURED), len(layers._OWNERS))
+    freed = []
+    for name in ("convnet", "single"):
+        if name == "single":
+            torch.manual_seed(3)
+            model, x, y = (
+                nn.Linear(6, 3).double(),
+                torch.randn(5, 6, dtype=torch.float64),
+                torch.tensor([0, 1, 2, 0, 1]),
+            )
+        else:
+            model, x, y = _model_and_batch(name, batch=5, seed=3)
+        dp_gradient(
+            model, x, y, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, generator=torch.Generator()
+        )
+        assert model in primitive._CAPTURED and model in layers._OWNERS  # the caches did hold it
+        freed.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [ref() for ref in freed] == [None, None]
+    assert (len(primitive._CAPTURED), len(layers._OWNERS)) == before
