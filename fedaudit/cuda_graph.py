@@ -22,6 +22,7 @@ import torch
 GRAPHS_ENV = "FEDAUDIT_CUDA_GRAPHS"
 Group = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 _CAPTURE = threading.Lock()  # one capture at a time, on the capture stream of its device
+_REFUSED: list[str] = []  # a capture that failed: no step of this process is captured after it (its error)
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -89,8 +90,9 @@ class GraphedStep:
     copied again, so a caller must not change a group's tensors in place between calls. Everything ``fn`` writes in
     place (parameters, buffers) is written by each replay as by an eager call. Its result (a tensor, or tuples,
     lists and dictionaries of tensors) comes back as new tensors, or with ``copy_outputs=False`` as the graph's own
-    tensors (in new containers), which the next call overwrites. If the capture fails, a warning says so and every
-    call runs eagerly.
+    tensors (in new containers), which the next call overwrites. If the capture fails, a warning says so, and this
+    step and every step of the process that had not been captured yet run eagerly from then on: a capture whose end
+    failed can leave CUDA's allocator mid-capture, which the next capture would trip on.
     """
 
     warmup = 2
@@ -127,18 +129,29 @@ class GraphedStep:
             for g in groups
         ]
         self._sources = list(groups)
-        graph = torch.cuda.CUDAGraph()
         device = _tensors(self._static[0])[0].device
         with _CAPTURE:
+            if _REFUSED:
+                self.failed = True
+                return False
+            graph = torch.cuda.CUDAGraph()
+            caller = torch.cuda.current_stream(device)
             _clear_blas_workspaces()
             try:
                 with torch.cuda.graph(graph, stream=capture_stream(device), capture_error_mode="thread_local"):
                     self._output = _map(torch.Tensor.detach, self.fn(*self._static))
             except RuntimeError as error:
                 self.failed = True
-                warnings.warn(f"CUDA graph capture failed, the step runs eagerly: {error}", stacklevel=3)
+                _REFUSED.append(str(error))
+                warnings.warn(
+                    f"CUDA graph capture failed, this process's steps run eagerly from now on: {error}", stacklevel=3
+                )
                 return False
             finally:
+                # torch.cuda.graph leaves the capture stream current when the capture's end raises: the caller's
+                # eager work (this step, then its client's) would go on the stream every capture records on
+                if torch.cuda.current_stream(device) != caller:
+                    torch.cuda.set_stream(caller)
                 _clear_blas_workspaces()
         self.graph = graph
         return True

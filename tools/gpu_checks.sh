@@ -41,7 +41,7 @@ if [ "$PART" != timing ]; then
   timeout -k 5 $((END - SECONDS - 10)) python3 benchmarks/table2.py --device cuda --jobs 9 --out /tmp/table2 \
     >"$OUT/table2.txt" 2>&1 &
   table2=$!
-  step tests 120 python3 -m pytest tests/fedaudit/test_gpu.py -n 4 -q -p no:cacheprovider --durations=10
+  step tests 240 python3 -m pytest tests/fedaudit/test_gpu.py -n 4 -q -p no:cacheprovider --durations=10
   wait "$table2"
   echo "=== table2: exit $? after $((SECONDS - began))s" | tee -a "$LOG"
   cat "$OUT/table2.txt" >>"$LOG"

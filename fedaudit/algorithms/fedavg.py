@@ -31,7 +31,7 @@ from fedaudit.algorithms.base import (
 from fedaudit.config import RunConfig
 from fedaudit.privacy.accounting import SGMEvent, update_noise_multiplier
 from fedaudit.privacy.primitive import client_level_mean, client_noise_share, dp_gradient
-from fedaudit.privacy.randomness import Source, add_gaussian
+from fedaudit.privacy.randomness import Source, add_gaussian, source_device
 
 CLIP_NORM = "clip_norm"  # adaptive clipping: the server's state, C of the next round
 
@@ -157,7 +157,11 @@ class FedAvg:
         new = {name: p + config.federated.server_lr * mean[name] for name, p in clone_params(global_params).items()}
         state = {}
         if adaptive:  # the centred count of updates under C, noised, over q P: the fraction b of the rule
-            centred = torch.tensor(float((norms <= clip).double().sum()) - len(norms) / 2, dtype=torch.float64)
+            centred = torch.tensor(  # where the server's source draws (a CUDA generator draws on the GPU only)
+                float((norms <= clip).double().sum()) - len(norms) / 2,
+                dtype=torch.float64,
+                device=source_device(generator),
+            )
             fraction = float(add_gaussian(centred, count_noise, generator)) / expected + 0.5
             following = clip * math.exp(-priv.clip_lr * (fraction - priv.target_quantile))
             state = {CLIP_NORM: torch.tensor(following, dtype=torch.float64)}

@@ -190,6 +190,7 @@ class LocalEngine:
             if not cuda:
                 return update(data, scratch)
             stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # a new copy's clones were issued on this one
             with torch.cuda.stream(stream):
                 message = update(data, scratch)
             stream.synchronize()

@@ -16,6 +16,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 ON_GPU = tuple(a if a != "cpu" else "cuda" for a in FAST_ARGS)
 
 
+def ok(*args) -> None:
+    """Run the command line in this process; a failure shows what it said (a GPU session has minutes, not reruns)."""
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+
+
 def test_per_sample_gradients_on_the_gpu_equal_the_cpu():
     torch.manual_seed(0)
     model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=16, depth=3))
@@ -53,16 +59,16 @@ def test_dp_gradient_noise_on_the_gpu_has_the_right_scale():
 def test_training_resume_and_attack_on_the_gpu(tmp_path, algorithm, fixed_secrets):
     args = (*ON_GPU, *algorithm, "--dp", "--rounds", "2")
     full, part = tmp_path / "full", tmp_path / "part"
-    assert invoke("train", *args, "--out", full).exit_code == 0
+    ok("train", *args, "--out", full)
     assert json.loads((full / "manifest.json").read_text())["device"] == "cuda"
-    assert invoke("train", *args[:-1], "1", "--out", part).exit_code == 0
-    assert invoke("train", "--resume", part, "--rounds", "2", "--no-progress").exit_code == 0
+    ok("train", *args[:-1], "1", "--out", part)
+    ok("train", "--resume", part, "--rounds", "2", "--no-progress")
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     cpu = tmp_path / "cpu"
     shutil.copytree(full, cpu)  # before the attack: a copy of an attacked run without its attacks' files is refused
     result = invoke("attack", full, "--device", "cuda", "--no-progress", "--bootstrap", "50")
     assert result.exit_code == 0, result.output
-    assert invoke("attack", cpu, "--device", "cpu", "--no-progress", "--bootstrap", "50").exit_code == 0
+    ok("attack", cpu, "--device", "cpu", "--no-progress", "--bootstrap", "50")
     for name in ("loss-threshold", "grad-norm-threshold"):
         on_gpu, on_cpu = (json.loads((run / "attacks" / name / "metrics.json").read_text()) for run in (full, cpu))
         assert on_gpu["auc"] == pytest.approx(on_cpu["auc"], abs=2e-3)
@@ -76,7 +82,7 @@ def test_the_same_seed_gives_the_same_convnet_run_on_the_gpu(tmp_path, fixed_sec
         ).split()
     )
     for name in ("a", "b"):
-        assert invoke("train", *args, "--out", tmp_path / name).exit_code == 0
+        ok("train", *args, "--out", tmp_path / name)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
@@ -121,7 +127,7 @@ def test_clients_on_cuda_streams_equal_clients_one_after_another(tmp_path, fixed
 
     args = (*ON_GPU, "--algorithm", "fedlap", "--dp", "--ipc", "2", "--trajectories", "1", "--rounds", "2")
     for name, parallel in (("together", "5"), ("one", "1"), ("again", "5")):
-        assert invoke("train", *args, "--parallel-clients", parallel, "--out", tmp_path / name).exit_code == 0
+        ok("train", *args, "--parallel-clients", parallel, "--out", tmp_path / name)
     models = {name: load_file(str(tmp_path / name / "model.safetensors")) for name in ("together", "one", "again")}
     for key, value in models["one"].items():
         torch.testing.assert_close(models["together"][key], value, rtol=1e-5, atol=1e-6)
@@ -157,7 +163,7 @@ def test_a_canary_run_on_the_gpu_is_repeatable_and_passes_verify_and_its_audit(t
 def test_secure_noise_on_the_gpu_passes_verify(tmp_path):
     """--secure-noise draws its keystream on the host and adds the noise on the GPU in float64."""
     args = (*ON_GPU, "--dp", "--secure-noise", "--rounds", "2", "--canaries", "200")
-    assert invoke("train", *args, "--out", tmp_path / "run").exit_code == 0
+    ok("train", *args, "--out", tmp_path / "run")
     result = invoke("verify", tmp_path / "run")
     assert result.exit_code == 0, result.output
 
@@ -365,9 +371,71 @@ def test_clients_replaying_captured_queries_at_once_train_the_eager_queries_run(
     models = {}
     for mode in ("all", "0"):
         monkeypatch.setenv("FEDAUDIT_CUDA_GRAPHS", mode)
-        assert invoke("train", *args, "--out", tmp_path / mode).exit_code == 0
+        ok("train", *args, "--out", tmp_path / mode)
         models[mode] = load_file(str(tmp_path / mode / "model.safetensors"))
     assert 1 <= len(made) <= 5 and not any(step.failed for step in made)  # one capture a thread's copy, a run
     assert sum(step.replays for step in made) > 0
     for key, value in models["0"].items():
         torch.testing.assert_close(models["all"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_capture_gives_the_caller_its_stream_back_and_the_process_stays_eager(monkeypatch):
+    """A step that reads a value back cannot be captured: GraphedStep warns, the caller's stream is current again
+    (not the capture stream, on which its eager work would be recorded into another client's graph), the step runs
+    eagerly, and no later step of the process is captured."""
+    from fedaudit import cuda_graph
+    from fedaudit.cuda_graph import GraphedStep, capture_stream
+
+    monkeypatch.setattr(cuda_graph, "_REFUSED", [])
+    device = torch.device("cuda")
+    x = torch.randn(64, device=device)
+    reads_back = GraphedStep(lambda g: g[0] * float(g[0].sum()))
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            reads_back([x])
+        with pytest.warns(UserWarning, match="capture failed"):
+            out = reads_back([x])
+        assert torch.cuda.current_stream(device) == stream != capture_stream(device)
+    torch.testing.assert_close(out, x * float(x.sum()))
+    assert reads_back.failed and reads_back.graph is None and cuda_graph._REFUSED
+    later = GraphedStep(lambda g: g[0] * 2)
+    for _ in range(4):
+        torch.testing.assert_close(later([x]), x * 2)
+    assert later.failed and later.graph is None and later.replays == 0
+
+
+def test_graphs_replayed_at_once_on_two_streams_each_have_their_own_cublas_workspace():
+    """Two captured products with a long inner dimension (where cuBLAS splits it and uses its workspace), replayed at
+    the same time on two streams, 50 times each: every result is its own eager product. Graphs that recorded one
+    workspace (the capture stream's) would write it together."""
+    from fedaudit.cuda_graph import GraphedStep
+
+    torch.manual_seed(0)
+    left = [torch.randn(256, 65536, device="cuda") for _ in range(2)]
+    right = [torch.randn(65536, 256, device="cuda") for _ in range(2)]
+    expected = [a @ b for a, b in zip(left, right)]
+    steps = [GraphedStep(lambda group: group[0] @ group[1]) for _ in range(2)]
+    for step, a, b in zip(steps, left, right):
+        for _ in range(step.warmup + 1):
+            step([a, b])
+    streams = [torch.cuda.Stream() for _ in steps]
+    torch.cuda.synchronize()
+    results: list[list[torch.Tensor]] = [[], []]
+    for _ in range(50):
+        for i, (step, stream) in enumerate(zip(steps, streams)):
+            with torch.cuda.stream(stream):
+                results[i].append(step([left[i], right[i]]))
+    torch.cuda.synchronize()
+    assert all(step.replays == 51 and not step.failed for step in steps)
+    for i in range(2):
+        for out in results[i]:
+            torch.testing.assert_close(out, expected[i], rtol=1e-4, atol=1e-2)
+
+
+def test_client_level_dp_with_adaptive_clipping_on_the_gpu(tmp_path):
+    """The server's noisy count of the updates under C is drawn from its source's device (a CUDA generator here)."""
+    args = (*ON_GPU, "--dp", "--dp-level", "client", "--clipping", "adaptive", "--max-update-norm", "1")
+    args = (*args, "--count-noise", "5", "--num-clients", "10")
+    ok("train", *args, "--rounds", "2", "--client-fraction", "0.5", "--out", tmp_path / "run")
+    ok("verify", tmp_path / "run")
