@@ -121,7 +121,11 @@ class GraphedStep:
         return _map(torch.clone if self.copy_outputs else _same, self._output)
 
     def _capture(self, groups: Sequence[Group]) -> bool:
-        """Record ``fn`` on copies of ``groups``; nothing runs (the first replay is the step)."""
+        """Record ``fn`` on copies of ``groups``; nothing runs (the first replay is the step). False, and the step
+        eager for good, where the capture fails or an earlier one in this process did."""
+        if _REFUSED:
+            self.failed = True
+            return False
         self._static = [
             {name: t.detach().clone() for name, t in g.items()}
             if isinstance(g, Mapping)
@@ -131,8 +135,9 @@ class GraphedStep:
         self._sources = list(groups)
         device = _tensors(self._static[0])[0].device
         with _CAPTURE:
-            if _REFUSED:
+            if _REFUSED:  # another thread's capture failed meanwhile
                 self.failed = True
+                self._static = []
                 return False
             graph = torch.cuda.CUDAGraph()
             caller = torch.cuda.current_stream(device)
