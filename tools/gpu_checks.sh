@@ -3,8 +3,9 @@
 # - accuracy: the paper's Table 2 at both budgets (epsilon 2.79 and 10.18: 17 rounds, 3 seeds x 3 algorithms, nine
 #   runs at once, each bound by its own host thread) while the CUDA tests run beside it;
 # - timing, alone on the machine: the rounds of 5 clients at width 32 and the thousand-client federation with its
-#   floor, both again with the DP query captured (FEDAUDIT_CUDA_GRAPHS=all), the DP step against Opacus, and a
-#   FedLAP-DP client round (its image steps as CUDA graphs against eager, then a profiled one).
+#   floor, both again with the DP query captured (FEDAUDIT_CUDA_GRAPHS=all; the federation also with 4 clients at
+#   once instead of one), the DP step against Opacus, and a FedLAP-DP client round (its image steps as CUDA graphs
+#   against eager, then a profiled one).
 # Each step under its own time limit, never past the budget, everything logged to OUT/log.txt.
 #
 #   bash tools/gpu_checks.sh [OUT] [BUDGET_SECONDS] [accuracy|timing|all]
@@ -54,6 +55,9 @@ if [ "$PART" != accuracy ]; then
     --sampled-only --floor
   step scale_all 100 env FEDAUDIT_CUDA_GRAPHS=all python3 benchmarks/scale.py --device cuda --clients 1000 \
     --rounds 20 --eval-every 10 --sampled-only
+  # the host work of a client is Python: 4 clients at once on their own threads and streams (scale.py's default: 1)
+  step scale_all_4 100 env FEDAUDIT_CUDA_GRAPHS=all python3 benchmarks/scale.py --device cuda --clients 1000 \
+    --rounds 20 --eval-every 10 --sampled-only --parallel-clients 4
   step per_sample_grads 45 python3 benchmarks/per_sample_grads.py --device cuda --widths 32 128
   step fedlap_round 60 python3 benchmarks/fedlap_round.py --device cuda --widths 32
   step fedlap_round_profiled 120 python3 benchmarks/fedlap_round.py --device cuda --widths 32 --trajectories 1 \
