@@ -332,6 +332,7 @@ class _Kept:
     rate: float = 1.0
     index: np.ndarray | None = None  # the positions of the records it drew (None: a run that did not keep them)
     device: str | None = None  # where its noise was drawn, "cpu" or "cuda" (None: a run that did not say)
+    threads: int | None = None  # on a GPU, the most threads its generators spread a draw over (None: not said)
 
     @property
     def label(self) -> str:
@@ -572,15 +573,23 @@ def _kept_index(
     return index, None
 
 
-def _kept_device(flag: torch.Tensor | None, name: str) -> tuple[str | None, str | None]:
-    """Where a kept query's noise was drawn ("cuda" or "cpu"; None where the log does not say), or why that cannot
-    be read."""
+def _kept_device(
+    flag: torch.Tensor | None, threads: torch.Tensor | None, name: str
+) -> tuple[str | None, int | None, str | None]:
+    """Where a kept query's noise was drawn ("cuda" or "cpu"; None where the log does not say) and, on a GPU, the
+    most threads its generators spread a draw over (None where not said), or why that cannot be read."""
     if flag is None:
-        return None, None
+        return None, None, None
     flag = flag.reshape(-1)
     if flag.numel() != 1 or flag.is_floating_point() or int(flag.item()) not in (0, 1):
-        return None, f"{name} says neither that it was drawn on a GPU nor that it was not"
-    return ("cuda" if int(flag.item()) else "cpu"), None
+        return None, None, f"{name} says neither that it was drawn on a GPU nor that it was not"
+    device = "cuda" if int(flag.item()) else "cpu"
+    if threads is None:
+        return device, None, None
+    threads = threads.reshape(-1)
+    if threads.numel() != 1 or threads.is_floating_point() or int(threads.item()) < 1 or device != "cuda":
+        return None, None, f"{name} says its GPU spread its draws over {threads.tolist()} threads"
+    return device, int(threads.item()), None
 
 
 def _kept(
@@ -639,7 +648,7 @@ def _kept(
         return None, f"{name} lists {len(ids_array)} canaries, but its step drew {canaries}"
     index, problem = _kept_index(tensors.get(f"kept{j}/index"), name, facts.populations(number, client, 1)[0], records)
     if problem is None:
-        device, problem = _kept_device(tensors.get(f"kept{j}/cuda"), name)
+        device, threads, problem = _kept_device(tensors.get(f"kept{j}/cuda"), tensors.get(f"kept{j}/threads"), name)
     if problem is not None:
         return None, problem
     query = _Kept(
@@ -656,6 +665,7 @@ def _kept(
         rate=float(meta["rate"][step]),
         index=index,
         device=device,
+        threads=threads,
     )
     return query, None
 
@@ -1380,6 +1390,7 @@ def _secrecy_check(residuals: list[_Residual], facts: _Run, level: float, *, at_
             rate=r.query.rate,
             canaries=int(facts.held[r.query.client]),
             device=r.query.device or facts.public.device,
+            threads=r.query.threads,
         )
         for r in residuals
         if r.scale > 0

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from fedaudit.privacy.randomness import cuda_draw_threads
 from fedaudit.seeding import STREAM_KEYS, Stream, derive_seed, make_generator
 
 TRACED_CORRELATION = 0.99  # a query whose noise is the secret's stream correlates with it to float32 rounding
@@ -63,6 +64,7 @@ class KeptQuery:
     rate: float
     canaries: int  # canaries in the client's data: the same source draws their inclusion after the records'
     device: str = "cpu"  # where its noise was drawn: torch's CPU and CUDA generators draw different streams
+    threads: int | None = None  # on a GPU, the most threads its generators spread a draw over (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,17 @@ def _read_secrets(path: Path, run_id: str | None) -> dict[int, bytes] | str:
         return f"{path.name} cannot be read ({type(exc).__name__})"
 
 
+def redrawable(query: KeptQuery, threads: int, shapes: Mapping[str, torch.Size]) -> bool:
+    """Whether a GPU whose generators spread a draw over at most ``threads`` threads draws from a seed what the GPU
+    that made ``query`` drew: always on the CPU, where that GPU did not say (runs of earlier versions), where both
+    spread draws alike, and where every draw of the query (its records' and its canaries' inclusion, one noise
+    tensor per parameter) is no larger than either GPU's threads, so that neither GPU's layout of it depends on them."""
+    if query.device != "cuda" or query.threads is None or query.threads == threads:
+        return True
+    largest = max([query.population, query.canaries, *(math.prod(shape) for shape in shapes.values())])
+    return largest <= min(query.threads, threads)
+
+
 def _traced(queries: list[KeptQuery], public: PublicMaterial, secrets: dict[int, bytes]) -> list[str]:
     """Every kept query whose sample or noise is not what its client's secret gives; empty when all are."""
     assert public.run_id is not None
@@ -352,6 +365,41 @@ def _chacha_uniforms(key: bytes, count: int) -> np.ndarray:
 SECRETS_NAME = "client-secrets.json"
 
 
+def _redrawable_here(
+    queries: list[KeptQuery], public: PublicMaterial, details: dict[str, Any]
+) -> tuple[list[KeptQuery], Finding | None]:
+    """The kept queries whose draws this machine can make again (their count left out is noted in ``details``), or
+    the finding that it can make none: their noise was drawn on a GPU and this machine has none (CUDA's generators
+    draw other streams than the CPU's), or a GPU that lays large draws out otherwise (:func:`redrawable`)."""
+    on_gpu = [q for q in queries if torch.device(q.device).type == "cuda"]
+    if on_gpu and not torch.cuda.is_available():
+        details["not_checked_on_gpu"] = len(on_gpu)
+        queries = [q for q in queries if torch.device(q.device).type != "cuda"]
+        if not queries:
+            sentence = (
+                "Not checked: this run's clients drew their noise on a GPU, whose generators draw other streams than "
+                "this machine's CPU; run fedaudit verify where a GPU is."
+            )
+            return [], Finding(True, None, 0, None, sentence, {**details, "not_checked": True})
+    if not any(q.device == "cuda" for q in queries):
+        return queries, None
+    here = cuda_draw_threads(torch.device("cuda"))
+    unlike = [q for q in queries if not redrawable(q, here, public.shapes)]
+    if not unlike:
+        return queries, None
+    details["not_checked_on_another_gpu"] = len(unlike)
+    queries = [q for q in queries if redrawable(q, here, public.shapes)]
+    if queries:
+        return queries, None
+    threads = ", ".join(str(t) for t in sorted({q.threads for q in unlike if q.threads is not None}))
+    sentence = (
+        f"Not checked: this run's clients drew their noise on a GPU whose generators spread a large draw over "
+        f"{threads} threads, this one's over {here}, so it draws other values from the same seeds; run fedaudit "
+        "verify on a GPU of the kind that trained it."
+    )
+    return [], Finding(True, None, 0, None, sentence, {**details, "not_checked": True})
+
+
 def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> Finding:
     """The secrecy check of a run's kept queries (module docstring), at ``level``."""
     details: dict[str, Any] = {"kept_queries": len(queries), "source": public.source}
@@ -367,20 +415,9 @@ def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> F
         )
     if not queries:
         return Finding(True, None, 0, None, "Not checked: no whole query was kept.", details)
-    on_gpu = [q for q in queries if torch.device(q.device).type == "cuda"]
-    if on_gpu and not torch.cuda.is_available():
-        details["not_checked_on_gpu"] = len(on_gpu)
-        queries = [q for q in queries if torch.device(q.device).type != "cuda"]
-        if not queries:
-            return Finding(
-                True,
-                None,
-                0,
-                None,
-                "Not checked: this run's clients drew their noise on a GPU, whose generators draw other streams than "
-                "this machine's CPU; run fedaudit verify where a GPU is.",
-                {**details, "not_checked": True},
-            )
+    queries, unchecked = _redrawable_here(queries, public, details)
+    if unchecked is not None:
+        return unchecked
     worst, tests = _against_public(queries, public)
     details.update(public_tests=tests, worst=worst.what, worst_p_value=worst.p_value)
     if public.source == "noise-seed":

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from fedaudit.instruments.canaries import canary_rows
 from fedaudit.privacy.primitive import LossFn, Query, per_sample_gradients
+from fedaudit.privacy.randomness import cuda_draw_threads
 from fedaudit.seeding import Stream, make_generator
 
 TensorDict = dict[str, torch.Tensor]
@@ -173,6 +174,12 @@ class QueryLog:
                     "canaries": torch.from_numpy(np.asarray(canaries, dtype=np.int64)),
                     "index": index.detach().to("cpu", torch.int64).clone(),
                     "cuda": torch.tensor([int(self.device.type == "cuda")]),  # where its noise was drawn
+                    # on a GPU, how its generators lay a large draw out: verify can redraw it only on a like GPU
+                    **(
+                        {"threads": torch.tensor([cuda_draw_threads(self.device)])}
+                        if self.device.type == "cuda"
+                        else {}
+                    ),
                 }
             )
         if not projected:

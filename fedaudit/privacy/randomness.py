@@ -161,6 +161,14 @@ def source_device(source: Source) -> torch.device:
     return torch.device(source.device)
 
 
+def cuda_draw_threads(device: torch.device | str) -> int:
+    """The most threads torch's CUDA generators spread one draw over on ``device``: its multiprocessors times the
+    threads each holds. A draw of more values than that is laid out, and its generator's state advanced, by this
+    number, so two GPUs that differ in it draw other values from one seed for that draw and every draw after it."""
+    properties = torch.cuda.get_device_properties(device)
+    return int(properties.multi_processor_count) * int(properties.max_threads_per_multi_processor)
+
+
 def uniform(source: Source, count: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``count`` uniforms on [0, 1) from ``source``, on its device (torch's generator: as ``torch.rand`` draws)."""
     if isinstance(source, torch.Generator):

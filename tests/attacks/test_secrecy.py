@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ import torch
 from helpers import FAST_ARGS, invoke
 
 import fedaudit.algorithms.base as base
+import fedaudit.attacks.conformance.secrecy as secrecy_module
 import fedaudit.privacy.primitive as primitive
 import fedaudit.privacy.randomness as randomness
 from fedaudit.attacks.conformance.checks import Verification, verify
+from fedaudit.attacks.conformance.secrecy import KeptQuery, PublicMaterial, redrawable, secrecy
 from fedaudit.privacy.randomness import SeededKeys
 from fedaudit.rundir import RunDirectory
 from fedaudit.seeding import Stream, make_generator
@@ -193,3 +196,52 @@ def test_secrets_of_another_run_trace_nothing_and_fail(tmp_path):
     shutil.copyfile(second.secrets_path, first.secrets_path)
     found = secrecy_of(first)
     assert not found.passed and "the secrets of another run" in found.sentence
+
+
+def _gpu_query(threads: int | None, population: int = 10_800) -> KeptQuery:
+    return KeptQuery(
+        label="round 1, client 0, step 0",
+        round=0,
+        client=0,
+        step=0,
+        noise=torch.zeros(4, dtype=torch.float64),
+        scale=1.0,
+        index=None,
+        population=population,
+        rate=0.02,
+        canaries=0,
+        device="cuda",
+        threads=threads,
+    )
+
+
+def test_a_gpu_s_draws_are_redrawn_only_where_a_gpu_lays_them_out_alike() -> None:
+    """torch's CUDA generators spread a draw over at most the GPU's multiprocessors x threads each (an H200: 132 x
+    2048 = 270,336, an A100: 108 x 2048 = 221,184); a larger draw, and every draw after it, comes out otherwise on
+    a GPU that differs there. Known answers, with the ConvNet of width 128 (its largest tensor 147,456 values)."""
+    convnet = {"conv": torch.Size([128, 128, 3, 3]), "fc": torch.Size([10, 2048])}
+    h200, a100 = 132 * 2048, 108 * 2048
+    cpu = replace(_gpu_query(h200), device="cpu", threads=None)
+    assert redrawable(cpu, a100, convnet) and redrawable(_gpu_query(None), a100, convnet)  # earlier runs: as before
+    assert redrawable(_gpu_query(h200), h200, convnet)
+    assert redrawable(_gpu_query(h200), a100, convnet)  # every draw fits both GPUs' threads
+    wide = {**convnet, "wide": torch.Size([512, 512])}  # 262,144 values: within the H200's, beyond the A100's
+    assert redrawable(_gpu_query(h200), h200, wide) and not redrawable(_gpu_query(h200), a100, wide)
+    assert not redrawable(_gpu_query(h200, population=250_000), a100, convnet)  # the records' inclusion draw
+    assert redrawable(_gpu_query(h200, population=221_184), a100, convnet)
+
+
+def test_noise_drawn_on_another_kind_of_gpu_is_not_checked_rather_than_failed(monkeypatch) -> None:
+    """On a GPU whose generators lay a large draw out otherwise, the secret's redraw would differ from a correct run's
+    noise (a false alarm): such queries are left out, and with none left the check says so and passes."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(secrecy_module, "cuda_draw_threads", lambda device: 1000)
+    public = PublicMaterial(
+        seeds=(0,), run_id="run", source="client-secrets", shapes={"w": torch.Size([4])}, secure=False, device="cuda"
+    )
+    found = secrecy([_gpu_query(2000, population=5000)], public, 0.01)
+    assert found.passed and found.n == 0 and found.details["not_checked_on_another_gpu"] == 1
+    assert found.sentence.startswith(
+        "Not checked: this run's clients drew their noise on a GPU whose generators spread a large draw over 2000 "
+        "threads, this one's over 1000"
+    )
