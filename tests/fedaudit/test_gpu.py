@@ -397,6 +397,7 @@ with torch.cuda.stream(stream):
         out = reads_back([x])
     assert any("capture failed" in str(w.message) for w in said), [str(w.message) for w in said]
     assert torch.cuda.current_stream(device) == stream != capture_stream(device)
+stream.synchronize()
 torch.testing.assert_close(out, x * float(x.sum()))
 assert reads_back.failed and reads_back.graph is None and cuda_graph._REFUSED
 later = GraphedStep(lambda g: g[0] * 2)
