@@ -22,8 +22,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -102,12 +104,20 @@ def run_all(jobs: list[Job], at_once: int, threads: int) -> None:
                 if job.process.returncode != 0:
                     tail = job.log.read_text()[-2000:]
                     raise SystemExit(f"{job.name}, seed {job.seed} failed (exit {job.process.returncode}):\n{tail}")
-                print(f"  {job.name}, seed {job.seed}: {job.seconds:.0f} s", flush=True)
+                print(f"  {job.name}, seed {job.seed}: {job.seconds:.0f} s; {_accuracy_line(job)}", flush=True)
     finally:
         for job in running:
             if job.process.poll() is None:
                 job.process.kill()
                 job.process.wait()
+
+
+def _accuracy_line(job: Job) -> str:
+    """A finished run's test accuracy after each round, as soon as it is done (a call cut short keeps these)."""
+    metrics = pd.read_csv(job.out / "metrics.csv")
+    return "accuracy % by round: " + " ".join(
+        f"{int(r)}:{100 * a:.2f}" for r, a in zip(metrics["round"], metrics["test_accuracy"])
+    )
 
 
 def accuracies(
@@ -168,6 +178,8 @@ def main() -> None:
     add_program_option(parser)
     args = parser.parse_args()
     use_program(args.fedaudit)
+    # a time limit's SIGTERM (timeout(1)) ends the runs too, by run_all's finally, instead of leaving them running
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     dataset = "digits" if args.smoke else "fashion-mnist"
     if args.smoke:
         args.seeds, args.width, args.max_rounds, args.jobs = [0, 1], 8, 2, 2
