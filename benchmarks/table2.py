@@ -35,8 +35,7 @@ import pandas as pd
 from _machine import add_program_option, describe, fedaudit_command, use_program
 from utility import PAPER_TABLE_2, TITLES, dp_configs
 
-from fedaudit.config import RunConfig
-from fedaudit.preparation import prepare
+from fedaudit.preparation import Setup
 from fedaudit.privacy.accounting import epsilon_per_round
 
 ALGORITHMS = ("FedLAP-DP", "DP-FedAvg", "DP-FedProx")
@@ -57,10 +56,9 @@ class Job:
     seconds: float = math.nan
 
 
-def epsilon_curve(config: RunConfig, rounds: int) -> list[float]:
-    """The largest client epsilon after each of ``rounds`` rounds of ``config`` (every client takes part in every
+def epsilon_curve(setup: Setup, rounds: int) -> list[float]:
+    """The largest client epsilon after each of ``rounds`` rounds of ``setup``'s run (every client takes part in every
     round of this federation)."""
-    setup = prepare(config)
     privacy = setup.config.privacy
     curves = [
         epsilon_per_round(
@@ -193,10 +191,10 @@ def table(args: argparse.Namespace, dataset: str, out: Path) -> None:
         seed: dp_configs(seed=seed, width=args.width, device=args.device, dataset=dataset, rounds=1, smoke=args.smoke)
         for seed in args.seeds
     }
-    queries = configs[args.seeds[0]][1]
+    queries = max(configs[args.seeds[0]][1].queries.values())
     # A seed's partition decides its clients' sample rates, and so its epsilon curve (on Fashion-MNIST every client
     # holds two whole classes, and every seed's curve is the same).
-    curves = {seed: epsilon_curve(named["FedLAP-DP"], args.max_rounds) for seed, (named, _) in configs.items()}
+    curves = {seed: epsilon_curve(setup, args.max_rounds) for seed, (_, setup) in configs.items()}
     if args.smoke:
         args.epsilons = [max(curve[r] for curve in curves.values()) for r in (0, 1)]
     rounds = {seed: max(1, *(rounds_within(curve, b) for b in args.epsilons)) for seed, curve in curves.items()}

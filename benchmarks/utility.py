@@ -30,7 +30,7 @@ import torch
 from _machine import describe
 
 from fedaudit.config import DataConfig, FederatedConfig, ModelConfig, PrivacyConfig, RunConfig
-from fedaudit.preparation import prepare
+from fedaudit.preparation import Setup, prepare
 from fedaudit.training import train
 
 PAPER_TABLE_2 = pd.DataFrame(
@@ -191,10 +191,10 @@ def main() -> None:
 
 def dp_configs(
     *, seed: int, width: int, device: str, dataset: str, rounds: int, smoke: bool
-) -> tuple[dict[str, RunConfig], int]:
-    """FedLAP-DP, DP-FedAvg and DP-FedProx of Table 2 by name (5 clients x 2 classes, sigma 1), and T: the
-    baselines run FedLAP-DP's worst-case T = R_i * L * R_b DP queries a round, so that all three access the same
-    data and spend the same epsilon (loads the data once to find T)."""
+) -> tuple[dict[str, RunConfig], Setup]:
+    """FedLAP-DP, DP-FedAvg and DP-FedProx of Table 2 by name (5 clients x 2 classes, sigma 1), and FedLAP-DP's
+    set-up: the baselines run its worst-case T = R_i * L * R_b DP queries a round (``max(setup.queries.values())``),
+    so that all three access the same data and spend the same epsilon (loads the data once, to find T)."""
     base = RunConfig(
         seed=seed,
         device=device,
@@ -203,19 +203,20 @@ def dp_configs(
         privacy=PrivacyConfig(dp=True, noise_multiplier=1.0),
     )
     lap = smallest(base.with_overrides({"federated": FederatedConfig(algorithm="fedlap", rounds=rounds)}), smoke)
-    queries = max(prepare(lap).queries.values())
+    setup = prepare(lap)
+    queries = max(setup.queries.values())
     baselines = {
         name: base.with_overrides(
             {"federated": FederatedConfig(algorithm=algorithm, rounds=rounds, local_steps=queries)}
         )
         for name, algorithm in (("DP-FedAvg", "fedavg"), ("DP-FedProx", "fedprox"))
     }
-    return {"FedLAP-DP": lap, **baselines}, queries
+    return {"FedLAP-DP": lap, **baselines}, setup
 
 
 def dp(args: argparse.Namespace) -> None:
     """FedLAP-DP, DP-FedAvg and DP-FedProx at equal data access, beside the paper's Table 2."""
-    configs, queries = dp_configs(
+    configs, setup = dp_configs(
         seed=args.seed,
         width=args.width,
         device=args.device,
@@ -223,7 +224,7 @@ def dp(args: argparse.Namespace) -> None:
         rounds=args.rounds,
         smoke=args.smoke,
     )
-    lap = configs["FedLAP-DP"]
+    lap, queries = configs["FedLAP-DP"], max(setup.queries.values())
     print(describe(args.device), flush=True)
     print(
         f"torch {torch.__version__}, threads={torch.get_num_threads()}; {TITLES[args.dataset]}, 5 clients x 2 "

@@ -42,7 +42,6 @@ import numpy as np
 import torch
 from scipy import stats
 
-from fedaudit.privacy.randomness import cuda_draw_threads
 from fedaudit.seeding import STREAM_KEYS, Stream, derive_seed, make_generator
 
 TRACED_CORRELATION = 0.99  # a query whose noise is the secret's stream correlates with it to float32 rounding
@@ -365,6 +364,13 @@ def _chacha_uniforms(key: bytes, count: int) -> np.ndarray:
 SECRETS_NAME = "client-secrets.json"
 
 
+def _gpu_threads() -> int:
+    """The most threads this machine's GPU spreads one draw over (its multiprocessors times the threads each holds),
+    read here rather than taken from the code that recorded the run's."""
+    properties = torch.cuda.get_device_properties(torch.device("cuda"))
+    return int(properties.multi_processor_count) * int(properties.max_threads_per_multi_processor)
+
+
 def _redrawable_here(
     queries: list[KeptQuery], public: PublicMaterial, details: dict[str, Any]
 ) -> tuple[list[KeptQuery], Finding | None]:
@@ -383,12 +389,13 @@ def _redrawable_here(
             return [], Finding(True, None, 0, None, sentence, {**details, "not_checked": True})
     if not any(q.device == "cuda" for q in queries):
         return queries, None
-    here = cuda_draw_threads(torch.device("cuda"))
-    unlike = [q for q in queries if not redrawable(q, here, public.shapes)]
+    here = _gpu_threads()
+    alike = {id(q): redrawable(q, here, public.shapes) for q in queries}
+    unlike = [q for q in queries if not alike[id(q)]]
     if not unlike:
         return queries, None
     details["not_checked_on_another_gpu"] = len(unlike)
-    queries = [q for q in queries if redrawable(q, here, public.shapes)]
+    queries = [q for q in queries if alike[id(q)]]
     if queries:
         return queries, None
     threads = ", ".join(str(t) for t in sorted({q.threads for q in unlike if q.threads is not None}))

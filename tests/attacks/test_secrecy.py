@@ -235,7 +235,7 @@ def test_noise_drawn_on_another_kind_of_gpu_is_not_checked_rather_than_failed(mo
     """On a GPU whose generators lay a large draw out otherwise, the secret's redraw would differ from a correct run's
     noise (a false alarm): such queries are left out, and with none left the check says so and passes."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(secrecy_module, "cuda_draw_threads", lambda device: 1000)
+    monkeypatch.setattr(secrecy_module, "_gpu_threads", lambda: 1000)
     public = PublicMaterial(
         seeds=(0,), run_id="run", source="client-secrets", shapes={"w": torch.Size([4])}, secure=False, device="cuda"
     )
