@@ -348,11 +348,17 @@ def _new_ledger(config: RunConfig) -> PrivacyLedger | None:
 
 
 def _resumed_ledger(run: RunDirectory, config: RunConfig, done: int) -> PrivacyLedger | None:
-    """The stored ledger as of the last committed round (privacy.json may be a round ahead of the manifest)."""
+    """The stored ledger as of the last committed round (privacy.json may be a round ahead of the manifest), at the
+    delta of the resumed configuration: with the noise in shares, more rounds leave less of --delta to the
+    accountant (:func:`fedaudit.config.accountant_delta`), and every round is then accounted at that delta, as a run
+    started with those rounds would be."""
     if not config.privacy.dp:
         return None
     stored = run.read_privacy()
-    ledger = PrivacyLedger.from_dict(stored).truncated(done) if stored else _new_ledger(config)
+    if not stored:
+        ledger = _new_ledger(config)
+    else:
+        ledger = PrivacyLedger.from_dict(stored).truncated(done).at_delta(accountant_delta(config))
     if ledger.rounds != done:
         raise RunError(
             f"{run.privacy_path} records {ledger.rounds} rounds but the manifest says {done}; the run is inconsistent."

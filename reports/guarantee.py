@@ -69,7 +69,8 @@ def guarantee_table(run: RunSummary) -> pd.DataFrame:
         (
             "not counted",
             "hyperparameters tuned on the same records (each run is accounted alone), other runs on the same records, "
-            "and side channels (timing, message sizes, memory), which no attack here audits",
+            "and side channels (timing, message sizes, memory), which no attack here audits"
+            + (_server_records(run) if privacy.client_level and privacy.epsilon_per_round else ""),
         )
     )
     return pd.DataFrame(rows, columns=["aspect", "what this run guarantees"])
@@ -109,9 +110,23 @@ def _client_level_rows(run: RunSummary) -> list[tuple[str, str]]:
             f"one query per round for {privacy.rounds} rounds, charged to every client whether sampled or not, "
             f"composed by the {privacy.accountant} accountant ({_ACCOUNTANTS.get(str(privacy.accountant), 'its own')})"
             f" with amplification by the server's Poisson sampling of clients at q = {fmt(privacy.client_fraction)} "
-            "(the sample is drawn from the server's secret and not published), converted to (epsilon, delta)",
+            "(the sample is drawn from the server's secret and must stay with the server), converted to "
+            "(epsilon, delta)",
         ),
     ]
+
+
+def _server_records(run: RunSummary) -> str:
+    """What a client-level run's directory holds for the server alone, outside the guarantee."""
+    norms = (
+        ""
+        if run.privacy.noise_at == "clients"
+        else " and the fraction of updates clipped and their median norm (metrics.csv), computed before the noise"
+    )
+    return (
+        f"; nor the server's own records in the run directory: each round's sample of clients (the checkpoints, "
+        f"metrics.csv's clients){norms}, which the guarantee assumes stay with the server"
+    )
 
 
 def _client_mechanism(run: RunSummary) -> str:

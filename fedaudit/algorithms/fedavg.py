@@ -93,7 +93,8 @@ class FedAvg:
         generator: torch.Generator,
         correction: TensorDict | None = None,
     ) -> tuple[TensorDict, list[SGMEvent], dict[str, float]]:
-        """Local SGD (DP-SGD under DP) from the global model: (model delta, privacy events, metrics).
+        """Local SGD (DP-SGD under DP) from the global model: (model delta, privacy events, metrics). A DP run's
+        metrics hold no training loss (without noise, a function of the client's records).
 
         ``correction`` is added to every step's gradient after the DP noise, like FedProx's proximal gradient
         (SCAFFOLD's c - c_k): it does not depend on the batch, so it costs no privacy.
@@ -106,6 +107,8 @@ class FedAvg:
             events, metrics = self._train_dp(model, optimizer, global_params, data, ctx, generator, correction)
         else:
             events, metrics = [], self._train_plain(model, optimizer, global_params, data, ctx, generator, correction)
+            if ctx.config.privacy.client_level:  # a client's loss is a function of its data, without noise
+                metrics.pop("train_loss", None)
         delta = {name: p.detach() - global_params[name] for name, p in model.named_parameters()}
         return delta, events, metrics
 

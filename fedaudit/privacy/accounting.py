@@ -856,15 +856,20 @@ class PrivacyLedger:
         are kept as written by :meth:`from_dict`; an integrity check compares the two)."""
         return self._replay(self.rounds)
 
+    def at_delta(self, delta: float) -> PrivacyLedger:
+        """The same history accounted at another ``delta``: every epsilon as the accountant gives it there (a run
+        with the noise in shares that gets more rounds leaves less of --delta to the accountant)."""
+        return self if delta == self.delta else self._replay(self.rounds, delta)
+
     @property
     def client_epsilons(self) -> dict[int, float]:
         """Epsilon spent by each client charged so far."""
         return dict(self._client_epsilon)
 
-    def _replay(self, rounds: int) -> PrivacyLedger:
+    def _replay(self, rounds: int, delta: float | None = None) -> PrivacyLedger:
         replay = PrivacyLedger(
             accountant=self.accountant,
-            delta=self.delta,
+            delta=self.delta if delta is None else delta,
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm,
             unit=self.unit,

@@ -111,3 +111,8 @@ def test_the_trust_model_of_noise_in_shares_says_whether_the_server_saw_them_sum
     assert "this engine runs no secure aggregation" in local and "not against the server" in local
     public = _rows(guarantee_table(replace(summed, privacy=shares, randomness="noise-seed")))["trust model"][0]
     assert "public --noise-seed" in public and "the server is trusted" in public and "SecAgg+" not in public
+    central = replace(run, privacy=replace(shares, noise_at="server"))
+    for table, norms in ((guarantee_table(summed), False), (guarantee_table(central), True)):
+        outside = _rows(table)["not counted"][0]  # the server sees no norm when the noise comes in shares
+        assert "each round's sample of clients (the checkpoints, metrics.csv's clients)" in outside
+        assert ("their median norm (metrics.csv), computed before the noise" in outside) == norms

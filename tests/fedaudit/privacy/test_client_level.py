@@ -267,3 +267,39 @@ def test_scaffold_at_client_level_moves_its_control_variate_by_the_release_alone
         released = (final[name].astype(np.float64) - initial[name]) / step
         assert np.allclose(control[name], 0.5 * (-released / (3 * 0.1)), rtol=1e-4, atol=1e-6), name
     assert verify_client_level(RunDirectory(run)).passed
+
+
+SHARES = (*CLIENT_LEVEL, "--noise-at", "clients", "--num-clients", "30", "--client-fraction", "0.3", "--delta", "1e-3")
+
+
+def test_a_run_with_the_noise_in_shares_resumed_for_more_rounds_is_accounted_as_a_run_of_those_rounds(
+    tmp_path,
+) -> None:
+    """With the noise in shares the accountant's delta is --delta less the chance that some round samples a client
+    alone, which grows with the rounds: a run resumed for more rounds accounts every round at the new delta (its
+    ledger equals a run trained for those rounds from the start), verify passes it, and it can be resumed again."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert invoke("train", *FAST_ARGS, *SHARES, "--rounds", "4", "--out", whole).exit_code == 0
+    assert invoke("train", *FAST_ARGS, *SHARES, "--rounds", "2", "--out", resumed).exit_code == 0
+    before = json.loads((resumed / "privacy.json").read_text())
+    result = invoke("train", "--resume", resumed, "--rounds", "4")
+    assert result.exit_code == 0, result.output
+    after, planned = (json.loads((run / "privacy.json").read_text()) for run in (resumed, whole))
+    assert after["delta"] == planned["delta"] < before["delta"] < 1e-3
+    assert after["epsilon_per_round"] == planned["epsilon_per_round"]
+    assert after["epsilon_per_round"][:2] != before["epsilon_per_round"]  # the first rounds accounted anew
+    result = invoke("verify", resumed)
+    assert result.exit_code == 0 and "PASS integrity" in result.output, result.output
+    assert invoke("train", "--resume", resumed, "--rounds", "5").exit_code == 0
+
+
+def test_a_client_level_run_records_no_clients_training_loss(tmp_path) -> None:
+    """A client's training loss is a function of its records without noise: a client-level run's checkpoints keep
+    each client's number of steps, not its loss (a run without DP keeps both)."""
+    for name, extra in (("dp", CLIENT_LEVEL), ("plain", ())):
+        run = tmp_path / name
+        args = (*FAST_ARGS, *extra, "--num-clients", "4", "--rounds", "1", "--out", run)
+        assert invoke("train", *args).exit_code == 0
+        clients = json.loads((run / "checkpoints" / "round-0001.json").read_text())["clients"]
+        assert clients and all("local_steps" in client for client in clients)
+        assert all(("train_loss" in client) == (name == "plain") for client in clients), clients
