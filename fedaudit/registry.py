@@ -69,6 +69,7 @@ class AlgorithmEntry:
         control_variates: its local steps are corrected by control variates (SCAFFOLD).
         inner_algorithms: the algorithms it can run after its generation rounds (``--inner-algorithm``).
         queries_note: how its worst-case DP queries per round are made up, in words, where the report should say it.
+        sent_in_clear: what its DP clients send outside the guarantee, in words, for the report's "not counted".
         settings: the module of its own configuration section (``"package.module"``, torch-free), or "" when it
             has none: ``SECTION`` (the section's key), ``Section`` (its dataclass), ``validate(section, config,
             selected=...)`` (its rules, and its refusal when another algorithm is chosen) and, where its defaults
@@ -96,6 +97,7 @@ class AlgorithmEntry:
     control_variates: bool = False
     inner_algorithms: tuple[str, ...] = ()
     queries_note: str = ""
+    sent_in_clear: str = ""
     settings: str = ""
 
     def settings_module(self) -> Any:
@@ -227,6 +229,8 @@ _ALGORITHMS: dict[str, AlgorithmEntry] = {
             colour="#8c564b",
             wire=WIRE_SYNTHETIC,
             queries_note="R_i * L * R_b, as if the trust region never ended a loop early",
+            sent_in_clear="each client's set of classes, the labels of its synthetic set (a record that is the only "
+            "one of its class at its client shows)",
             settings="fedaudit.algorithms.fedlap_settings",
         ),
         AlgorithmEntry(

@@ -736,10 +736,11 @@ def _privacy(
         notes.append(
             Note(
                 f"No record-level DP guarantee: epsilon is infinite. The labels this run sent are {label_dp} (against "
-                "the substitution of one label); the synthetic images were made from the real records and sent in "
-                "clear, so they are not protected. Label DP and record-level DP are not comparable: the two epsilons "
-                "bound different neighbours, so this run stands beside a study's record-level budgets, not on their "
-                "axis.",
+                "the substitution of one synthetic image's label); the synthetic images were made from the real "
+                "records, class by class, and sent in clear, so they are not protected, nor are the records' labels "
+                "(a client's number of images is its number of classes times --distill-ipc). Label DP and "
+                "record-level DP are not comparable: the two epsilons bound different neighbours, so this run stands "
+                "beside a study's record-level budgets, not on their axis.",
                 "read the membership attacks as the measure of what the images leak",
             )
         )

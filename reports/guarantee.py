@@ -21,6 +21,7 @@ ASPECTS = (
     "composition and conversion",
     "trust model",
     "not counted",
+    "outside the guarantee",
 )
 _ACCOUNTANTS = {
     "rdp": "Renyi DP of the subsampled Gaussian",
@@ -60,7 +61,12 @@ def guarantee_table(run: RunSummary) -> pd.DataFrame:
         )
     elif "label DP" in budget:
         rows.append(
-            ("unit of privacy", f"the label of one training record ({budget}); the records' features are not protected")
+            (
+                "unit of privacy",
+                f"the label of one synthetic image sent ({budget}), each randomized once; not the training records, "
+                "features or labels: each client's images are matched to its records class by class and sent in "
+                "clear, and their number is its number of classes times --distill-ipc",
+            )
         )
     else:
         rows.append(("unit of privacy", "none: trained without differential privacy, so no record is protected"))
@@ -69,10 +75,11 @@ def guarantee_table(run: RunSummary) -> pd.DataFrame:
         (
             "not counted",
             "hyperparameters tuned on the same records (each run is accounted alone), other runs on the same records, "
-            "and side channels (timing, message sizes, memory), which no attack here audits"
-            + (_server_records(run) if privacy.client_level and privacy.epsilon_per_round else ""),
+            "and side channels (timing, message sizes, memory), which no attack here audits",
         )
     )
+    if privacy.dp and privacy.epsilon_per_round:
+        rows.append(("outside the guarantee", _server_records(run) if privacy.client_level else _public(run)))
     return pd.DataFrame(rows, columns=["aspect", "what this run guarantees"])
 
 
@@ -116,6 +123,14 @@ def _client_level_rows(run: RunSummary) -> list[tuple[str, str]]:
     ]
 
 
+def _public(run: RunSummary) -> str:
+    """What a record-level DP run releases outside its guarantee: each client's number of records, and what its
+    algorithm sends in clear."""
+    facts = run.facts
+    clear = f"; {facts.sent_in_clear}" if facts is not None and facts.sent_in_clear else ""
+    return f"each client's number of records, public in its sampling rate and steps{clear}"
+
+
 def _server_records(run: RunSummary) -> str:
     """What a client-level run's directory holds for the server alone, outside the guarantee."""
     norms = (
@@ -124,7 +139,7 @@ def _server_records(run: RunSummary) -> str:
         else " and the fraction of updates clipped and their median norm (metrics.csv), computed before the noise"
     )
     return (
-        f"; nor the server's own records in the run directory: each round's sample of clients (the checkpoints, "
+        f"the server's own records in the run directory: each round's sample of clients (the checkpoints, "
         f"metrics.csv's clients){norms}, which the guarantee assumes stay with the server"
     )
 

@@ -142,7 +142,10 @@ class ClientMessage:
     ``payload`` holds the tensors that cross the wire (a model delta, or a
     synthetic set); ``privacy_events`` are the DP queries the client made on
     its records this round (the accountant also applies its own worst case).
-    ``state`` stays with the client (e.g. FedLAP's synthetic set for ``--init previous``).
+    ``state`` is what the client needs in its next round (e.g. FedLAP's synthetic set for ``--init previous``). The
+    engines keep it on the server's side between rounds (the Flower engines carry it there and back) and in the run
+    directory for ``--resume``, so it may hold only what the server may see: what was sent, post-processing of it,
+    or what the server dealt (FedGM, whose unsent set must not, remakes it every round instead).
     """
 
     client_id: int
@@ -150,7 +153,7 @@ class ClientMessage:
     payload: TensorDict
     metrics: dict[str, float] = field(default_factory=dict)
     privacy_events: list[SGMEvent] = field(default_factory=list)
-    state: TensorDict = field(default_factory=dict)  # kept by the client for its next round, never sent
+    state: TensorDict = field(default_factory=dict)  # for the client's next round, held on the server's side
     audit: TensorDict = field(default_factory=dict)  # a canary run's query log of the round: the auditor's tap
 
     @property

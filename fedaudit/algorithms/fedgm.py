@@ -97,8 +97,10 @@ class FedGM:
     def _synthetic_set(
         self, model: nn.Module, global_params: TensorDict, data: ClientData, ctx: RoundContext
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
-        """(images, true labels, stage of each image, distillation metrics) of this client, the same in every round;
-        the stages come from a permutation that never looks at the labels."""
+        """(images, true labels, stage of each image, distillation metrics) of this client, the same in every round.
+        The set is put in the order of a permutation that never looks at the labels, and cut into the stages in that
+        order: a stage's images are sent in an order that tells nothing of their labels (distilled class by class,
+        they would be sorted by class, and their randomized labels decoded by position)."""
         if data.draws is None:
             raise RuntimeError("FedGM's client makes its set from its own draws: run it through run_client.")
         keys = data.draws.keys
@@ -109,8 +111,8 @@ class FedGM:
             generator = keys.round_generator(DISTILL_ROUND, device)
             images, labels, first, last = distil(model, global_params, data, ctx.config.fedgm, generator)
             order = torch.randperm(len(labels), generator=generator, device=generator.device).to(labels.device)
-            stage = torch.empty_like(labels)
-            stage[order] = torch.arange(len(labels), device=labels.device) * ctx.rounds // len(labels)
+            images, labels = images[order], labels[order]  # distilled class by class: sent in this order instead
+            stage = torch.arange(len(labels), device=labels.device) * ctx.rounds // len(labels)
             self._made[key] = images, labels, stage, {"matching_loss_first": first, "matching_loss_last": last}
         return self._made[key]
 

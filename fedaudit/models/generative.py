@@ -104,12 +104,13 @@ def train_generator(
     recorder: QueryRecorder | None = None,
 ) -> tuple[list[SGMEvent], dict[str, float]]:
     """Train ``model`` on (x, y) with Adam: shuffled minibatches, or, with ``noise_multiplier``, DP-SGD steps on
-    Poisson batches of rate B / n (epochs * floor(n / B) queries). Returns the DP events and the first and last
-    epoch's mean loss.
+    Poisson batches of rate B / n (epochs * floor(n / B) queries). Returns the DP events and, without DP, the first
+    and last epoch's mean loss.
 
     Under DP every batch comes from ``draw`` (the client's :meth:`ClientData.dp_batch` over (x, y) and, in a canary
     run, its canaries), which also hands over the query's own source of noise; ``generator`` draws the rest (the
-    shuffles and the latent noise of the reparameterisation trick). ``recorder`` logs each query."""
+    shuffles and the latent noise of the reparameterisation trick). ``recorder`` logs each query. Under DP there is
+    no loss to return (on the real batches, without noise, it would tell of the records)."""
     n = int(y.shape[0])
     if noise_multiplier is not None and draw is None:
         raise ValueError("DP training of the generator draws each batch, and its noise, through a query's source.")
@@ -150,9 +151,6 @@ def train_generator(
                 )
                 for name, p in model.named_parameters():
                     p.grad = result.grads[name]
-                if len(yb):
-                    with torch.no_grad():
-                        losses.append(model(packed).mean())
             optimizer.step()
         epoch_losses.append(float(torch.stack(losses).double().mean()) if losses else math.nan)
     events = (
@@ -160,7 +158,11 @@ def train_generator(
         if noise_multiplier is None
         else [SGMEvent(noise_multiplier=noise_multiplier, sample_rate=batch_size / n, steps=epochs * steps_per_epoch)]
     )
-    metrics = {"generator_loss_first": epoch_losses[0], "generator_loss_last": epoch_losses[-1]} if epochs else {}
+    metrics = (  # under DP a loss on the real batch would be a function of the records without noise
+        {"generator_loss_first": epoch_losses[0], "generator_loss_last": epoch_losses[-1]}
+        if epochs and noise_multiplier is None
+        else {}
+    )
     return events, metrics
 
 

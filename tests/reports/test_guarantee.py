@@ -39,6 +39,9 @@ def test_a_dp_runs_guarantee_states_every_parameter_and_delta_against_one_over_n
     assert "clipped to C = 1," in rows["mechanism"][0] and "sigma = 1," in rows["mechanism"][0]
     assert "3 rounds taken part in by the worst client" in rows["composition and conversion"][0]
     assert "this machine's operator" in rows["trust model"][0]
+    assert rows["outside the guarantee"][0] == "each client's number of records, public in its sampling rate and steps"
+    fedlap = _rows(guarantee_table(replace(run, algorithm="fedlap")))["outside the guarantee"][0]
+    assert "each client's set of classes, the labels of its synthetic set" in fedlap
     deployed = replace(run, seedless_config=json.dumps({"flower": {"superlink": "127.0.0.1:9093"}}))
     assert rows != _rows(guarantee_table(deployed))
     assert "at its own site (a SuperNode)" in _rows(guarantee_table(deployed))["trust model"][0]
@@ -80,19 +83,21 @@ def test_the_coverage_matrix_marks_what_was_run_not_run_or_not_applicable(plain_
 
 def test_the_reports_guarantee_table_holds_every_runs_guarantee_once_and_merges_what_runs_share(plain_run, dp_run):
     plain, dp = collect_runs([plain_run, dp_run])
-    names = [plain.name, dp.name]
-    assert len(set(names)) == 2
-    merged = list(guarantees_table([plain, dp]).itertuples(index=False))
+    twin = replace(dp, name=f"{dp.name}-twin")  # the same guarantee under another name: every row merged
+    names = [plain.name, dp.name, twin.name]
+    assert len(set(names)) == 3
+    merged = list(guarantees_table([plain, dp, twin]).itertuples(index=False))
     expanded: dict[tuple[str, str], str] = {}
     for aspect, runs, text in merged:
         for name in names if runs == "every run" else runs.split(", "):
             assert (aspect, name) not in expanded, (aspect, name)
             expanded[(aspect, name)] = text
-    own = {(a, run.name): t for run in (plain, dp) for a, t in guarantee_table(run).itertuples(index=False)}
+    own = {(a, run.name): t for run in (plain, dp, twin) for a, t in guarantee_table(run).itertuples(index=False)}
     assert expanded == own
     assert [aspect for aspect, runs, _ in merged if runs == "every run"] == ["not counted"]
+    assert {runs for aspect, runs, _ in merged if runs != "every run"} <= {plain.name, f"{dp.name}, {twin.name}"}
     assert [aspect for aspect, *_ in merged] == sorted((a for a, *_ in merged), key=ASPECTS.index)
-    assert {runs for aspect, runs, _ in merged if aspect == "privacy loss"} == {dp.name}
+    assert {runs for aspect, runs, _ in merged if aspect == "privacy loss"} == {f"{dp.name}, {twin.name}"}
     assert "nothing protects a record" in own[("trust model", plain.name)]
 
 
@@ -113,6 +118,6 @@ def test_the_trust_model_of_noise_in_shares_says_whether_the_server_saw_them_sum
     assert "public --noise-seed" in public and "the server is trusted" in public and "SecAgg+" not in public
     central = replace(run, privacy=replace(shares, noise_at="server"))
     for table, norms in ((guarantee_table(summed), False), (guarantee_table(central), True)):
-        outside = _rows(table)["not counted"][0]  # the server sees no norm when the noise comes in shares
+        outside = _rows(table)["outside the guarantee"][0]  # the server sees no norm when the noise comes in shares
         assert "each round's sample of clients (the checkpoints, metrics.csv's clients)" in outside
         assert ("their median norm (metrics.csv), computed before the noise" in outside) == norms

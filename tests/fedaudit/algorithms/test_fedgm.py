@@ -22,10 +22,10 @@ SMALL = ("--distill-ipc", "4", "--distill-iterations", "2", "--distill-steps", "
 GM_ARGS = (*FAST_ARGS, "--algorithm", "fedgm", *SMALL)
 
 
-def _setup(**fedgm):
+def _setup(partition: str | None = None, **fedgm):
     config = RunConfig(
         device="cpu",
-        data=DataConfig(num_clients=3),
+        data=DataConfig(num_clients=3) if partition is None else DataConfig(num_clients=3, partition=partition),
         model=ModelConfig(arch="mlp", width=16, depth=1),
         federated=FederatedConfig(algorithm="fedgm", rounds=2),
         fedgm=FedGMConfig(distill_ipc=4, distill_iterations=2, distill_steps=3, server_steps=30, **fedgm),
@@ -69,6 +69,20 @@ def test_the_stage_split_never_looks_at_the_labels() -> None:
         for d in (data, renamed)
     ]
     assert torch.equal(*stages)
+
+
+def test_a_stages_images_are_sent_in_an_order_that_does_not_follow_their_labels() -> None:
+    """The set is distilled class by class; sent in that order, each position would tell its image's class, and
+    the randomized labels could be decoded by a vote over the positions of each class."""
+    setup = _setup("iid")
+    algorithm, model = FedGM(setup.config), build_model(setup.spec)
+    params, data = initial_params(setup.spec, 0), client_data(setup, 0)
+    for m in range(2):
+        labels = run_client(algorithm, model, params, data, _ctx(setup, m), SeededKeys(0, 0)).payload["labels"]
+        assert len(torch.unique(labels)) > 3
+        assert not torch.equal(labels, labels.sort().values) and not torch.equal(labels, labels.sort().values.flip(0))
+        runs = 1 + int((labels[1:] != labels[:-1]).sum())
+        assert runs > len(labels) // 2, labels  # 4 images a class in a row otherwise: about one run per class
 
 
 def test_labels_go_through_rr_then_rr_with_prior_from_the_server_model() -> None:
@@ -117,6 +131,7 @@ def test_a_fedgm_run_keeps_only_what_was_sent_and_resumes_to_the_same_bytes(tmp_
     assert report.exit_code == 0, report.output
     text = (tmp_path / "report.md").read_text()
     assert "label DP, epsilon 2 (rr-with-prior)" in text and "not protected" in text and "not comparable" in text
+    assert "the label of one synthetic image sent" in text and "not the training records, features or labels" in text
     assert cli("report", full, "--out", tmp_path / "report.html", "--overwrite").exit_code == 0  # summaries beside
     html = (tmp_path / "report.html").read_text()
     assert "Round 1: the synthetic sets of every client" in html and "Round 2: the synthetic sets" in html
