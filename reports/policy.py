@@ -176,13 +176,43 @@ def judge(interval: tuple[float, float], limit: float, *, at_most: bool) -> str:
     return PASS if low >= limit else FAIL if high < limit else INCONCLUSIVE
 
 
-def records_needed(n: int | None, interval: tuple[float, float], estimate: float, limit: float) -> int | None:
-    """About how many records would shrink the interval until it no longer straddles ``limit`` (its half-width
-    scales as 1/sqrt(n)); None when the estimate sits on the limit or n is unknown."""
+def records_needed(
+    n: int | None, interval: tuple[float, float], estimate: float, limit: float, *, proportion: bool = False
+) -> int | None:
+    """About how many records would shrink the interval until it no longer straddles ``limit``; None when the
+    estimate sits on the limit or n is unknown. For a proportion (its two-sided 95% Clopper-Pearson interval, as the
+    report shows it) the fewest records whose interval at the same rate excludes the limit, found by search: near 0
+    or 1 that interval is far from symmetric and its width falls as 1/n, not 1/sqrt(n). Otherwise from the side of
+    the interval that faces the limit, which scales as 1/sqrt(n)."""
     if not n or estimate == limit:
         return None
-    half = (interval[1] - interval[0]) / 2.0
-    return math.ceil(n * (half / abs(estimate - limit)) ** 2)
+    if proportion:
+        return _proportion_records(n, estimate, limit)
+    side = interval[1] - estimate if limit > estimate else estimate - interval[0]
+    return max(n + 1, math.ceil(n * (side / abs(estimate - limit)) ** 2))
+
+
+def _proportion_records(n: int, rate: float, limit: float) -> int | None:
+    """The fewest m > n whose two-sided 95% Clopper-Pearson interval at ``rate`` (rate m successes, not rounded, so
+    that the interval narrows steadily with m) lies wholly on the rate's side of ``limit``: doubled until one does,
+    then halved between (None beyond 10^9 records)."""
+    from scipy.stats import beta
+
+    def resolves(m: int) -> bool:
+        k = rate * m
+        if rate < limit:
+            return k < m and float(beta.ppf(0.975, k + 1, m - k)) < limit
+        return k > 0 and float(beta.ppf(0.025, k, m - k + 1)) > limit
+
+    fails, works = n, 2 * n
+    while not resolves(works):
+        fails, works = works, 2 * works
+        if works > 10**9:
+            return None
+    while works - fails > 1:
+        middle = (fails + works) // 2
+        fails, works = (fails, middle) if resolves(middle) else (middle, works)
+    return works
 
 
 def _judged(
@@ -194,11 +224,13 @@ def _judged(
     *,
     at_most: bool = True,
     unit: str = "per side",
+    proportion: bool = False,
 ) -> tuple[str, float, str]:
-    """(verdict, value, detail) of one interval against one limit; an inconclusive detail says what would resolve it."""
+    """(verdict, value, detail) of one interval against one limit; an inconclusive detail says what would resolve it
+    (``proportion``: the interval is a rate's Clopper-Pearson interval)."""
     verdict = judge(interval, limit, at_most=at_most)
     if verdict == INCONCLUSIVE:
-        needed = records_needed(n, interval, estimate, limit)
+        needed = records_needed(n, interval, estimate, limit, proportion=proportion)
         detail += (
             " (the estimate sits on the limit)" if needed is None else f" (about {needed} {unit} would resolve it)"
         )
@@ -288,7 +320,8 @@ def _rate_verdict(rate: LowFprRate, limit: float, where: str) -> tuple[str, floa
         )
     if rate.tpr is None or rate.ci is None:
         return FAIL, rate.tpr, f"{where}: no interval recorded; re-run fedaudit attack"
-    return _judged(rate.tpr, rate.ci, limit, rate.num_members, f"{where}: {rate}, n={rate.num_members} members")
+    detail = f"{where}: {rate}, n={rate.num_members} members"
+    return _judged(rate.tpr, rate.ci, limit, rate.num_members, detail, proportion=True)
 
 
 def _tpr(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:
@@ -327,6 +360,7 @@ def _accuracy(policy: Policy, run: RunSummary, limit: float) -> tuple[float | No
         f"{accuracy:.4f} [{interval[0]:.4f}, {interval[1]:.4f}] on {run.test_records} test records",
         at_most=False,
         unit="test records",
+        proportion=True,
     )
     return accuracy, verdict, detail
 

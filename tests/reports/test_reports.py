@@ -400,6 +400,41 @@ def test_verdicts_on_intervals_and_the_records_that_would_resolve_them():
     # half-width 0.05 at n = 400; resolving a distance of 0.03 needs (0.05 / 0.03)^2 times the records
     assert records_needed(400, (0.50, 0.60), 0.55, 0.58) == 1112
     assert records_needed(400, (0.50, 0.60), 0.58, 0.58) is None
+    # an interval that is not symmetric: the side facing the limit decides (0.02 of 0.03 at n = 400)
+    assert records_needed(400, (0.52, 0.60), 0.55, 0.53) == 900
+
+
+def _clopper_pearson_records(n: int, rate: float, limit: float) -> int:
+    """The fewest m > n whose two-sided 95% Clopper-Pearson interval at round(rate m) successes excludes ``limit``,
+    one m after another (scipy's beta quantiles, the interval's definition; rate m successes)."""
+    from scipy.stats import beta
+
+    m = n + 1
+    while True:
+        k = rate * m  # the same rate: successes need not be whole here
+        low = beta.ppf(0.025, k, m - k + 1) if k > 0 else 0.0
+        high = beta.ppf(0.975, k + 1, m - k) if k < m else 1.0
+        if (high < limit) if rate < limit else (low > limit):
+            return m
+        m += 1
+
+
+@pytest.mark.parametrize(
+    "n, successes, limit",
+    [(71, 0, 0.05), (73, 1, 0.05), (200, 190, 0.93), (400, 300, 0.72), (50, 50, 0.97), (1000, 14, 0.02)],
+)
+def test_the_records_a_rate_needs_are_those_at_which_its_clopper_pearson_interval_excludes_the_limit(
+    n: int, successes: int, limit: float
+) -> None:
+    """A TPR of 0 of 71 members against a limit of 0.05 was said to need "about 19 per side" (the interval's
+    half-width scaled as if symmetric): near 0 and 1 the interval is lopsided and narrows as 1/n."""
+    from fedaudit.attacks.metrics import rate_interval
+    from fedaudit.reports.policy import records_needed
+
+    rate = successes / n
+    interval = tuple(rate_interval(successes, n))
+    assert interval[0] <= limit <= interval[1]  # inconclusive at n
+    assert records_needed(n, interval, rate, limit, proportion=True) == _clopper_pearson_records(n, rate, limit)
 
 
 def test_accuracy_is_judged_on_its_interval_over_the_test_split():
