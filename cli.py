@@ -168,6 +168,24 @@ def main() -> None:
     """
 
 
+def _refuse_unread(given: set[str], algorithm: str) -> None:
+    """An option given on the command line that only other algorithms read (FedLAP's, FedProx's mu) would be
+    ignored without a word: it is refused, naming the algorithms that read it."""
+    from fedaudit.preparation import TrainingError
+    from fedaudit.registry import option_readers
+
+    for name in sorted(given):
+        try:
+            readers = option_readers(option_field(name))
+        except KeyError:  # not a configuration field (--out, --resume, ...)
+            continue
+        if readers and algorithm not in readers:
+            raise TrainingError(
+                f"--{name.replace('_', '-')} is read by --algorithm {' or '.join(readers)} only, and this run is "
+                f"{algorithm}: drop it or choose one of those."
+            )
+
+
 @main.command(cls=GroupedCommand)
 @click.option(
     "--config",
@@ -239,6 +257,7 @@ def train(
         if out is None and not equal_data_access:
             raise TrainingError("--out is required: the directory the run is written to.")
         config = api.run_config(config_file, **options)
+        _refuse_unread(given, config.federated.algorithm)
         if equal_data_access:
             for line in data_access(config).lines():
                 click.echo(line)

@@ -9,6 +9,7 @@ its implementation as ``"module:attribute"``, imported when first used. Adding a
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -285,6 +286,16 @@ def algorithm_label(name: str, dp: bool, level: str = "record") -> str:
         return name
     label = entry.display_name(dp)
     return f"{label} {CLIENT_LEVEL_LABEL}" if dp and level == "client" else label
+
+
+def option_readers(field_name: str) -> tuple[str, ...]:
+    """The algorithms that claim the configuration field ``section.field`` as theirs alone
+    (:attr:`AlgorithmEntry.options`, ``section.*`` for a whole section); empty for a field every algorithm reads."""
+    return tuple(
+        entry.name
+        for entry in ALGORITHMS.values()
+        if any(fnmatch.fnmatchcase(field_name, pattern) for pattern in entry.options)
+    )
 
 
 def client_dp_algorithms() -> tuple[str, ...]:

@@ -72,6 +72,9 @@ ALGORITHM_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--canaries", "10"),  # canaries need --dp
+    ("--ipc", "5"),  # FedLAP's option on FedAvg (the default) would be ignored
+    ("--algorithm", "scaffold", "--radius", "3"),
+    ("--mu", "0.1"),  # FedProx's
     ("--dp", "--canaries", "10", "--keep-checkpoints", "1"),
     ("--dp", "--noise-multiplier", "1", "--target-epsilon", "2"),
     ("--dp-level", "client", "--max-update-norm", "1"),  # client level needs --dp
@@ -298,7 +301,12 @@ def _cases() -> list[tuple[str, ...]]:
         cases += [("train", *FAST_ARGS, "--algorithm", "fedlap", option, v, "--out", "OUT/run") for v in values]
     for (algorithm, option), values in ALGORITHM_VALUES.items():
         cases += [("train", *FAST_ARGS, "--algorithm", algorithm, option, v, "--out", "OUT/run") for v in values]
-    cases += [("train", *FAST_ARGS, *args) if "--resume" not in args else ("train", *args) for args in TRAIN_CONFLICTS]
+    for args in TRAIN_CONFLICTS:  # each with somewhere to write, so that --out's absence is not what is refused
+        cases.append(
+            ("train", *args)
+            if "--resume" in args
+            else ("train", *FAST_ARGS, *args, *(() if "--out" in args else ("--out", "OUT/run")))
+        )
     own = [a for a in FAST_ARGS if a not in ("--dataset", "digits")]
     cases += [("train", *own, *args, "--out", "OUT/run") for args in OWN_DATA]
     cases += [("datasets", *(a for a in args if a != "--data-dir" and a != "FOREIGN")) for args in OWN_DATA[:6]]
