@@ -78,9 +78,9 @@ class AttackOptions:
     )
     methods: tuple[str, ...] = setting(
         DEFAULT_METHODS,
-        "threshold, classifier, population, rmia or lira (with reference models), canary (the run's canaries), or "
-        "reconstruction (rebuild a client's records from what it sent: runs kept with --save-transmitted); repeat "
-        "for several.",
+        "threshold, classifier, population, rmia or lira (with reference models), canary (the run's canaries), "
+        "client (each client's data as a whole against held-out twins), or reconstruction (rebuild a client's "
+        "records from what it sent: runs kept with --save-transmitted); repeat for several.",
         shown=" and ".join(DEFAULT_METHODS),
         name="method",
         multiple=True,

@@ -168,6 +168,16 @@ def test_every_attack_option_is_its_field_s_with_the_field_s_default() -> None:
             assert param.default == field.default, field.name
 
 
+def test_attack_s_help_names_every_method_it_accepts() -> None:
+    """The --method help text is written by hand: each registered method is named there (client was missing)."""
+    from fedaudit.attacks.registry import ATTACKS
+    from fedaudit.cli import attack
+
+    text = re.sub(r"\([^)]*\)", "", {p.name: p for p in attack.params}["methods"].help)  # the names, not their notes
+    listed = {item.split()[0] for item in re.split(r",|;| or ", text.split("repeat for several")[0]) if item.strip()}
+    assert set(ATTACKS) <= listed, sorted(set(ATTACKS) - listed)
+
+
 def test_compare_shows_the_study_s_own_defaults() -> None:
     """compare's options repeat attack's shown defaults (derived from the same fields), and its own options are the
     study settings' fields (help and shown default from each field), whose defaults are what a study without them
