@@ -801,7 +801,11 @@ compare.params.extend(param for param in train.params if param.name in COMPARE_B
 
 @main.command()
 @click.argument("own", nargs=-1, metavar="[npz:PATH | csv:PATH | folder:DIR]...")
-@click.option("--data-dir", type=click.Path(file_okay=False), help="Also look in this directory.")
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False),
+    help="Look in this directory instead of $FEDAUDIT_DATA_DIR and /usr/share/datasets, as train's --data-dir does.",
+)
 @click.option("--label-column", help="csv:PATH: the column holding each record's class.")
 @click.option(
     "--image-size",

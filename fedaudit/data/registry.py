@@ -478,6 +478,10 @@ def dataset_table(data_dir: str | None = None) -> pd.DataFrame:
         how_to_get = ""
         if location is None:
             how_to_get = spec.how_to_get[0].upper() + spec.how_to_get[1:] + "."
+            elsewhere = locate_dataset(name) if data_dir is not None else None
+            if elsewhere is not None:  # --data-dir replaces the usual places; say where it would have been found
+                searched = Path(data_dir).expanduser().absolute()
+                how_to_get = f"Not in {searched}, the one place --data-dir searches; found at {elsewhere} without it."
         else:
             try:
                 train, test = _counts(spec, location)

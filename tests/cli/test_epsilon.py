@@ -167,3 +167,12 @@ def test_datasets_lists_where_each_dataset_was_found(tmp_path, cli):
     assert result.exit_code == 0, result.output
     fashion = next(line for line in result.stdout.splitlines() if line.startswith("fashion-mnist"))
     assert str(empty) not in fashion and "<NA>" not in fashion
+    usual = cli("datasets").stdout  # where it is found without --data-dir, if anywhere
+    found = next(line for line in usual.splitlines() if line.startswith("fashion-mnist")).split()[-1]
+    hint = next(line for line in result.stdout.splitlines() if line.startswith("fashion-mnist:"))
+    if found != "found":  # installed here: the hint says --data-dir replaced the usual places, not "install it"
+        assert f"Not in {empty}, the one place --data-dir searches; found at {found} without it." in hint
+    else:
+        assert "Install" in hint
+    result = cli("datasets", "--data-dir", tmp_path / "nowhere")
+    assert result.exit_code == 2 and "does not exist" in result.output
