@@ -485,3 +485,33 @@ def test_a_study_being_run_refuses_a_second_compare_naming_its_pid(study, tmp_pa
         assert f"in use by pid {os.getpid()} (fedaudit compare)" in line
     assert compare("--study", study_file, "--out", out).exit_code == 0
     assert not list(out.glob("*.tmp"))
+
+
+def test_compare_takes_the_options_of_the_user_s_data_its_dataset_help_names(tmp_path):
+    """--dataset's help (train's) sends csv: data to --label-column, and sites to --site-data: compare takes them
+    too (it refused both, though its own error asked for them)."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    table = pd.DataFrame(x[:300], columns=[f"p{i}" for i in range(64)]).assign(digit=y[:300])
+    table.to_csv(tmp_path / "records.csv", index=False)
+    out = tmp_path / "study"
+    args = ("--algorithm", "fedavg", "--budget", "none", "--rounds", "1", "--model", "mlp", "--width", "8")
+    result = invoke(
+        "compare",
+        "--dataset",
+        f"csv:{tmp_path / 'records.csv'}",
+        "--label-column",
+        "digit",
+        *args,
+        "--depth",
+        "1",
+        "--num-clients",
+        "2",
+        "--out",
+        out,
+        "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "study.json").read_text())["study"]["base"]["data"]
+    assert (data["label_column"], data["sites"]) == ("digit", [])
