@@ -119,6 +119,10 @@ class RunDirectory(CommittedFiles):
                         f"--out {path} holds a run whose start was interrupted (config.json but no manifest.json); "
                         "pass --overwrite to replace it."
                     )
+                if not target.is_run():
+                    raise RunError(
+                        f"--out {path} is a non-empty directory that is not a fedaudit run; choose another --out."
+                    )
                 raise RunError(
                     f"--out {path} already exists; pass --resume {path} to continue it or --overwrite to replace it."
                 )

@@ -278,6 +278,11 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, cli):
     (out / "thesis.tex").write_text("precious")
     assert_user_error(cli("train", *FAST_ARGS, "--rounds", "1", "--out", out, "--overwrite"))
     assert [p.name for p in out.iterdir()] == ["thesis.tex"]
+    result = cli("train", *FAST_ARGS, "--rounds", "1", "--out", out)  # no fix that would fail is suggested
+    assert_user_error(result)
+    assert "is a non-empty directory that is not a fedaudit run; choose another --out" in result.output
+    assert "--resume" not in result.output and "--overwrite" not in result.output
+    assert [p.name for p in out.iterdir()] == ["thesis.tex"]
 
 
 def test_overwrite_replaces_a_run(tmp_path, plain_run, cli):
