@@ -56,8 +56,12 @@ def verify_runs(
                 skipped = client_level.needs(run)
                 if skipped is None:
                     verification = client_level.verify_client_level(run)
-            elif (public_key is not None or probe) and not run.queries_dir.is_dir():
-                skipped = "it was trained without --canaries, so it has no query log to check"
+            elif not run.queries_dir.is_dir() and (public_key is not None or probe or run.read_run_config().privacy.dp):
+                skipped = (  # its files and ledger are checked all the same; without DP or a key, nothing is
+                    "it was trained without --canaries, so it has no query log to check"
+                    if run.read_run_config().privacy.dp
+                    else "it was trained without DP, so it has no mechanism to check"
+                )
                 if probe:
                     verification = Verification(checks=[probe_run(run)], level=0.001, per_check_level=0.001)
             else:

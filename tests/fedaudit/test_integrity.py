@@ -239,7 +239,7 @@ def test_a_signed_run_verifies_with_its_key_only_and_not_once_a_file_is_forged(p
     assert invoke("sign", run, "--key", private).exit_code == 0
     ok = invoke("verify", run, "--public-key", public)
     assert ok.exit_code == 0, ok.output
-    assert "PASS signature" in ok.output and "conformance not checked" in ok.output
+    assert "PASS signature" in ok.output and "conformance not checked: it was trained without DP" in ok.output
     wrong = invoke("verify", run, "--public-key", other)
     assert wrong.exit_code == 1 and "made with another key" in wrong.output
     assert invoke("attack", run, "--no-progress").exit_code == 0
@@ -648,3 +648,18 @@ def test_a_forged_canary_audit_is_left_out_not_laid_out(canary_audited, tmp_path
     assert result.exit_code in (0, 1), result.output
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "The attack result update-projection-canary is unreadable and is left out." in markdown
+
+
+def test_verify_checks_the_files_and_ledger_of_a_dp_run_trained_without_the_query_log(tmp_path):
+    """As for a client-level run without --save-transmitted: its files and ledger are checked, and verify says why
+    its mechanism was not (it was one sentence and exit code 2, which a run without DP still is)."""
+    run = tmp_path / "dp"
+    assert invoke("train", *FAST_ARGS, "--dp", "--rounds", "1", "--out", run).exit_code == 0
+    result = invoke("verify", run)
+    assert result.exit_code == 0, result.output
+    assert "PASS integrity" in result.output
+    assert (
+        "conformance not checked: it was trained without --canaries, so it has no query log to check" in result.output
+    )
+    (run / "metrics.csv").write_text((run / "metrics.csv").read_text().replace("0.", "0.9", 1))
+    assert invoke("verify", run).exit_code == 1
