@@ -301,22 +301,35 @@ class DataAccess:
     queries: int  # worst-case DP queries per client per round
     batch_size: int
     smallest_client: int  # records of the smallest client
-    batches_per_epoch: int  # floor(smallest / B), at least 1
+    largest_client: int  # records of the largest client
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        """Batches per epoch, floor(N_k / B) (at least 1), of the smallest and of the largest client."""
+        few, many = (max(1, n // self.batch_size) for n in (self.smallest_client, self.largest_client))
+        return few, many
 
     @property
     def local_epochs(self) -> int:
-        """The nearest whole number of local epochs to :attr:`queries` steps."""
-        return max(1, round(self.queries / self.batches_per_epoch))
+        """The whole number of local epochs whose queries come nearest to :attr:`queries` for the client that makes
+        the most (the largest)."""
+        return max(1, round(self.queries / self.batches[1]))
 
     def lines(self) -> list[str]:
-        """What ``fedaudit train --equal-data-access`` prints."""
-        epochs = self.local_epochs
+        """What ``fedaudit train --equal-data-access`` prints: a range where the clients differ in size."""
+        epochs, (few, many) = self.local_epochs, self.batches
+        records = _span(self.smallest_client, self.largest_client)
         return [
-            f"{self.algorithm} makes {self.queries} DP queries per client per round (batch {self.batch_size}, "
-            f"smallest client {self.smallest_client} records, {self.batches_per_epoch} batches per epoch).",
+            f"{self.algorithm} makes at most {self.queries} DP queries per client per round (batch {self.batch_size}; "
+            f"clients of {records} records, {_span(few, many)} batches per epoch).",
             f"DP-FedAvg at equal data access: --algorithm fedavg --local-steps {self.queries} "
-            f"(nearest whole epochs: --local-epochs {epochs} = {epochs * self.batches_per_epoch} queries).",
+            f"(nearest whole epochs: --local-epochs {epochs} = {_span(epochs * few, epochs * many)} queries).",
         ]
+
+
+def _span(low: int, high: int) -> str:
+    """``low`` where it equals ``high``, else "low to high"."""
+    return str(low) if low == high else f"{low} to {high}"
 
 
 def data_access(config: RunConfig, *, algorithm: str | None = None) -> DataAccess:
@@ -329,9 +342,7 @@ def data_access(config: RunConfig, *, algorithm: str | None = None) -> DataAcces
     sizes = [len(idx) for idx in partition.clients]
     built = get_algorithm(config)
     queries = max(built.queries_per_round(config, n) for n in sizes)
-    batch = config.federated.batch_size
-    smallest = min(sizes)
-    return DataAccess(config.federated.algorithm, queries, batch, smallest, max(1, smallest // batch))
+    return DataAccess(config.federated.algorithm, queries, config.federated.batch_size, min(sizes), max(sizes))
 
 
 def _partition(config: RunConfig, dataset: Dataset) -> Partition:

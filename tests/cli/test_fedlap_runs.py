@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 from helpers import FAST_ARGS, assert_same_tensors, assert_user_error, interrupt_in_round, read_json, without_wall
@@ -67,5 +69,13 @@ def test_fedlap_dp_refuses_real_initialisation(tmp_path, cli):
 def test_equal_data_access_prints_the_matching_fedavg_settings(cli):
     result = cli("train", *FAST_ARGS, *LAP_ARGS, "--dp", "--equal-data-access")
     assert result.exit_code == 0, result.output
-    assert "8 DP queries per client per round" in result.output
+    assert "at most 8 DP queries per client per round" in result.output
     assert "--local-steps 8" in result.output
+    # the clients differ in size: each number of batches per epoch, and the epochs' queries, as a range
+    found = re.search(r"clients of (\d+) to (\d+) records, (\d+) to (\d+) batches per epoch", result.output)
+    assert found, result.output
+    smallest, largest, few, many = map(int, found.groups())
+    batch = int(FAST_ARGS[FAST_ARGS.index("--batch-size") + 1])
+    assert (few, many) == (smallest // batch, largest // batch) and few < many
+    epochs = max(1, round(8 / many))
+    assert f"--local-epochs {epochs} = {epochs * few} to {epochs * many} queries" in result.output
