@@ -584,6 +584,14 @@ def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
     """What a study's comparison shows, each in one sentence with its intervals: the ordering of the algorithms at each
     privacy budget, whether it is the FedLAP-DP paper's, and whether the attacks can tell DP from no DP at this size."""
     sentences = []
+    if "dataset" in rows and rows["dataset"].nunique() > 1:
+        by_dataset = rows.groupby("dataset", sort=False)["run"].apply(lambda names: ", ".join(map(str, names)))
+        sentences.append(
+            "These runs were trained on different datasets ("
+            + "; ".join(f"{dataset}: {names}" for dataset, names in by_dataset.items())
+            + "): their accuracies and attack figures measure different tasks and are not compared here as if "
+            "they were one study."
+        )
     budgets = [str(b) for b in groups["budget"]] if "budget" in groups else []
     if any(b.endswith(PER_CLIENT) for b in budgets) and any(
         b != "no DP" and not b.endswith(PER_CLIENT) and "label DP" not in b for b in budgets

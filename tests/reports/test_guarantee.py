@@ -121,3 +121,18 @@ def test_the_trust_model_of_noise_in_shares_says_whether_the_server_saw_them_sum
         outside = _rows(table)["outside the guarantee"][0]  # the server sees no norm when the noise comes in shares
         assert "each round's sample of clients (the checkpoints, metrics.csv's clients)" in outside
         assert ("their median norm (metrics.csv), computed before the noise" in outside) == norms
+
+
+def test_a_report_over_runs_of_different_datasets_says_so_first(plain_run, dp_run):
+    """Runs of one dataset are compared without the sentence; a run of another dataset beside them is named, with the
+    dataset of each run, before any ordering of their accuracies."""
+    from fedaudit.reports.summary import findings, group_rows, summary_rows
+
+    plain, dp = collect_runs([plain_run, dp_run])
+    rows = summary_rows([plain, dp], {})
+    assert not any("different datasets" in s for s in findings(rows, group_rows(rows)))
+    other = replace(dp, name="fm", setup={**dp.setup, "dataset": "fashion-mnist"})
+    rows = summary_rows([plain, dp, other], {})
+    first = findings(rows, group_rows(rows))[0]
+    assert first.startswith("These runs were trained on different datasets (")
+    assert f"{plain.setup['dataset']}: {plain.name}, {dp.name}; fashion-mnist: fm" in first
