@@ -515,14 +515,16 @@ def _renamed(summary: RunSummary, name: str) -> RunSummary:
 
 
 def seedless_config(config: dict[str, Any]) -> str:
-    """config.json without the seed, where and on which engine it ran, and a sigma calibrated per seed: runs equal
-    here differ only by seed."""
+    """config.json without the seed, where and on which engine it ran (and how many clients at once, where Flower ran
+    them: a study keeps runs that differ in these), and a sigma calibrated per seed: runs equal here differ only by
+    seed."""
     privacy = dict(config.get("privacy", {}))
     privacy.pop("noise_seed", None)
     if privacy.pop("calibrated", False):
         privacy.pop("noise_multiplier", None)
     data = {k: v for k, v in config.get("data", {}).items() if k != "data_dir"}
-    rest = {k: v for k, v in config.items() if k not in ("seed", "device", "engine", "privacy", "data")}
+    where = ("seed", "device", "engine", "parallel_clients", "flower", "privacy", "data")
+    rest = {k: v for k, v in config.items() if k not in where}
     return json.dumps({**rest, "data": data, "privacy": privacy}, sort_keys=True)
 
 

@@ -241,9 +241,11 @@ def group_names(runs: list[RunSummary]) -> list[str]:
     Two different settings with the same algorithm and budget (another dataset, say) get "(2)", "(3)", ... appended.
     """
     labels: dict[str, str] = {}
+    settings: dict[str, int] = {}  # settings seen so far under each label (a label may itself hold " (")
     for run in runs:
         if run.seedless_config not in labels:
-            taken = sum(1 for label in labels.values() if label.split(" (")[0] == run.group_label)
+            taken = settings.get(run.group_label, 0)
+            settings[run.group_label] = taken + 1
             labels[run.seedless_config] = run.group_label + (f" ({taken + 1})" if taken else "")
     return [labels[run.seedless_config] for run in runs]
 
@@ -633,10 +635,15 @@ def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
     if len(dp_rows) and len(plain_rows):
         leaking = plain_rows["attack_auc_simultaneous_ci_low"] > 0.5
         if not leaking.any():
-            auc = float(plain_rows["attack_auc"].max())
+            strongest = plain_rows.loc[pd.to_numeric(plain_rows["attack_auc"]).idxmax()]
+            auc = float(strongest["attack_auc"])
             members = int(min(plain_rows["attack_members"].min(), plain_rows["attack_nonmembers"].min()))
             if auc > 0.5:
-                needed = math.ceil((1.96 / (auc - 0.5)) ** 2 / 6.0)
+                # the interval judged above holds for all the run's attacks at once: its z, not 1.96; the AUC's
+                # variance near 0.5 is about 1 / (6 n) with n members and n non-members (Hanley and McNeil)
+                compared = max(1, int(strongest.get("attacks_compared") or 1))
+                z = float(scipy.stats.norm.ppf(1.0 - 0.05 / (2 * compared)))
+                needed = math.ceil((z / (auc - 0.5)) ** 2 / 6.0)
                 tail = (
                     f"showing the no-DP runs' largest AUC, {fmt(auc)}, above 0.5 at 95% would take about "
                     f"{needed} members and as many non-members (these attacks had {members})"

@@ -202,3 +202,52 @@ def test_a_run_named_as_markdown_stays_text_in_the_markdown_report(plain_run, tm
     for html in (markdown.markdown(text, extensions=["tables"]), MarkdownIt().enable("table").render(text)):
         assert "<img" not in html and 'src="https' not in html
         assert "evil.example" in html  # the name is still shown, as text
+
+
+def test_groups_hold_runs_that_differ_only_in_their_seed_whatever_their_labels(plain_run):
+    """A group's label may itself hold " (" (client level, FedGM's mechanism): two settings under one label are still
+    told apart (they were merged, their accuracies averaged); and runs that differ only in how many clients ran at
+    once or where Flower ran them stay one group (they were split)."""
+    from dataclasses import replace
+
+    from fedaudit.reports.collect import seedless_config
+    from fedaudit.reports.summary import group_names
+
+    (plain,) = collect_runs([plain_run])
+    config = json.loads((plain_run / "config.json").read_text())
+    other = {**config, "data": {**config["data"], "partition": "iid"}}
+    setup = {**plain.setup, "algorithm": "DP-FedAvg (client level)", "privacy budget": "sigma 1 per client"}
+    runs = [
+        replace(plain, name=name, setup=setup, seedless_config=seedless_config(setting))
+        for name, setting in (("a", config), ("b", other), ("c", config))
+    ]
+    names = group_names(runs)
+    assert names == [
+        "DP-FedAvg (client level), sigma 1 per client",
+        "DP-FedAvg (client level), sigma 1 per client (2)",
+        "DP-FedAvg (client level), sigma 1 per client",
+    ]
+    moved = {**config, "parallel_clients": 2, "flower": {"ray_address": "127.0.0.1:6379"}}
+    assert seedless_config(moved) == seedless_config(config)
+
+
+def test_the_members_that_would_show_leakage_are_counted_at_the_simultaneous_interval_s_level(plain_run, dp_run):
+    """The sentence judges leakage on the interval that holds for all of a run's K attacks at once (Bonferroni), so
+    the members it says would show the leakage come from that interval's z, not from 1.96: about z^2 / (6 d^2)."""
+    from scipy.stats import norm
+
+    from fedaudit.reports.summary import findings, group_rows, summary_rows
+
+    rows = summary_rows(collect_runs([plain_run, dp_run]), {})
+    plain = ~rows["dp"].astype(bool)
+    columns = [
+        "attack_auc",
+        "attack_auc_simultaneous_ci_low",
+        "attacks_compared",
+        "attack_members",
+        "attack_nonmembers",
+    ]
+    rows.loc[plain, columns] = [0.53, 0.49, 4, 300, 300]
+    (sentence,) = [s for s in findings(rows, group_rows(rows)) if "cannot tell DP from no DP" in s]
+    expected = math.ceil((norm.ppf(1 - 0.05 / 8) / 0.03) ** 2 / 6)  # 1,156; at 1.96 it would be 712
+    assert f"would take about {expected} members" in sentence
