@@ -548,7 +548,8 @@ def summary_json(
 
 def _accuracy_interval(group: pd.Series) -> tuple[float, float] | None:
     """A group's 95% interval of its accuracy: Clopper-Pearson over the test split for one run, Student's t over
-    the seeds' mean for several."""
+    the seeds' mean for several, cut to [0, 1] (an accuracy is a fraction; with two or three seeds t's interval
+    can reach below 0)."""
     if group["runs"] == 1:
         low, high = group["final_accuracy_interval_low"], group["final_accuracy_interval_high"]
         return None if pd.isna(low) else (float(low), float(high))
@@ -556,7 +557,8 @@ def _accuracy_interval(group: pd.Series) -> tuple[float, float] | None:
     if n < 2 or not math.isfinite(std):
         return None
     half = float(scipy.stats.t.ppf(0.975, n - 1)) * std / math.sqrt(n)
-    return float(group["final_accuracy_mean"]) - half, float(group["final_accuracy_mean"]) + half
+    mean = float(group["final_accuracy_mean"])
+    return max(0.0, mean - half), min(1.0, mean + half)
 
 
 def _fedlap_below(rows: pd.DataFrame, below: list[str], apart: list[str]) -> str:

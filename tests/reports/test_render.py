@@ -251,3 +251,16 @@ def test_the_members_that_would_show_leakage_are_counted_at_the_simultaneous_int
     (sentence,) = [s for s in findings(rows, group_rows(rows)) if "cannot tell DP from no DP" in s]
     expected = math.ceil((norm.ppf(1 - 0.05 / 8) / 0.03) ** 2 / 6)  # 1,156; at 1.96 it would be 712
     assert f"would take about {expected} members" in sentence
+
+
+def test_a_group_s_accuracy_interval_over_seeds_stays_within_0_and_1() -> None:
+    """Student's t over two or three seeds can reach below 0 (a review saw [-0.067, 0.501]): cut to [0, 1]."""
+    from scipy.stats import t
+
+    from fedaudit.reports.summary import _accuracy_interval
+
+    group = pd.Series({"runs": 3, "final_accuracy_n": 3, "final_accuracy_std": 0.12, "final_accuracy_mean": 0.1})
+    half = t.ppf(0.975, 2) * 0.12 / math.sqrt(3)
+    assert 0.1 - half < 0 and _accuracy_interval(group) == pytest.approx((0.0, 0.1 + half))
+    group["final_accuracy_mean"] = 0.95
+    assert _accuracy_interval(group) == pytest.approx((0.95 - half, 1.0))
