@@ -199,6 +199,13 @@ def _resume(
                 f"{run.path} calibrated its noise for --target-epsilon {config.privacy.target_epsilon:g} over "
                 f"{config.federated.rounds} rounds; more rounds would spend more than that budget, so start a new run."
             )
+        if rounds > config.federated.rounds and config.federated.lr_schedule == "cosine":
+            later = f"round {rounds} follows" if done + 1 == rounds else f"rounds {done + 1} to {rounds} follow"
+            echo(
+                f"Note: the cosine learning-rate schedule of {run.path} was laid over {config.federated.rounds} "
+                f"rounds; {later} one over {rounds}, so the run will differ from one trained for {rounds} rounds "
+                "from the start (--lr-schedule constant for runs you will extend)."
+            )
         config = replace(config, federated=replace(config.federated, rounds=rounds))
     if settings:
         config = config.with_overrides({option_field(name): value for name, value in settings.items()})

@@ -93,6 +93,19 @@ def test_a_start_interrupted_in_the_first_round_leaves_nothing(tmp_path, monkeyp
     assert (out / "model.safetensors").read_bytes() == (plain_run / "model.safetensors").read_bytes()
 
 
+def test_resume_with_more_rounds_under_the_cosine_schedule_says_the_run_differs_from_a_planned_one(
+    tmp_path, trained, cli
+):
+    out = tmp_path / "run"
+    shutil.copytree(trained("--rounds", "2"), out)
+    result = cli("train", "--resume", out, "--rounds", "3", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "Note: the cosine learning-rate schedule" in result.output and "was laid over 2 rounds" in result.output
+    assert "round 3 follows one over 3, so the run will differ from one trained for 3 rounds" in result.output
+    longer = trained("--rounds", "3")
+    assert (out / "model.safetensors").read_bytes() != (longer / "model.safetensors").read_bytes()  # as it says
+
+
 def test_resume_with_more_rounds_extends_a_complete_run(tmp_path, trained, cli):
     # A constant learning rate: with the cosine schedule the horizon M changes the step sizes.
     dp_run = trained("--dp", "--rounds", "3", "--lr-schedule", "constant")
@@ -103,6 +116,7 @@ def test_resume_with_more_rounds_extends_a_complete_run(tmp_path, trained, cli):
 
     result = cli("train", "--resume", out, "--rounds", "3", "--no-progress")
     assert result.exit_code == 0, result.output
+    assert "cosine" not in result.output  # a constant rate extends a run as if it had been planned
     after = read_json(out / "privacy.json")
     assert after["epsilon_per_round"][:2] == before["epsilon_per_round"]
     assert len(after["epsilon_per_round"]) == 3 and after["epsilon_per_round"][2] > before["epsilon_per_round"][1]
