@@ -320,12 +320,13 @@ def _rdp_of(history: tuple[tuple[float, float, int], ...]) -> np.ndarray:
 
 
 def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
-    """Balle et al. 2020 conversion, exactly Opacus' ``get_privacy_spent`` over :data:`RDP_ORDERS`."""
+    """Balle et al. 2020 conversion, exactly Opacus' ``get_privacy_spent`` over :data:`RDP_ORDERS`, at least 0 (at a
+    large delta the conversion goes below 0, and every mechanism is (0, delta)-DP there)."""
     with warnings.catch_warnings():
         # Opacus warns when the optimum sits at an end of its own fixed orders; the orders are part of the spec.
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
         eps, _ = _opacus_rdp().get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=delta)
-    return float(eps)
+    return max(0.0, float(eps))
 
 
 def _prv_domain(history: tuple[tuple[float, float, int], ...], delta: float) -> Domain:
@@ -383,7 +384,14 @@ def prv_epsilon(history: tuple[tuple[float, float, int], ...], delta: float) -> 
     prv.history = list(history)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
-        return float(prv.get_epsilon(delta=delta, eps_error=_PRV_EPS_ERROR, delta_error=delta / 1000))
+        try:
+            return max(0.0, float(prv.get_epsilon(delta=delta, eps_error=_PRV_EPS_ERROR, delta_error=delta / 1000)))
+        except RuntimeError as exc:  # Opacus' search finds no epsilon: at a delta near 1, where RDP gives 0
+            if _rdp_to_epsilon(_rdp_of(history), delta) == 0.0:
+                return 0.0
+            raise AccountingError(
+                f"PRV accounting finds no epsilon at delta {delta:g} for this history; use accountant='rdp'."
+            ) from exc
 
 
 def _history_key(events: Iterable[SGMEvent]) -> tuple[tuple[float, float, int], ...]:

@@ -15,6 +15,7 @@ from opacus.accountants.analysis.rdp import get_privacy_spent
 from scipy import integrate
 
 from fedaudit.privacy.accounting import (
+    _PRV_EPS_ERROR,  # noqa: E402 - PRV's stated epsilon error
     ACCOUNTANTS,
     RDP_ORDERS,
     AccountingError,
@@ -454,3 +455,20 @@ def test_one_step_rdp_is_opacus_series_at_every_order(q: float, sigma: float) ->
         ours_eps, _ = get_privacy_spent(orders=list(RDP_ORDERS), rdp=ours * steps, delta=DELTA)
         theirs_eps, _ = get_privacy_spent(orders=list(RDP_ORDERS), rdp=theirs * steps, delta=DELTA)
         assert ours_eps == pytest.approx(theirs_eps, rel=1e-9)
+
+
+@pytest.mark.parametrize("sigma, delta", [(1.0, 0.5), (20.0, 0.01), (5.0, 0.1), (1.0, 0.999999)])
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_epsilon_is_never_below_zero_at_a_large_delta(sigma: float, delta: float, accountant: str) -> None:
+    """The (epsilon, delta) conversion goes below 0 where delta is large (a run printed epsilon -0.499 at delta 0.5,
+    and a policy passed it); every mechanism is (0, delta)-DP there, as dp-accounting says. PRV's own search finds no
+    epsilon near delta 1 (it raised a RuntimeError)."""
+    event = SGMEvent(noise_multiplier=sigma, sample_rate=0.1, steps=10)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(sigma)), 10)
+    assert rdp.get_epsilon(delta) == 0.0  # the independent library's answer
+    epsilon = compute_epsilon([event], delta=delta, accountant=accountant)
+    if accountant == "rdp":
+        assert epsilon == 0.0
+    else:  # PRV's answer is an upper bound within its own error
+        assert 0.0 <= epsilon <= _PRV_EPS_ERROR
