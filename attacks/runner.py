@@ -744,7 +744,11 @@ def _per_client(
         others = nonmember & np.isin(kind, classes)
         members = {k: audit & (ev.client == k) for k in clients}
         scored = [k for k in clients if members[k].sum() >= MIN_CLIENT_MEMBERS and others.any()]
-        boots = bootstrap_groups(scores[others], [scores[members[k]] for k in scored], rng=rng, resamples=resamples)
+        boots = (  # none without a client to score (then possibly no non-member either: nothing to resample)
+            bootstrap_groups(scores[others], [scores[members[k]] for k in scored], rng=rng, resamples=resamples)
+            if scored
+            else []
+        )
         intervals = {k: list(boot.interval(boot.auc)) for k, boot in zip(scored, boots)}
         for k in clients:
             both = members[k] | others

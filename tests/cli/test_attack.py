@@ -403,3 +403,16 @@ def test_a_client_with_too_few_audited_members_gets_no_interval_and_says_why():
     assert table["0"]["auc_ci95"] is not None and "not_resolved" not in table["0"]
     assert table["1"]["auc"] is None and table["1"]["auc_ci95"] is None
     assert table["1"]["num_members"] == MIN_CLIENT_MEMBERS - 1 and "fewer than" in table["1"]["not_resolved"]
+
+
+def test_an_audit_of_a_few_records_leaves_clients_without_non_members_unscored(plain_run, tmp_path):
+    """With 5 records audited, some clients' classes have no audited non-member: the per-client table says so for
+    them (a bootstrap over no non-member divided by zero and the attack ended in a traceback)."""
+    run = tmp_path / "run"
+    shutil.copytree(plain_run, run)
+    result = invoke("attack", run, "--max-records", "5", "--method", "threshold", "--signal", "loss", "--no-progress")
+    assert result.exit_code == 0, result.output
+    (metrics,) = [json.loads(p.read_text()) for p in (run / "attacks").glob("*/metrics.json")]
+    clients = metrics["per_client"].values()
+    unscored = [c for c in clients if c["num_nonmembers"] == 0]
+    assert unscored and all(c["auc_ci95"] is None and "no audited non-member" in c["not_resolved"] for c in unscored)

@@ -15,7 +15,7 @@ from opacus.accountants.analysis.rdp import get_privacy_spent
 from scipy import integrate
 
 from fedaudit.privacy.accounting import (
-    _PRV_EPS_ERROR,  # noqa: E402 - PRV's stated epsilon error
+    _PRV_EPS_ERROR,  # PRV's stated epsilon error
     ACCOUNTANTS,
     RDP_ORDERS,
     AccountingError,
