@@ -144,9 +144,17 @@ def prepare(
     if client_level and config.privacy.noise_multiplier is None:
         config = mark_calibrated(config, _calibrated_client_sigma(config))
     if client_level and config.privacy.clipping == "adaptive":
+        expected = config.federated.client_fraction * config.data.num_clients
+        count_noise = config.privacy.count_noise_for(expected)
+        if count_noise > expected:
+            raise TrainingError(
+                f"--count-noise {count_noise:g} over the {expected:g} clients a round is expected to hold gives the "
+                f"fraction of updates under C noise of standard deviation {count_noise / expected:.3g}, more than "
+                f"the fraction's whole range, so C would follow the noise; use at most {expected:g} (Andrew et al. "
+                f"use {expected / 20:g})."
+            )
         try:
-            expected = config.federated.client_fraction * config.data.num_clients
-            update_noise_multiplier(config.privacy.noise_multiplier, config.privacy.count_noise_for(expected))
+            update_noise_multiplier(config.privacy.noise_multiplier, count_noise)
         except AccountingError as exc:
             raise TrainingError(str(exc)) from None
     if config.privacy.record_level:

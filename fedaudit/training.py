@@ -373,6 +373,22 @@ def _resumed_ledger(run: RunDirectory, config: RunConfig, done: int) -> PrivacyL
     return ledger
 
 
+def _diverged(m: int, config: RunConfig, what: str) -> TrainingError:
+    """The one sentence of a round that diverged, with what to lower: the step size, or under DP also the noise."""
+    kept = f"with {m} rounds kept" if m else "and nothing is kept"
+    fed, priv = config.federated, config.privacy
+    noise = ""
+    if priv.dp and priv.noise_multiplier is not None:
+        norm = priv.max_update_norm if priv.client_level else priv.max_grad_norm
+        noise = f", or the noise (--noise-multiplier {priv.noise_multiplier:g}" + (
+            f" with a clipping norm of {norm:g})" if norm is not None else ")"
+        )
+    return TrainingError(
+        f"Round {m + 1} diverged: {what}, so training stops {kept}; lower --lr (now {fed.client_lr:g}) or the "
+        f"local epochs{noise}, then start again."
+    )
+
+
 def _at_sites(config: RunConfig) -> bool:
     """Whether the clients are a Flower deployment's sites, which keep their own secrets."""
     return config.engine == "flower" and config.flower.superlink is not None
@@ -631,12 +647,7 @@ class _RoundLoop:
             state.states.merge(k, dealt)
         params = clone_params(result.params)
         if not all(bool(torch.isfinite(p).all()) for p in params.values()):
-            kept = f"with {m} rounds kept" if m else "and nothing is kept"
-            raise TrainingError(
-                f"Round {m + 1} diverged: the global model's weights are no longer finite (NaN or infinity), so "
-                f"training stops {kept}; lower --lr (now {config.federated.client_lr:g}) or the local "
-                "epochs, then start again."
-            )
+            raise _diverged(m, config, "the global model's weights are no longer finite (NaN or infinity)")
         if self.canaries is not None:
             sampled = len(selected) + len(canary)
             self.canaries.record(flat(state.params), flat(params), sampled, ctx.population, setup.client_fraction)
@@ -651,6 +662,8 @@ class _RoundLoop:
             accuracy, loss = self.engine.evaluate_at_sites(params, m + 1)
         else:
             accuracy, loss = evaluate(self.model, params, *self.test, sites=setup.dataset.test_sites)
+        if math.isinf(loss) or (math.isnan(loss) and not math.isnan(accuracy)):  # finite weights, overflowing outputs
+            raise _diverged(m, config, "the global model's test loss is no longer finite (its outputs overflow)")
         numbers = {key: value for key, value in result.metrics.items() if isinstance(value, (int, float))}
         row = {
             "round": m + 1,

@@ -166,7 +166,8 @@ class FedAvg:
                 device=source_device(generator),
             )
             fraction = float(add_gaussian(centred, count_noise, generator)) / expected + 0.5
-            following = clip * math.exp(-priv.clip_lr * (fraction - priv.target_quantile))
+            step = -priv.clip_lr * (fraction - priv.target_quantile)  # kept finite: e^700 is float64's edge
+            following = clip * math.exp(min(700.0, max(-700.0, step)))
             state = {CLIP_NORM: torch.tensor(following, dtype=torch.float64)}
         real = torch.tensor([m.client_id < config.data.num_clients for m in messages], dtype=torch.bool)
         norms = norms[real.to(norms.device)] if len(norms) else norms  # canary clients' updates are not the clients'

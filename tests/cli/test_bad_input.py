@@ -75,6 +75,7 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--ipc", "5"),  # FedLAP's option on FedAvg (the default) would be ignored
     ("--algorithm", "scaffold", "--radius", "3"),
     ("--mu", "0.1"),  # FedProx's
+    ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--count-noise", "1e6"),
     ("--dp", "--canaries", "10", "--keep-checkpoints", "1"),
     ("--dp", "--noise-multiplier", "1", "--target-epsilon", "2"),
     ("--dp-level", "client", "--max-update-norm", "1"),  # client level needs --dp

@@ -439,6 +439,20 @@ def test_a_diverging_run_stops_with_one_sentence_and_keeps_its_rounds(tmp_path, 
         assert manifest["status"] == "failed" and manifest["rounds_done"] < 3
 
 
+def test_a_dp_run_whose_noise_makes_its_outputs_overflow_stops_and_names_the_noise(tmp_path, cli):
+    """sigma 1e25 leaves the weights finite (about 1e23) but the outputs overflow: the run was saved and reported with
+    an accuracy beside a NaN loss, and the attack then said its weights were not finite."""
+    from helpers import FAST_ARGS, assert_user_error
+
+    out = tmp_path / "run"
+    line = assert_user_error(
+        cli("train", *FAST_ARGS, "--dp", "--noise-multiplier", "1e25", "--rounds", "2", "--out", out),
+        mentions="diverged",
+    )
+    assert "test loss is no longer finite" in line and "--noise-multiplier 1e+25 with a clipping norm of" in line
+    assert list(tmp_path.iterdir()) == []  # its first round: nothing is kept
+
+
 def test_options_complete_a_configuration_file_before_it_is_validated(tmp_path, cli):
     """A file that sets sigma and the option that turns DP on: valid together, so it trains (the file alone is not)."""
     config = tmp_path / "c.yaml"
