@@ -63,6 +63,11 @@ def client_membership(
     """
     rng = np.random.default_rng(seed)
     pairs = twins(partition, labels, records=records, rng=rng)
+    if len(partition.clients) < LEAST_PAIRS:
+        raise AttackError(
+            f"The run has {len(partition.clients)} clients; the client-level attack needs at least {LEAST_PAIRS} "
+            "(each paired with held-out records of its classes): train with more --num-clients."
+        )
     if len(pairs) < LEAST_PAIRS:
         raise AttackError(
             f"Only {len(pairs)} of {len(partition.clients)} clients have held-out records of their classes to stand "

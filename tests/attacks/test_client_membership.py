@@ -75,6 +75,16 @@ def test_scores_are_the_clients_mean_loss_and_too_few_twins_is_one_sentence(tmp_
             delta=1e-5,
             resamples=10,
         )
+    with pytest.raises(AttackError, match="has 3 clients; the client-level attack needs at least 4") as refused:
+        client_membership(  # every client has held-out twins: a larger --holdout-fraction would not help
+            Partition(clients=setup.partition.clients[:3], holdout=setup.partition.holdout),
+            y.numpy(),
+            lambda index: np.zeros(len(index)),
+            seed=0,
+            delta=1e-5,
+            resamples=10,
+        )
+    assert "--holdout-fraction" not in str(refused.value)
 
 
 def _client_attack(run) -> dict:
