@@ -39,6 +39,7 @@ from fedaudit.attacks.membership.signals import OUTPUT_SIGNALS, Signals, compute
 from fedaudit.attacks.options import MAX_REFERENCES
 from fedaudit.config import MAX_SEED, AuditConfig, RunConfig
 from fedaudit.data import Dataset
+from fedaudit.data.partition import PartitionError
 from fedaudit.errors import UserError
 from fedaudit.models import ModelSpec, build_model
 from fedaudit.preparation import prepare
@@ -200,10 +201,16 @@ def train_reference(
         train_setup(setup, work, overwrite=True, progress=False, echo=lambda _line: None)
     except UserError as exc:
         shutil.rmtree(work, ignore_errors=True)
+        why = (  # the partition's own advice (fewer clients, another scheme) is for the run, not for its attacker
+            f"split over the run's {config.data.num_clients} clients under {config.data.partition}, some client "
+            "would get no record"
+            if isinstance(exc, PartitionError)
+            else str(exc).rstrip(".")
+        )
         raise AttackError(
             f"A reference model cannot be trained on {len(rows)} population records with the run's recipe (each "
             f"trains on as many records as the run, at most half of those the attack does not audit; --max-records "
-            f"audits fewer): {exc}"
+            f"audits fewer and leaves it more): {why}."
         ) from exc
     params = load_tensors(work / "model.safetensors")
     shutil.rmtree(work)

@@ -82,6 +82,11 @@ def test_bad_reference_options_are_one_sentence(run, tmp_path):
     line = assert_user_error(invoke("attack", small, *ATTACK, "--max-records", "700"), mentions="reference model")
     assert "population records" in line
     assert not (small / "attacks").exists() and not list((small / "references").glob(".work-*"))
+    few = tmp_path / "few"  # 2 members a client: 10 population records cannot be split over 5 clients' classes
+    assert invoke("train", *FAST_ARGS, "--rounds", "1", "--holdout-fraction", "0.999", "--out", few).exit_code == 0
+    line = assert_user_error(invoke("attack", few, *ATTACK, "--references", "2", "--nonmembers", "holdout"))
+    assert "split over the run's 5 clients under classes:2, some client would get no record" in line
+    assert "holdout_fraction 0.0" not in line and "use fewer clients" not in line  # not the recipe's own advice
 
 
 def test_a_result_is_current_only_for_the_references_it_used(run):
