@@ -29,6 +29,7 @@ DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
 SYNTHETIC_SIGNAL = "synthetic-distance"  # read from what crossed the wire, not from a model
 DEFAULT_MAX_RECORDS = 2000  # members audited at most, and as many non-members
 DEFAULT_RESAMPLES = 1000  # bootstrap resamples of an AUC interval
+MIN_RESAMPLES = 40  # the fewest whose 2.5% and 97.5% quantiles are not their smallest and largest
 DEFAULT_REFERENCES = 4  # reference models of rmia and lira
 MAX_REFERENCES = 256
 NONMEMBER_SOURCES: tuple[str, ...] = ("holdout", "test", "both")
@@ -106,7 +107,9 @@ class AttackOptions:
         "Records per batch when computing signals (more use more memory: the width-128 ConvNet's gradient-norm "
         "signal holds about 2.3 MB per record).",
     )
-    resamples: int = setting(DEFAULT_RESAMPLES, "Bootstrap resamples of the AUC interval.", name="bootstrap")
+    resamples: int = setting(
+        DEFAULT_RESAMPLES, f"Bootstrap resamples of the AUC interval (at least {MIN_RESAMPLES}).", name="bootstrap"
+    )
     progress: bool = False  # the command line's --progress is a terminal's default, not the options'
     references: int = setting(
         DEFAULT_REFERENCES,
@@ -159,16 +162,23 @@ class AttackOptions:
             parse_target(self.membership_target)
         if self.nonmembers not in NONMEMBER_SOURCES:
             raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
-        for option, value, least in (
-            ("--max-records", self.max_records, 2),
-            ("--batch-size", self.batch_size, 1),
-            ("--bootstrap", self.resamples, 1),
-            ("--seed", self.seed, 0),
+        for option, value, least, why in (
+            ("--max-records", self.max_records, 2, ""),
+            ("--batch-size", self.batch_size, 1, ""),
+            # a 95% interval reads the 2.5% and 97.5% quantiles of the resamples: one resample gave [0.495, 0.495]
+            # around an AUC of 0.504
+            (
+                "--bootstrap",
+                self.resamples,
+                MIN_RESAMPLES,
+                " (its 95% interval reads the resamples' 2.5% and 97.5% quantiles)",
+            ),
+            ("--seed", self.seed, 0, ""),
         ):
             if option == "--seed" and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise AttackError(f"{option} must be an integer of at least {least}, got {value!r}.")
+                raise AttackError(f"{option} must be an integer of at least {least}{why}, got {value!r}.")
         if self.of(REFERENCE):
             self._validate_references()
         if self.seed is not None and self.seed > MAX_SEED:

@@ -169,6 +169,7 @@ ATTACK_CASES: tuple[tuple[str, ...], ...] = (
     ("attack", "RUN", "--max-records", "-5"),
     ("attack", "RUN", "--seed", "-1"),
     ("attack", "RUN", "--bootstrap", "0"),
+    ("attack", "RUN", "--bootstrap", "1"),  # an interval of one resample excluded its own AUC
     ("attack", "RUN", "--bootstrap", "-1"),
     ("attack", "RUN", "--method", "canary"),  # a run without DP or canaries
     ("attack", "RUN", "--method", "rmia", "--references", "0"),

@@ -95,7 +95,7 @@ def test_files_are_written_with_the_process_umask(tmp_path, cli):
     try:
         result = cli("train", *FAST_ARGS, "--rounds", "1", "--out", tmp_path / "run")
         assert result.exit_code == 0, result.output
-        attacked = cli("attack", tmp_path / "run", "--signal", "loss", "--method", "threshold", "--bootstrap", "20")
+        attacked = cli("attack", tmp_path / "run", "--signal", "loss", "--method", "threshold", "--bootstrap", "40")
         assert attacked.exit_code == 0, attacked.output
         os.umask(0o027)
         assert cli("report", tmp_path / "run", "--out", tmp_path / "report.md").exit_code == 0
