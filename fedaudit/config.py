@@ -263,9 +263,10 @@ class AuditConfig:
 
     def check(self) -> None:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
-        require(
-            is_int(self.canaries) and self.canaries >= 0,
-            f"--canaries must be a non-negative integer, got {self.canaries!r}.",
+        require(  # the audit compares canaries inserted with canaries left out, each a coin flip
+            is_int(self.canaries) and (self.canaries == 0 or self.canaries >= 4),
+            f"--canaries must be 0 or an integer of at least 4 (the audit compares the inserted with the left out), "
+            f"got {self.canaries!r}.",
         )
         require(
             self.canary_kind in CANARY_KINDS,

@@ -362,7 +362,11 @@ def canary_audit(
     spec = run.model_spec()
     included = canaries.included.astype(int)
     if included.all() or not included.any():
-        raise AttackError(f"{run.canaries_path} has canaries on one side only; the audit needs both.")
+        side = "inserted" if included.all() else "left out"
+        raise AttackError(
+            f"{run.canaries_path}: every one of its {len(included)} canaries was {side} (each is, with probability "
+            "1/2), and the audit compares the inserted with the left out: train with more --canaries (hundreds)."
+        )
     views = run_views(run)
     parts = canary_parts(canaries, spec)
     level, part_level = _confidences(len(views), None if parts is None else len(parts[0]))

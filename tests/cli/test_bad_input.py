@@ -72,6 +72,7 @@ ALGORITHM_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--canaries", "10"),  # canaries need --dp
+    ("--dp", "--canaries", "1"),  # never on both sides of the audit
     ("--ipc", "5"),  # FedLAP's option on FedAvg (the default) would be ignored
     ("--algorithm", "scaffold", "--radius", "3"),
     ("--mu", "0.1"),  # FedProx's
