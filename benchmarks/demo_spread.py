@@ -105,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     use_program(args.fedaudit)
     kernels = dict(list(KERNELS.items())[:1]) if args.smoke else KERNELS
-    smoke = {"train": " --rounds 1", "attack": " --max-records 100 --bootstrap 20"}
+    smoke = {"train": " --rounds 1", "attack": " --max-records 100 --bootstrap 40"}
     repeats, extra = (1, smoke) if args.smoke else (args.repeats, {})
     folder = args.out or Path(tempfile.mkdtemp(prefix="demo-spread-"))
     print(describe("cpu", threads=1), flush=True)

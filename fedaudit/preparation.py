@@ -144,19 +144,7 @@ def prepare(
     if client_level and config.privacy.noise_multiplier is None:
         config = mark_calibrated(config, _calibrated_client_sigma(config))
     if client_level and config.privacy.clipping == "adaptive":
-        expected = config.federated.client_fraction * config.data.num_clients
-        count_noise = config.privacy.count_noise_for(expected)
-        if count_noise > expected:
-            raise TrainingError(
-                f"--count-noise {count_noise:g} over the {expected:g} clients a round is expected to hold gives the "
-                f"fraction of updates under C noise of standard deviation {count_noise / expected:.3g}, more than "
-                f"the fraction's whole range, so C would follow the noise; use at most {expected:g} (Andrew et al. "
-                f"use {expected / 20:g})."
-            )
-        try:
-            update_noise_multiplier(config.privacy.noise_multiplier, count_noise)
-        except AccountingError as exc:
-            raise TrainingError(str(exc)) from None
+        _check_adaptive_clipping(config)
     if config.privacy.record_level:
         batch = config.federated.batch_size
         smallest = min(sizes.values())
@@ -351,6 +339,23 @@ def data_access(config: RunConfig, *, algorithm: str | None = None) -> DataAcces
     built = get_algorithm(config)
     queries = max(built.queries_per_round(config, n) for n in sizes)
     return DataAccess(config.federated.algorithm, queries, config.federated.batch_size, min(sizes), max(sizes))
+
+
+def _check_adaptive_clipping(config: RunConfig) -> None:
+    """Adaptive clipping's count noise: within the fraction's range, and leaving noise for the updates' sum."""
+    expected = config.federated.client_fraction * config.data.num_clients
+    count_noise = config.privacy.count_noise_for(expected)
+    if count_noise > expected:
+        raise TrainingError(
+            f"--count-noise {count_noise:g} over the {expected:g} clients a round is expected to hold gives the "
+            f"fraction of updates under C noise of standard deviation {count_noise / expected:.3g}, more than the "
+            f"fraction's whole range, so C would follow the noise; use at most {expected:g} (Andrew et al. use "
+            f"{expected / 20:g})."
+        )
+    try:
+        update_noise_multiplier(config.privacy.noise_multiplier, count_noise)
+    except AccountingError as exc:
+        raise TrainingError(str(exc)) from None
 
 
 def _partition(config: RunConfig, dataset: Dataset) -> Partition:

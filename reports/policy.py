@@ -134,7 +134,7 @@ def load_policy(path: str | Path) -> Policy:
             raise ReportError(f"Unknown limit {key!r} in the policy file {file}; use {', '.join(known)}.")
         try:
             number = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a 400-digit whole number overflows a float
             raise ReportError(f"The limit {key} in the policy file {file} must be a number, got {value!r}.") from None
         if math.isnan(number):
             raise ReportError(f"The limit {key} in the policy file {file} must be a number, got {value!r}.")
@@ -148,6 +148,8 @@ def load_policy(path: str | Path) -> Policy:
         values[key] = number
     if not any(key in LIMITS for key in values):
         raise ReportError(f"The policy file {file} sets no limit; use {', '.join(LIMITS)}.")
+    if "delta" in values and "max_epsilon" not in values:  # it would be ignored without a word
+        raise ReportError(f"The policy file {file} sets delta, which qualifies max_epsilon alone: add max_epsilon.")
     return Policy(**values, source=str(file))
 
 
@@ -273,19 +275,25 @@ def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
     attacks = [a for a in run.final_attacks if a.auc is not None and a.auc_ci is not None]
     results = []
     for a in attacks:
-        verdict, value, detail = _judged(
-            a.auc,
-            a.auc_ci,
-            limit,
-            a.num_members,
-            f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}",
+        simultaneous = (a.simultaneous_ci(len(attacks)) if len(attacks) > 1 else None) or a.auc_ci
+        own, joint = judge(a.auc_ci, limit, at_most=True), judge(simultaneous, limit, at_most=True)
+        verdict = PASS if own == PASS else FAIL if joint == FAIL else INCONCLUSIVE
+        value = a.auc
+        detail = (
+            f"{a.label}: AUC {a.auc:.4f} [{a.auc_ci[0]:.4f}, {a.auc_ci[1]:.4f}], n={a.num_members}/{a.num_nonmembers}"
         )
-        simultaneous = a.simultaneous_ci(len(attacks))
-        if verdict == FAIL and len(attacks) > 1 and simultaneous is not None and simultaneous[0] <= limit:
-            verdict = INCONCLUSIVE
+        if own == FAIL and verdict != FAIL:
             detail += (
                 f" (above the limit, but not with its interval simultaneous over the {len(attacks)} attacks, "
                 f"[{simultaneous[0]:.4f}, {simultaneous[1]:.4f}])"
+            )
+        if verdict == INCONCLUSIVE:  # a FAIL is judged on the simultaneous interval, a PASS on the attack's own
+            facing = simultaneous if a.auc > limit else a.auc_ci
+            needed = records_needed(a.num_members, facing, a.auc, limit)
+            detail += (
+                " (the estimate sits on the limit)"
+                if needed is None
+                else f" (about {needed} per side would resolve it)"
             )
         results.append((verdict, value, detail))
     if not results:
@@ -384,10 +392,15 @@ def _conformance(policy: Policy, run: RunSummary, limit: float) -> tuple[float |
     verification = run.verification
     if verification is None or not verification.current:
         state = "not verified" if verification is None else "verified at another round"
-        return None, FAIL, f"not available: {state} (run `fedaudit verify` on a run trained with --canaries)"
+        trained = "--save-transmitted" if run.privacy.client_level else "--canaries"
+        return None, FAIL, f"not available: {state} (run `fedaudit verify` on a run trained with {trained})"
     failed = len(verification.failed)
     names = ", ".join(c.name for c in verification.failed) or "none"
-    return float(failed), PASS if failed <= limit else FAIL, f"{failed} of {len(verification.checks)} failed: {names}"
+    detail = f"{failed} of {len(verification.checks)} failed: {names}"
+    unmade = [c.name for c in verification.checks if not c.checked]
+    if unmade and failed <= limit:  # a check never made is not a check passed
+        return float(failed), FAIL, f"{detail}; not made: {', '.join(unmade)} (see the run's conformance section)"
+    return float(failed), PASS if failed <= limit else FAIL, detail
 
 
 def _reconstruction(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, str, str]:

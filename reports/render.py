@@ -316,7 +316,9 @@ def promise(run: RunSummary) -> dict[str, Any] | None:
             f"no canary audit: how much the released queries leak was not measured (train with {planted}, then "
             "attack with --method canary)"
         )
-    partial = verification is not None and any(not c.checked for c in verification.checks)
+    partial = verification is not None and (
+        not verification.current or any(not c.checked for c in verification.checks)  # a stale verify checked less
+    )
     verdict = "FAIL" if failures else ("NOT CHECKED" if verification is None or not views or partial else "PASS")
     return {"verdict": verdict, "checks": checks, "views": views, "failures": failures, "unchecked": unchecked}
 

@@ -926,6 +926,7 @@ def _noise_check(residuals: list[_Residual], shapes: Mapping[str, torch.Size], l
     count = len(residuals)
     if not residuals:
         success = "No whole query was kept, so the noise could not be tested."
+        details["not_checked"] = True  # passed only in that nothing contradicts it: a report counts it as not made
     elif noisy:
         success = (
             f"The noise of {count} kept queries ({sum(r.residual.numel() for r in noisy)} coordinates) is "
@@ -999,6 +1000,8 @@ def _clipping_check(residuals: list[_Residual], level: float) -> Check:
         tests += _tensor_tests(noisy)
     tests += _data_direction_tests([r for r in residuals if r.scale > 0])
     norm_text = "" if largest is None else f"; the largest per-example gradient norm was {largest:.3g}"
+    if not residuals or not tested:
+        details["not_checked"] = True  # nothing contradicts it, nothing tested it: a report counts it as not made
     if not residuals:
         success = "No whole query was kept, so clipping could not be tested."
     elif not tested:

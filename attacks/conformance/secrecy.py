@@ -421,7 +421,7 @@ def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> F
             details,
         )
     if not queries:
-        return Finding(True, None, 0, None, "Not checked: no whole query was kept.", details)
+        return Finding(True, None, 0, None, "Not checked: no whole query was kept.", {**details, "not_checked": True})
     queries, unchecked = _redrawable_here(queries, public, details)
     if unchecked is not None:
         return unchecked

@@ -256,6 +256,8 @@ POLICIES: tuple[str, ...] = (
     "max_reconstruction_psnr: x",
     "max_failed_conformance_checks: 1.5",  # a count
     "max_epsilon: true",
+    "max_failed_conformance_checks: 1" + "0" * 400,  # a whole number no float holds: it overflowed, exit 1
+    "max_attack_auc: 0.9\ndelta: 1.0e-9",  # delta qualifies max_epsilon alone: it was ignored without a word
 )
 EPSILON_CASES: tuple[tuple[str, ...], ...] = (
     ("epsilon", "--noise-multiplier", "1", "--sample-rate", "0", "--steps", "10"),

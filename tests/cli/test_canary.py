@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -433,3 +434,31 @@ def test_fedssyn_with_client_sampling_passes_verify_whose_first_round_takes_ever
     result = invoke("verify", out)
     assert result.exit_code == 0, result.output
     assert "after 1 round(s) of every client had 3 of 5 clients" in " ".join(result.output.split())
+
+
+def test_a_verification_that_could_not_test_the_noise_does_not_pass_a_policy_of_no_failed_checks(tmp_path):
+    """With --kept-queries 0 no whole query is kept: verify's noise, clipping and secrecy checks say they could not
+    test anything, and a policy of 0 failed checks ("every check passes") passed them as made."""
+    run = tmp_path / "run"
+    args = (*FAST_ARGS, "--dp", "--rounds", "2", "--canaries", "50", "--kept-queries", "0", "--out", run)
+    assert invoke("train", *args).exit_code == 0
+    assert invoke("verify", run).exit_code == 0
+    (tmp_path / "policy.yaml").write_text("max_failed_conformance_checks: 0\n")
+    result = invoke("report", run, "--out", tmp_path / "report.md", "--policy", tmp_path / "policy.yaml")
+    assert result.exit_code == 1, result.output
+    (check,) = json.loads((tmp_path / "summary.json").read_text())["runs"][0]["policy"]
+    assert check["verdict"] == "FAIL" and "not made: noise, clipping, secrecy" in check["detail"], check
+
+
+def test_a_run_trained_further_after_its_verification_is_not_said_to_keep_its_promise(correct, tmp_path):
+    """verify saw 10 rounds and the run now has 11: the promise block said PASS and "the implementation checks
+    passed" beside a policy table that called the same verification stale."""
+    source, _ = correct
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    assert invoke("train", "--resume", run, "--rounds", "11", "--no-progress").exit_code == 0
+    assert invoke("report", run, "--out", tmp_path / "report.md").exit_code == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "Does the implementation keep its promise? **NOT CHECKED**" in text
+    assert "the implementation was not fully checked" in text and "checks passed" not in text
+    assert "verify saw 10 rounds and the run now has 11" in text

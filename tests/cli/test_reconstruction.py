@@ -229,7 +229,7 @@ def test_a_synthetic_set_is_judged_by_its_nearest_record_beside_held_out_records
 def test_compare_attack_reconstruction_keeps_what_crossed_the_wire_and_plots_it_against_epsilon(tmp_path) -> None:
     plan = tmp_path / "study.yaml"
     plan.write_text(
-        "attack:\n  methods: [threshold]\n  bootstrap: 20\n  reconstruction: {iterations: 30, restarts: 1}\n"
+        "attack:\n  methods: [threshold]\n  bootstrap: 40\n  reconstruction: {iterations: 30, restarts: 1}\n"
     )
     study = [
         "compare",

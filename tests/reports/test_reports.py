@@ -744,3 +744,45 @@ def test_markup_in_names_and_sources_stays_text_in_markdown(plain_run, tmp_path)
     ):
         assert "<img" not in html and "&amp;lt;" not in html, html
         assert "<code>&lt;img src=x onerror=alert(1)&gt;</code>" in html
+
+
+def test_an_auc_check_above_its_limit_counts_the_records_of_the_interval_a_fail_needs():
+    """A FAIL of max_attack_auc is judged on the interval simultaneous over the K attacks: the records that would
+    resolve an AUC above the limit come from that interval (146 per side were said where about 243 are needed); one
+    below the limit is resolved by its own interval, which a PASS reads."""
+    from types import SimpleNamespace
+
+    from scipy.stats import norm
+
+    from fedaudit.reports.collect import AttackSummary
+    from fedaudit.reports.policy import INCONCLUSIVE, _auc
+
+    def attack(auc: float, low: float, high: float) -> AttackSummary:
+        return AttackSummary(
+            "loss-threshold",
+            "loss",
+            "threshold",
+            None,
+            auc,
+            (low, high),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            144,
+            144,
+            0,
+            auc_se=0.034,
+        )
+
+    above, below = attack(0.5655, 0.4997, 0.6304), attack(0.49, 0.43, 0.55)
+    run = SimpleNamespace(final_attacks=[above, below, below, below], attacks=[], rounds_done=1)
+    value, verdict, detail = _auc(None, run, 0.5)
+    assert verdict == INCONCLUSIVE
+    z = norm.ppf(1 - 0.05 / (2 * 4))  # the simultaneous interval's, over four attacks
+    needed = math.ceil(144 * (z * 0.034 / (0.5655 - 0.5)) ** 2)
+    assert f"AUC 0.5655 [0.4997, 0.6304], n=144/144 (about {needed} per side would resolve it)" in detail
+    own = math.ceil(144 * ((0.55 - 0.49) / (0.5 - 0.49)) ** 2)  # below the limit: the attack's own interval
+    assert f"AUC 0.4900 [0.4300, 0.5500], n=144/144 (about {own} per side would resolve it)" in detail
