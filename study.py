@@ -259,7 +259,14 @@ def plan(study: Study) -> list[PlannedRun]:
                     continue
                 own = budget if ALGORITHMS[algorithm].record_dp else Budget("none")
                 name = f"{algorithm}-{own.slug}-seed{seed}"
-                if any(run.name == name for run in runs):
+                earlier = next((run for run in runs if run.name == name), None)
+                if earlier is not None:
+                    if earlier.budget != own:  # one name for two budgets: the second would be dropped unseen
+                        exact = [f"{'client:' * b.client_level}{b.kind}:{b.value!r}" for b in (earlier.budget, own)]
+                        raise StudyError(
+                            f"The budgets {exact[0]} and {exact[1]} give their runs one name ({name}): give budgets "
+                            "that differ within their first six significant digits."
+                        )
                     continue  # the same run given twice (sigma:1 and sigma:1.0, none and no-dp, ...)
                 base = replace(study.base, seed=seed, federated=replace(study.base.federated, algorithm=algorithm))
                 if base.privacy.noise_seed is not None:  # reproducible noise, another stream for every seed

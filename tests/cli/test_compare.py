@@ -515,3 +515,14 @@ def test_compare_takes_the_options_of_the_user_s_data_its_dataset_help_names(tmp
     assert result.exit_code == 0, result.output
     data = json.loads((out / "study.json").read_text())["study"]["base"]["data"]
     assert (data["label_column"], data["sites"]) == ("digit", [])
+
+
+def test_two_budgets_that_would_share_their_runs_names_are_refused(tmp_path):
+    """sigma:1 and sigma:1.0000001 both name their runs ...-sigma1-...: the second was dropped from the plan without a
+    word (one run planned for two budgets); the same budget written twice is still one run."""
+    args = ("--algorithm", "fedavg", "--rounds", "1", "--out", tmp_path / "s")
+    result = invoke("compare", *args, "--budget", "sigma:1", "--budget", "sigma:1.0000001")
+    assert_user_error(result, mentions="sigma:1.0 and sigma:1.0000001 give their runs one name (fedavg-sigma1-seed0)")
+    assert not (tmp_path / "s").exists()
+    study = Study(budgets=(Budget.parse("sigma:1"), Budget.parse("sigma:1.0")), algorithms=("fedavg",))
+    assert [run.name for run in plan(study)] == ["fedavg-sigma1-seed0"]
