@@ -217,6 +217,11 @@ def _proportion_records(n: int, rate: float, limit: float) -> int | None:
     return works
 
 
+def _resolution(needed: int | None, unit: str) -> str:
+    """What an inconclusive detail adds: the records that would resolve it, or that the estimate sits on the limit."""
+    return " (the estimate sits on the limit)" if needed is None else f" (about {needed} {unit} would resolve it)"
+
+
 def _judged(
     estimate: float,
     interval: tuple[float, float],
@@ -232,10 +237,7 @@ def _judged(
     (``proportion``: the interval is a rate's Clopper-Pearson interval)."""
     verdict = judge(interval, limit, at_most=at_most)
     if verdict == INCONCLUSIVE:
-        needed = records_needed(n, interval, estimate, limit, proportion=proportion)
-        detail += (
-            " (the estimate sits on the limit)" if needed is None else f" (about {needed} {unit} would resolve it)"
-        )
+        detail += _resolution(records_needed(n, interval, estimate, limit, proportion=proportion), unit)
     return verdict, estimate, detail
 
 
@@ -289,12 +291,7 @@ def _auc(policy: Policy, run: RunSummary, limit: float) -> tuple[float | None, s
             )
         if verdict == INCONCLUSIVE:  # a FAIL is judged on the simultaneous interval, a PASS on the attack's own
             facing = simultaneous if a.auc > limit else a.auc_ci
-            needed = records_needed(a.num_members, facing, a.auc, limit)
-            detail += (
-                " (the estimate sits on the limit)"
-                if needed is None
-                else f" (about {needed} per side would resolve it)"
-            )
+            detail += _resolution(records_needed(a.num_members, facing, a.auc, limit), "per side")
         results.append((verdict, value, detail))
     if not results:
         return None, FAIL, "not available: no attack results with an AUC interval" + _stale(run)

@@ -50,16 +50,17 @@ def verify_runs(
             problems = tuple(run.seal.problems())
             signature, unsigned = (None, ()) if public_key is None else run.seal.signature_problems(public_key)
             verification, skipped = None, None
-            if problems:
+            privacy = None if problems else run.read_run_config().privacy  # read once, and only from intact files
+            if privacy is None:
                 skipped = "its files are not those fedaudit wrote"
-            elif run.read_run_config().privacy.client_level:
+            elif privacy.client_level:
                 skipped = client_level.needs(run)
                 if skipped is None:
                     verification = client_level.verify_client_level(run)
-            elif not run.queries_dir.is_dir() and (public_key is not None or probe or run.read_run_config().privacy.dp):
+            elif not run.queries_dir.is_dir() and (public_key is not None or probe or privacy.dp):
                 skipped = (  # its files and ledger are checked all the same; without DP or a key, nothing is
                     "it was trained without --canaries, so it has no query log to check"
-                    if run.read_run_config().privacy.dp
+                    if privacy.dp
                     else "it was trained without DP, so it has no mechanism to check"
                 )
                 if probe:
