@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import stat
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,21 @@ def _seeded(seed: int, device: str) -> torch.Generator:
     return generator
 
 
+def _keyed(key: bytes, device: str) -> torch.Generator:
+    """The generator docs/accounting.md derives from a 32-byte key: on the CPU, Mersenne Twister with its 624 state
+    words from SHAKE-256("fedaudit/mt19937-state/v1" | key) (little-endian), about to twist; on CUDA, Philox seeded
+    with the key's first 8 bytes, big-endian, top bit cleared."""
+    seed = int.from_bytes(key[:8], "big") & ((1 << 63) - 1)
+    if torch.device(device).type != "cpu":
+        return _seeded(seed, device)
+    words = struct.unpack("<624I", hashlib.shake_256(b"fedaudit/mt19937-state/v1" + key).digest(2496))
+    layout = struct.pack("<QiiQ624Q", seed, 1, 1, 0, *words)  # initial seed, left, seeded, next, state
+    size = torch.Generator().get_state().numel()
+    generator = torch.Generator()
+    generator.set_state(torch.frombuffer(bytearray(layout.ljust(size, b"\0")), dtype=torch.uint8))
+    return generator
+
+
 def _arrangements(values: tuple[int, ...], arity: int) -> list[tuple[int, ...]]:
     return sorted(set(itertools.permutations(values, arity)))
 
@@ -161,11 +177,10 @@ def _digest(key: bytes, *parts: bytes | int | str) -> bytes:
     return hmac.digest(key, message, "sha256")
 
 
-def _secret_query_seed(secret: bytes, run_id: str, query: KeptQuery) -> tuple[int, bytes]:
-    """The torch seed and the 32-byte key of a query, from its client's secret (docs/accounting.md)."""
+def _secret_query_key(secret: bytes, run_id: str, query: KeptQuery) -> bytes:
+    """The 32-byte key of a query, from its client's secret (docs/accounting.md)."""
     client_key = _digest(secret, "fedaudit/client-key/v1", run_id, query.client)
-    key = _digest(client_key, "query", query.round, query.step)
-    return int.from_bytes(key[:8], "big") & ((1 << 63) - 1), key
+    return _digest(client_key, "query", query.round, query.step)
 
 
 Candidate = tuple[str, Callable[[], _Draws]]
@@ -196,17 +211,21 @@ def _candidates(query: KeptQuery, public: PublicMaterial) -> Iterator[Candidate]
         )
         if public.run_id is not None:
             for what, secret in _stand_ins(seed):
-                torch_seed, key = _secret_query_seed(secret, public.run_id, query)
+                key = _secret_query_key(secret, public.run_id, query)
                 yield (
                     f"fedaudit's derivation with the {what}",
-                    lambda v=torch_seed: _query_draws(_seeded(v, device), query, shapes),
+                    lambda k=key: _query_draws(_keyed(k, device), query, shapes),
                 )
                 if public.secure:
                     yield f"the secure stream of fedaudit's derivation with the {what}", lambda k=key: _secure(k, query)
+        public_key = hashlib.sha256(
+            derive_seed(seed, Stream.QUERY, query.round, query.client, query.step).to_bytes(8, "big")
+        ).digest()
+        yield (
+            f"seed {seed}'s stream QUERY keyed as --noise-seed keys a query",
+            lambda k=public_key: _query_draws(_keyed(k, device), query, shapes),
+        )
         if public.secure:
-            public_key = hashlib.sha256(
-                derive_seed(seed, Stream.QUERY, query.round, query.client, query.step).to_bytes(8, "big")
-            ).digest()
             yield f"the secure stream of seed {seed}'s stream QUERY", lambda k=public_key: _secure(k, query)
 
 
@@ -332,7 +351,7 @@ def _traced(queries: list[KeptQuery], public: PublicMaterial, secrets: dict[int,
         if secret is None or len(secret) != 32:
             problems.append(f"client {query.client} has no 32-byte secret in {SECRETS_NAME}, though {query.label} drew")
             continue
-        torch_seed, key = _secret_query_seed(secret, public.run_id, query)
+        key = _secret_query_key(secret, public.run_id, query)
         observed = _observed_mask(query)
         if public.secure:
             uniforms = _chacha_uniforms(key, query.population)
@@ -340,7 +359,7 @@ def _traced(queries: list[KeptQuery], public: PublicMaterial, secrets: dict[int,
             if observed is not None and not torch.equal(mask, observed):
                 problems.append(f"the records {query.label} drew are not the sample its client's secret gives")
             continue  # the secure Gaussian is tested by its distribution (the noise check) and against public streams
-        draws = _query_draws(_seeded(torch_seed, query.device), query, public.shapes)
+        draws = _query_draws(_keyed(key, query.device), query, public.shapes)
         if observed is not None and not torch.equal(draws.mask, observed):
             problems.append(f"the records {query.label} drew are not the sample its client's secret gives")
         rho = _correlation(query.noise, draws.noise)

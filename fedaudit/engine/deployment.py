@@ -181,13 +181,16 @@ def _train(message: Any, context: Any) -> Any:
 
 
 def _no_share_in_clear(task: Any) -> None:
-    """A site adding its share of client-level noise sends it only through SecAgg+ when the round has other sites:
-    asked for it in clear (a server that skipped the secure sum, by fault or on purpose), it refuses."""
+    """A site adding its share of client-level noise sends it in clear only when its share is the whole noise (a round
+    of one participant: sigma C / sqrt(1)); asked for it in clear otherwise (a server that skipped the secure sum, by
+    fault or on purpose, whatever number of sites it says the round has), it refuses. The share's size comes from
+    the participants the task names, so this is the number that must be 1, not the sites the server says it asked."""
     privacy = json.loads(str(task["config"]))["privacy"]
-    if privacy.get("dp_level") == "client" and privacy.get("noise_at") == "clients" and int(task.get("sites", 1)) > 1:
-        raise RuntimeError(
-            "this site adds its share of the noise for a sum under SecAgg+, and the server asked for it in clear"
-        )
+    if privacy.get("dp_level") == "client" and privacy.get("noise_at") == "clients":
+        if int(task.get("participants", 0)) != 1 or int(task.get("sites", 1)) != 1:
+            raise RuntimeError(
+                "this site adds its share of the noise for a sum under SecAgg+, and the server asked for it in clear"
+            )
 
 
 def _evaluate(message: Any, context: Any) -> Any:

@@ -169,12 +169,14 @@ class SiteSecret:
 
 
 def round_inputs(task: Any, tensors: Sequence[Mapping[str, torch.Tensor]]) -> str:
-    """SHA-256 of everything a client's answer to a round depends on: the run's settings (not where or how fast it
-    runs: device, engine, parallel clients, Flower's and the data directory's settings), the round, the rounds, what
-    the sites reported, and the tensors sent (global model, kept state, server state)."""
+    """SHA-256 of everything a client's answer to a round depends on: the run's settings (not how fast it runs or
+    whose runtime: engine, parallel clients, Flower's and the data directory's settings; the device only by its kind,
+    since a CUDA generator draws other values than a CPU one from the same key), the round, the rounds, what the
+    sites reported, and the tensors sent (global model, kept state, server state)."""
     settings = json.loads(str(task["config"]))
-    for key in ("device", "engine", "parallel_clients", "flower"):
+    for key in ("engine", "parallel_clients", "flower"):
         settings.pop(key, None)
+    settings["device"] = str(settings.get("device", "cpu")).split(":")[0]
     settings.get("data", {}).pop("data_dir", None)
     described = [settings, int(task["round"]), int(task["rounds"]), str(task.get("federation", ""))]
     if int(task.get("participants", 0)):  # the noise share of a client-level round depends on it

@@ -9,12 +9,15 @@ simulated clients of the local engine and Flower's simulation). Everything a cli
 HMAC-SHA256, so the party that holds it can repeat a run exactly (``--resume``) and nobody else can:
 
     client key  K   = HMAC(secret, "fedaudit/client-key/v1" | run id | client)
-    round seed      = HMAC(K, "round" | round)[:8]           the client's other draws of the round (shuffles, ...)
+    round key       = HMAC(K, "round" | round)              the client's other draws of the round (shuffles, ...)
     query key       = HMAC(K, "query" | round | query)       one DP query: its Poisson sample, then its noise
 
-(integers as 8 bytes big-endian, the run id as ASCII; a torch seed is the first 8 bytes, big-endian, of the
-digest with its top bit cleared). Every DP query gets a fresh generator of its own, so its randomness does not
-depend on what else the client drew, and ``fedaudit verify`` can test it against every public stream.
+(integers as 8 bytes big-endian, the run id as ASCII). Every DP query gets a fresh generator of its own, so its
+randomness does not depend on what else the client drew, and ``fedaudit verify`` can test it against every public
+stream. A generator is keyed by a whole 32-byte digest (:func:`keyed_generator`): on the CPU, the 624 words of
+Mersenne Twister's state are SHAKE-256 of the digest (torch's ``manual_seed`` keeps only the low 32 bits of a seed on
+the CPU, and 2**32 candidate seeds are hours of work: whoever tried them all would find a query's noise); on CUDA,
+Philox's 64-bit key is the digest's first 8 bytes, big-endian, top bit cleared (63 secret bits).
 
 Reproducible noise is available for experiments (``--noise-seed N``): the same derivation from a public seed, whose
 holder can remove the noise. A run without any DP randomness draws from the run seed, as it always did.
@@ -55,6 +58,11 @@ FORMAT_VERSION = 1
 MAX_SECRETS_BYTES = 16 << 20  # a secrets file larger than this is not one fedaudit wrote (3,000 clients: 250 kB)
 MAX_SITE_RUNS = 1000  # runs one site's file keeps secrets for (a server cannot grow it past MAX_SECRETS_BYTES)
 SEED_MASK = (1 << 63) - 1
+MT_LABEL = b"fedaudit/mt19937-state/v1"  # what a CPU generator's state is derived under (keyed_generator)
+MT_WORDS = 624  # Mersenne Twister's state: 624 words of 32 bits
+# torch's CPU generator state (a byte tensor): its seed (u64), "left" (i32), "seeded" (i32), "next" (u64), then the
+# 624 state words, each stored in a u64; little-endian.
+_MT_LEFT, _MT_SEEDED, _MT_NEXT, _MT_STATE = 8, 12, 16, 24
 CLIENT_KEY_LABEL = b"fedaudit/client-key/v1"
 # A client-level DP run's server (the trusted party of central DP) samples the round's clients and draws the noise of
 # their sum from a secret of its own, kept in the run directory (mode 0600) and never sent to a client.
@@ -102,6 +110,30 @@ def _mac(key: bytes, *parts: bytes | int | str) -> bytes:
 def _seed_of(digest: bytes) -> int:
     """A torch seed: the first 8 bytes, big-endian, top bit cleared."""
     return int.from_bytes(digest[:8], "big") & SEED_MASK
+
+
+def _mt_state_words(key: bytes) -> np.ndarray:
+    """The 624 Mersenne Twister state words a CPU generator keyed by ``key`` starts from: SHAKE-256(label | key)."""
+    return np.frombuffer(hashlib.shake_256(MT_LABEL + bytes(key)).digest(4 * MT_WORDS), dtype="<u4")
+
+
+def keyed_generator(key: bytes, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator on ``device`` whose randomness is all of ``key`` (32 bytes): on the CPU every word of
+    Mersenne Twister's state comes from it (module docstring), the generator starting with a fresh twist as a seeded
+    one does; on CUDA, Philox seeded with its first 8 bytes, top bit cleared."""
+    generator = torch.Generator(device=device)
+    if generator.device.type != "cpu":
+        generator.manual_seed(_seed_of(key))
+        return generator
+    state = generator.get_state()
+    raw = state.numpy()
+    raw[:_MT_LEFT] = np.frombuffer(_seed_of(key).to_bytes(8, "little"), dtype=np.uint8)  # what initial_seed() says
+    raw[_MT_LEFT:_MT_NEXT] = np.frombuffer((1).to_bytes(4, "little") * 2, dtype=np.uint8)  # left 1: twist first
+    raw[_MT_NEXT:_MT_STATE] = 0
+    raw[_MT_STATE : _MT_STATE + 8 * MT_WORDS] = _mt_state_words(key).astype("<u8").view(np.uint8)
+    raw[_MT_STATE + 8 * MT_WORDS :] = 0  # no Gaussian of a previous draw waiting
+    generator.set_state(state)
+    return generator
 
 
 def client_key(secret: bytes, run_id: str, client: int) -> bytes:
@@ -205,7 +237,7 @@ class ClientKeys(ABC):
 
     @abstractmethod
     def query_seed(self, round_index: int, query: int) -> int:
-        """The torch seed of that query's generator (without ``--secure-noise``)."""
+        """A 63-bit seed of that query (its CUDA generator's, without ``--secure-noise``)."""
 
     def round_generator(self, round_index: int, device: torch.device | str) -> torch.Generator:
         generator = torch.Generator(device=device)
@@ -216,6 +248,8 @@ class ClientKeys(ABC):
         """The randomness of one DP query: a fresh generator (or secure stream) of its own."""
         if self.secure:
             return SecureStream(self.query_key(round_index, query), device)
+        if torch.device(device).type == "cpu":
+            return keyed_generator(self.query_key(round_index, query), device)
         generator = torch.Generator(device=device)
         generator.manual_seed(self.query_seed(round_index, query))
         return generator
@@ -233,6 +267,10 @@ class SecretKeys(ClientKeys):
 
     def round_seed(self, round_index: int) -> int:
         return _seed_of(_mac(self.key, "round", int(round_index)))
+
+    def round_generator(self, round_index: int, device: torch.device | str) -> torch.Generator:
+        """Keyed by the whole round digest (on the CPU, a seed would keep 32 of its bits)."""
+        return keyed_generator(_mac(self.key, "round", int(round_index)), device)
 
     def query_key(self, round_index: int, query: int) -> bytes:
         return _mac(self.key, "query", int(round_index), int(query))

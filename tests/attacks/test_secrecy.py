@@ -97,7 +97,9 @@ def _noise_from_torchs_global_generator(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize(
     ("fault", "says"),
     [
-        pytest.param(_keys_from_the_run_seed, f"seed {SEED}, stream QUERY", id="keys-from-the-run-seed"),
+        pytest.param(
+            _keys_from_the_run_seed, f"seed {SEED}'s stream QUERY keyed as --noise-seed", id="keys-from-the-run-seed"
+        ),
         pytest.param(_one_round_stream, "replayed", id="one-stream-per-round-as-before-secrets"),
         pytest.param(_sample_from_the_run_seed, "sample", id="poisson-sample-from-the-run-seed"),
         pytest.param(_secret_from_the_seed, "as the secret", id="secret-made-from-the-seed"),

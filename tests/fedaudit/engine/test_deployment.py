@@ -405,8 +405,11 @@ def test_a_site_refuses_to_send_its_share_in_clear_beside_other_sites():
     )
     config = json.dumps(shares.to_dict())
     with pytest.raises(RuntimeError, match="under SecAgg"):
-        _no_share_in_clear({"config": config, "sites": 2})
-    _no_share_in_clear({"config": config, "sites": 1})  # alone in its round: nothing to sum it with
+        _no_share_in_clear({"config": config, "sites": 2, "participants": 2})
+    for claimed in (0, 2, 5):  # one site asked, more participants named: its share is a fraction of the noise
+        with pytest.raises(RuntimeError, match="under SecAgg"):
+            _no_share_in_clear({"config": config, "sites": 1, "participants": claimed})
+    _no_share_in_clear({"config": config, "sites": 1, "participants": 1})  # alone: its share is the whole noise
     _no_share_in_clear({"config": json.dumps(RunConfig().to_dict()), "sites": 3})  # no shares
 
 

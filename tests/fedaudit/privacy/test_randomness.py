@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import random
 import stat
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +64,36 @@ def test_the_derivation_is_the_documented_one_and_does_not_change_between_versio
     # pinned: a change here would make every run's --resume draw other noise than the run it continues
     assert keys.query_seed(7, 2) == 1322869292116500630
     assert keys.round_seed(0) == 4481198826465364206
+
+
+def test_a_cpu_generator_holds_all_of_its_key_not_32_bits_of_a_seed():
+    """torch's manual_seed keeps the low 32 bits of a seed on the CPU: two queries whose seeds shared them drew the
+    same sample and noise, and trying 2**32 seeds found any query's. A query's CPU generator is keyed by all 32 bytes
+    instead, as docs/accounting.md writes it, checked here against Python's own Mersenne Twister."""
+    key = bytes(range(7, 39))
+    words = struct.unpack("<624I", hashlib.shake_256(b"fedaudit/mt19937-state/v1" + key).digest(2496))
+    python = random.Random()
+    python.setstate((3, (*words, 624), None))
+    expected = torch.tensor([(python.getrandbits(32) & 0xFFFFFF) * 2.0**-24 for _ in range(64)])
+    assert torch.equal(torch.rand(64, generator=randomness.keyed_generator(key)), expected)
+    low_bits_kept = bytes([key[0] ^ 1, *key[1:]])  # another seed with the same low 32 bits
+    seeded = [torch.Generator().manual_seed(randomness._seed_of(k)) for k in (key, low_bits_kept)]
+    assert torch.equal(torch.rand(64, generator=seeded[0]), torch.rand(64, generator=seeded[1]))  # the old keying
+    for other in (low_bits_kept, key[:31] + bytes([key[31] ^ 1])):
+        assert not torch.equal(torch.rand(64, generator=randomness.keyed_generator(other)), expected)
+    keys = SecretKeys(client_key(SECRET, RUN_ID, 0))
+    for source, digest in (
+        (keys.query_source(3, 1, "cpu"), keys.query_key(3, 1)),
+        (keys.round_generator(3, "cpu"), _spec_mac(keys.key, b"round", (3).to_bytes(8, "big"))),
+        (
+            SeededKeys(9, 4).query_source(2, 5, "cpu"),
+            hashlib.sha256(derive_seed(9, Stream.QUERY, 2, 4, 5).to_bytes(8, "big")).digest(),
+        ),
+    ):
+        assert torch.equal(
+            torch.normal(0.0, 1.0, (40,), generator=source),
+            torch.normal(0.0, 1.0, (40,), generator=randomness.keyed_generator(digest)),
+        )
 
 
 def test_keys_differ_between_clients_runs_rounds_and_queries():
@@ -278,16 +310,20 @@ def test_a_simulated_run_is_not_resumed_at_sites_that_hold_other_secrets(tmp_pat
         RunRandomness.resumed(config, "client-secrets", RUN_ID, tmp_path / "client-secrets.json", at_sites=True)
 
 
-def test_a_rounds_inputs_digest_ignores_where_it_runs_and_sees_what_it_computes():
+def test_a_rounds_inputs_digest_ignores_how_it_runs_and_sees_what_it_computes():
+    """A site answers a round once per digest: the device's kind is in it (a CUDA generator draws other noise than a
+    CPU one from the same key, so a server asking for a round on each would get two independent answers at one
+    point, charged once), which GPU and how many clients at once are not."""
     from fedaudit.config import RunConfig
     from fedaudit.engine.simulation import round_inputs
 
-    config = RunConfig().to_dict()
+    config = {**RunConfig().to_dict(), "device": "cuda"}
     task = {"config": json.dumps(config), "round": 2, "rounds": 5}
     tensors = [{"w": torch.ones(3)}, {}, {}]
     first = round_inputs(task, tensors)
-    moved = {**config, "device": "cuda", "parallel_clients": 4, "flower": {**config["flower"], "superlink": "h:1"}}
+    moved = {**config, "device": "cuda:1", "parallel_clients": 4, "flower": {**config["flower"], "superlink": "h:1"}}
     assert round_inputs({**task, "config": json.dumps(moved)}, tensors) == first
+    assert round_inputs({**task, "config": json.dumps({**config, "device": "cpu"})}, tensors) != first
     assert round_inputs(task, [{"w": torch.tensor([1.0, 1.0, 1.5])}, {}, {}]) != first
     assert round_inputs({**task, "rounds": 6}, tensors) != first
     changed = {**config, "federated": {**config["federated"], "client_lr": 0.1}}
@@ -383,7 +419,7 @@ def test_noise_options_need_dp_and_a_valid_seed(tmp_path, cli):
 def test_export_leaves_the_secrets_out_and_the_copy_reads_but_does_not_resume(tmp_path, cli, dp_run):
     copy = tmp_path / "copy"
     result = cli("export", dp_run, "--out", copy)
-    assert result.exit_code == 0 and "client-secrets.json left out" in result.output
+    assert result.exit_code == 0 and "left out: client-secrets.json" in result.output
     assert not (copy / "client-secrets.json").exists() and not (copy / ".fedaudit.lock").exists()
     assert {p.name for p in copy.iterdir()} >= {"manifest.json", "config.json", "model.safetensors", "privacy.json"}
     report = cli("report", copy, "--out", tmp_path / "report.md", "--format", "md")
