@@ -580,7 +580,9 @@ def export(run_dir: str, out: str) -> None:
 
     The copy holds every file the manifest hashes, the manifest and its signature, so it can be attacked, verified
     and reported; it leaves out client-secrets.json, whose holder could remove the clients' noise, so it cannot be
-    resumed. A run whose files do not check is refused. See docs/run-directory.md.
+    resumed, and of a client-level DP run what only its server may see (each round's sample, the un-noised
+    statistics of the updates, what the clients sent, the clients' states), listed in the copy's export.json. A run
+    whose files do not check is refused. See docs/run-directory.md.
     """
     from fedaudit.rundir import RunDirectory
 
@@ -588,8 +590,13 @@ def export(run_dir: str, out: str) -> None:
     run.read_manifest()
     with run.lock("fedaudit export", shared=True):
         count = run.seal.export(out)
+    from fedaudit.rundir.private import left_out
+
     secret = [path.name for path in (run.secrets_path, run.server_secret_path) if path.exists()]
-    left = f" ({' and '.join(secret)} left out)" if secret else ""
+    private = len(left_out(Path(out)))
+    if private:
+        secret.append(f"{private} file(s) only the server may see (listed in the copy's export.json)")
+    left = f"; left out: {', '.join(secret)}" if secret else ""
     click.echo(f"Exported {run.path} to {out}: {count} files{left}.")
 
 

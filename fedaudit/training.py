@@ -52,7 +52,9 @@ from fedaudit.rundir import (
     RandomnessRecord,
     RunDirectory,
     RunError,
+    client_level,
     now_iso,
+    private_columns,
     remove_stale_temporaries,
     versions,
 )
@@ -225,13 +227,13 @@ def _resume(
     run.write_config(setup.config.to_dict())
     state = _TrainingState(params=_initial_params(setup), ledger=_resumed_ledger(run, setup.config, done))
     if done > 0:
-        stored_params, _checkpoint = run.checkpoints.load(done, setup.device)
+        stored_params = run.checkpoints.params(done, setup.device)
         # safetensors returns names sorted; keep the model's order, which fixes the order of floating-point sums
         state.params = {name: stored_params[name] for name in state.params}
         state.states = ClientStates(run, setup.device, upto=done)
         state.server_state = run.states.load_server(done, setup.device)
         state.server_kept = run.states.load_server(done, setup.device, kept=True)
-    state.rows = run.read_metrics().to_dict("records")[:done]
+    state.rows = run.read_metrics(server=True).to_dict("records")[:done]
     manifest = _manifest(setup, rounds_done=done, created=manifest.created, randomness=randomness)
     if done == setup.config.federated.rounds:
         echo(f"{run.path} has already completed all {done} rounds; nothing to do.")
@@ -723,8 +725,8 @@ class _RoundLoop:
         into = number - config.keep_checkpoints + 1 if config.keep_checkpoints is not None else number
         if carried and into == number:
             states = {**carried, **states}
-        if states:
-            run.states.save(number, states)
+        if states or (client_level(config.to_dict()) and getattr(self.setup.algorithm, "keeps_client_states", False)):
+            run.states.save(number, states)  # at client level every round: which rounds changed one is the sample's
         if carried and into < number:
             run.states.save(into, {**carried, **run.states.load(into, self.setup.device)})
         if state.server_state:
@@ -742,7 +744,8 @@ class _RoundLoop:
         if self.canaries is not None:
             run.put(run.canary_clients_path, self.canaries.to_log(strategy=_canary_strategy(config)).to_bytes())
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
-        run.write_metrics(state.rows)
+        columns = {key for row in state.rows for key in row}
+        run.write_metrics(state.rows, private_columns(columns, config.to_dict()))
         if state.ledger is not None:
             run.write_privacy(state.ledger.to_dict())
         done = number == config.federated.rounds

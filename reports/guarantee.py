@@ -136,11 +136,12 @@ def _server_records(run: RunSummary) -> str:
     norms = (
         ""
         if run.privacy.noise_at == "clients"
-        else " and the fraction of updates clipped and their median norm (metrics.csv), computed before the noise"
+        else " and the fraction of updates clipped and their median norm, computed before the noise"
     )
     return (
-        f"the server's own records in the run directory: each round's sample of clients (the checkpoints, "
-        f"metrics.csv's clients){norms}, which the guarantee assumes stay with the server"
+        f"the server's own records in the run directory: each round's sample of clients (the checkpoints' "
+        f"round-NNNN.json, server-metrics.csv){norms}, which the guarantee assumes stay with the server "
+        f"(fedaudit export leaves them out of a copy for others)"
     )
 
 

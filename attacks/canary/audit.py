@@ -141,7 +141,7 @@ def _round_start(run: RunDirectory, spec: ModelSpec, round_number: int, run_seed
     """The global model round ``round_number`` started from (round 1's is rebuilt from the run's seed)."""
     if round_number == 1:
         return initial_params(spec, run_seed)
-    return run.checkpoints.load(round_number - 1)[0]
+    return run.checkpoints.params(round_number - 1)
 
 
 def _sent_vector(

@@ -874,7 +874,7 @@ def _invert_update(
     start = (
         initial_params(spec, config.seed)
         if target.round == 1
-        else {name: t for name, t in run.checkpoints.load(target.round - 1)[0].items()}
+        else {name: t for name, t in run.checkpoints.params(target.round - 1).items()}
     )
     start = {name: start[name].to(torch.float32) for name, _ in model.named_parameters()}
     training = local_training(run, config, manifest, target, start)

@@ -186,7 +186,9 @@ class Algorithm(Protocol):
     :func:`privacy_plan` read them): ``setup_rounds``, the number of leading rounds in which every client takes part
     whatever ``--client-fraction`` says (Fedssyn's generation round), and ``privacy_plan(config, num_examples,
     round)``, the SGM events a client is charged for in a round it takes part in when they are not the usual
-    ``queries_per_round`` steps at rate B / N_k.
+    ``queries_per_round`` steps at rate B / N_k. A third, ``keeps_client_states`` (true for SCAFFOLD), makes a
+    client-level run write its clients' states every round, so that which rounds changed one does not tell the
+    round's sample.
     """
 
     name: str

@@ -35,6 +35,7 @@ class Scaffold(FedAvg):
     """SCAFFOLD (option II control variates), with record-level DP-SGD on the clients under ``--dp``."""
 
     name = "scaffold"
+    keeps_client_states = True  # a client-level run writes its clients' states every round, changed or not
 
     def client_update(
         self,

@@ -26,6 +26,7 @@ from fedaudit.rundir.files import (
     versions,
     write_arrays,
 )
+from fedaudit.rundir.private import client_level, private_columns
 from fedaudit.rundir.records import (
     FORMAT_VERSION,
     MANIFEST_STATUSES,
@@ -38,6 +39,8 @@ from fedaudit.rundir.records import (
 )
 
 __all__ = [
+    "client_level",
+    "private_columns",
     "FORMAT_VERSION",
     "MANIFEST_STATUSES",
     "MAX_RUN_TEXT_BYTES",

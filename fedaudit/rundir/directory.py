@@ -2,7 +2,7 @@
 
 Layout (every file and key: docs/run-directory.md)::
 
-    config.json  manifest.json  membership.npz  metrics.csv  privacy.json  model.safetensors
+    config.json  manifest.json  membership.npz  metrics.csv (server-metrics.csv)  privacy.json  model.safetensors
     checkpoints/round-NNNN.safetensors (+ .json, -clients, -server, -server-kept .safetensors)  transmitted/  attacks/
 
 Weights are safetensors and metadata JSON, so nothing is ever unpickled. Every file is written to a temporary name in
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ from fedaudit.rundir.files import (
     tensors_bytes,
     tensors_metadata,
 )
+from fedaudit.rundir.private import SERVER_METRICS
 from fedaudit.rundir.records import FORMAT_VERSION, RUN_FORMAT, Manifest
 from fedaudit.rundir.sealing import Seal
 from fedaudit.rundir.stores import AttackStore, CheckpointStore, QueryStore, StateStore, WireStore
@@ -71,6 +72,7 @@ class RunDirectory(CommittedFiles):
     membership_path = property(lambda self: self.path / "membership.npz")
     canaries_path = property(lambda self: self.path / "canaries.npz")  # secret inclusion bits of a canary audit
     metrics_path = property(lambda self: self.path / "metrics.csv")
+    server_metrics_path = property(lambda self: self.path / SERVER_METRICS)
     privacy_path = property(lambda self: self.path / "privacy.json")
     model_path = property(lambda self: self.path / "model.safetensors")
     checkpoints_dir = property(lambda self: self.path / "checkpoints")
@@ -235,25 +237,39 @@ class RunDirectory(CommittedFiles):
         """The canaries' arrays (no pickled objects), or None for a run trained without canaries."""
         return read_arrays(self.canaries_path) if self.canaries_path.is_file() else None
 
-    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+    def write_metrics(self, rows: list[dict[str, Any]], private: Collection[str] = ()) -> None:
+        """metrics.csv, one row a round; the ``private`` columns (what only a client-level run's server may see,
+        fedaudit.rundir.private) go to server-metrics.csv beside it, with the round."""
         frame = pd.DataFrame(rows)
         ordered = [c for c in METRIC_COLUMNS if c in frame.columns] + [
             c for c in frame.columns if c not in METRIC_COLUMNS
         ]
-        self.put(self.metrics_path, csv_bytes(frame[ordered]))
+        self.put(self.metrics_path, csv_bytes(frame[[c for c in ordered if c not in private]]))
+        if private:
+            self.put(self.server_metrics_path, csv_bytes(frame[["round", *[c for c in ordered if c in private]]]))
 
-    def read_metrics(self) -> pd.DataFrame:
+    def read_metrics(self, *, server: bool = False) -> pd.DataFrame:
+        """metrics.csv; with ``server``, and server-metrics.csv's columns where the run has one (a resume needs all)."""
         if not self.metrics_path.is_file():
             return pd.DataFrame(columns=list(METRIC_COLUMNS))
-        bounded_size(self.metrics_path)
+        metrics = self._read_csv(self.metrics_path)
+        if server and self.server_metrics_path.is_file():
+            extra = self._read_csv(self.server_metrics_path)
+            if "round" not in extra.columns or list(extra["round"]) != list(metrics.get("round", [])):
+                raise RunError(f"{self.server_metrics_path} does not hold the rounds of {self.metrics_path.name}.")
+            metrics = metrics.merge(extra, on="round", how="left")
+        return metrics
+
+    def _read_csv(self, path: Path) -> pd.DataFrame:
+        bounded_size(path)
         try:
-            metrics = pd.read_csv(self.metrics_path)
+            metrics = pd.read_csv(path)
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RunError(f"{self.metrics_path} is not a readable CSV file ({first}).") from exc
+            raise RunError(f"{path} is not a readable CSV file ({first}).") from exc
         for column in METRIC_COLUMNS:
             if column in metrics.columns and not pd.api.types.is_numeric_dtype(metrics[column]):
-                raise RunError(f"{self.metrics_path}: its column {column!r} holds values that are not numbers.")
+                raise RunError(f"{path}: its column {column!r} holds values that are not numbers.")
         return metrics
 
     def write_privacy(self, ledger: dict[str, Any]) -> None:

@@ -29,13 +29,14 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedaudit.errors import UserError
 from fedaudit.privacy.randomness import SECRETS_FILE, SERVER_SECRET_FILE
+from fedaudit.rundir.private import EXPORT_RECORD
 
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"
@@ -74,11 +75,12 @@ def file_digest(path: Path) -> str:
 
 def untracked(relative: str) -> bool:
     """Files of a run directory that carry no hash: the manifest itself, its signature, the lock, the simulated
-    clients' secrets and a client-level DP server's (which a run handed to someone else leaves out), temporaries of
+    clients' secrets and a client-level DP server's (which a run handed to someone else leaves out), a copy's export
+    record (which files it leaves out), temporaries of
     an interrupted write (cleared by the next writer) and attack caches."""
     name = relative.rsplit("/", 1)[-1]
     top = relative.split("/", 1)[0]
-    unhashed = (MANIFEST, SIGNATURE, LOCK, SECRETS_FILE, SERVER_SECRET_FILE)
+    unhashed = (MANIFEST, SIGNATURE, LOCK, SECRETS_FILE, SERVER_SECRET_FILE, EXPORT_RECORD)
     return relative in unhashed or bool(_TEMPORARY.match(name)) or top in CACHES
 
 
@@ -111,12 +113,18 @@ def file_problems(root: Path, files: Mapping[str, str], pending: Mapping[str, st
     return [sentence for _, sentence in file_findings(root, files, pending)]
 
 
-def file_findings(root: Path, files: Mapping[str, str], pending: Mapping[str, str | None]) -> list[tuple[str, str]]:
-    """:func:`file_problems` as (relative path, sentence) pairs: which files a reader must not trust."""
+def file_findings(
+    root: Path, files: Mapping[str, str], pending: Mapping[str, str | None], absent: Collection[str] = ()
+) -> list[tuple[str, str]]:
+    """:func:`file_problems` as (relative path, sentence) pairs: which files a reader must not trust. ``absent``:
+    files that may be missing (a copy for others leaves out what only the server may see); present, they must
+    check."""
     problems = []
     for relative in sorted(set(files) | set(pending)):
         path = root / relative
         actual = file_digest(path) if path.is_file() else None
+        if actual is None and relative in absent:
+            continue
         allowed = {files.get(relative)}
         if relative in pending:
             allowed.add(pending[relative])

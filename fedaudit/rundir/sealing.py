@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fedaudit.rundir import integrity
+from fedaudit.rundir import integrity, private
 from fedaudit.rundir.files import RunError, atomic_write_json, process_umask
 from fedaudit.rundir.stores import RunFiles
 
@@ -42,10 +42,10 @@ class Seal:
                     "manifest.json records no SHA-256 of the run's files (written before fedaudit 0.9, or edited)",
                 )
             ]
-        findings = integrity.file_findings(run.path, *recorded)
+        config = self._config()
+        findings = integrity.file_findings(run.path, *recorded, private.excused(run.path, config))
         unreadable = any(name in ("privacy.json", "config.json") for name, _ in findings)
         if run.privacy_path.is_file() and not unreadable:
-            config = run.read_json(run.config_path) if run.config_path.is_file() else {}
             privacy = config.get("privacy") if isinstance(config, dict) else None
             ledger = run.read_json(run.privacy_path)
             done = document.get("rounds_done") if isinstance(document.get("rounds_done"), int) else 0
@@ -56,6 +56,14 @@ class Seal:
                 problems = ["privacy.json is not a ledger (not a JSON object)"]
             findings += [("privacy.json", problem) for problem in problems]
         return findings
+
+    def _config(self) -> dict[str, Any]:
+        """config.json's object ({} where there is none to read: the file checks report why)."""
+        try:
+            config = self.run.read_json(self.run.config_path) if self.run.config_path.is_file() else {}
+        except RunError:
+            return {}
+        return config if isinstance(config, dict) else {}
 
     def check(self, action: str) -> None:
         """Refuse to ``action`` a run whose files or ledger were changed: an :class:`IntegrityError` naming the
@@ -77,8 +85,9 @@ class Seal:
     def export(self, out: str | Path) -> int:
         """Copy the run to ``out`` for someone else (an auditor, a server): every file the manifest hashes, the
         manifest and its signature, and nothing else: never the simulated clients' secrets, whose holder can remove
-        the noise, nor the lock, temporaries or caches. Built beside ``out`` under a temporary name and renamed into
-        place. Returns the number of files copied.
+        the noise, nor the lock, temporaries or caches, nor what only a client-level run's server may see
+        (:mod:`fedaudit.rundir.private`: listed in the copy's export.json instead). Built beside ``out`` under a
+        temporary name and renamed into place. Returns the number of files copied.
 
         Raises:
             RunError: ``out`` exists and is not an empty directory, or cannot be written.
@@ -94,6 +103,16 @@ class Seal:
         recorded = integrity.read_hashes(document) or ({}, {})
         names = sorted({*recorded[0], *(k for k, v in recorded[1].items() if v is not None)})
         names = [n for n in names if (run.path / n).is_file()]
+        config = self._config()
+        named = private.names_clients(names, config)
+        if named:
+            raise RunError(
+                f"Refusing to export {run.path}: it is a client-level DP run whose manifest names the clients each "
+                f"round sampled ({named[0]}: it was trained with --save-transmitted), which its guarantee keeps from "
+                "everyone but the server; a copy for others needs a run trained without --save-transmitted."
+            )
+        record = private.export_record(names, config)
+        names = [n for n in names if n not in record["left_out"]]
         names += [n for n in (integrity.MANIFEST, integrity.SIGNATURE) if (run.path / n).is_file()]
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +125,8 @@ class Seal:
                 destination = building / name
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(run.path / name, destination)
+            if record["left_out"]:
+                atomic_write_json(building / private.EXPORT_RECORD, record)
             if target.exists():
                 target.rmdir()
             os.rename(building, target)
@@ -132,8 +153,11 @@ class Seal:
         for key in sorted((set(signed) | set(current)) - GROWS_AFTER_SIGNING):
             if signed.get(key) != current.get(key):
                 changed.append(f"{integrity.MANIFEST}'s {key} changed after the run was signed")
+        excused = private.excused(run.path, self._config())
         for relative, expected in sorted(recorded[0].items()):
             path = run.path / relative
+            if relative in excused and not path.is_file():
+                continue  # a copy for others leaves out what only the server may see
             if not path.is_file() or integrity.file_digest(path) != expected:
                 if relative == run.verification_path.name or relative.startswith(f"{run.attacks_dir.name}/"):
                     rewritten.append(relative)  # a result computed from the run, rewritten by a later verify or attack

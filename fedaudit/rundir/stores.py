@@ -86,8 +86,11 @@ class CheckpointStore(Store):
     def load(
         self, round_number: int, device: str | torch.device = "cpu"
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        params = load_tensors(self.path(round_number), device)
-        return params, self.run.read_json(self.state_path(round_number))
+        return self.params(round_number, device), self.run.read_json(self.state_path(round_number))
+
+    def params(self, round_number: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The weights alone (a copy of a client-level run for others holds no state file: it records the sample)."""
+        return load_tensors(self.path(round_number), device)
 
     def files(self, round_number: int) -> list[Path]:
         """Every file of round ``round_number``'s checkpoint that exists (weights, state, clients', server's)."""

@@ -119,8 +119,8 @@ def test_the_trust_model_of_noise_in_shares_says_whether_the_server_saw_them_sum
     central = replace(run, privacy=replace(shares, noise_at="server"))
     for table, norms in ((guarantee_table(summed), False), (guarantee_table(central), True)):
         outside = _rows(table)["outside the guarantee"][0]  # the server sees no norm when the noise comes in shares
-        assert "each round's sample of clients (the checkpoints, metrics.csv's clients)" in outside
-        assert ("their median norm (metrics.csv), computed before the noise" in outside) == norms
+        assert "each round's sample of clients (the checkpoints' round-NNNN.json, server-metrics.csv)" in outside
+        assert ("their median norm, computed before the noise" in outside) == norms
 
 
 def test_a_report_over_runs_of_different_datasets_says_so_first(plain_run, dp_run):

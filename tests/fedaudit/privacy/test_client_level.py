@@ -8,6 +8,7 @@ import shutil
 import stat
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from helpers import FAST_ARGS, invoke
@@ -204,12 +205,67 @@ def test_the_server_samples_clients_from_a_secret_of_its_own_kept_out_of_the_cop
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert "server-secret.json" not in json.loads((first / "manifest.json").read_text())["files"]
     assert _weights(first) != _weights(second)
-    counts = [int(line.split(",")[6]) for line in (first / "metrics.csv").read_text().splitlines()[1:]]
-    counts += [int(line.split(",")[6]) for line in (second / "metrics.csv").read_text().splitlines()[1:]]
+    counts = [
+        *pd.read_csv(first / "server-metrics.csv")["clients"],
+        *pd.read_csv(second / "server-metrics.csv")["clients"],
+    ]
     assert len(set(counts)) > 1, counts  # ceil(q K) = 4 every round if it were the seed's choice
     exported = tmp_path / "exported"
     assert invoke("export", first, "--out", exported).exit_code == 0
     assert not (exported / "server-secret.json").exists() and (exported / "privacy.json").exists()
+
+
+def test_a_copy_for_others_holds_nothing_of_the_servers_sample_and_still_checks(tmp_path) -> None:
+    """A client-level run's sample (which clients, how many: the bytes count them too) and its un-noised update
+    statistics are the server's: metrics.csv holds none of them, and an export leaves out the files that do (listed
+    in its export.json); the copy verifies, is attacked and reported. Its record excuses no other missing file, and
+    the run itself without them fails. A run whose manifest names a file per client and round is not exported."""
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    args = (*FAST_ARGS, *CLIENT_LEVEL, "--num-clients", "6", "--client-fraction", "0.5", "--rounds", "2")
+    assert invoke("train", *args, "--out", run).exit_code == 0
+    public, server = pd.read_csv(run / "metrics.csv"), pd.read_csv(run / "server-metrics.csv")
+    assert list(public.columns) == ["round", "test_accuracy", "test_loss", "epsilon", "wall_seconds", "clip_norm"]
+    assert {"clients", "bytes_up", "clipped_updates", "update_norm_median"} <= set(server.columns)
+    result = invoke("export", run, "--out", copy)
+    assert result.exit_code == 0 and "3 file(s) only the server may see" in result.output, result.output
+    left_out = json.loads((copy / "export.json").read_text())["left_out"]
+    expected = {"server-metrics.csv", "checkpoints/round-0001.json", "checkpoints/round-0002.json"}
+    assert set(left_out) == expected and not any((copy / name).exists() for name in expected)
+    held = b"".join(path.read_bytes() for path in copy.rglob("*") if path.is_file())
+    assert b"clipped_updates" not in held and b"bytes_up" not in held and b'"clients": [' not in held
+    for command in (("verify", copy), ("attack", copy, "--signal", "loss", "--method", "threshold")):
+        result = invoke(*command)
+        assert result.exit_code == 0, result.output
+    assert invoke("report", copy, "--out", tmp_path / "report", "--format", "md").exit_code == 0
+    for damage in ("model.safetensors", "membership.npz"):  # an export record excuses no other file
+        broken = tmp_path / f"broken-{damage}"
+        shutil.copytree(copy, broken)
+        record = json.loads((broken / "export.json").read_text())
+        (broken / "export.json").write_text(json.dumps({**record, "left_out": {**left_out, damage: "mine"}}))
+        (broken / damage).unlink()
+        assert invoke("verify", broken).exit_code == 1
+    (run / "server-metrics.csv").unlink()  # the run itself has no record to excuse it
+    assert invoke("verify", run).exit_code == 1
+    sent = tmp_path / "sent"
+    assert invoke("train", *args, "--save-transmitted", "--out", sent).exit_code == 0
+    result = invoke("export", sent, "--out", tmp_path / "sent-copy")
+    assert result.exit_code == 2 and "names the clients each round sampled" in result.output
+    assert not (tmp_path / "sent-copy").exists()
+
+
+def test_scaffold_at_client_level_writes_its_clients_states_every_round_and_keeps_them_from_the_copy(tmp_path):
+    """SCAFFOLD's client states move with each client's unclipped update: the server's files keep them, written
+    every round (a round without a file would say it sampled nobody), and a copy for others leaves them out."""
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    args = (*FAST_ARGS, *CLIENT_LEVEL, "--algorithm", "scaffold", "--local-steps", "2", "--num-clients", "6")
+    extra = ("--client-fraction", "0.1", "--rounds", "5", "--noise-seed", "3", "--delta", "1e-3")
+    assert invoke("train", *args, *extra, "--out", run).exit_code == 0
+    assert 0 in set(pd.read_csv(run / "server-metrics.csv")["clients"])  # a round that sampled nobody
+    states = RunDirectory(run).states
+    assert all(states.path(number).is_file() for number in range(1, 6))
+    assert invoke("export", run, "--out", copy).exit_code == 0
+    assert not list((copy / "checkpoints").glob("*-clients.safetensors"))
+    assert invoke("verify", copy).exit_code == 0
 
 
 def test_a_resumed_client_level_run_reads_the_servers_secret_back_and_is_the_same_run(tmp_path, fixed_secrets):
