@@ -19,14 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from fedaudit.attacks.canary.estimators import (
-    CanaryBound,
-    GaussianEstimate,
-    epsilon_from_gdp,
-    epsilon_one_run,
-    gaussian_estimate,
-)
-from fedaudit.attacks.metrics import EpsilonBound, auc_score, epsilon_lower_bound
+from fedaudit.attacks.canary.estimators import CanaryBound, GaussianEstimate, gaussian_estimate, split_audit
+from fedaudit.attacks.metrics import CONFIDENCE, EpsilonBound, auc_score, epsilon_lower_bound
 from fedaudit.config import ConfigError, RunConfig, load_config_file, option_field
 
 if TYPE_CHECKING:  # each command imports what it runs when called (torch among it), so importing this is quick
@@ -67,6 +61,7 @@ def run_config(config: RunConfig | str | Path | None = None, **options: Any) -> 
 
     Raises:
         ConfigError: a setting that cannot work (one sentence naming it).
+        TrainingError: a setting that only other algorithms read (it would be ignored).
     """
     if config is None:
         base = RunConfig()
@@ -90,12 +85,20 @@ def run_config(config: RunConfig | str | Path | None = None, **options: Any) -> 
             ) from None
     base = base.with_overrides(overrides)
     base.validate()  # the file and the options together: an option may complete what the file leaves open
+    from fedaudit.preparation import refuse_unread
+
+    refuse_unread([name for name, value in options.items() if value is not None], base.federated.algorithm)
     return base
 
 
 def _paths(runs: str | Path | Sequence[str | Path]) -> list[str | Path]:
-    """One run directory or several, as a list."""
-    return [runs] if isinstance(runs, (str, Path)) else list(runs)
+    """One run directory or several, as a list; none at all is a mistake (the command line refuses it too)."""
+    paths = [runs] if isinstance(runs, (str, Path)) else list(runs)
+    if not paths:
+        from fedaudit.errors import UserError
+
+        raise UserError("Give at least one run directory.")
+    return paths
 
 
 def train(
@@ -177,12 +180,16 @@ def attack(
     from fedaudit.attacks.options import DEFAULT_SIGNALS, AttackOptions, ReconstructionOptions
     from fedaudit.attacks.registry import DEFAULT_METHODS
     from fedaudit.attacks.runner import run_attacks
+    from fedaudit.options import option_name
 
     reconstruction = {"iterations": iterations, "restarts": restarts, "psnr_threshold": psnr_threshold}
-    known = {field.name for field in dataclasses.fields(AttackOptions)} - {"signals", "methods", "reconstruction"}
-    unknown = sorted(set(options) - known)
+    fields = [each for each in dataclasses.fields(AttackOptions) if each.name not in ("signals", "methods")]
+    by_option = {option_name(each): each.name for each in fields if each.name != "reconstruction"}  # bootstrap
+    known = {**{each.name: each.name for each in fields if each.name != "reconstruction"}, **by_option}
+    unknown = sorted(set(options) - set(known))
     if unknown:
         raise AttackError(f"No attack option is called {unknown[0]!r}; the names are: {', '.join(sorted(known))}.")
+    options = {known[name]: value for name, value in options.items()}
     chosen = AttackOptions(
         signals=tuple(dict.fromkeys(signals or DEFAULT_SIGNALS)),
         methods=tuple(dict.fromkeys(methods or DEFAULT_METHODS)),
@@ -200,9 +207,9 @@ def verify(
     public_key: bytes | None = None,
     probe: bool = False,
 ) -> Iterator[VerifyOutcome]:
-    """Check runs (``fedaudit verify``): each run's outcome, as soon as it is checked, with its integrity, its
-    signature (with ``public_key``, raw Ed25519 bytes), and for a DP canary run the recomputed mechanism checks;
-    writes ``RUN/verification.json``."""
+    """Check runs (``fedaudit verify``): each run's outcome, in the order given, with its integrity, its signature
+    (with ``public_key``, raw Ed25519 bytes), and for a DP canary run the recomputed mechanism checks; writes
+    ``RUN/verification.json``. Every run is checked before the first outcome is returned."""
     from fedaudit.attacks.conformance.verify import verify_runs
 
     return iter(verify_runs(_paths(runs), seed=seed, public_key=public_key, probe=probe))
@@ -239,3 +246,24 @@ def compare(
 
     chosen = study if isinstance(study, Study) else load_study(study)
     return run_study(chosen, out, overwrite=overwrite, progress=progress, echo=echo, yes=yes)
+
+
+def epsilon_one_run(
+    included: Any, excluded: Any, *, delta: float, confidence: float = CONFIDENCE, seed: int = 0
+) -> CanaryBound:
+    """The one-run lower bound on epsilon (Steinke, Nasr and Jagielski 2023), valid at ``confidence`` whatever the
+    scores' distribution: its threshold is chosen on a random half of the included and of the excluded canaries
+    (drawn with ``seed``) and the bound judged on the other half, as ``fedaudit attack --method canary`` does.
+    Choosing the threshold and judging it on the same canaries is not valid: on scores independent of inclusion it
+    exceeded 0 in 7% of trials at 95%."""
+    return split_audit(included, excluded, estimator="one-run", delta=delta, confidence=confidence, seed=seed)
+
+
+def epsilon_from_gdp(
+    included: Any, excluded: Any, *, delta: float, confidence: float = CONFIDENCE, seed: int = 0
+) -> CanaryBound:
+    """A lower bound on epsilon from a lower bound on the Gaussian-DP parameter mu (Nasr et al. 2023), split as
+    :func:`epsilon_one_run`. It holds for mechanisms whose trade-off curve is Gaussian (the Gaussian mechanism, and
+    DP-SGD's subsampled Gaussian at the false-positive rates a few thousand canaries resolve), not for any mechanism:
+    on randomised response or Laplace noise it exceeds their epsilon (use :func:`epsilon_one_run` there)."""
+    return split_audit(included, excluded, estimator="gdp", delta=delta, confidence=confidence, seed=seed)

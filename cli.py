@@ -168,24 +168,6 @@ def main() -> None:
     """
 
 
-def _refuse_unread(given: set[str], algorithm: str) -> None:
-    """An option given on the command line that only other algorithms read (FedLAP's, FedProx's mu) would be
-    ignored without a word: it is refused, naming the algorithms that read it."""
-    from fedaudit.preparation import TrainingError
-    from fedaudit.registry import option_readers
-
-    for name in sorted(given):
-        try:
-            readers = option_readers(option_field(name))
-        except KeyError:  # not a configuration field (--out, --resume, ...)
-            continue
-        if readers and algorithm not in readers:
-            raise TrainingError(
-                f"--{name.replace('_', '-')} is read by --algorithm {' or '.join(readers)} only, and this run is "
-                f"{algorithm}: drop it or choose one of those."
-            )
-
-
 @main.command(cls=GroupedCommand)
 @click.option(
     "--config",
@@ -227,25 +209,15 @@ def train(
     directory: docs/run-directory.md.
     """
     from fedaudit import api
-    from fedaudit.preparation import TrainingError, data_access
+    from fedaudit.preparation import TrainingError, data_access, refuse_unread
+    from fedaudit.training import RESUME_SETTINGS, refuse_resume_settings
 
     progress = show_progress(progress)
     given = {name for name in options if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     options["site_data"] = options.get("site_data") or None  # not given: the configuration file's, if any
     if resume_dir is not None:
-        extra = (
-            sorted(given - {"rounds", "device", *RESUME_SETTINGS})
-            + (["config"] if config_file else [])
-            + (["out"] if out else [])
-            + (["overwrite"] if overwrite else [])
-        )
-        if extra:
-            raise TrainingError(
-                "--resume continues a run with its stored configuration; only --rounds, --device and the "
-                "settings of where clients run (--parallel-clients, --ray-address, --client-cpus, --client-gpus, "
-                "--superlink, --root-certificates, --insecure, --wait-seconds, --round-timeout) may be given with "
-                f"it, not --{extra[0].replace('_', '-')}."
-            )
+        also = {"config": config_file, "out": out, "overwrite": overwrite}
+        refuse_resume_settings([*given, *(name for name, value in also.items() if value)])
         result = api.resume(
             resume_dir,
             rounds=options.get("rounds"),
@@ -257,7 +229,7 @@ def train(
         if out is None and not equal_data_access:
             raise TrainingError("--out is required: the directory the run is written to.")
         config = api.run_config(config_file, **options)
-        _refuse_unread(given, config.federated.algorithm)
+        refuse_unread(given, config.federated.algorithm)  # what the configuration file set as well
         if equal_data_access:
             for line in data_access(config).lines():
                 click.echo(line)
@@ -658,19 +630,6 @@ def _finish_report(outcome: Any) -> None:
         if outcome.broken or EXIT_CODES[outcome.verdict]:
             sys.exit(1 if outcome.broken else EXIT_CODES[outcome.verdict])
 
-
-# Options of `train --resume` that change how a run is carried out, never its results.
-RESUME_SETTINGS = (
-    "parallel_clients",
-    "ray_address",
-    "client_cpus",
-    "client_gpus",
-    "superlink",
-    "root_certificates",
-    "insecure",
-    "wait_seconds",
-    "round_timeout",
-)
 
 # Options of `train` that `compare` also takes, to set the base configuration of every run in a study.
 COMPARE_BASE_OPTIONS = (

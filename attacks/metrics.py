@@ -35,6 +35,7 @@ import numpy as np
 from scipy.stats import beta, norm
 
 from fedaudit.attacks.options import DEFAULT_RESAMPLES
+from fedaudit.errors import UserError
 
 LOW_FPRS: tuple[float, ...] = (0.01, 0.001)
 CONFIDENCE = 0.95
@@ -89,20 +90,34 @@ def _rates(fps: np.ndarray, tps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([[0.0], fps]) / fps[-1], np.concatenate([[0.0], tps]) / tps[-1]
 
 
+class ScoreError(UserError):
+    """Labels or scores a metric cannot use (one sentence)."""
+
+
+def _labelled(member: Any, score: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and scores as flat arrays, by position (lists, pandas and torch's CPU tensors too), refused unless of
+    one length, labels 0 or 1 and scores finite."""
+    member, score = (np.asarray(x.detach().cpu() if hasattr(x, "detach") else x).ravel() for x in (member, score))
+    if member.shape != score.shape:
+        raise ScoreError(f"{member.size} membership labels for {score.size} scores.")
+    try:
+        score = score.astype(np.float64)
+    except (TypeError, ValueError):
+        raise ScoreError("Scores must be numbers.") from None
+    if not np.isfinite(score).all():
+        raise ScoreError("Scores must be finite to draw a ROC curve.")
+    labels = set(np.unique(member).tolist())
+    if not labels <= {0, 1}:
+        raise ScoreError(f"Membership labels must be 0 or 1, got {sorted(labels)}.")
+    return member.astype(np.int64), score
+
+
 def _counts_at_thresholds(member: np.ndarray, score: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """False and true positives (float64) at each distinct score taken as the threshold, from the highest, and
     those scores."""
-    member = np.asarray(member).ravel()
-    score = np.asarray(score).ravel()
-    if member.shape != score.shape:
-        raise ValueError(f"{member.size} membership labels for {score.size} scores.")
-    if not np.isfinite(score).all():
-        raise ValueError("Scores must be finite to draw a ROC curve.")
-    labels = set(np.unique(member).tolist())
-    if not labels <= {0, 1}:
-        raise ValueError(f"Membership labels must be 0 or 1, got {sorted(labels)}.")
-    if len(labels) != 2:
-        raise ValueError("Only one class present in the membership labels: a ROC curve needs members and non-members.")
+    member, score = _labelled(member, score)
+    if len(set(member.tolist())) != 2:
+        raise ScoreError("Only one class present in the membership labels: a ROC curve needs members and non-members.")
     order = np.argsort(score, kind="stable")[::-1]
     sorted_score = score[order]
     positives = (member[order] == 1).astype(np.float64)
@@ -443,7 +458,14 @@ def epsilon_lower_bound(
     Returns:
         The bound and the test it comes from.
     """
-    select = np.asarray(select, dtype=bool)
+    from fedaudit.attacks.canary.estimators import check_level
+
+    check_level(delta, confidence)
+    member, score = _labelled(member, score)
+    select = np.asarray(select.detach().cpu() if hasattr(select, "detach") else select).ravel()
+    if select.shape != member.shape or not set(np.unique(select).tolist()) <= {0, 1}:
+        raise ScoreError(f"select must mark each of the {member.size} records true or false.")
+    select = select.astype(bool)
     judged = ~select
     counts = {
         "selection_members": int((member[select] == 1).sum()),

@@ -8,6 +8,7 @@ when they run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from fedaudit.attacks.registry import (
     family_of,
 )
 from fedaudit.config import DEVICES, MAX_SEED
-from fedaudit.options import setting
+from fedaudit.options import option_name, option_of, setting
 
 DEFAULT_SIGNALS: tuple[str, ...] = ("loss", "grad-norm")
 SYNTHETIC_SIGNAL = "synthetic-distance"  # read from what crossed the wire, not from a model
@@ -162,6 +163,11 @@ class AttackOptions:
             parse_target(self.membership_target)
         if self.nonmembers not in NONMEMBER_SOURCES:
             raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
+        for each in dataclasses.fields(self):  # a choice the command line's click.Choice would refuse (--device)
+            option, value = option_of(each), getattr(self, each.name)
+            if option is not None and option.choices and not option.multiple and value not in option.choices:
+                flag = option_name(each).replace("_", "-")
+                raise AttackError(f"Unknown --{flag} {value!r}; choose from {', '.join(option.choices)}.")
         for option, value, least, why in (
             ("--max-records", self.max_records, 2, ""),
             ("--batch-size", self.batch_size, 1, ""),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedaudit.registry import load
+from fedaudit.registry import RegistryError, check_entry, load
 
 # Families: the attacks of one family are run together by one part of the runner.
 MEMBERSHIP = "membership"  # a per-record signal of the attacked models turned into membership scores
@@ -21,6 +21,7 @@ REFERENCE = "reference"  # membership scores that compare the signal with refere
 CANARY = "canary"  # the run's canaries scored and turned into epsilon lower bounds
 RECONSTRUCTION = "reconstruction"  # a client's records rebuilt from what it sent
 CLIENT = "client"  # whether a client's data as a whole took part: the unit is a client
+FAMILIES = (MEMBERSHIP, REFERENCE, CANARY, RECONSTRUCTION, CLIENT)
 
 # The names of the two attacks that are families of their own: their result directories and metrics.json say them.
 CANARY_METHOD = "canary"
@@ -151,6 +152,25 @@ ATTACKS: dict[str, AttackEntry] = {
     )
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(name for name, entry in ATTACKS.items() if entry.default)
+
+
+def register_attack(entry: AttackEntry, *, replace: bool = False) -> None:
+    """Add ``entry`` to :data:`ATTACKS` (a plug-in's attack, run when ``--method`` names it): a
+    :class:`~fedaudit.registry.RegistryError` for an entry of no family the runner knows, one run by default (the
+    default methods are fixed), or a name already taken (``replace=True`` replaces it)."""
+    if not isinstance(entry, AttackEntry):
+        raise RegistryError(f"An attack is registered as an AttackEntry, not {type(entry).__name__}.")
+    check_entry(entry.name, entry.implementation, ATTACKS, replace, "attack")
+    if entry.family not in FAMILIES:
+        raise RegistryError(f"Attack {entry.name}'s family {entry.family!r} is none of {', '.join(FAMILIES)}.")
+    if entry.default:
+        raise RegistryError(f"Attack {entry.name} cannot run by default; it runs when --method names it.")
+    ATTACKS[entry.name] = entry
+
+
+def unregister_attack(name: str) -> None:
+    """Remove a registered attack (a plug-in's, when it is done)."""
+    ATTACKS.pop(name, None)
 
 
 def attack(name: str) -> AttackEntry:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from fedaudit.algorithms.feddm_settings import FedDMConfig
@@ -491,6 +492,18 @@ class PrivacyConfig:
         )
 
 
+def _plain(value: Any, annotation: Any) -> Any:
+    """A value given from Python as the command line would give it: numpy's scalars as Python's (a sweep over
+    np.arange), and an integer for a float setting as a float (config.json would say 8 where the command line
+    writes 8.0, and the same run would not be the same file)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    text = str(annotation or "")
+    if isinstance(value, int) and not isinstance(value, bool) and "float" in text and "int" not in text:
+        return float(value)
+    return value
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that determines a run; the same config and seed give the same run."""
@@ -576,11 +589,13 @@ class RunConfig:
             if "." in dotted:
                 section, name = dotted.split(".", 1)
                 current = getattr(config, section)
+                value = _plain(value, {f.name: f.type for f in fields(current)}.get(name))
                 try:
                     config = replace(config, **{section: replace(current, **{name: value})})
                 except TypeError as exc:
                     raise ConfigError(f"Unknown configuration key '{dotted}'.") from exc
             else:
+                value = _plain(value, {f.name: f.type for f in fields(config)}.get(dotted))
                 config = replace(config, **{dotted: value})
         return config
 

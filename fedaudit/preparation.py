@@ -8,13 +8,14 @@ run is set up the same way wherever it is trained and re-checked the same way wh
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from fedaudit.algorithms.base import Algorithm, ClientData, get_algorithm, setup_rounds
-from fedaudit.config import RunConfig, accountant_delta, mark_calibrated
+from fedaudit.config import RunConfig, accountant_delta, mark_calibrated, option_field
 from fedaudit.data import Dataset, Partition, load_dataset, partition_dataset
 from fedaudit.data.sites import SiteReport, federation, is_sites, load_sites
 from fedaudit.errors import UserError
@@ -27,12 +28,27 @@ from fedaudit.privacy.accounting import (
     calibrate_noise_multiplier,
     update_noise_multiplier,
 )
-from fedaudit.registry import ALGORITHMS
+from fedaudit.registry import ALGORITHMS, option_readers
 from fedaudit.seeding import Stream, numpy_rng
 
 
 class TrainingError(UserError):
     """A run that cannot be set up as configured (one clear sentence)."""
+
+
+def refuse_unread(given: Iterable[str], algorithm: str) -> None:
+    """An option given (on the command line, or to :func:`fedaudit.train`) that only other algorithms read (FedLAP's,
+    FedProx's mu) would be ignored without a word: it is refused, naming the algorithms that read it."""
+    for name in sorted(set(given)):
+        try:
+            readers = option_readers(option_field(name))
+        except KeyError:  # not a configuration field (--out, --resume, ...)
+            continue
+        if readers and algorithm not in readers:
+            raise TrainingError(
+                f"--{name.replace('_', '-')} is read by --algorithm {' or '.join(readers)} only, and this run is "
+                f"{algorithm}: drop it or choose one of those."
+            )
 
 
 @dataclass

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from fedaudit.errors import UserError
 
 # Gradient-sharing clients on datasets where the authors' Fashion-MNIST step and DP-SGD clipping norm barely move the
 # model under DP. On digits (8x8 images, ~290 records per client) lr 0.1 with C = 0.1 left a width-16 ConvNet at 10%
@@ -37,10 +40,32 @@ DP_LEVELS = ("record", "client")
 CLIENT_LEVEL_LABEL = "(client level)"  # what a client-level run's algorithm label ends with (algorithm_label)
 
 
+class RegistryError(UserError):
+    """An entry that cannot be registered, or whose implementation cannot be imported (one sentence)."""
+
+
+NAME = re.compile(r"[a-z][a-z0-9-]*")  # an algorithm's or attack's name: what --algorithm and --method take
+TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # "package.module:attribute"
+
+
 def load(target: str) -> Any:
-    """The object that ``"package.module:attribute"`` names."""
+    """The object that ``"package.module:attribute"`` names (a :class:`RegistryError` when nothing importable is)."""
     module, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise RegistryError(f"The implementation {target!r} cannot be imported ({exc}).") from exc
+
+
+def check_entry(name: str, implementation: str, taken: Mapping[str, Any], replace: bool, kind: str) -> None:
+    """The rules every registered entry follows: a lower-case name with dashes, an implementation named as
+    ``package.module:attribute``, and a name not taken unless ``replace`` says so."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise RegistryError(f"{kind.capitalize()} name {name!r} must be lower-case letters, digits and dashes.")
+    if not isinstance(implementation, str) or not TARGET.fullmatch(implementation):
+        raise RegistryError(f"{kind.capitalize()} {name}'s implementation {implementation!r} is not module:attribute.")
+    if name in taken and not replace:
+        raise RegistryError(f"An {kind} called {name!r} is registered already; pass replace=True to replace it.")
 
 
 @dataclass(frozen=True)
@@ -271,6 +296,26 @@ DEFAULT_ALGORITHM = "fedavg"
 # The algorithm whose DP queries per round a study's equal data access gives the local-SGD baselines (the FedLAP-DP
 # paper's comparison).
 EQUAL_ACCESS_REFERENCE = "fedlap"
+
+
+def register_algorithm(entry: AlgorithmEntry, *, replace: bool = False) -> None:
+    """Add ``entry`` to :data:`ALGORITHMS` (a plug-in's algorithm; docs/python-api.md, "Your own algorithm or
+    attack"): train, attack, report and compare then know it by ``entry.name``. Raises :class:`RegistryError` for an
+    entry that breaks the registry's rules or a name already taken (``replace=True`` replaces it)."""
+    if not isinstance(entry, AlgorithmEntry):
+        raise RegistryError(f"An algorithm is registered as an AlgorithmEntry, not {type(entry).__name__}.")
+    check_entry(entry.name, entry.implementation, _ALGORITHMS, replace, "algorithm")
+    if entry.wire not in (WIRE_UPDATES, WIRE_SYNTHETIC) or entry.dp_unit not in (DP_RECORD, DP_LABEL, DP_NONE):
+        raise RegistryError(
+            f"Algorithm {entry.name}'s wire must be {WIRE_UPDATES!r} or {WIRE_SYNTHETIC!r} and its dp_unit one of "
+            f"{DP_RECORD!r}, {DP_LABEL!r}, {DP_NONE!r}."
+        )
+    _ALGORITHMS[entry.name] = entry
+
+
+def unregister_algorithm(name: str) -> None:
+    """Remove a registered algorithm (a plug-in's, when it is done)."""
+    _ALGORITHMS.pop(name, None)
 
 
 def algorithm(name: str) -> AlgorithmEntry:

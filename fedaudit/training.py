@@ -8,7 +8,6 @@ directory are the same for all of them.
 
 from __future__ import annotations
 
-import base64
 import math
 import sys
 import time
@@ -141,6 +140,33 @@ def _say_fallback_layers(setup: Setup, echo: Echo) -> None:
         )
 
 
+# Options of `train --resume` that change how a run is carried out, never its results.
+RESUME_SETTINGS = (
+    "parallel_clients",
+    "ray_address",
+    "client_cpus",
+    "client_gpus",
+    "superlink",
+    "root_certificates",
+    "insecure",
+    "wait_seconds",
+    "round_timeout",
+)
+
+
+def refuse_resume_settings(given: Iterable[str]) -> None:
+    """A resumed run keeps its stored configuration: anything but --rounds, --device and where its clients run is
+    refused (a new learning rate or noise multiplier would make the run another one, and its ledger a lie)."""
+    extra = sorted(set(given) - {"rounds", "device", *RESUME_SETTINGS})
+    if extra:
+        raise TrainingError(
+            "--resume continues a run with its stored configuration; only --rounds, --device and the settings of "
+            "where clients run (--parallel-clients, --ray-address, --client-cpus, --client-gpus, --superlink, "
+            "--root-certificates, --insecure, --wait-seconds, --round-timeout) may be given with it, not "
+            f"--{extra[0].replace('_', '-')}."
+        )
+
+
 def resume(
     run_dir: str | Path,
     *,
@@ -172,6 +198,7 @@ def resume(
     Raises:
         UserError: the directory is not a resumable run, or ``rounds`` cannot be honoured.
     """
+    refuse_resume_settings(name for name, value in (settings or {}).items() if value is not None)
     run = RunDirectory(run_dir)
     run.read_manifest()  # a directory that is not a run is told so before it is locked
     with run.lock("fedaudit train --resume"):
@@ -835,12 +862,13 @@ def _round_line(row: dict[str, Any], rounds: int, *, dp: bool, config: RunConfig
 
 def _checkpoint_state(seed: int, round_number: int) -> dict[str, Any]:
     """What is saved beside a checkpoint's weights: the round, the seed every public random stream is derived from
-    (seed, stream, round, client), and the torch CPU generator state and Python version, for the record."""
+    (seed, stream, round, client), and the Python version, for the record. Not torch's global generator: nothing
+    of a run draws from it (a model's initialisation puts it back as it found it), so its state would record only
+    what the calling process did before."""
     return {
         "round": round_number,
         "seed": seed,
         "rng": "public draws per (seed, stream, round, client), see fedaudit.seeding; a DP run's clients draw from "
         "their own keys, see fedaudit.privacy.randomness",
-        "torch_cpu_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
         "python": sys.version.split()[0],
     }

@@ -5,7 +5,9 @@ plug-in's user would run it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +37,17 @@ ATTACK = attack_registry.AttackEntry(
 )
 
 
-def test_a_toy_algorithm_and_a_toy_attack_run_through_a_whole_study(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setitem(registry._ALGORITHMS, ALGORITHM.name, ALGORITHM)
-    monkeypatch.setitem(attack_registry.ATTACKS, ATTACK.name, ATTACK)
+@pytest.fixture
+def plugged() -> Iterator[None]:
+    """The toy algorithm and attack registered as a plug-in registers them, and removed afterwards, pass or fail."""
+    registry.register_algorithm(ALGORITHM)
+    attack_registry.register_attack(ATTACK)
+    yield
+    registry.unregister_algorithm(ALGORITHM.name)
+    attack_registry.unregister_attack(ATTACK.name)
+
+
+def test_a_toy_algorithm_and_a_toy_attack_run_through_a_whole_study(tmp_path: Path, plugged: None) -> None:
     study = {
         "algorithms": ["fedavg-twice", "fedavg"],
         "budgets": ["epsilon:20"],
@@ -65,3 +75,26 @@ def test_a_toy_algorithm_and_a_toy_attack_run_through_a_whole_study(tmp_path: Pa
     assert planted["method"] == "negated" and planted["auc"] == pytest.approx(1 - threshold["auc"], abs=1e-9)
     comparison = "\n".join(p.read_text() for p in out.rglob("*.md"))
     assert "DP-FedAvgTwice" in comparison and "negated" in comparison
+
+
+def test_the_registries_refuse_what_would_break_them_or_vanish_without_a_word() -> None:
+    """A built-in entry is not replaced by accident, a name is one --algorithm or --method takes, an attack of no
+    family the runner knows (it returned nothing) is refused, and an implementation that cannot be imported is one
+    sentence when it is used."""
+    built_in = registry.ALGORITHMS["fedavg"]
+    with pytest.raises(registry.RegistryError, match="called 'fedavg' is registered already; pass replace=True"):
+        registry.register_algorithm(built_in)
+    with pytest.raises(registry.RegistryError, match="must be lower-case letters, digits and dashes"):
+        registry.register_algorithm(dataclasses.replace(ALGORITHM, name="Fed Avg"))
+    with pytest.raises(registry.RegistryError, match="dp_unit"):
+        registry.register_algorithm(dataclasses.replace(ALGORITHM, dp_unit="records"))
+    with pytest.raises(registry.RegistryError, match="not module:attribute"):
+        attack_registry.register_attack(dataclasses.replace(ATTACK, implementation="negated"))
+    with pytest.raises(registry.RegistryError, match="family 'bogus' is none of membership, reference"):
+        attack_registry.register_attack(dataclasses.replace(ATTACK, family="bogus"))
+    with pytest.raises(registry.RegistryError, match="cannot run by default"):
+        attack_registry.register_attack(dataclasses.replace(ATTACK, default=True))
+    assert ALGORITHM.name not in registry.ALGORITHMS and ATTACK.name not in attack_registry.ATTACKS
+    missing = dataclasses.replace(ALGORITHM, implementation="no_such_module:Nothing")
+    with pytest.raises(registry.RegistryError, match="'no_such_module:Nothing' cannot be imported"):
+        missing.build(None)

@@ -19,6 +19,7 @@ jax-privacy's ``jax_privacy.auditing.CanaryScoreAuditor`` (Apache 2.0), which a 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from scipy.optimize import brentq
 from scipy.stats import beta, binom, norm
 
 from fedaudit.attacks.metrics import CONFIDENCE
+from fedaudit.errors import UserError
 
 _EPSILON_CEILING = 100.0
 
@@ -116,11 +118,45 @@ def _upper(successes: np.ndarray, trials: int, level: float) -> np.ndarray:
         return np.where(successes < trials, beta.ppf(1 - level, successes + 1, trials - successes), 1.0)
 
 
+class EstimatorError(UserError):
+    """Scores or settings an estimator cannot use (one sentence)."""
+
+
 def _scores(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    in_scores, out_scores = np.asarray(in_scores, float), np.asarray(out_scores, float)
+    """The scores as float arrays (lists, pandas or torch's CPU tensors too), refused unless non-empty, 1-D, finite."""
+    try:
+        in_scores, out_scores = (np.asarray(_plain(s), float) for s in (in_scores, out_scores))
+    except (TypeError, ValueError) as exc:
+        raise EstimatorError(f"The scores must be numbers ({exc}).") from None
     if in_scores.ndim != 1 or out_scores.ndim != 1 or not len(in_scores) or not len(out_scores):
-        raise ValueError("Need non-empty 1-D scores of included and of excluded canaries.")
+        raise EstimatorError("Need non-empty 1-D scores of included and of excluded canaries.")
+    if not (np.isfinite(in_scores).all() and np.isfinite(out_scores).all()):
+        raise EstimatorError("Every score must be finite: a NaN or infinite score ranks nowhere; drop or clip it.")
     return in_scores, out_scores
+
+
+def _plain(scores: Any) -> Any:
+    """A torch tensor or a pandas Series as its values (a Series by position, never by its index)."""
+    if hasattr(scores, "detach"):
+        return scores.detach().cpu().numpy()
+    if hasattr(scores, "to_numpy"):
+        return scores.to_numpy()
+    return scores
+
+
+def check_level(delta: float, confidence: float, *, positive_delta: bool = False) -> None:
+    """``delta`` in [0, 1) (in (0, 1) where the epsilon of a Gaussian-DP parameter is read at it) and
+    ``confidence`` in (0, 1), or one sentence."""
+    real = numbers.Real
+    if (
+        not isinstance(delta, real)
+        or isinstance(delta, bool)
+        or not (0 < delta < 1 or (delta == 0 and not positive_delta))
+    ):
+        kind = "in (0, 1)" if positive_delta else "in [0, 1)"
+        raise EstimatorError(f"delta must be a number {kind}, got {delta!r}.")
+    if not isinstance(confidence, real) or isinstance(confidence, bool) or not 0 < confidence < 1:
+        raise EstimatorError(f"confidence must be a number in (0, 1), got {confidence!r}.")
 
 
 def epsilon_one_run(
@@ -134,6 +170,7 @@ def epsilon_one_run(
 ) -> CanaryBound:
     """The one-run bound at ``threshold``, or else the largest over every hull threshold, each at confidence
     1 - (1 - ``confidence``) / thresholds (jax-privacy's default; ``corrected=False`` only to choose a threshold)."""
+    check_level(delta, confidence)
     in_scores, out_scores = _scores(in_scores, out_scores)
     if threshold is not None:
         n_in, n_out = len(in_scores), len(out_scores)
@@ -186,6 +223,7 @@ def epsilon_from_gdp(
     """The Gaussian-DP bound: mu at ``threshold``, or else the largest mu over hull thresholds (each rate bounded at
     (1 - confidence) / (2 n), jax-privacy's method; ``corrected=False`` only to choose a threshold), then the
     epsilon of mu-GDP at ``delta``."""
+    check_level(delta, confidence, positive_delta=True)
     in_scores, out_scores = _scores(in_scores, out_scores)
     if threshold is not None:
         thresholds = np.array([threshold])
@@ -248,6 +286,13 @@ def split_audit(
     chosen from the data, and on scores independent of inclusion it rejected in 6.4% of 3000 samples at 95%; a
     divisor over every threshold is valid but leaves the one-run bound no power once 2 m delta is near its level.
     """
+    check_level(delta, confidence, positive_delta=estimator == "gdp")
+    in_scores, out_scores = _scores(in_scores, out_scores)
+    if min(len(in_scores), len(out_scores)) * min(fraction, 1 - fraction) < 1:
+        raise EstimatorError(
+            "Need at least two included and two excluded canaries: some of each choose the threshold, the others "
+            "judge it."
+        )
     rng = np.random.default_rng(seed)
     (in_choose, in_judge), (out_choose, out_judge) = (_partition(x, rng, fraction) for x in (in_scores, out_scores))
     method = ESTIMATORS[estimator]
@@ -329,18 +374,23 @@ def gaussian_estimate(
 ) -> GaussianEstimate:
     """The two-Gaussian estimate of epsilon (see :class:`GaussianEstimate`). Only mu > 0 counts as leakage: a score
     that separates in the wrong direction estimates epsilon 0, never the epsilon of |mu|."""
+    check_level(delta, CONFIDENCE, positive_delta=True)
+    if not isinstance(resamples, numbers.Integral) or isinstance(resamples, bool) or resamples < 1:
+        raise EstimatorError(f"resamples must be a positive integer, got {resamples!r}.")
     in_scores, out_scores = _scores(in_scores, out_scores)
     if len(in_scores) < 2 or len(out_scores) < 2:
-        raise ValueError("The two-Gaussian estimate needs at least two included and two excluded canaries.")
+        raise EstimatorError("The two-Gaussian estimate needs at least two included and two excluded canaries.")
     rng = np.random.default_rng(seed)
     mu = float(_mu(in_scores, out_scores))
-    boot_in = in_scores[rng.integers(0, len(in_scores), (resamples, len(in_scores)))]
-    boot_out = out_scores[rng.integers(0, len(out_scores), (resamples, len(out_scores)))]
-    low, high = np.percentile(_mu(boot_in, boot_out), [2.5, 97.5])
+    boot_in = in_scores[rng.integers(0, len(in_scores), (resamples, int(len(in_scores))))]
+    boot_out = out_scores[rng.integers(0, len(out_scores), (resamples, int(len(out_scores))))]
+    # an infinite mu (no spread within either side) is as far as gdp_epsilon's ceiling: percentiles of infinities
+    # would be NaN, and the interval (0, 0) beside an estimate of 100
+    low, high = np.percentile(np.minimum(_mu(boot_in, boot_out), 1e6), [2.5, 97.5])
 
     def epsilon(m: float) -> float:
         return gdp_epsilon(float(min(m, 1e6)), delta) if m > 0 else 0.0
 
     return GaussianEstimate(
-        epsilon(mu), (epsilon(low), epsilon(high)), mu, len(in_scores), len(out_scores), resamples, delta
+        epsilon(mu), (epsilon(low), epsilon(high)), mu, len(in_scores), len(out_scores), int(resamples), delta
     )

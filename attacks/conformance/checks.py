@@ -267,14 +267,18 @@ def _log_a_integral(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
 
 @contextlib.contextmanager
 def _quiet_absl() -> Iterator[None]:
-    """dp-accounting warns through absl for every order it drops; the result says what matters."""
+    """dp-accounting warns through absl for every order it drops; the result says what matters. absl's first
+    warning would also give the root logger a handler (``logging.basicConfig``), and a notebook's own later
+    ``logging.basicConfig(...)`` would then do nothing: the root logger is put back as it was."""
     logger = logging.getLogger("absl")
-    level = logger.level
+    level, handlers, root_level = logger.level, list(logging.root.handlers), logging.root.level
     logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         logger.setLevel(level)
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(root_level)
 
 
 # --- reading the run -----------------------------------------------------------------------------------------------

@@ -74,12 +74,11 @@ def _from_record(record: Any, device: torch.device | str) -> TensorDict:
 def _client_side(config_json: str) -> tuple[Setup, nn.Module]:
     """What a SuperNode needs to run clients of this run: its setup (config, algorithm, data, partition, canaries)
     and a scratch model."""
-    from fedaudit.models import build_model
+    from fedaudit.models import seeded_model
     from fedaudit.preparation import prepare
 
     setup = prepare(RunConfig.from_dict(json.loads(config_json)))
-    torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
-    return setup, build_model(setup.spec).to(setup.device)
+    return setup, seeded_model(setup.spec, 0).to(setup.device)  # its initial values are overwritten by the global model
 
 
 @lru_cache(maxsize=16)
@@ -119,7 +118,7 @@ def own_site(config_json: str, federation_json: str, client: int, site_data: str
     scratch model, and its client's data built from its own records; refused when its records are not those it
     reported when the run began (the digest of its report, which the server sends)."""
     from fedaudit.data.sites import SiteReport
-    from fedaudit.models import build_model
+    from fedaudit.models import seeded_model
     from fedaudit.preparation import client_data, prepare
 
     told = [SiteReport.from_compact(item) for item in json.loads(federation_json)]
@@ -131,8 +130,7 @@ def own_site(config_json: str, federation_json: str, client: int, site_data: str
             f"{site.fingerprint[:12]}, reported {reports[client].fingerprint[:12]})"
         )
     setup = prepare(RunConfig.from_dict(json.loads(config_json)), sites=reports)
-    torch.manual_seed(0)  # the scratch model's initial values are always overwritten by the global model
-    model = build_model(setup.spec).to(setup.device)
+    model = seeded_model(setup.spec, 0).to(setup.device)  # its initial values are overwritten by the global model
     members = torch.from_numpy(site.members)
     data = client_data(setup, client, (site.train_x[members], site.train_y[members]))
     return setup, model, data

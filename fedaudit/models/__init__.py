@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +110,27 @@ def default_depth(arch: str, input_shape: tuple[int, int, int]) -> int:
     return max(depth, 1)
 
 
+# torch's global generator draws a model's initial values: one model at a time takes it (fedaudit.train in threads)
+_GLOBAL_GENERATOR = threading.RLock()
+
+
 def build_model(spec: ModelSpec) -> nn.Module:
-    """Build the model described by ``spec`` with PyTorch's default initialisation (seed the caller's RNG)."""
+    """Build the model described by ``spec`` with PyTorch's default initialisation, drawn from torch's global
+    generator, whose state is put back afterwards (a notebook's own torch.manual_seed keeps its stream) and which no
+    other thread's model draws from meanwhile (:func:`seeded_model` seeds it)."""
+    with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
+        return _built(spec)
+
+
+def seeded_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """:func:`build_model` with torch's global generator seeded by ``seed`` for its initialisation alone: the same
+    model in every thread, and the caller's generator left as it was."""
+    with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _built(spec)
+
+
+def _built(spec: ModelSpec) -> nn.Module:
     if spec.width < 1:
         raise ModelError(f"Model width must be at least 1, got {spec.width}.")
     if spec.arch == "convnet":
@@ -237,8 +257,8 @@ def _normalises_each_channel(module: nn.Module, conv: nn.Conv2d) -> bool:
 def initial_params(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """The global model of round 0 of a run with ``seed`` (its parameters in the model's order): training starts
     from it, and an audit of round 1 differentiates at it."""
-    torch.manual_seed(derive_seed(seed, Stream.INIT))
-    return {name: p.detach().clone() for name, p in build_model(spec).named_parameters()}
+    model = seeded_model(spec, derive_seed(seed, Stream.INIT))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def fresh_params(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import numbers
 import sys
@@ -220,7 +221,7 @@ def _opacus_rdp() -> ModuleType:
     path = Path(next(iter(package.submodule_search_locations))) / "accountants" / "analysis" / "rdp.py"
     spec = importlib.util.spec_from_file_location("fedaudit.privacy._opacus_rdp", path) if path.is_file() else None
     if spec is None or spec.loader is None:  # an Opacus that keeps it elsewhere: its own package import
-        return importlib.import_module(_OPACUS_RDP)
+        return _opacus(_OPACUS_RDP)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -329,9 +330,21 @@ def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
     return max(0.0, float(eps))
 
 
+def _opacus(module: str) -> ModuleType:
+    """One of Opacus' modules, imported without the logging set-up its package import makes: Opacus calls
+    ``logging.basicConfig`` on import, which would give the root logger a handler and turn a notebook's own later
+    ``logging.basicConfig(...)`` into a no-op."""
+    handlers, level = list(logging.root.handlers), logging.root.level
+    try:
+        return importlib.import_module(module)
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+
+
 def _prv_domain(history: tuple[tuple[float, float, int], ...], delta: float) -> Domain:
     """The grid Opacus' PRVAccountant discretises on (``compute_safe_domain_size``, mesh), from our cached RDP."""
-    from opacus.accountants.analysis.prv import Domain
+    Domain = _opacus("opacus.accountants.analysis.prv").Domain  # noqa: N806 (Opacus' class)
 
     delta_error = delta / 1000
     total = sum(n for _, _, n in history)
@@ -345,7 +358,7 @@ def _prv_domain(history: tuple[tuple[float, float, int], ...], delta: float) -> 
 
 def _prv_accountant(domain: Domain) -> Any:
     """Opacus' PRVAccountant on a precomputed domain: Opacus would recompute (uncached) the RDP curves for it."""
-    from opacus.accountants import PRVAccountant
+    PRVAccountant = _opacus("opacus.accountants").PRVAccountant  # noqa: N806 (Opacus' class)
 
     class PRVAccountantWithDomain(PRVAccountant):
         def _get_domain(self, prvs: Any, num_self_compositions: Any, eps_error: float, delta_error: float) -> Domain:
