@@ -57,8 +57,8 @@ def verify_runs(
                 skipped = client_level.needs(run)
                 if skipped is None:
                     verification = client_level.verify_client_level(run)
-            elif not run.queries_dir.is_dir() and (public_key is not None or probe or privacy.dp):
-                skipped = (  # its files and ledger are checked all the same; without DP or a key, nothing is
+            elif not run.queries_dir.is_dir() or not privacy.dp:
+                skipped = (  # its files and ledger are checked all the same
                     "it was trained without --canaries, so it has no query log to check"
                     if privacy.dp
                     else "it was trained without DP, so it has no mechanism to check"

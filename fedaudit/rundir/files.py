@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
@@ -39,7 +40,10 @@ def bounded_size(path: Path, limit: int | None = None) -> None:
     by default; checked before it is read, so a file grown to gigabytes is one sentence rather than the machine's
     memory)."""
     limit = MAX_RUN_TEXT_BYTES if limit is None else limit
-    size = path.stat().st_size
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):  # /dev/zero's size is 0 and it never ends; a FIFO would wait for a writer
+        raise RunError(f"{path} is not a regular file: fedaudit writes only regular files into a run.")
+    size = info.st_size
     if size > limit:
         raise RunError(
             f"{path} is {size / 2**20:,.1f} MiB, larger than any file fedaudit writes ({limit / 2**20:,.1f} MiB): it "

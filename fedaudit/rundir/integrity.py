@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import stat
 import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -85,14 +86,35 @@ def untracked(relative: str) -> bool:
 
 
 def present_files(root: Path) -> Iterator[str]:
-    """Every regular file under ``root`` that should carry a hash, as a path relative to it."""
+    """Every regular file under ``root`` that should carry a hash, as a path relative to it (symbolic links aside:
+    :func:`links` names them)."""
     for folder, dirs, names in os.walk(root):
         base = Path(folder).relative_to(root)
-        dirs[:] = [d for d in dirs if not (base == Path(".") and d in CACHES)]
+        dirs[:] = [d for d in dirs if not (base == Path(".") and d in CACHES) and not (Path(folder) / d).is_symlink()]
         for name in names:
             relative = (base / name).as_posix()
-            if not untracked(relative):
+            if not untracked(relative) and not (Path(folder) / name).is_symlink():
                 yield relative
+
+
+def links(root: Path) -> list[str]:
+    """Every symbolic link under ``root`` (the root itself may be one), relative to it: fedaudit writes none, and
+    one would lead the run's readers and writers outside it (a lock that truncates another file, results written
+    into another folder, a file checked that is not the run's)."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        base = Path(folder).relative_to(root)
+        found += [(base / name).as_posix() for name in (*dirs, *names) if (Path(folder) / name).is_symlink()]
+    return sorted(found)
+
+
+def outside(relative: str, linked: Collection[str] = ()) -> bool:
+    """Whether a path the manifest names could lead outside the run: absolute, with an empty, '.' or '..' part, or
+    through one of the run's symbolic links."""
+    parts = relative.split("/")
+    if relative.startswith("/") or "\\" in relative or any(part in ("", ".", "..") for part in parts):
+        return True
+    return any("/".join(parts[:i]) in linked for i in range(1, len(parts) + 1))
 
 
 def read_hashes(manifest: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str | None]] | None:
@@ -119,8 +141,12 @@ def file_findings(
     """:func:`file_problems` as (relative path, sentence) pairs: which files a reader must not trust. ``absent``:
     files that may be missing (a copy for others leaves out what only the server may see); present, they must
     check."""
-    problems = []
+    linked = links(root)
+    problems = [(name, f"{name} is a symbolic link, which fedaudit never writes into a run") for name in linked]
     for relative in sorted(set(files) | set(pending)):
+        if outside(relative, linked):
+            problems.append((relative, f"manifest.json names {relative!r}, which is not a file of the run"))
+            continue
         path = root / relative
         actual = file_digest(path) if path.is_file() else None
         if actual is None and relative in absent:
@@ -300,10 +326,17 @@ class RunLock:
         deadline = time.monotonic() + UNNAMED_WAIT
         for _ in range(1000):
             path = self.directory / LOCK
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:  # never through a link: a writer truncates the lock, and would truncate what a link points at
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
             except FileNotFoundError:
                 raise LockedError(f"{self.directory} was removed while {self.command} started.") from None
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                    raise
+                raise LockedError(f"{path} is not a regular file (fedaudit makes its lock one); remove it.") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise LockedError(f"{path} is not a regular file (fedaudit makes its lock one); remove it.")
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except OSError as exc:

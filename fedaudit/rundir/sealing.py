@@ -96,6 +96,8 @@ class Seal:
         run, target = self.run, Path(out)
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise RunError(f"--out {target} already exists; export into a new directory.")
+        if target.resolve().is_relative_to(run.path.resolve()):
+            raise RunError(f"--out {target} is inside the run {run.path}; export it to a directory outside the run.")
         problems = self.problems()
         if problems:
             raise integrity.IntegrityError(f"Refusing to export {run.path}: {problems[0]}.")
@@ -139,8 +141,9 @@ class Seal:
     def signature_problems(self, public_key: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Whether the run was signed with ``public_key`` (raw Ed25519) and still holds what was signed: every field of
         the manifest (its file hashes aside, which grow with attack results) and every signed file. Returns the
-        problems, and the results written or rewritten since signing (attack results, and verify's own
-        verification.json, which every verify rewrites): computed from the run, they are not covered."""
+        problems (a signed attack result that changed among them: nothing tells a rerun from a forgery), and the
+        results written since signing (new attack results, and verify's own verification.json, which every verify
+        rewrites): not covered."""
         run = self.run
         if not self.run.signature_path.is_file():
             return (f"{integrity.SIGNATURE} is missing: the run was not signed ('fedaudit sign')",), ()
@@ -159,10 +162,11 @@ class Seal:
             if relative in excused and not path.is_file():
                 continue  # a copy for others leaves out what only the server may see
             if not path.is_file() or integrity.file_digest(path) != expected:
-                if relative == run.verification_path.name or relative.startswith(f"{run.attacks_dir.name}/"):
-                    rewritten.append(relative)  # a result computed from the run, rewritten by a later verify or attack
+                if relative == run.verification_path.name:
+                    rewritten.append(relative)  # verify's own record, rewritten by every verify
                     continue
-                changed.append(f"{relative} changed after the run was signed")
+                again = " (an attack run again after signing: sign again)" if relative.startswith("attacks/") else ""
+                changed.append(f"{relative} changed after the run was signed{again}")
         unsigned = tuple(sorted({*rewritten, *(set(integrity.present_files(run.path)) - set(recorded[0]))}))
         return tuple(changed), unsigned
 

@@ -272,7 +272,6 @@ EPSILON_CASES: tuple[tuple[str, ...], ...] = (
 OTHER_CASES: tuple[tuple[str, ...], ...] = (
     ("verify", "NOWHERE"),
     ("verify", "FOREIGN"),
-    ("verify", "RUN"),  # no DP, no canaries
     ("verify", "RUN", "--public-key", "NOWHERE"),
     ("verify", "RUN", "--public-key", "BADYAML"),
     ("sign", "RUN", "--key", "NOWHERE"),

@@ -7,6 +7,7 @@ with fedaudit.rundir.integrity."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -663,3 +664,69 @@ def test_verify_checks_the_files_and_ledger_of_a_dp_run_trained_without_the_quer
     )
     (run / "metrics.csv").write_text((run / "metrics.csv").read_text().replace("0.", "0.9", 1))
     assert invoke("verify", run).exit_code == 1
+
+
+def test_a_hostile_run_cannot_lead_fedaudit_outside_it(plain_run, tmp_path):
+    """A run handed over by someone else: a lock that links to another file (writers truncate their lock), a folder
+    that links outside the run (attack wrote its results there), a manifest naming a path outside the run with the
+    right hash (export copied onto it; verify read and judged it), a configuration that is /dev/zero or a FIFO
+    (memory, or a wait for ever). Each is a sentence or a FAIL; nothing outside the run is read for or written."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    precious = victim / "precious.txt"
+    precious.write_text("keep me")
+    locked = copy(plain_run, tmp_path, "locked")
+    (locked / LOCK_NAME).unlink(missing_ok=True)
+    (locked / LOCK_NAME).symlink_to(precious)
+    for command in (("attack", locked, "--signal", "loss", "--no-progress"), ("verify", locked)):
+        result = invoke(*command)
+        assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+    assert precious.read_text() == "keep me"
+    linked = copy(plain_run, tmp_path, "linked")
+    (linked / "attacks").symlink_to(victim, target_is_directory=True)
+    result = invoke("verify", linked)
+    assert result.exit_code == 1 and "attacks is a symbolic link" in result.output, result.output
+    assert invoke("attack", linked, "--signal", "loss", "--no-progress").exit_code == 2
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    named = copy(plain_run, tmp_path, "named")
+    manifest = json.loads((named / "manifest.json").read_text())
+    escape = "../" * len(named.parts) + precious.as_posix().lstrip("/")
+    manifest["files"][escape] = hashlib.sha256(precious.read_bytes()).hexdigest()
+    (named / "manifest.json").write_text(json.dumps(manifest))
+    result = invoke("verify", named)
+    assert result.exit_code == 1 and "which is not a file of the run" in result.output, result.output
+    assert invoke("export", named, "--out", tmp_path / "copy").exit_code == 2
+    assert precious.read_text() == "keep me" and not (tmp_path / "copy").exists()
+    for kind in ("zero", "fifo"):
+        odd = copy(plain_run, tmp_path, f"odd-{kind}")
+        (odd / "config.json").unlink()
+        if kind == "zero":
+            (odd / "config.json").symlink_to("/dev/zero")
+        else:
+            os.mkfifo(odd / "config.json")
+        for command in (("verify", odd), ("report", odd, "--out", tmp_path / f"report-{kind}")):
+            result = invoke(*command)
+            assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+    inside = copy(plain_run, tmp_path, "inside")
+    result = invoke("export", inside, "--out", inside / "copy")
+    assert result.exit_code == 2 and "is inside the run" in result.output
+    checked = invoke("verify", inside)  # a run without DP: its files and ledger checked, and said to have no DP
+    assert checked.exit_code == 0 and "PASS integrity" in checked.output, checked.output
+    assert "it was trained without DP, so it has no mechanism to check" in checked.output
+
+
+def test_a_signed_attack_result_changed_after_signing_fails_the_signature(plain_run, tmp_path):
+    """Anyone can rehash a manifest: a signed AUC edited to 0.5 was excused as 'rewritten after signing', and the
+    report showed it. A signed result that changed fails, whoever changed it; a new one is listed as not signed."""
+    run = copy(plain_run, tmp_path)
+    private, public = _keys(tmp_path, "site")
+    assert invoke("attack", run, "--signal", "loss", "--method", "threshold", "--no-progress").exit_code == 0
+    assert invoke("sign", run, "--key", private).exit_code == 0
+    metrics = run / "attacks" / "loss-threshold" / "metrics.json"
+    forged = json.loads(metrics.read_text())
+    forged["auc"] = 0.5
+    metrics.write_text(json.dumps(forged))
+    rehash(run)
+    result = invoke("verify", run, "--public-key", public)
+    assert result.exit_code == 1, result.output
+    assert "attacks/loss-threshold/metrics.json changed after the run was signed" in result.output
