@@ -815,10 +815,10 @@ def load_config_file(path: str | Path, *, validate: bool = True) -> RunConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     try:
-        data = json.loads(text) if is_json else load_yaml(text)
+        data = load_json(text) if is_json else load_yaml(text)
     except RecursionError as exc:
         raise ConfigError(f"The configuration file {path} nests deeper than fedaudit reads.") from exc
-    except YAMLRefused as exc:
+    except (YAMLRefused, JSONRefused) as exc:
         raise ConfigError(f"The configuration file {path} {exc}.") from exc
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"The configuration file {path} is not valid {'JSON' if is_json else 'YAML'}.") from exc
@@ -863,10 +863,41 @@ def read_small_text(path: Path, what: str) -> str:
         raise ValueError(f"The {what} {path} is not a UTF-8 text file.") from exc
 
 
+class JSONRefused(ValueError):
+    """A JSON document fedaudit will not load (a key twice, a number it cannot read); the message completes "The
+    file ..."."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise JSONRefused(f"gives the key {key!r} twice (the last would win without a word)")
+        found[key] = value
+    return found
+
+
+def load_json(text: str | bytes) -> Any:
+    """``json.loads``, refusing a key given twice and a number Python will not read (an integer of thousands of
+    digits): :class:`JSONRefused`; malformed JSON stays a :class:`json.JSONDecodeError`."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except (json.JSONDecodeError, JSONRefused):
+        raise
+    except ValueError as exc:
+        raise JSONRefused(f"holds a number fedaudit cannot read ({str(exc).split(':')[0]})") from exc
+
+
 def load_yaml(text: str) -> Any:
-    """A YAML document with PyYAML's safe types (and YAML 1.2 floats), refusing aliases (whose expansion can
-    multiply a small file into gigabytes) and nesting beyond :data:`MAX_YAML_DEPTH` (:class:`YAMLRefused`)."""
-    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader
+    """A YAML document with PyYAML's safe types (and YAML 1.2 floats; dates stay text), refusing aliases (whose
+    expansion can multiply a small file into gigabytes), nesting beyond :data:`MAX_YAML_DEPTH`, a key given twice
+    and a number Python will not read (:class:`YAMLRefused`)."""
+    try:
+        return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader
+    except yaml.YAMLError:
+        raise
+    except ValueError as exc:
+        raise YAMLRefused(f"holds a value fedaudit cannot read ({str(exc).split(':')[0]})") from exc
 
 
 class _YAMLLoader(yaml.SafeLoader):
@@ -885,6 +916,28 @@ class _YAMLLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        keys = [self.construct_object(key, deep=True) for key, _ in node.value]
+        twice = next((key for i, key in enumerate(keys) if _hashable(key) and key in keys[:i]), None)
+        if twice is not None:
+            raise YAMLRefused(f"gives the key {twice!r} twice (the last would win without a word)")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+# Dates stay text: no setting is one, and a date that is not one (2001-13-45) made PyYAML raise instead.
+_YAMLLoader.yaml_implicit_resolvers = {
+    first: [entry for entry in resolvers if entry[0] != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 
 
 _YAMLLoader.add_implicit_resolver(

@@ -539,6 +539,9 @@ def collect_run(path: Path) -> RunSummary:
         raise ReportError(f"{path}: {exc}" if isinstance(exc, AccountingError) else str(exc)) from exc
 
 
+MAX_UTILITY_ROWS = 200  # rounds a report's table and accuracy curve show
+
+
 def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
     """The integrity check comes first: a file it does not trust is never parsed, except the run's own records
     (manifest, config, metrics, ledger) that every section needs, whose failure to parse is then the integrity
@@ -580,6 +583,15 @@ def _collect_run(run: RunDirectory, path: Path) -> RunSummary:
             Note("metrics.csv has no test accuracy.", f"resume or re-train the run: `fedaudit train --resume {path}`")
         )
     utility = metrics[[c for c in ("round", "test_accuracy", "test_loss", "epsilon") if c in metrics.columns]]
+    if len(utility) > MAX_UTILITY_ROWS:  # a table and a curve of ~200 rounds say what 100,000 would, in kilobytes
+        kept = np.unique(np.linspace(0, len(utility) - 1, MAX_UTILITY_ROWS).round().astype(int))
+        notes.append(
+            Note(
+                f"{len(kept)} of the run's {len(utility)} rounds are shown, evenly spaced.",
+                f"read every round in {path / 'metrics.csv'}",
+            )
+        )
+        utility = utility.iloc[kept]
     return RunSummary(
         path.resolve().name,
         path,

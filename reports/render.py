@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -64,6 +65,22 @@ class ReportOutcome:
 SUMMARIES = ("summary.csv", "groups.csv", "summary.json")  # written beside every report
 
 
+def _writable(folder: Path, out: str | Path) -> None:
+    """The folder exists and can be written to, or its nearest existing ancestor is a directory that can be: a
+    file on the way (existingfile/sub) or a place nobody may write to (/proc, /sys) is one sentence."""
+    ancestor = folder.absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ReportError(f"--out {out}: {ancestor} is not a directory, so nothing can be written under it.")
+    if (
+        not os.access(ancestor, os.W_OK | os.X_OK)
+        or ancestor.is_relative_to("/proc")
+        or ancestor.is_relative_to("/sys")
+    ):
+        raise ReportError(f"--out {out}: {ancestor} cannot be written to; choose another place.")
+
+
 def output_paths(
     out: str | Path, formats: tuple[str, ...], *, overwrite: bool = True, folder_only: bool = False
 ) -> tuple[dict[str, Path], Path]:
@@ -99,6 +116,7 @@ def output_paths(
         folder, stem = path, "report"
     if folder.exists() and not folder.is_dir():
         raise ReportError(f"--out {out}: {folder} exists and is not a directory.")
+    _writable(folder, out)
     run = _inside_run(folder)
     if run is not None:
         raise ReportError(f"--out {out} is inside the run directory {run}; write reports outside runs.")
@@ -461,10 +479,13 @@ def write_report(
     marker = folder / PARTIAL
     names = [path.name for path in rendered]
     remove_stale_temporaries(folder, ("",), names=names)  # what a killed report left half-written
-    atomic_write_json(marker, {"files": names})
-    for path, data in rendered.items():
-        atomic_write_bytes(path, data)
-    marker.unlink()
+    try:
+        atomic_write_json(marker, {"files": names})
+        for path, data in rendered.items():
+            atomic_write_bytes(path, data)
+        marker.unlink()
+    except OSError as exc:
+        raise ReportError(f"Cannot write the report to {folder}: {exc.strerror or exc}.") from exc
     verdict = None if policy is None else overall([c for group in checks.values() for c in group])
     broken = {
         run["run"].name: "the DP implementation does not keep its promise: " + "; ".join(run["promise"]["failures"])

@@ -70,6 +70,9 @@ def open_maybe_gzip(path: PathLike) -> IO[bytes]:
         raise DataError(f"cannot open {path}: {exc.strerror or exc}.") from exc
 
 
+MAX_IDX_BYTES = 2 << 30  # MNIST's images are 47 MB, EMNIST's 700 MB
+
+
 def _read_all(path: PathLike, limit: int | None = None) -> bytes:
     """Read (at most ``limit`` bytes of) the possibly gzipped file at ``path``."""
     with open_maybe_gzip(path) as handle:
@@ -126,8 +129,14 @@ def read_idx(path: PathLike, *, ndim: int | None = None) -> np.ndarray:
         DataError: bad magic, unexpected rank, or a payload whose size does
             not match the header (truncated or padded file).
     """
-    payload = _read_all(path)
-    dtype, shape, header_len = _parse_idx_header(path, payload)
+    dtype, shape, header_len = _parse_idx_header(path, _read_all(path, limit=4 + 4 * 255))
+    promised = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if promised > MAX_IDX_BYTES:  # a gzip of a few MB can hold gigabytes: its header says how many, before reading
+        raise DataError(
+            f"{path}'s header promises {promised / 2**30:,.1f} GiB of data, more than any IDX dataset fedaudit reads "
+            f"({MAX_IDX_BYTES / 2**30:,.0f} GiB); it is not MNIST's or Fashion-MNIST's, get it again."
+        )
+    payload = _read_all(path, limit=header_len + promised + 1)  # one byte more shows a padded file
     if ndim is not None and len(shape) != ndim:
         raise DataError(
             f"{path} holds a {len(shape)}-dimensional IDX array where {ndim} dimensions were expected; "

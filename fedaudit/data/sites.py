@@ -62,6 +62,8 @@ def is_sites(name: str) -> bool:
 
 
 KEY_DOMAIN = b"fedaudit site record key\0"
+MAX_SITE_VALUES = 3 * 1024 * 1024  # values in one record: a 1024 x 1024 colour image
+MAX_SITE_CLASSES = 100_000  # a label past it would size the model (and the server's memory) by one site's word
 
 
 def site_key(*arrays: np.ndarray) -> bytes:
@@ -105,6 +107,12 @@ def read_site(
     x, y, x_test, y_test, source, fingerprint = read_records(spec, label_column=label_column, image_size=image_size)
     if (y < 0).any() or (len(y_test) and (y_test < 0).any()):
         raise DataError(f"{source} has negative labels; a site's labels are the class numbers 0, 1, ... it shares.")
+    largest = max(int(y.max(initial=0)), int(np.max(y_test, initial=0)))
+    if largest >= MAX_SITE_CLASSES:  # the federation's classes are the largest label + 1: the model's output
+        raise DataError(
+            f"{source} has label {largest}; a site's labels are the class numbers 0, 1, ... it shares, fewer than "
+            f"{MAX_SITE_CLASSES:,}."
+        )
     if len(y) < 2:
         raise DataError(f"{source} holds {len(y)} training record(s); a site needs at least two.")
     heldout_count = int(holdout_fraction * len(y))
@@ -202,6 +210,11 @@ class SiteReport:
         """A report rebuilt from :meth:`summary` (its hashes empty)."""
         empty = np.zeros((0, HASH_BYTES), dtype=np.uint8)
         channels, height, width = (int(n) for n in data["shape"])
+        if not 1 <= int(data["classes"]) <= MAX_SITE_CLASSES or not 0 < channels * height * width <= MAX_SITE_VALUES:
+            raise DataError(  # a site's word sizes the server's model: a claim past any dataset is refused
+                f"client {data['client']}'s site reports {data['classes']} classes of records of shape "
+                f"{channels}x{height}x{width}, which no federation's data has."
+            )
         return cls(
             client=int(data["client"]),
             records=int(data["records"]),

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedaudit.arrays import ARCHIVE_ERRORS, member_bytes, read_members
 from fedaudit.data.readers import DataError, fingerprint_arrays
 
 KINDS = ("npz", "csv", "folder")
@@ -36,6 +37,8 @@ MAX_IMAGE_SIZE = 512
 MAX_IMAGE_PIXELS = 64_000_000  # one image of the folder at most (a 30000 x 30000 PNG is a decompression bomb)
 CSV_BYTES_PER_BYTE = 8  # what pandas holds per byte of CSV text at most (float64 cells, short numbers)
 NPZ_MAGIC = b"PK\x03\x04"  # an .npz is a zip archive of .npy files
+NPZ_KEYS = ("x", "y", "x_test", "y_test")  # the arrays an .npz of records may hold; nothing else is read
+MAX_LABEL = 2**31 - 1  # a class number; larger ones are not one (and int64 would merge those past 2**63)
 
 
 def memory_budget() -> int:
@@ -130,8 +133,7 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np
         raise DataError(f"{path} is not an .npz file ({kind}); save the arrays with numpy.savez(path, x=..., y=...).")
     _within_memory(path, _npz_bytes(path), "its arrays")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {key: data[key] for key in data.files}
+        arrays = read_members(path, NPZ_KEYS)
     except ValueError as exc:
         if "pickle" in str(exc).lower():
             raise DataError(
@@ -157,27 +159,13 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np
 
 
 def _npz_bytes(path: Path) -> int:
-    """The bytes the arrays of an .npz take once loaded (and once more as float32), from each member's .npy header
-    and the archive's directory, read without decompressing any data: a compressed bomb is refused unread."""
-    total = 0
+    """The bytes the arrays of an .npz take once loaded (and once more as float32), and every other member's
+    uncompressed size, read without decompressing any data: a compressed bomb is refused unread."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                with archive.open(info) as member:
-                    version = np.lib.format.read_magic(member)
-                    read_header = (
-                        np.lib.format.read_array_header_1_0
-                        if version == (1, 0)
-                        else np.lib.format.read_array_header_2_0
-                    )
-                    shape, _, dtype = read_header(member)
-                count = int(np.prod(shape, dtype=object))
-                total += max(info.file_size, count * dtype.itemsize) + count * 4
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError) as exc:
+        sizes = member_bytes(path)
+    except ARCHIVE_ERRORS as exc:
         raise DataError(f"{path} is not a readable .npz file ({type(exc).__name__}: {exc}).") from exc
-    return total
+    return sum(size + 4 * max(count, 0) for size, count in sizes.values())
 
 
 def _images(path: Path, key: str, array: np.ndarray) -> np.ndarray:
@@ -211,6 +199,8 @@ def _labels(path: Path, key: str, array: np.ndarray, count: int) -> np.ndarray:
         raise DataError(f"{path}: {key} holds {array.dtype} values; labels must be integers.")
     if not np.isfinite(array).all() or not np.array_equal(array, np.round(array)):
         raise DataError(f"{path}: {key} holds labels that are not integers.")
+    if len(array) and np.abs(array.astype(np.float64)).max() > MAX_LABEL:  # 1e19 and 2e19 were one int64 class
+        raise DataError(f"{path}: {key} holds a label beyond +-{MAX_LABEL:,}; labels are class numbers.")
     return array.astype(np.int64)
 
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fedaudit.config import JSONRefused, load_json
 from fedaudit.rundir import files as run_files
 from fedaudit.rundir import integrity
 from fedaudit.rundir.files import RunError, atomic_write_json, bounded_size, now_iso, remove_stale_temporaries
@@ -46,9 +47,11 @@ class CommittedFiles:
         or malformed is a :class:`RunError`."""
         try:
             bounded_size(path)
-            return json.loads(path.read_text(encoding="utf-8"))
+            return load_json(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise RunError(f"{self.path} is not a complete fedaudit run: {path.name} is missing.") from exc
+        except JSONRefused as exc:
+            raise RunError(f"{path} {exc}: fedaudit did not write it.") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RunError(f"{path} is corrupt (not valid JSON).") from exc
         except RecursionError as exc:

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 import fedaudit
+from fedaudit.arrays import ARCHIVE_ERRORS, member_bytes, read_members
 from fedaudit.errors import UserError
 
 
@@ -55,6 +56,9 @@ def bounded_size(path: Path, limit: int | None = None) -> None:
 
 
 TEMPORARY_SUFFIX = ".tmp"
+# The most an .npz of a run may take once read (membership of every record, canaries' bits, reference inclusion):
+# a run of ten million records writes about 80 MiB.
+MAX_RUN_ARRAY_BYTES = 1 << 30
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -148,11 +152,25 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    """The arrays of an .npz, with pickled objects refused; a corrupt file is a :class:`RunError`."""
+    """The arrays of an .npz, with pickled objects refused; a corrupt file, a member that is not an array, or
+    arrays larger than any fedaudit writes (their sizes read from the headers before anything is decompressed) is a
+    :class:`RunError`."""
+    bounded_size(path, MAX_RUN_ARRAY_BYTES)
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
-    except (ValueError, OSError) as exc:
+        sizes = member_bytes(path)
+    except ARCHIVE_ERRORS as exc:
+        raise RunError(f"{path} is corrupt.") from exc
+    if any(count < 0 for _, count in sizes.values()):
+        raise RunError(f"{path} holds a member that is not an array: fedaudit did not write it.")
+    total = sum(size for size, _ in sizes.values())
+    if total > MAX_RUN_ARRAY_BYTES:
+        raise RunError(
+            f"{path} would take {total / 2**20:,.0f} MiB once read, more than any file fedaudit writes "
+            f"({MAX_RUN_ARRAY_BYTES / 2**20:,.0f} MiB): it was changed after the run was written."
+        )
+    try:
+        return read_members(path, sizes)
+    except ARCHIVE_ERRORS as exc:
         raise RunError(f"{path} is corrupt.") from exc
 
 

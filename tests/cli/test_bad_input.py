@@ -225,6 +225,8 @@ REPORT_CASES: tuple[tuple[str, ...], ...] = (
     ("report", "RUN", "--out", "OUT/r.html", "--format", "pdf"),
     ("report", "RUN", "--out", "OUT", "--format", "docx"),
     ("report", "RUN", "--out", "FILE/r.html"),
+    ("report", "RUN", "--out", "FILE/sub"),  # a file on the way to a folder
+    ("report", "RUN", "--out", "/proc/fedaudit-report"),
     ("report", "NOWHERE", "--out", "OUT"),
     ("report", "FOREIGN", "--out", "OUT"),
     ("report", "RUN", "--out", "OUT", "--policy", "NOWHERE"),

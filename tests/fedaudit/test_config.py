@@ -314,3 +314,26 @@ def test_load_config_file_missing_or_a_directory(tmp_path):
         load_config_file(tmp_path / "absent.yaml")
     with pytest.raises(ConfigError, match="Cannot read the configuration file"):
         load_config_file(Path(tmp_path))
+
+
+def test_a_key_given_twice_a_number_too_long_or_a_date_that_is_none_is_one_sentence(tmp_path) -> None:
+    """The last of two keys won without a word (a policy of max_epsilon 1 then 100 passed a run of epsilon 6.5); an
+    integer of 5,000 digits or a YAML date such as 2001-13-45 raised a ValueError that no handler caught."""
+    from fedaudit.config import JSONRefused, YAMLRefused, load_config_file, load_json, load_yaml
+
+    with pytest.raises(YAMLRefused, match="gives the key 'max_epsilon' twice"):
+        load_yaml("max_epsilon: 1\nmax_epsilon: 100\n")
+    with pytest.raises(YAMLRefused, match="gives the key 'dp' twice"):
+        load_yaml("privacy:\n  dp: true\n  dp: false\n")
+    with pytest.raises(JSONRefused, match="gives the key 'seed' twice"):
+        load_json('{"seed": 1, "seed": 2}')
+    with pytest.raises(YAMLRefused, match="cannot read"):
+        load_yaml("seed: 1" + "0" * 5000)
+    with pytest.raises(JSONRefused, match="cannot read"):
+        load_json('{"seed": 1' + "0" * 5000 + "}")
+    assert load_yaml("when: 2001-13-45\nday: 2001-12-14\n") == {"when": "2001-13-45", "day": "2001-12-14"}
+    assert load_yaml("a: {x: 1}\nb: {x: 1}\n") == {"a": {"x": 1}, "b": {"x": 1}}  # the same key in two mappings
+    for name, text in (("twice.json", '{"seed": 1, "seed": 2}'), ("long.yaml", "seed: 1" + "0" * 5000)):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=rf"^The configuration file {tmp_path / name} "):
+            load_config_file(tmp_path / name)

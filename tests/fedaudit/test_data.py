@@ -702,3 +702,15 @@ def test_the_size_of_an_idx_file_is_checked_against_its_header(tmp_path: Path, g
     images.write_bytes(gzip.compress(data) if gz else data)
     with pytest.raises(DataError, match="header promises 784000000"):
         read_idx_shape(images)
+
+
+def test_an_idx_file_promising_gigabytes_is_refused_before_it_is_read(tmp_path):
+    """A gzip of a few megabytes can inflate to gigabytes: the header's promise is judged first (the whole file was
+    decompressed into memory, then found too large)."""
+    from fedaudit.data.readers import read_idx
+
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as handle:
+        handle.write(bytes([0, 0, 0x08, 3]) + struct.pack(">III", 100_000, 200, 200) + bytes(1 << 20))
+    with pytest.raises(DataError, match="header promises 3.7 GiB of data, more than any IDX dataset"):
+        read_idx(path, ndim=3)

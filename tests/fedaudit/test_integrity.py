@@ -730,3 +730,29 @@ def test_a_signed_attack_result_changed_after_signing_fails_the_signature(plain_
     result = invoke("verify", run, "--public-key", public)
     assert result.exit_code == 1, result.output
     assert "attacks/loss-threshold/metrics.json changed after the run was signed" in result.output
+
+
+def test_a_runs_arrays_are_read_only_as_arrays_and_within_their_size(plain_run, tmp_path):
+    """A hash-valid membership.npz with a member that is not an array (numpy would read it whole: a zip bomb's way
+    in) or whose header promises more than any run writes is one sentence, read no further."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    for kind in ("notes", "huge"):
+        run = copy(plain_run, tmp_path, kind)
+        with zipfile.ZipFile(run / "membership.npz", "a") as archive:
+            if kind == "notes":
+                archive.writestr("notes", b"not an array")
+            else:
+                header = io.BytesIO()  # 2 GiB of float64 promised, none of it there
+                np.lib.format.write_array_header_1_0(
+                    header, {"descr": "<f8", "fortran_order": False, "shape": (1 << 28,)}
+                )
+                archive.writestr("huge.npy", header.getvalue())
+        rehash(run)
+        result = invoke("attack", run, "--signal", "loss", "--no-progress")
+        assert result.exit_code == 2 and "membership.npz" in result.output and "Traceback" not in result.output, (
+            result.output
+        )

@@ -188,3 +188,50 @@ def test_own_data_trains_attacks_and_reports_through_the_command_line(tmp_path):
     assert listed.exit_code == 0 and f"npz:{path}" in listed.output and "1x8x8" in listed.output
     np.savez(path, **images(300, 3))  # other records under the same name: the run's fingerprint no longer matches
     assert_user_error(invoke("attack", run, "--no-progress"), mentions="fingerprint")
+
+
+def _with_unreadable_member(path: Path, name: str) -> None:
+    """Append a member whose stored data fails its CRC: reading it at all is an error, so a reader that succeeds
+    never read it (numpy reads any member that is not an .npy whole, as bytes: a zip bomb's way in)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr(name, b"\0" * 1000)
+    data = bytearray(path.read_bytes())
+    at = data.rfind(b"\0" * 1000)
+    data[at] = 1  # the stored bytes no longer match the CRC in the directory
+    path.write_bytes(bytes(data))
+
+
+def test_an_npz_is_read_without_its_members_that_are_not_its_arrays(tmp_path):
+    """Only x, y (and x_test, y_test) are read from a user's .npz: a member called 'notes', or one called 'x'
+    without .npy (numpy would read either whole, as bytes), is never decompressed; a run's membership.npz with a
+    member that is not an array is one sentence."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "records.npz"
+    np.savez(path, x=rng.random((60, 8, 8)).astype(np.float32), y=np.arange(60) % 3)
+    _with_unreadable_member(path, "notes")
+    dataset = load_dataset(f"npz:{path}")
+    assert dataset.num_classes == 3
+    bare = tmp_path / "bare.npz"
+    np.savez(bare, y=np.arange(60) % 3)
+    _with_unreadable_member(bare, "x")
+    with pytest.raises(DataError, match="has no array 'x'"):
+        load_dataset(f"npz:{bare}")
+
+
+def test_labels_that_are_no_class_number_are_refused(tmp_path):
+    """Labels 1e19 and 2e19 both became int64's smallest number, one class (the run trained on 2 classes without a
+    word); a site's label of two billion sized the model's output, and the server's memory, by it."""
+    from fedaudit.data.sites import read_site
+
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 8, 8)).astype(np.float32)
+    huge = tmp_path / "huge.npz"
+    np.savez(huge, x=x, y=np.array([0.0, 1e19, 2e19] * 20))
+    with pytest.raises(DataError, match="holds a label beyond"):
+        load_dataset(f"npz:{huge}")
+    site = tmp_path / "site.npz"
+    np.savez(site, x=x, y=np.array([0, 1, 2_000_000_000] * 20))
+    with pytest.raises(DataError, match="has label 2000000000; a site's labels are the class numbers"):
+        read_site(f"npz:{site}", 0, seed=0, holdout_fraction=0.5)

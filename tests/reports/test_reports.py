@@ -786,3 +786,25 @@ def test_an_auc_check_above_its_limit_counts_the_records_of_the_interval_a_fail_
     assert f"AUC 0.5655 [0.4997, 0.6304], n=144/144 (about {needed} per side would resolve it)" in detail
     own = math.ceil(144 * ((0.55 - 0.49) / (0.5 - 0.49)) ** 2)  # below the limit: the attack's own interval
     assert f"AUC 0.4900 [0.4300, 0.5500], n=144/144 (about {own} per side would resolve it)" in detail
+
+
+def test_a_run_of_many_rounds_is_reported_in_kilobytes(plain_run, tmp_path):
+    """A metrics.csv of a quarter of a gigabyte (3 million rounds, under the 256 MiB bound) took 3.7 GB and wrote a
+    report of 223 MB: the report shows 200 rounds, evenly spaced, first and last included, and says so."""
+    from helpers import rehash
+
+    run = tmp_path / "run"
+    shutil.copytree(plain_run, run)
+    rounds = 50_000
+    frame = pd.DataFrame(
+        {"round": range(1, rounds + 1), "test_accuracy": 0.5, "test_loss": 1.0, "epsilon": float("inf")}
+    )
+    frame.to_csv(run / "metrics.csv", index=False)
+    rehash(run)
+    result = invoke("report", run, "--out", tmp_path / "report", "--format", "md", "--format", "html")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    shown = summary["runs"][0]["utility"]["round"]
+    assert len(shown) == 200 and shown[0] == 1 and shown[-1] == rounds
+    assert "200 of the run's 50000 rounds are shown, evenly spaced" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "report.html").stat().st_size < 5 << 20
