@@ -1,10 +1,12 @@
 """Canary audits: epsilon lower bounds from the scores of canaries that were each included with probability 1/2.
 
-Two estimators, each valid at a stated confidence (docs/audit.md). Both take the scores of the included ("in") and
-the excluded ("out") canaries, higher meaning more likely included, and call a canary "in" when its score is at
-least a threshold. The thresholds considered are the vertices of the empirical ROC curve's upper convex hull, and
-the confidence is divided among them (Bonferroni), so scanning them keeps the bound valid. The arithmetic follows
-jax-privacy's ``jax_privacy.auditing.CanaryScoreAuditor`` (Apache 2.0), which a test checks it against.
+Two estimators at a stated confidence (docs/audit.md). Both take the scores of the included ("in") and the excluded
+("out") canaries, higher meaning more likely included, and call a canary "in" when its score is at least a
+threshold. What fedaudit reports is :func:`split_audit`: the threshold chosen on half of the canaries, the bound
+judged on the others. (Scanning the vertices of the ROC curve's upper convex hull with the confidence divided among
+them, jax-privacy's default and what :func:`epsilon_one_run` does without a threshold, is not valid: the hull is
+chosen from the data.) The arithmetic follows jax-privacy's ``jax_privacy.auditing.CanaryScoreAuditor`` (Apache
+2.0), which a test checks it against.
 
 - **One run** (Steinke, Nasr and Jagielski, NeurIPS 2023, "Privacy auditing with one (1) training run"). At a
   threshold, r canaries are guessed "in" and v of them are. Under (eps, delta)-DP the number of correct guesses is
@@ -13,7 +15,9 @@ jax-privacy's ``jax_privacy.auditing.CanaryScoreAuditor`` (Apache 2.0), which a 
   is a p-value for "the mechanism is (eps, delta)-DP"; the bound is the largest eps it rejects.
 - **Gaussian DP** (Nasr et al., USENIX Security 2023, "Tight auditing of differentially private machine learning").
   One-sided Clopper-Pearson upper bounds on FPR and FNR give mu >= Phi^-1(1 - FPR_hi) - Phi^-1(FNR_hi) for a
-  mu-GDP mechanism; the bound is the epsilon of that mu-GDP at delta. Tight for the Gaussian mechanism.
+  mu-GDP mechanism; the bound is the epsilon of that mu-GDP at delta. Tight for the Gaussian mechanism, and valid
+  only for mechanisms whose trade-off curve is Gaussian (DP-SGD's subsampled Gaussian at the false-positive rates
+  canaries resolve); on randomised response or Laplace noise it exceeds the true epsilon.
 """
 
 from __future__ import annotations
@@ -322,13 +326,20 @@ def bound_by_guesses(
     taking the best point of the curve would not be valid, which is why the reported bound chooses its threshold on
     one half of the canaries and judges it on the other.
     """
-    scores = np.concatenate([np.asarray(in_scores, float), np.asarray(out_scores, float)])
+    check_level(delta, confidence)
+    if not len(in_scores) or not len(out_scores):
+        return []
+    in_scores, out_scores = _scores(in_scores, out_scores)
+    scores = np.concatenate([in_scores, out_scores])
     member = np.concatenate([np.ones(len(in_scores), bool), np.zeros(len(out_scores), bool)])
     m = len(scores)
-    if m == 0:
-        return []
-    correct = np.cumsum(member[np.argsort(-scores, kind="stable")])
-    grid = np.unique(np.geomspace(1, m, num=min(points, m)).round().astype(int))
+    order = np.argsort(-scores, kind="stable")
+    correct = np.cumsum(member[order])
+    # Guessing the k highest "in" means nothing inside a tie: k moves to the end of its tie, so that a tie is guessed
+    # whole (ranked by the order given, the included canaries, listed first, were guessed first among equal scores).
+    ranked = scores[order]
+    ties_end = np.searchsorted(-ranked, -ranked, side="right")
+    grid = np.unique(ties_end[np.geomspace(1, m, num=min(points, m)).round().astype(int) - 1])
     return [
         {
             "guesses": int(k),

@@ -16,8 +16,9 @@ one with each canary's direction. Two views, each a score per canary (Andrew et 
 
 For each view: the two-Gaussian estimate of Andrew et al. (``gaussian_estimate``: a Gaussian fitted to the excluded
 and the included canaries' scores with one variance, the epsilon of mu-GDP of their mean shift, a bootstrap
-interval), and the rigorous one-run bounds (``split_audit``: the one-run bound of Steinke et al. and the Gaussian-DP
-bound, each with its threshold chosen on one half of the canaries and judged on the other). The four bounds are each
+interval), and the split bounds (``split_audit``: the one-run bound of Steinke et al., valid for any mechanism, and the
+Gaussian-DP bound, valid for a Gaussian one such as Flower's DP aggregation, each with its threshold chosen on one
+half of the canaries and judged on the other). The four bounds are each
 judged at confidence 1 - 0.05 / 4, so the largest holds at 95%. The unit of privacy is one client. The bounds are set
 against the epsilon of the run's configuration by fedaudit's accountant (client-level DP: the Gaussian mechanism on
 the aggregate, noise multiplier sigma, each released round a sample of n clients out of the population, canary

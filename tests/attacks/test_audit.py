@@ -224,6 +224,10 @@ def test_bound_by_guesses_is_the_one_run_bound_of_the_top_k_guesses():
     assert all(p["correct"] == p["guesses"] for p in inside_only)
     assert [p["epsilon"] for p in inside_only] == sorted(p["epsilon"] for p in inside_only)
     assert inside_only[-1]["epsilon"] > 3
+    tied = bound_by_guesses(np.zeros(200), np.zeros(200), delta=1e-5, confidence=0.975)  # no score tells anything
+    assert tied == [{"guesses": 400, "correct": 200, "epsilon": 0.0}]  # included ranked first among ties: 183 of 183
+    mostly = np.r_[np.zeros(160), rng.normal(size=40)], np.r_[np.zeros(160), rng.normal(size=40)]
+    assert all(p["epsilon"] == 0.0 for p in bound_by_guesses(*mostly, delta=1e-5, confidence=0.975))
 
 
 # ---------------------------------------------------------------------------- the two-Gaussian estimate

@@ -437,3 +437,17 @@ def test_the_pairing_does_not_favour_the_attack_on_a_batch(digits) -> None:
     twice = np.stack([reals[0], reals[0], reals[0]])  # three copies of one record
     psnrs, _ = pair_quality(twice, reals[assign(twice, reals)])
     assert (psnrs == math.inf).sum() == 1
+
+
+def test_an_attack_is_called_better_than_its_null_at_its_level_and_not_more_often():
+    """Attack and null PSNRs from one distribution: "better" at most 2.5% of the time (the null's mean was taken as
+    exact, and 7-8% of such samples were called better); a clear gap is always found; too few is undecided."""
+    from fedaudit.attacks.reconstruction.attack import no_better
+
+    rng = np.random.default_rng(3)
+    for n in (8, 33):
+        trials = 4000
+        called = sum(not no_better(rng.normal(7.0, 1.0, n), rng.normal(7.0, 1.0, n)) for _ in range(trials))
+        assert called / trials <= 0.025 + 2.5 * (0.025 * 0.975 / trials) ** 0.5, (n, called)
+    assert no_better(rng.normal(25.0, 3.0, 8), rng.normal(6.5, 0.3, 8)) is False
+    assert no_better(np.array([7.0]), rng.normal(7.0, 1.0, 8)) is None
