@@ -27,6 +27,7 @@ than chance gives no bound (0).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -92,6 +93,21 @@ def _rates(fps: np.ndarray, tps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 class ScoreError(UserError):
     """Labels or scores a metric cannot use (one sentence)."""
+
+
+def check_level(delta: float, confidence: float, *, positive_delta: bool = False) -> None:
+    """``delta`` in [0, 1) (in (0, 1) where the epsilon of a Gaussian-DP parameter is read at it) and
+    ``confidence`` in (0, 1), or one sentence."""
+    real = numbers.Real
+    if (
+        not isinstance(delta, real)
+        or isinstance(delta, bool)
+        or not (0 < delta < 1 or (delta == 0 and not positive_delta))
+    ):
+        kind = "in (0, 1)" if positive_delta else "in [0, 1)"
+        raise ScoreError(f"delta must be a number {kind}, got {delta!r}.")
+    if not isinstance(confidence, real) or isinstance(confidence, bool) or not 0 < confidence < 1:
+        raise ScoreError(f"confidence must be a number in (0, 1), got {confidence!r}.")
 
 
 def _labelled(member: Any, score: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -458,8 +474,6 @@ def epsilon_lower_bound(
     Returns:
         The bound and the test it comes from.
     """
-    from fedaudit.attacks.canary.estimators import check_level
-
     check_level(delta, confidence)
     member, score = _labelled(member, score)
     select = np.asarray(select.detach().cpu() if hasattr(select, "detach") else select).ravel()

@@ -31,7 +31,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import beta, binom, norm
 
-from fedaudit.attacks.metrics import CONFIDENCE
+from fedaudit.attacks.metrics import CONFIDENCE, check_level
 from fedaudit.errors import UserError
 
 _EPSILON_CEILING = 100.0
@@ -146,21 +146,6 @@ def _plain(scores: Any) -> Any:
     if hasattr(scores, "to_numpy"):
         return scores.to_numpy()
     return scores
-
-
-def check_level(delta: float, confidence: float, *, positive_delta: bool = False) -> None:
-    """``delta`` in [0, 1) (in (0, 1) where the epsilon of a Gaussian-DP parameter is read at it) and
-    ``confidence`` in (0, 1), or one sentence."""
-    real = numbers.Real
-    if (
-        not isinstance(delta, real)
-        or isinstance(delta, bool)
-        or not (0 < delta < 1 or (delta == 0 and not positive_delta))
-    ):
-        kind = "in (0, 1)" if positive_delta else "in [0, 1)"
-        raise EstimatorError(f"delta must be a number {kind}, got {delta!r}.")
-    if not isinstance(confidence, real) or isinstance(confidence, bool) or not 0 < confidence < 1:
-        raise EstimatorError(f"confidence must be a number in (0, 1), got {confidence!r}.")
 
 
 def epsilon_one_run(

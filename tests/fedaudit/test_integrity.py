@@ -275,25 +275,34 @@ def test_a_signed_run_with_any_file_changed_fails_verify_even_with_its_hashes_re
 
 
 def test_verify_keeps_the_signature_it_checks_and_the_signature_covers_the_manifest(tmp_path):
-    """Sign a canary run whose attack already wrote verification.json, then verify, verify, attack, verify: each
-    passes (verify's own result is rewritten each time, and is listed as written after signing, like attack results).
-    A field of the manifest changed after signing fails, even with the hashes re-recorded."""
+    """Sign a canary run whose attack already wrote verification.json, then verify, verify: each passes (verify's own
+    result is rewritten each time, and is listed as written after signing). An attack run again rewrites signed
+    results: the signature fails them (nothing tells a rerun from a forgery) until the run is signed again. A field
+    of the manifest changed after signing fails, even with the hashes re-recorded."""
     run = tmp_path / "run"
     assert invoke("train", *FAST_ARGS, "--dp", "--canaries", "50", "--rounds", "1", "--out", run).exit_code == 0
     assert invoke("attack", run, "--method", "canary").exit_code == 0 and (run / "verification.json").is_file()
     private, public = _keys(tmp_path, "site")
     assert invoke("sign", run, "--key", private).exit_code == 0
     signed = (run / "verification.json").read_bytes()
-    for command in (("verify",), ("verify",), ("attack", "--method", "canary"), ("verify",)):
-        if command[0] == "attack":
-            assert invoke(command[0], run, *command[1:]).exit_code == 0
-            continue
+    for _ in range(2):
         checked = (run / "verification.json").read_bytes()  # what this verify checks, before it writes its own
         result = invoke("verify", run, "--public-key", public)
         assert result.exit_code == 0 and "PASS signature" in result.output, result.output
         # listed when its bytes changed since signing (its time is in seconds: a fast machine may rewrite the same)
         listed = "verification.json" in result.output.partition("not signed (written after signing):")[2]
         assert listed == (checked != signed), result.output
+    results = sorted((run / "attacks").rglob("metrics.json"))
+    before = [path.read_bytes() for path in results]
+    assert invoke("attack", run, "--method", "canary").exit_code == 0
+    rewritten = [path.read_bytes() for path in results] != before  # the same bytes within the same second
+    result = invoke("verify", run, "--public-key", public)
+    assert (result.exit_code == 1) == rewritten, result.output
+    assert ("an attack run again after signing: sign again" in result.output) == rewritten, result.output
+    assert invoke("sign", run, "--key", private).exit_code == 0
+    signed = (run / "verification.json").read_bytes()
+    result = invoke("verify", run, "--public-key", public)
+    assert result.exit_code == 0 and "PASS signature" in result.output, result.output
     later = json.loads(signed)
     later["created"] = "2099-01-01T00:00:00+00:00"  # what a verify a second later writes differs in its time only
     (run / "verification.json").write_text(json.dumps(later))
