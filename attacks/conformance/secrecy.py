@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from fedaudit.attacks.conformance import midstream
 from fedaudit.seeding import STREAM_KEYS, Stream, derive_seed, make_generator
 
 TRACED_CORRELATION = 0.99  # a query whose noise is the secret's stream correlates with it to float32 rounding
@@ -310,6 +311,42 @@ def _against_public(queries: list[KeptQuery], public: PublicMaterial) -> tuple[_
     return worst, tests
 
 
+def _long_streams(queries: list[KeptQuery], public: PublicMaterial) -> Iterator[tuple[str, torch.Generator]]:
+    """The public CPU streams searched at every offset: torch seeded with each public seed, each seed stream without
+    keys, each kept query's client round stream, and torch's global generator as a process starts it."""
+    for seed in public.seeds:
+        yield f"torch seeded with {seed}", _seeded(seed, "cpu")
+        for stream in Stream:
+            if STREAM_KEYS[stream] == 0:
+                yield f"seed {seed}, stream {stream.name}", make_generator(seed, stream)
+        for round_index, client in sorted({(q.round, q.client) for q in queries}):
+            yield (
+                f"seed {seed}'s client stream of round {round_index + 1}, client {client}",
+                make_generator(seed, Stream.CLIENT, round_index, client),
+            )
+    yield "torch's global generator as a process starts it", torch.Generator()
+
+
+def _mid_stream(queries: list[KeptQuery], public: PublicMaterial) -> str | None:
+    """Where a kept query's sample or noise sits inside a public stream (module midstream), or None."""
+    cpu = [q for q in queries if torch.device(q.device).type == "cpu"]
+    if not cpu:
+        return None
+    for name, generator in _long_streams(cpu, public):
+        uniforms = midstream.stream_uniforms(generator)
+        for query in cpu:
+            observed = _observed_mask(query)
+            if observed is not None:
+                offset = midstream.sample_offset(uniforms, observed.numpy(), query.rate)
+                if offset is not None:
+                    return f"the records {query.label} drew are {name}'s uniforms from its word {offset} on"
+            wanted = midstream.noise_uniforms(query.noise.numpy(), query.scale)
+            offset = midstream.noise_offset(uniforms, wanted)
+            if offset is not None:
+                return f"the noise of {query.label} is Box-Muller of {name}'s uniforms from its word {offset} on"
+    return None
+
+
 # --- the clients' own secrets --------------------------------------------------------------------------------------
 
 
@@ -457,6 +494,18 @@ def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> F
             {**details, "declared_public": True},
         )
     p_value = min(1.0, worst.p_value * max(tests, 1))
+    inside = None if p_value <= level else _mid_stream(queries, public)
+    details["mid_stream"] = inside
+    if inside is not None:
+        return Finding(
+            False,
+            0.0,
+            len(queries),
+            None,
+            f"The noise is not the clients' secret: {inside}, so whoever holds the run's public material can "
+            "regenerate and remove it.",
+            details,
+        )
     if p_value <= level:
         return Finding(
             False,

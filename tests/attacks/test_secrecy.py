@@ -131,6 +131,52 @@ def test_the_public_streams_alone_catch_the_listed_faults_without_the_secrets(tm
     assert blind.passed and "not traced" in blind.sentence
 
 
+def _noise_from_a_fresh_global_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise drawn from torch's global generator in a process that never seeded it (fedaudit's model building
+    puts it back as it found it): one public stream from which every query draws in turn, mid-stream after the
+    first."""
+    stream = torch.Generator()  # torch's default seed, as a process starts it
+    monkeypatch.setattr(
+        primitive, "add_gaussian", lambda total, std, source: total + std * torch.randn(total.shape, generator=stream)
+    )
+
+
+def _round_stream_after_other_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every query of a client's round draws from the client's public round stream after the round's other draws
+    (a FedLAP-DP client's initial set, say): no query starts a stream, and the replay as before secrets misses."""
+    streams: dict[tuple[int, int], torch.Generator] = {}
+
+    def next_query(self):
+        key = (self.draws.round, self.client_id)
+        if key not in streams:
+            streams[key] = make_generator(SEED, Stream.CLIENT, *key)
+            torch.rand(1000, generator=streams[key])
+        self.draws.made += 1
+        return streams[key]
+
+    monkeypatch.setattr(base.ClientData, "next_query", next_query)
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        pytest.param(
+            _noise_from_a_fresh_global_generator, "torch's global generator as a process starts it", id="global"
+        ),
+        pytest.param(_round_stream_after_other_draws, "client stream of round", id="round-stream-mid-way"),
+    ],
+)
+def test_a_public_stream_used_mid_stream_is_found_without_the_secrets(tmp_path, monkeypatch, fault, says):
+    """A copy without client-secrets.json, whose queries drew from the middle of a public stream: the check finds
+    the query's sample or noise at its offset in the stream (module midstream) and fails it."""
+    fault(monkeypatch)
+    run = train(tmp_path / "run")
+    monkeypatch.undo()
+    assert invoke("export", run.path, "--out", tmp_path / "copy").exit_code == 0
+    found = secrecy_of(RunDirectory(tmp_path / "copy"))
+    assert not found.passed and says in found.sentence and "from its word" in found.sentence, found.sentence
+
+
 def test_a_secure_noise_run_whose_keys_are_public_fails_even_in_a_copy_without_its_secrets(tmp_path, monkeypatch):
     """With --secure-noise the queries draw from ChaCha20 keystreams; keys derived from the run seed are caught by
     the sample their public keystreams give (the check does not draw the secure Gaussians)."""
