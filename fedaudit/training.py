@@ -41,7 +41,14 @@ from fedaudit.preparation import Setup, TrainingError, client_data, prepare, rou
 from fedaudit.privacy.accounting import PrivacyLedger, SGMEvent, compose, round_events
 from fedaudit.privacy.layers import fallback_layers
 from fedaudit.privacy.primitive import poisson_sample
-from fedaudit.privacy.randomness import SERVER_NOISE, SERVER_SAMPLE, ClientKeys, RunRandomness, new_run_id
+from fedaudit.privacy.randomness import (
+    CLIENT_SECRETS,
+    SERVER_NOISE,
+    SERVER_SAMPLE,
+    ClientKeys,
+    RunRandomness,
+    new_run_id,
+)
 from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.rundir import (
     ClientsRecord,
@@ -220,6 +227,7 @@ def _resume(
     manifest = run.read_manifest()
     config = run.read_run_config()
     done = manifest.rounds_done
+    _refuse_new_rounds_for_a_round_in_flight(run, manifest, config, rounds, settings)
     if rounds is not None:
         if rounds < done:
             raise TrainingError(f"--rounds {rounds} is fewer than the {done} rounds {run.path} has already completed.")
@@ -416,6 +424,24 @@ def _diverged(m: int, config: RunConfig, what: str) -> TrainingError:
         f"Round {m + 1} diverged: {what}, so training stops {kept}; lower --lr (now {fed.client_lr:g}) or the "
         f"local epochs{noise}, then start again."
     )
+
+
+def _refuse_new_rounds_for_a_round_in_flight(
+    run: RunDirectory, manifest: Manifest, config: RunConfig, rounds: int | None, settings: Mapping[str, Any] | None
+) -> None:
+    """A deployment's site answers a round once, for one set of inputs (the run's rounds among them: the learning
+    rate's schedule spans them). A run stopped in a round may have had it answered by some sites: resumed with other
+    rounds, the others would answer it for those, and no setting would ever again suit them all. Such a run resumes
+    with the rounds it was sent with; it is extended once that round is done."""
+    superlink = (settings or {}).get("superlink") or config.flower.superlink
+    at_sites = config.engine == "flower" and superlink is not None
+    secret = manifest.randomness_source == CLIENT_SECRETS
+    if at_sites and secret and manifest.status != "complete" and rounds not in (None, config.federated.rounds):
+        raise TrainingError(
+            f"{run.path} stopped in round {manifest.rounds_done + 1}, which its sites may have answered for "
+            f"--rounds {config.federated.rounds} already (a site answers a round once, for one set of inputs); "
+            f"resume it with --rounds {config.federated.rounds} (or none), then extend it."
+        )
 
 
 def _at_sites(config: RunConfig) -> bool:

@@ -180,6 +180,13 @@ def _train(message: Any, context: Any) -> Any:
     return as_fit_result(reply, message) if secure else reply
 
 
+def error_reason(error: Any) -> str:
+    """A ClientApp's error as its own sentence, without Flower's wrapper ("<class 'RuntimeError'>:<'...'>") and
+    without a closing full stop (the caller's sentence ends it)."""
+    reason = re.sub(r"^<class '[\w.]+'>:<'(.*)'>$", r"\1", str(error.reason).strip(), flags=re.DOTALL)
+    return reason.rstrip(".")
+
+
 def _no_share_in_clear(task: Any) -> None:
     """A site adding its share of client-level noise sends it in clear only when its share is the whole noise (a round
     of one participant: sigma C / sqrt(1)); asked for it in clear otherwise (a server that skipped the secure sum, by
@@ -318,7 +325,7 @@ class SiteMap:
                         if int(reply.error.code) == NODE_UNAVAILABLE:
                             continue
                         raise DeploymentError(
-                            f"The SuperNode {node} could not say which client it hosts: {reply.error.reason}"
+                            f"The SuperNode {node} could not say which client it hosts: {error_reason(reply.error)}."
                         )
                     self._check_site(node, reply, claims)
             late = time.monotonic() > deadline
@@ -578,8 +585,7 @@ class DeploymentEngine:
                 f"The SuperNode of client {client} (node {node}) stopped answering in round {round_number}: it sent no "
                 "heartbeat for a minute. Restart it and continue with fedaudit train --resume RUN."
             )
-        reason = re.sub(r"^<class '[\w.]+'>:<'(.*)'>$", r"\1", str(error.reason).strip(), flags=re.DOTALL)
-        return f"Client {client}'s ClientApp (node {node}) failed in round {round_number}: {reason.rstrip('.')}."
+        return f"Client {client}'s ClientApp (node {node}) failed in round {round_number}: {error_reason(error)}."
 
     # -- session
 

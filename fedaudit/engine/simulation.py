@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ from torch import nn
 
 from fedaudit.algorithms.base import Algorithm, ClientData, ClientMessage, RoundContext, TensorDict, run_client
 from fedaudit.config import RunConfig
+from fedaudit.errors import UserError
 from fedaudit.privacy.accounting import SGMEvent
 from fedaudit.privacy.randomness import (
     NOISE_SEED,
@@ -53,6 +55,29 @@ if TYPE_CHECKING:
     from fedaudit.preparation import Setup
 
 STARTUP_SECONDS = 300.0  # how long the simulation may take to bring up every SuperNode
+CONNECT_SECONDS = 10.0  # how long a Ray cluster's head may take to accept a connection
+
+
+class ClusterError(UserError):
+    """A Ray cluster that cannot be reached (one sentence)."""
+
+
+def reachable(address: str) -> None:
+    """Refuse a ``--ray-address`` whose head accepts no connection: Ray would retry it for ever (every 30 s, and a
+    Ctrl-C took 300 s to end the run). ``auto`` and addresses that name no port are left to Ray."""
+    target = address.split("://", 1)[-1]
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise ClusterError(
+            f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
+            "'ray start --head' or give the address 'ray status' prints."
+        ) from None
+
+
 _STOPPED = object()
 
 
@@ -459,6 +484,7 @@ class FlowerEngine:
         if settings.ray_address is None:  # a new Ray instance of this machine for this run, even if a cluster runs here
             init_args.update(address="local", num_cpus=max(1, os.cpu_count() or 1))
         else:  # an existing cluster: its nodes bring their own CPUs and GPUs
+            reachable(settings.ray_address)
             init_args["address"] = settings.ray_address
         backend = {
             "client_resources": {"num_cpus": float(settings.client_cpus), "num_gpus": float(gpus)},

@@ -95,6 +95,7 @@ TRAIN_CONFLICTS: tuple[tuple[str, ...], ...] = (
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--clip-lr", "0"),
     # the count's noise leaves nothing for the updates: sigma 3 >= 2 * sigma_b
     ("--dp", "--dp-level", "client", "--max-update-norm", "1", "--clipping", "adaptive", "--noise-multiplier", "3"),
+    ("--engine", "flower", "--ray-address", "127.0.0.1:1"),  # no cluster there: Ray would retry for ever
     ("--resume", "RUN", "--lr", "0.1"),
     ("--resume", "RUN", "--out", "OTHER"),
     ("--resume", "NOWHERE"),

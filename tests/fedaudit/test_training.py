@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import fedaudit
 from fedaudit.config import RunConfig
 from fedaudit.data import load_dataset
-from fedaudit.preparation import select_clients
+from fedaudit.preparation import TrainingError, select_clients
 from fedaudit.privacy.accounting import epsilon_per_round
 from fedaudit.rundir import METRIC_COLUMNS
 
@@ -280,3 +280,32 @@ def test_evaluation_every_k_rounds_on_a_fixed_sample_changes_only_what_is_measur
 def test_bad_evaluation_settings_are_one_sentence(tmp_path, extra, mentions):
     assert_user_error(invoke("train", *FAST_ARGS, *extra, "--out", tmp_path / "run"), mentions=mentions)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_deployed_run_stopped_in_a_round_resumes_with_the_rounds_it_was_sent_with(dp_run, plain_run):
+    """A site answers a round once, for one set of inputs (the rounds among them): resumed with other --rounds after a
+    failed round, the sites that had not answered it answered for the new rounds, the others refused, and no --rounds
+    ever suited them all again. Such a resume is refused before anything is sent; a complete run is extended, and a
+    run whose noise is not the sites' secret (nothing recorded at the sites) is resumed as asked."""
+    from dataclasses import replace as swap
+
+    from fedaudit.rundir import RunDirectory
+    from fedaudit.training import _refuse_new_rounds_for_a_round_in_flight
+
+    run = RunDirectory(dp_run)
+    manifest, config = run.read_manifest(), run.read_run_config()
+    deployed = swap(config, engine="flower", flower=swap(config.flower, superlink="127.0.0.1:9092"))
+    stopped = swap(manifest, status="failed")
+    planned = config.federated.rounds
+    with pytest.raises(TrainingError, match=f"resume it with --rounds {planned} \\(or none\\), then extend it"):
+        _refuse_new_rounds_for_a_round_in_flight(run, stopped, deployed, planned + 1, None)
+    for rounds in (None, planned):
+        _refuse_new_rounds_for_a_round_in_flight(run, stopped, deployed, rounds, None)
+    _refuse_new_rounds_for_a_round_in_flight(run, manifest, deployed, planned + 1, None)  # complete: extended
+    _refuse_new_rounds_for_a_round_in_flight(run, stopped, config, planned + 1, None)  # the local engine
+    plain = RunDirectory(plain_run)
+    plain_config = plain.read_run_config()
+    deployed_plain = swap(plain_config, engine="flower", flower=swap(plain_config.flower, superlink="h:1"))
+    _refuse_new_rounds_for_a_round_in_flight(
+        plain, swap(plain.read_manifest(), status="failed"), deployed_plain, 9, None
+    )

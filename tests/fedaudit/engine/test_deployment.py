@@ -467,3 +467,16 @@ def test_a_site_that_fails_or_falls_silent_in_a_secure_round_is_one_sentence(mon
         assert "the site's disk is full" in sentence and "node 8" in sentence
     else:
         assert "set-up stage of the secure sum within 0.3 s" in sentence
+
+
+def test_a_sites_error_is_its_own_sentence_without_flowers_wrapper():
+    """A SuperNode that could not say which client it hosts was reported as "<class 'RuntimeError'>:<'...'>"; the
+    round's failures already read without it: both use one function now."""
+    from types import SimpleNamespace
+
+    from fedaudit.engine.deployment import error_reason
+
+    wrapped = SimpleNamespace(reason="<class 'ValueError'>:<'invalid literal for int() with base 10: 'abc''>")
+    assert error_reason(wrapped) == "invalid literal for int() with base 10: 'abc'"
+    plain = SimpleNamespace(reason="this run's sites keep their records, but this SuperNode names no data.")
+    assert error_reason(plain) == "this run's sites keep their records, but this SuperNode names no data"
