@@ -44,6 +44,7 @@ from fedaudit.privacy.primitive import poisson_sample
 from fedaudit.privacy.randomness import (
     CLIENT_SECRETS,
     SERVER_NOISE,
+    SERVER_SALT,
     SERVER_SAMPLE,
     ClientKeys,
     RunRandomness,
@@ -51,6 +52,8 @@ from fedaudit.privacy.randomness import (
 )
 from fedaudit.registry import ALGORITHMS, algorithm_label
 from fedaudit.rundir import (
+    EXPORT_RECORD,
+    SALT,
     ClientsRecord,
     DatasetRecord,
     Manifest,
@@ -222,6 +225,11 @@ def _resume(
     echo: Echo,
 ) -> TrainResult:
     remove_stale_temporaries(run.path)  # half-written files of the interrupted process
+    if (run.path / EXPORT_RECORD).exists():
+        raise TrainingError(
+            f"{run.path} is a copy made for others by fedaudit export ({EXPORT_RECORD}): it holds neither the "
+            "clients' secrets nor the server's records, so it cannot be resumed; resume the run it was copied from."
+        )
     run.seal.check("resume")
     run.settle()
     manifest = run.read_manifest()
@@ -703,9 +711,9 @@ class _RoundLoop:
         params = clone_params(result.params)
         if not all(bool(torch.isfinite(p).all()) for p in params.values()):
             raise _diverged(m, config, "the global model's weights are no longer finite (NaN or infinity)")
-        if self.canaries is not None:
-            sampled = len(selected) + len(canary)
-            self.canaries.record(flat(state.params), flat(params), sampled, ctx.population, setup.client_fraction)
+        if self.canaries is not None:  # the count sampled is not logged: the audit reads the Poisson rate, and the
+            # log goes to others with the run, while the count is the server's sample (fedaudit.rundir.private)
+            self.canaries.record(flat(state.params), flat(params), 0, ctx.population, setup.client_fraction)
         wall = time.perf_counter() - began
         epsilon = math.inf
         if state.ledger is not None:
@@ -728,7 +736,9 @@ class _RoundLoop:
             "wall_seconds": wall,
             "bytes_up": sum(msg.nbytes for msg in messages) + (0 if summed is None else summed.nbytes * len(messages)),
             "clients": len(messages),
+            **({"sampled": len(selected) + len(canary)} if self.canaries is not None else {}),  # canaries too
             **numbers,
+            **self._salted(m + 1),
         }
         return _RoundOutcome(
             round=m + 1,
@@ -759,6 +769,14 @@ class _RoundLoop:
             run.remove([p for old in range(1, outcome.round - keep + 1) for p in run.checkpoints.files(old)])
         return manifest
 
+    def _salted(self, round_number: int) -> dict[str, str]:
+        """A client-level run's salt of its private records of a round (fedaudit.rundir.private): the copy's
+        manifest keeps their hashes, which a guess of the round's sample would otherwise match. From the server's
+        secret, so that a resumed run writes the same records; {} for other runs."""
+        if self.server_keys is None:
+            return {}
+        return {SALT: self.server_keys.query_key(round_number, SERVER_SALT).hex()[:32]}
+
     def _write_round(
         self,
         outcome: _RoundOutcome,
@@ -772,16 +790,23 @@ class _RoundLoop:
         run.checkpoints.save(
             number,
             outcome.params,
-            {**_checkpoint_state(config.seed, number), "clients": clients, "server": outcome.server_metrics},
+            {
+                **_checkpoint_state(config.seed, number),
+                "clients": clients,
+                "server": outcome.server_metrics,
+                **self._salted(number),
+            },
         )
         states = dict(state.states.changed)
         into = number - config.keep_checkpoints + 1 if config.keep_checkpoints is not None else number
         if carried and into == number:
             states = {**carried, **states}
         if states or (client_level(config.to_dict()) and getattr(self.setup.algorithm, "keeps_client_states", False)):
-            run.states.save(number, states)  # at client level every round: which rounds changed one is the sample's
+            run.states.save(number, states, self._salted(number).get(SALT))  # at client level every round: which
+            # rounds changed a state would tell the sample
         if carried and into < number:
-            run.states.save(into, {**carried, **run.states.load(into, self.setup.device)})
+            loaded = run.states.load(into, self.setup.device)
+            run.states.save(into, {**carried, **loaded}, self._salted(into).get(SALT))
         if state.server_state:
             run.states.save_server(number, state.server_state)
         if state.server_kept:

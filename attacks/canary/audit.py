@@ -396,6 +396,12 @@ def canary_audit(
                 f"{run.path}: no client that holds both included and excluded canaries took part, so the "
                 f"{view.name} view has nothing to compare."
             )
+        if min(len(inside), len(outside)) < 2:  # the split audit chooses on some of each side and judges on others
+            raise AttackError(
+                f"{run.path}: the {view.name} view has {len(inside)} included and {len(outside)} excluded canaries "
+                "(each is included with probability 1/2); its bounds need at least two of each: train with more "
+                "--canaries."
+            )
         curve = roc(included[informative], scores[informative])
         curve_table = pd.DataFrame({"fpr": curve.fpr, "tpr": curve.tpr, "threshold": curve.thresholds})
         metrics = _judge(view, scores, informative, judging)

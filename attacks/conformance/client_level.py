@@ -48,7 +48,7 @@ from fedaudit.attacks import AttackError
 from fedaudit.attacks.conformance.checks import LEDGER_RTOL, Check, Verification, recorded_rdp
 from fedaudit.instruments.canary_log import read_log
 from fedaudit.models import initial_params
-from fedaudit.rundir import RunDirectory
+from fedaudit.rundir import EXPORT_RECORD, RunDirectory
 from fedaudit.rundir.stores import SECURE_SUM_FILE
 from fedaudit.seeding import Stream, numpy_rng
 
@@ -57,6 +57,8 @@ CHECKS = ("noise", "clipping", "sampling", "ledger")  # and "quantile" for adapt
 
 def needs(run: RunDirectory) -> str | None:
     """Why ``run`` cannot be verified at client level, or None."""
+    if (run.path / EXPORT_RECORD).exists():
+        return "it is a copy for others, which holds neither what the clients sent nor the server's own records"
     if not run.transmitted_dir.is_dir():
         return "it was trained without --save-transmitted, so the clients' updates the checks recompute are not here"
     config = run.read_run_config()
@@ -95,13 +97,14 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
     basis = _canary_basis(config.seed, log, models[0].size) if log is not None else None
     stored = run.read_privacy() or {}
     per_check = level / (len(CHECKS) + adaptive)
-    sampled = int(log.sampled.sum()) if log is not None else sum(len(s) for s in sent) + sum(in_sums)
+    counted = _sampled_counts(run, log, rounds)
+    sampled = int(counted.sum()) if counted is not None else sum(len(s) for s in sent) + sum(in_sums)
     common = [
         _sampling_check(sampled, population * rounds, _ledger_rate(stored, q), per_check),
         _ledger_check(stored, sigma, q, rounds, clients),
     ]
     if priv.noise_in_shares:
-        taking_part = [int(log.sampled[t]) if log is not None else len(sent[t]) + in_sums[t] for t in range(rounds)]
+        taking_part = [int(counted[t]) if counted is not None else len(sent[t]) + in_sums[t] for t in range(rounds)]
         shares = _Shares(sigma * priv.max_update_norm, priv.max_update_norm, q * population / eta, basis)
         received = [[(u, 1) for u in sent[t]] + ([] if summed[t] is None else [summed[t]]) for t in range(rounds)]
         return Verification(
@@ -121,7 +124,7 @@ def verify_client_level(run: RunDirectory, *, level: float = 0.001) -> Verificat
         noise_dof += dof
         if adaptive:  # the count's noise, from the next C: canary clients (10 C) are never under C
             fraction = priv.target_quantile - math.log(clips[t + 1] / clip) / priv.clip_lr
-            canaries = int(log.sampled[t]) - len(sent[t]) if log is not None else 0
+            canaries = int(counted[t]) - len(sent[t]) if counted is not None else 0
             centred = sum(n <= clip for n in norms) - (len(norms) + canaries) / 2
             counts.append((fraction - 0.5) * q * population - centred)
         if sent[t]:
@@ -329,6 +332,18 @@ def _clipping_check(statistic: float, dof: int, level: float) -> Check:
         "noise's energy: some update was released beyond its clipping norm."
     )
     return Check("clipping", passed, p, dof, statistic, sentence)
+
+
+def _sampled_counts(run: RunDirectory, log: Any, rounds: int) -> np.ndarray | None:
+    """Each round's clients sampled, canary clients included, where the run has canary clients (None otherwise):
+    the server's records (server-metrics.csv's ``sampled``), or the canary log of a run written before the count
+    moved there (the log goes to others with the run; the count is the server's sample)."""
+    if log is None:
+        return None
+    metrics = run.read_metrics(server=True)
+    if "sampled" in metrics.columns:
+        return metrics["sampled"].to_numpy()[:rounds].astype(np.int64)
+    return np.asarray(log.sampled[:rounds], dtype=np.int64)
 
 
 def _sampling_check(sampled: int, trials: int, rate: float, level: float) -> Check:

@@ -78,6 +78,7 @@ _COPY_CAP = 64  # copies of the records (epochs) simulated at most
 NULL_KIND = {UPDATE_SIGNAL: "random-update", SYNTHETIC_SIGNAL: "held-out"}
 
 NULL_LEVEL = 0.025  # the one-sided level at which an attack is called better than its null
+PSNR_CEILING = 100.0  # dB: an image equal to its record to float32 rounding
 
 
 @dataclass(frozen=True)
@@ -828,7 +829,8 @@ def no_better(attack: np.ndarray, null: np.ndarray) -> bool | None:
     """Whether the attack's mean PSNR is no better than its null's: Welch's one-sided t-test of "the attack's mean is
     above the null's" does not reject at 2.5% (None with fewer than two of either). Both means are estimates: the
     attack's interval against the null's mean alone called equal attacks better in 7-8% of samples."""
-    attack, null = np.asarray(attack, float), np.asarray(null, float)
+    # an exact copy's PSNR is infinite: as good as PSNR_CEILING, so that means and spreads exist
+    attack, null = (np.minimum(np.asarray(x, float), PSNR_CEILING) for x in (attack, null))
     if len(attack) < 2 or len(null) < 2:
         return None
     if attack.std() == 0 and null.std() == 0:

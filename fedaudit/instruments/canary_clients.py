@@ -164,7 +164,8 @@ class RunCanaries:
 
     def record(self, before: np.ndarray, after: np.ndarray, sampled: int, population: int, rate: float) -> None:
         """A round's row: the released update (every update weighs the same), ``sampled`` clients of ``population``
-        (canary clients counted in both), each sampled with probability ``rate``."""
+        (canary clients counted in both; fedaudit's own runs give 0, the count being the server's secret sample),
+        each sampled with probability ``rate``."""
         self.space.record(before, after, sampled=sampled, population=population, equal=True, sample_rate=rate)
 
     def to_log(self, *, strategy: str) -> CanaryLog:

@@ -70,6 +70,7 @@ SERVER_SECRET_FILE = "server-secret.json"
 SERVER_FORMAT = "fedaudit-server-secret"
 SERVER_KEY_LABEL = b"fedaudit/server-key/v1"
 SERVER_SAMPLE, SERVER_NOISE = 0, 1  # the server's two draws of a round, each from a source of its own
+SERVER_SALT = 2  # and the salt of its private records of the round (fedaudit.rundir.private)
 
 # Where a run's client randomness comes from (the manifest's "randomness" record).
 CLIENT_SECRETS = "client-secrets"  # each client's own secret: the default of every run with DP randomness

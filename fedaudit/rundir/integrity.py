@@ -109,12 +109,43 @@ def links(root: Path) -> list[str]:
 
 
 def outside(relative: str, linked: Collection[str] = ()) -> bool:
-    """Whether a path the manifest names could lead outside the run: absolute, with an empty, '.' or '..' part, or
-    through one of the run's symbolic links."""
+    """Whether a path the manifest names could lead outside the run (absolute, with an empty, '.' or '..' part, or
+    through one of the run's symbolic links) or is longer than any the system opens."""
     parts = relative.split("/")
     if relative.startswith("/") or "\\" in relative or any(part in ("", ".", "..") for part in parts):
         return True
+    sizes = [len(part.encode("utf-8", "surrogatepass")) for part in parts]
+    if sum(sizes) > 1024 or max(sizes) > 255:  # no file fedaudit writes has such a name; the system refuses to open it
+        return True
     return any("/".join(parts[:i]) in linked for i in range(1, len(parts) + 1))
+
+
+def copy_checked(root: Path, relative: str, destination: Path, expected: Collection[str | None] = ()) -> None:
+    """Copy the run's file ``relative`` to ``destination``, opened without following a link anywhere under ``root``
+    and hashed as it is copied: a file swapped for a link, or changed, after the run was checked is not copied from
+    outside the run (an :class:`IntegrityError`; ``expected`` empty: any content, for the unhashed manifest)."""
+    parts = relative.split("/")
+    folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+        source = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError as exc:
+        raise IntegrityError(f"{relative} cannot be copied from inside the run ({exc.strerror or exc}).") from exc
+    finally:
+        os.close(folder)
+    hasher = hashlib.sha256()
+    with os.fdopen(source, "rb") as reading:
+        if not stat.S_ISREG(os.fstat(reading.fileno()).st_mode):
+            raise IntegrityError(f"{relative} is not a regular file.")
+        with destination.open("wb") as writing:
+            for chunk in iter(lambda: reading.read(_CHUNK), b""):
+                hasher.update(chunk)
+                writing.write(chunk)
+    if expected and hasher.hexdigest() not in expected:
+        raise IntegrityError(f"{relative} changed while it was being copied (its SHA-256 is not the manifest's).")
 
 
 def read_hashes(manifest: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str | None]] | None:
@@ -334,9 +365,10 @@ class RunLock:
                 if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                     raise
                 raise LockedError(f"{path} is not a regular file (fedaudit makes its lock one); remove it.") from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link: truncating it truncates another
                 os.close(fd)
-                raise LockedError(f"{path} is not a regular file (fedaudit makes its lock one); remove it.")
+                raise LockedError(f"{path} is not a regular file of its own (fedaudit makes its lock one); remove it.")
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except OSError as exc:

@@ -7,7 +7,10 @@ noise. The run directory is the server's, and it records what the guarantee assu
 round's sample (the checkpoints' ``round-NNNN.json``; its size and the un-noised statistics of the clients' updates
 in ``server-metrics.csv``), the updates as they arrived (``transmitted/``), and the
 clients' own states (SCAFFOLD's control variates move with each client's unclipped update). A copy for others leaves
-these files out and lists them in its ``export.json``; the copy checks without them.
+these files out and lists them in its ``export.json``; the copy checks without them. Its manifest still holds their
+hashes, which a guess of a round's sample would match: each private record carries a salt from the server's secret
+(``salt``), and nothing that counts the sample stays public (a round's time grows with its clients, so
+``wall_seconds`` is private too).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 SERVER_METRICS = "server-metrics.csv"
+SECRET_FILES = ("client-secrets.json", "server-secret.json")  # never in a copy (fedaudit.privacy.randomness)
 EXPORT_RECORD = "export.json"  # in a copy for others: the files it leaves out, and why (not hashed: not the run's)
 EXPORT_FORMAT = "fedaudit-export"
 MAX_EXPORT_RECORD_BYTES = 16 << 20
 # the columns of metrics.csv that are public in a client-level run: the released model's quality, the accountant's
-# epsilon, the time taken, and the clipping norm (under adaptive clipping, moved only by noised counts)
-PUBLIC_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "wall_seconds", "clip_norm")
+# epsilon, and the clipping norm (under adaptive clipping, moved only by noised counts); not the time a round took,
+# which grows with the clients it sampled
+PUBLIC_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "clip_norm")
+SALT = "salt"  # a private record's field (JSON), column (CSV) or metadata key (safetensors): see record_salt
 
 _STATE = re.compile(r"checkpoints/round-\d{4,}\.json")
 _CLIENT_STATES = re.compile(r"checkpoints/round-\d{4,}-clients\.safetensors")
@@ -88,7 +94,11 @@ def left_out(root: Path) -> dict[str, str]:
 
 def excused(root: Path, config: Mapping[str, Any] | None) -> frozenset[str]:
     """The files whose absence from ``root`` is no problem: those its export record lists that the run's own
-    configuration makes private (a record cannot excuse the absence of any other file)."""
+    configuration makes private (a record cannot excuse the absence of any other file), in a copy (a directory that
+    holds the clients' or the server's secret is the run itself, whose records a planted export.json would
+    otherwise let anyone delete)."""
+    if any((root / name).exists() for name in SECRET_FILES):
+        return frozenset()
     return frozenset(name for name in left_out(root) if private_reason(name, config) is not None)
 
 

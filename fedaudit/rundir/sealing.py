@@ -126,7 +126,8 @@ class Seal:
             for name in names:
                 destination = building / name
                 destination.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(run.path / name, destination)
+                allowed = {recorded[0].get(name), recorded[1].get(name)} - {None}
+                integrity.copy_checked(run.path, name, destination, allowed)
             if record["left_out"]:
                 atomic_write_json(building / private.EXPORT_RECORD, record)
             if target.exists():

@@ -121,10 +121,14 @@ class StateStore(Store):
         """The clients file of round ``round_number``."""
         return self.run.checkpoints_dir / f"{_round_name(round_number)}-clients.safetensors"
 
-    def save(self, round_number: int, states: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
-        """The client states round ``round_number`` changed (and any carried over from a removed checkpoint)."""
+    def save(
+        self, round_number: int, states: Mapping[int, Mapping[str, torch.Tensor]], salt: str | None = None
+    ) -> None:
+        """The client states round ``round_number`` changed (and any carried over from a removed checkpoint); with
+        the ``salt`` of a private record (fedaudit.rundir.private) in its metadata."""
         flat = {f"client{k}/{name}": t for k, state in states.items() for name, t in state.items()}
-        self.run.put(self.path(round_number), tensors_bytes(flat, {"round": str(round_number)}))
+        metadata = {"round": str(round_number), **({"salt": salt} if salt else {})}
+        self.run.put(self.path(round_number), tensors_bytes(flat, metadata))
 
     def clients_in(self, round_number: int) -> set[int]:
         """The clients whose states round ``round_number``'s clients file holds (none if it has no such file)."""

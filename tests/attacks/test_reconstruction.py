@@ -451,3 +451,8 @@ def test_an_attack_is_called_better_than_its_null_at_its_level_and_not_more_ofte
         assert called / trials <= 0.025 + 2.5 * (0.025 * 0.975 / trials) ** 0.5, (n, called)
     assert no_better(rng.normal(25.0, 3.0, 8), rng.normal(6.5, 0.3, 8)) is False
     assert no_better(np.array([7.0]), rng.normal(7.0, 1.0, 8)) is None
+    inf = float("inf")  # an exact copy (a held-out record equal to a training one): no better than a perfect null
+    assert no_better(np.array([10.0, 11.0, 12.0]), np.array([inf, inf, inf])) is True
+    assert no_better(np.array([10.0, 11.0, 12.0]), np.array([5.0, inf, 6.0])) is True
+    assert no_better(np.array([inf, inf]), np.array([inf, inf])) is True
+    assert no_better(np.array([inf, inf, inf]), np.array([6.0, 6.5, 7.0])) is False

@@ -765,3 +765,51 @@ def test_a_runs_arrays_are_read_only_as_arrays_and_within_their_size(plain_run, 
         assert result.exit_code == 2 and "membership.npz" in result.output and "Traceback" not in result.output, (
             result.output
         )
+
+
+def test_what_changes_after_the_check_is_not_copied_and_a_lock_or_record_cannot_stand_in(plain_run, tmp_path):
+    """After a run checks, export copies each file opened without following a link on the way and hashed as it is
+    copied (a file swapped for a link to another file was copied from outside the run); a lock that is a hard link
+    (truncating it truncates another file) is refused; an export record planted in the run itself excuses nothing
+    (the server's records could be deleted unseen) and makes a run that cannot be resumed; a name of 5,000
+    characters in the manifest is a finding, not a traceback."""
+    from fedaudit.rundir import integrity
+
+    run = copy(plain_run, tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's")
+    recorded = json.loads((run / "manifest.json").read_text())["files"]
+    target = tmp_path / "copied"
+    integrity.copy_checked(run, "metrics.csv", target, {recorded["metrics.csv"]})
+    assert target.read_bytes() == (run / "metrics.csv").read_bytes()
+    (run / "metrics.csv").rename(tmp_path / "metrics.csv")
+    (run / "metrics.csv").symlink_to(outside)
+    with pytest.raises(integrity.IntegrityError, match="cannot be copied from inside the run"):
+        integrity.copy_checked(run, "metrics.csv", target, {recorded["metrics.csv"]})
+    (run / "metrics.csv").unlink()
+    (run / "metrics.csv").write_text("changed")
+    with pytest.raises(integrity.IntegrityError, match="changed while it was being copied"):
+        integrity.copy_checked(run, "metrics.csv", target, {recorded["metrics.csv"]})
+    first = sorted((run / "checkpoints").iterdir())[0].name
+    (run / "checkpoints").rename(tmp_path / "elsewhere")
+    (run / "checkpoints").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(integrity.IntegrityError, match="cannot be copied from inside the run"):
+        integrity.copy_checked(run, f"checkpoints/{first}", target)
+    linked = copy(plain_run, tmp_path, "hard")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (linked / LOCK_NAME).unlink(missing_ok=True)
+    os.link(victim, linked / LOCK_NAME)
+    result = invoke("attack", linked, "--signal", "loss", "--no-progress")
+    assert result.exit_code == 2 and "not a regular file of its own" in result.output, result.output
+    assert victim.read_text() == "keep me"
+    planted = copy(plain_run, tmp_path, "planted")
+    (planted / "export.json").write_text(json.dumps({"format": "fedaudit-export", "left_out": {}}))
+    result = invoke("train", "--resume", planted, "--rounds", "4")
+    assert result.exit_code == 2 and "a copy made for others by fedaudit export" in result.output, result.output
+    named = copy(plain_run, tmp_path, "named")
+    manifest = json.loads((named / "manifest.json").read_text())
+    manifest["files"]["x" * 5000] = "0" * 64
+    (named / "manifest.json").write_text(json.dumps(manifest))
+    result = invoke("verify", named)
+    assert result.exit_code == 1 and "which is not a file of the run" in result.output, result.output

@@ -117,7 +117,8 @@ def rehash(run: Path) -> None:
     (run / "manifest.json").write_text(json.dumps(manifest))
 
 
-ENGINE_VOLATILE = ("manifest.json", "config.json", "metrics.csv")  # name the engine or settings, or hold clock times
+# name the engine or settings, or hold clock times (a client-level run's server-metrics.csv holds its rounds' times)
+ENGINE_VOLATILE = ("manifest.json", "config.json", "metrics.csv", "server-metrics.csv")
 
 
 def engine_independent_digest(run: Path) -> dict[str, str]:

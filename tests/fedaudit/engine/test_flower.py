@@ -129,6 +129,9 @@ def test_the_other_systems_train_the_same_run_on_flower(tmp_path, cli, extra, fi
     result = cli("train", *args, "--engine", "flower", "--ray-address", ray_cluster.address, "--out", flower)
     assert result.exit_code == 0, result.output
     assert engine_independent_digest(flower) == engine_independent_digest(local)
+    if (local / "server-metrics.csv").exists():  # the server's records but for its clock
+        frames = [pd.read_csv(run / "server-metrics.csv").drop(columns="wall_seconds") for run in (flower, local)]
+        pd.testing.assert_frame_equal(*frames)
 
 
 def test_simulated_clients_draw_their_noise_from_the_run_directorys_secrets(tmp_path, cli, ray_cluster):

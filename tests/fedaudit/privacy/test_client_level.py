@@ -224,8 +224,12 @@ def test_a_copy_for_others_holds_nothing_of_the_servers_sample_and_still_checks(
     args = (*FAST_ARGS, *CLIENT_LEVEL, "--num-clients", "6", "--client-fraction", "0.5", "--rounds", "2")
     assert invoke("train", *args, "--out", run).exit_code == 0
     public, server = pd.read_csv(run / "metrics.csv"), pd.read_csv(run / "server-metrics.csv")
-    assert list(public.columns) == ["round", "test_accuracy", "test_loss", "epsilon", "wall_seconds", "clip_norm"]
-    assert {"clients", "bytes_up", "clipped_updates", "update_norm_median"} <= set(server.columns)
+    assert list(public.columns) == ["round", "test_accuracy", "test_loss", "epsilon", "clip_norm"]  # time counts too
+    assert {"clients", "bytes_up", "clipped_updates", "update_norm_median", "wall_seconds"} <= set(server.columns)
+    # the copy keeps the hashes of what it leaves out: each record is salted from the server's secret, so that a
+    # guess of a round's sample (its clients, steps and bytes are otherwise predictable) cannot be matched
+    salts = [json.loads((run / "checkpoints" / f"round-000{n}.json").read_text())["salt"] for n in (1, 2)]
+    assert len(set(salts)) == 2 and all(len(salt) == 32 for salt in salts) and list(server["salt"]) == salts
     result = invoke("export", run, "--out", copy)
     assert result.exit_code == 0 and "3 file(s) only the server may see" in result.output, result.output
     left_out = json.loads((copy / "export.json").read_text())["left_out"]
@@ -244,7 +248,8 @@ def test_a_copy_for_others_holds_nothing_of_the_servers_sample_and_still_checks(
         (broken / "export.json").write_text(json.dumps({**record, "left_out": {**left_out, damage: "mine"}}))
         (broken / damage).unlink()
         assert invoke("verify", broken).exit_code == 1
-    (run / "server-metrics.csv").unlink()  # the run itself has no record to excuse it
+    (run / "export.json").write_text((copy / "export.json").read_text())  # planted beside the server's secret
+    (run / "server-metrics.csv").unlink()  # the run itself: no record excuses it
     assert invoke("verify", run).exit_code == 1
     sent = tmp_path / "sent"
     assert invoke("train", *args, "--save-transmitted", "--out", sent).exit_code == 0
