@@ -494,7 +494,8 @@ def secrecy(queries: list[KeptQuery], public: PublicMaterial, level: float) -> F
             {**details, "declared_public": True},
         )
     p_value = min(1.0, worst.p_value * max(tests, 1))
-    inside = None if p_value <= level else _mid_stream(queries, public)
+    held = public.secrets is not None and public.secrets.exists()  # then the trace below catches any stream
+    inside = None if p_value <= level or held else _mid_stream(queries, public)
     details["mid_stream"] = inside
     if inside is not None:
         return Finding(

@@ -293,3 +293,14 @@ def test_noise_drawn_on_another_kind_of_gpu_is_not_checked_rather_than_failed(mo
         "Not checked: this run's clients drew their noise on a GPU whose generators spread a large draw over 2000 "
         "threads, this one's over 1000"
     )
+
+
+def test_a_correct_runs_copy_passes_the_search_of_public_streams(tmp_path):
+    """The null side of the search at every offset: a correct run's copy, its secrets left out, is searched (its
+    secrets would have made the search needless) and passes."""
+    run = train(tmp_path / "run")
+    assert invoke("export", run.path, "--out", tmp_path / "copy").exit_code == 0
+    found = secrecy_of(RunDirectory(tmp_path / "copy"))
+    assert found.passed and "not traced" in found.sentence, found.sentence
+    assert "mid_stream" in found.details and found.details["mid_stream"] is None
+    assert "mid_stream" in secrecy_of(run).details and secrecy_of(run).details["mid_stream"] is None
