@@ -21,8 +21,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fedaudit.privacy.randomness import SECRETS_FILE, SERVER_SECRET_FILE
+
 SERVER_METRICS = "server-metrics.csv"
-SECRET_FILES = ("client-secrets.json", "server-secret.json")  # never in a copy (fedaudit.privacy.randomness)
+SECRET_FILES = (SECRETS_FILE, SERVER_SECRET_FILE)  # never in a copy
 EXPORT_RECORD = "export.json"  # in a copy for others: the files it leaves out, and why (not hashed: not the run's)
 EXPORT_FORMAT = "fedaudit-export"
 MAX_EXPORT_RECORD_BYTES = 16 << 20
@@ -30,7 +32,7 @@ MAX_EXPORT_RECORD_BYTES = 16 << 20
 # epsilon, and the clipping norm (under adaptive clipping, moved only by noised counts); not the time a round took,
 # which grows with the clients it sampled
 PUBLIC_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "clip_norm")
-SALT = "salt"  # a private record's field (JSON), column (CSV) or metadata key (safetensors): see record_salt
+SALT = "salt"  # a private record's field (JSON), column (CSV) or metadata key (safetensors), from the server's secret
 
 _STATE = re.compile(r"checkpoints/round-\d{4,}\.json")
 _CLIENT_STATES = re.compile(r"checkpoints/round-\d{4,}-clients\.safetensors")
