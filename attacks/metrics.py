@@ -110,10 +110,16 @@ def check_level(delta: float, confidence: float, *, positive_delta: bool = False
         raise ScoreError(f"confidence must be a number in (0, 1), got {confidence!r}.")
 
 
+def as_array(values: Any) -> np.ndarray:
+    """Scores, labels or marks from anywhere as a numpy array, by position: numpy, lists, pandas (its values, never
+    its index) and torch tensors on any device."""
+    return np.asarray(values.detach().cpu() if hasattr(values, "detach") else values)
+
+
 def _labelled(member: Any, score: Any) -> tuple[np.ndarray, np.ndarray]:
     """Labels and scores as flat arrays, by position (lists, pandas and torch's CPU tensors too), refused unless of
     one length, labels 0 or 1 and scores finite."""
-    member, score = (np.asarray(x.detach().cpu() if hasattr(x, "detach") else x).ravel() for x in (member, score))
+    member, score = (as_array(x).ravel() for x in (member, score))
     if member.shape != score.shape:
         raise ScoreError(f"{member.size} membership labels for {score.size} scores.")
     try:
@@ -476,7 +482,7 @@ def epsilon_lower_bound(
     """
     check_level(delta, confidence)
     member, score = _labelled(member, score)
-    select = np.asarray(select.detach().cpu() if hasattr(select, "detach") else select).ravel()
+    select = as_array(select).ravel()
     if select.shape != member.shape or not set(np.unique(select).tolist()) <= {0, 1}:
         raise ScoreError(f"select must mark each of the {member.size} records true or false.")
     select = select.astype(bool)

@@ -61,7 +61,6 @@ from fedaudit.rundir import (
     RandomnessRecord,
     RunDirectory,
     RunError,
-    client_level,
     now_iso,
     private_columns,
     remove_stale_temporaries,
@@ -801,7 +800,7 @@ class _RoundLoop:
         into = number - config.keep_checkpoints + 1 if config.keep_checkpoints is not None else number
         if carried and into == number:
             states = {**carried, **states}
-        if states or (client_level(config.to_dict()) and getattr(self.setup.algorithm, "keeps_client_states", False)):
+        if states or (config.privacy.client_level and getattr(self.setup.algorithm, "keeps_client_states", False)):
             run.states.save(number, states, self._salted(number).get(SALT))  # at client level every round: which
             # rounds changed a state would tell the sample
         if carried and into < number:
@@ -823,7 +822,7 @@ class _RoundLoop:
             run.put(run.canary_clients_path, self.canaries.to_log(strategy=_canary_strategy(config)).to_bytes())
         run.save_model(outcome.params, {"round": str(number), "algorithm": config.federated.algorithm})
         columns = {key for row in state.rows for key in row}
-        run.write_metrics(state.rows, private_columns(columns, config.to_dict()))
+        run.write_metrics(state.rows, private_columns(columns, client_level=config.privacy.client_level))
         if state.ledger is not None:
             run.write_privacy(state.ledger.to_dict())
         done = number == config.federated.rounds

@@ -31,7 +31,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import beta, binom, norm
 
-from fedaudit.attacks.metrics import CONFIDENCE, check_level
+from fedaudit.attacks.metrics import CONFIDENCE, as_array, check_level
 from fedaudit.errors import UserError
 
 _EPSILON_CEILING = 100.0
@@ -129,7 +129,7 @@ class EstimatorError(UserError):
 def _scores(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The scores as float arrays (lists, pandas or torch's CPU tensors too), refused unless non-empty, 1-D, finite."""
     try:
-        in_scores, out_scores = (np.asarray(_plain(s), float) for s in (in_scores, out_scores))
+        in_scores, out_scores = (np.asarray(as_array(s), float) for s in (in_scores, out_scores))
     except (TypeError, ValueError) as exc:
         raise EstimatorError(f"The scores must be numbers ({exc}).") from None
     if in_scores.ndim != 1 or out_scores.ndim != 1 or not len(in_scores) or not len(out_scores):
@@ -137,15 +137,6 @@ def _scores(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[np.ndarray, 
     if not (np.isfinite(in_scores).all() and np.isfinite(out_scores).all()):
         raise EstimatorError("Every score must be finite: a NaN or infinite score ranks nowhere; drop or clip it.")
     return in_scores, out_scores
-
-
-def _plain(scores: Any) -> Any:
-    """A torch tensor or a pandas Series as its values (a Series by position, never by its index)."""
-    if hasattr(scores, "detach"):
-        return scores.detach().cpu().numpy()
-    if hasattr(scores, "to_numpy"):
-        return scores.to_numpy()
-    return scores
 
 
 def epsilon_one_run(

@@ -26,7 +26,7 @@ from fedaudit.rundir.files import (
     versions,
     write_arrays,
 )
-from fedaudit.rundir.private import EXPORT_RECORD, SALT, client_level, private_columns
+from fedaudit.rundir.private import EXPORT_RECORD, SALT, private_columns
 from fedaudit.rundir.records import (
     FORMAT_VERSION,
     MANIFEST_STATUSES,
@@ -41,7 +41,6 @@ from fedaudit.rundir.records import (
 __all__ = [
     "EXPORT_RECORD",
     "SALT",
-    "client_level",
     "private_columns",
     "FORMAT_VERSION",
     "MANIFEST_STATUSES",

@@ -45,10 +45,10 @@ def client_level(config: Mapping[str, Any] | None) -> bool:
     return isinstance(privacy, Mapping) and bool(privacy.get("dp")) and privacy.get("dp_level") == "client"
 
 
-def private_columns(columns: Iterable[str], config: Mapping[str, Any]) -> list[str]:
+def private_columns(columns: Iterable[str], *, client_level: bool) -> list[str]:
     """The metrics columns only the server may see: in a client-level run, every one but :data:`PUBLIC_METRICS`
     (the round's number of clients and bytes count its sample; the clipped fraction and median norm are un-noised)."""
-    if not client_level(config):
+    if not client_level:
         return []
     return [column for column in columns if column not in PUBLIC_METRICS]
 
