@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import Result
-from helpers import FAST_ARGS, invoke, same_secrets
+from helpers import FAST_ARGS, fixed_sequence_secrets, invoke, same_secrets
 from zygote import Zygote
 
 torch.set_num_threads(1)
@@ -26,6 +26,21 @@ def fixed_secrets() -> Iterator[None]:
     test's own ``monkeypatch``, so that its ``undo()`` keeps them."""
     with same_secrets():
         yield
+
+
+@pytest.fixture(autouse=True)
+def secrets_of_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every run a test starts in this process gets its run id and its clients' secrets from a sequence named after
+    the test (:func:`helpers.fixed_sequence_secrets`): each run's noise is still its own, but the same on every
+    machine and every time, so that no outcome of a test hangs on fresh secrets (a fault test whose planted fault
+    shows by a margin in most draws fails in the others). Tests that compare runs on fresh secrets, and processes
+    of their own, still draw from the operating system. Patched apart from the test's ``monkeypatch``."""
+    patch = pytest.MonkeyPatch()
+    fixed_sequence_secrets(patch, request.node.nodeid)
+    try:
+        yield
+    finally:
+        patch.undo()
 
 
 # What a `fedaudit` process imports before it works: its command line, training, the attacks and the reports.
