@@ -22,6 +22,7 @@ from fedaudit.attacks.metrics import (
     held_out_advantage,
     rate_interval,
     rates_at_fpr,
+    resample_counts,
     roc,
     summarize,
     threshold_bounds,
@@ -153,6 +154,33 @@ def test_bootstrap_interval_matches_a_naive_bootstrap() -> None:
     ref_low, ref_high = np.quantile(naive, [0.025, 0.975])
     assert low == pytest.approx(ref_low, abs=0.015) and high == pytest.approx(ref_high, abs=0.015)
     assert low < roc_auc_score(member, score) < high
+
+
+def test_each_resample_is_the_records_drawn_with_replacement_in_order() -> None:
+    """A slow loop: bootstrap's resample r is the positives drawn n1 times with replacement, then the negatives n0
+    times, from the generator in that order, scored by scikit-learn."""
+    rng = np.random.default_rng(11)
+    member = labels(7, 12)
+    score = np.round(rng.normal(size=19) + 0.5 * member, 1)
+    boot = bootstrap(member, score, rng=np.random.default_rng(12), resamples=5)
+    replay = np.random.default_rng(12)
+    drawn_positives, drawn_negatives = replay.integers(0, 7, size=(5, 7)), replay.integers(0, 12, size=(5, 12))
+    pos, neg = score[member == 1], score[member == 0]
+    for r in range(5):
+        p, n = pos[drawn_positives[r]], neg[drawn_negatives[r]]
+        assert boot.auc[r] == pytest.approx(roc_auc_score(labels(7, 12), np.concatenate([p, n])))
+
+
+def test_resample_counts_are_multinomial() -> None:
+    """Each row sums to n; over many rows each count has the Multinomial(n, 1/n) mean 1, variance 1 - 1/n and
+    covariance -1/n with another record's (numpy's own multinomial beside it as the reference)."""
+    n, rows = 6, 200_000
+    counts = resample_counts(np.random.default_rng(13), n, rows)
+    assert counts.shape == (rows, n) and (counts.sum(axis=1) == n).all()
+    reference = np.random.default_rng(14).multinomial(n, np.full(n, 1 / n), size=rows)
+    for drawn in (counts, reference):
+        assert np.allclose(drawn.mean(axis=0), 1, atol=0.01)
+        assert np.allclose(np.cov(drawn.T), np.eye(n) - 1 / n, atol=0.01)
 
 
 def test_weighted_auc_equals_auc_of_the_repeated_records() -> None:
@@ -404,18 +432,18 @@ def test_risk_equals_a_slow_loop_over_clients_classes_and_records():
 
 
 def test_bootstrap_groups_is_each_sets_resampled_auc_with_shared_negative_draws() -> None:
-    """A slow loop: the same multinomial draws, in the same order, turned into repeated records and scored by
-    scikit-learn, give every resample's AUC of every set of positives."""
+    """A slow loop: the same draws of records with replacement, in the same order, turned into the drawn records
+    and scored by scikit-learn, give every resample's AUC of every set of positives."""
     rng = np.random.default_rng(5)
     negatives = np.round(rng.normal(0, 1, 50), 1)
     sets = [np.round(rng.normal(0.5, 1, n), 1) for n in (1, 3, 8)]
     boots = bootstrap_groups(negatives, sets, rng=np.random.default_rng(6), resamples=4)
     replay = np.random.default_rng(6)
-    w0 = replay.multinomial(negatives.size, np.full(negatives.size, 1 / negatives.size), size=4)
+    drawn_negatives = replay.integers(0, negatives.size, size=(4, negatives.size))
     for positives, boot in zip(sets, boots):
-        w1 = replay.multinomial(positives.size, np.full(positives.size, 1 / positives.size), size=4)
+        drawn_positives = replay.integers(0, positives.size, size=(4, positives.size))
         for r in range(4):
-            p, n = np.repeat(positives, w1[r]), np.repeat(negatives, w0[r])
+            p, n = positives[drawn_positives[r]], negatives[drawn_negatives[r]]
             assert boot.auc[r] == pytest.approx(roc_auc_score(labels(p.size, n.size), np.concatenate([p, n])))
 
 

@@ -29,6 +29,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "attack_strength.py": ("attacks on the final model", r"^\s+RMIA offline, K=1\s+AUC \d"),
     "audit_power.py": ("verify (s)", r"^digits\s+fedavg\s+gradient\s+\S+\s+\d"),
     "client_canaries.py": ("estimate/eps", r"^\s+0\.1\s+2\s+1\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s"),
+    "bootstrap.py": ("previous/ours", r"^\s+100\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d\s+\[0\.\d{3}, 0\.\d{3}\]"),
     "canary_directions.py": ("previous/ours", r"^\s+8\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+True$"),
     "demo_spread.py": ("spread", r"^dp-fedavg\s+accuracy\s+\d"),
     "dp_price.py": ("DP/no DP", r"^\s+8\s+1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d-\d+\.\d\d$"),
