@@ -603,16 +603,21 @@ def risk(
     label: np.ndarray,
     record: np.ndarray,
     source: np.ndarray,
+    kind: np.ndarray | None = None,
     top: int = TOP_EXPOSED,
 ) -> dict[str, Any]:
     """Who is exposed: the ``top`` audited members with the highest scores, and TPR at 1% and 0.1% FPR per client
     and per class.
 
     A record's exposure is the fraction of audited non-members that score at least as high: the FPR at which a
-    threshold test would catch it. Per client (per class), the test is the attack's own: its threshold is chosen on
-    the ``select`` non-members of every class, and the TPR is measured on that client's (class's) members outside
-    ``select`` with its Clopper-Pearson interval, as :func:`rates_at_fpr` does for all members.
+    threshold test would catch it. Per client (per class), the test is judged among records alike: a threshold is
+    chosen on the ``select`` non-members of that client's classes (of that class) for the FPR, and the TPR measured
+    on that client's (class's) members outside ``select`` with its Clopper-Pearson interval, as :func:`rates_at_fpr`
+    does for all members. Non-members of every class would let a client whose classes score high anyway (easy
+    classes) show a high TPR at an FPR that its own classes' non-members exceed many times. ``kind``: what pairs a
+    client's members with non-members (their class, the default; their site for sites that keep their records).
     """
+    kind = label if kind is None else kind
     used = report | select
     judged_out = score[report & (member == 0)]
     members = np.flatnonzero(report & (member == 1))
@@ -629,16 +634,18 @@ def risk(
         for i in order
     ]
 
-    def rates(group: np.ndarray) -> dict[str, Any]:
-        sub = used & (group | (member == 0))
+    def rates(group: np.ndarray, alike: np.ndarray) -> dict[str, Any]:
+        sub = used & (group | ((member == 0) & alike))
         return {f"{target:g}": rates_at_fpr(member[sub], score[sub], select[sub], target) for target in LOW_FPRS}
+
+    def of_client(k: int) -> dict[str, Any]:
+        mine = (client == k) & (member == 1)
+        return rates(mine, np.isin(kind, np.unique(kind[mine])))
 
     return {
         "most_exposed": exposed,
-        "tpr_at_fpr_per_client": {
-            str(k): rates((client == k) & (member == 1)) for k in np.unique(client[member == 1]).tolist()
-        },
+        "tpr_at_fpr_per_client": {str(k): of_client(k) for k in np.unique(client[member == 1]).tolist()},
         "tpr_at_fpr_per_class": {
-            str(c): rates((label == c) & (member == 1)) for c in np.unique(label[member == 1]).tolist()
+            str(c): rates((label == c) & (member == 1), label == c) for c in np.unique(label[member == 1]).tolist()
         },
     }

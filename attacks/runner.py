@@ -693,6 +693,7 @@ def _result(
             label=ev.label,
             record=ev.index,
             source=ev.source,
+            kind=ev.label if ev.group is None else ev.group,
         ),
         "per_client": _per_client(
             ev,

@@ -251,12 +251,19 @@ class AttackSummary:
         return max(0.0, float(bounds[test["inequality"]][0]))
 
     def simultaneous_ci(self, compared: int, level: float = 0.95) -> tuple[float, float] | None:
-        """The AUC interval that holds for all ``compared`` attacks at once at ``level`` (Bonferroni, normal)."""
+        """The AUC interval that holds for all ``compared`` attacks at once at ``level``: the attack's own
+        (bootstrap) interval when it is the only one; for several, the Bonferroni normal interval at level
+        1 - (1 - level) / compared, widened where needed to contain the attack's own interval (a normal interval
+        can end inside a skewed bootstrap one, and a simultaneous interval is never the narrower)."""
+        own = self.auc_ci
+        if compared <= 1 and own is not None:
+            return own
         se = self.standard_error
         if self.auc is None or se is None:
-            return None
+            return own
         z = norm.ppf(1.0 - (1.0 - level) / (2 * max(compared, 1)))
-        return max(0.0, self.auc - z * se), min(1.0, self.auc + z * se)
+        low, high = max(0.0, self.auc - z * se), min(1.0, self.auc + z * se)
+        return (min(low, own[0]), max(high, own[1])) if own is not None else (low, high)
 
 
 @dataclass(frozen=True)
@@ -706,7 +713,10 @@ def noise_origin(config: RunConfig, source: str) -> str:
             f"the server's own secret (server-secret.json): the server adds the noise and samples the clients{secure}"
         )
     if source == CLIENT_SECRETS:
-        return f"each client's own secret, which only that client holds{secure}"
+        return (
+            "each client's own secret, never sent to the server (whoever holds client-secrets.json, where the clients "
+            f"ran, can remove the noise){secure}"
+        )
     if source == NOISE_SEED:
         return f"the public --noise-seed {config.privacy.noise_seed}: whoever holds it can remove the noise{secure}"
     return "the run seed (trained before fedaudit kept client secrets): whoever holds config.json can remove the noise"
@@ -783,7 +793,9 @@ def _privacy(
         notes.append(
             Note(
                 "The privacy ledger privacy.json is missing, so no epsilon can be reported.",
-                f"resume the run to rewrite its ledger: `fedaudit train --resume {path}`",
+                f"if the run stopped before it wrote one, resume it (`fedaudit train --resume {path}`); if its "
+                "manifest.json records privacy.json, the file was removed after the run: restore it from a copy of "
+                "the run (manifest.json holds its SHA-256)",
             )
         )
         return PrivacySummary(dp=True, accountant=settings.accountant, delta=settings.delta)

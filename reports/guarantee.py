@@ -49,11 +49,16 @@ def guarantee_table(run: RunSummary) -> pd.DataFrame:
                 + ("" if privacy.sample_rate is None else f" of rate q = {fmt(privacy.sample_rate)} (worst client)"),
             )
         )
-        steps = "" if privacy.queries_per_round is None else f"{privacy.queries_per_round} steps per round, "
+        steps = (
+            ""
+            if privacy.queries_per_round is None
+            else f"{privacy.queries_per_round} step{'s' if privacy.queries_per_round != 1 else ''} per round, "
+        )
         rows.append(
             (
                 "composition and conversion",
-                f"{steps}{privacy.worst_client_rounds} rounds taken part in by the worst client, composed by the "
+                f"{steps}{privacy.worst_client_rounds} round{'s' if privacy.worst_client_rounds != 1 else ''} "
+                "taken part in by the worst client, composed by the "
                 f"{privacy.accountant} accountant ({_ACCOUNTANTS.get(str(privacy.accountant), 'its own method')}) "
                 "and converted to (epsilon, delta); every round a client takes part in is charged in full, with no "
                 f"amplification by client sampling (p = {fmt(privacy.client_fraction)})",
@@ -66,6 +71,14 @@ def guarantee_table(run: RunSummary) -> pd.DataFrame:
                 f"the label of one synthetic image sent ({budget}), each randomized once; not the training records, "
                 "features or labels: each client's images are matched to its records class by class and sent in "
                 "clear, and their number is its number of classes times --distill-ipc",
+            )
+        )
+    elif privacy.dp:
+        rows.append(
+            (
+                "unit of privacy",
+                "not stated: the run was trained with differential privacy, but its ledger privacy.json is missing, "
+                "so neither what it protects nor its epsilon can be read",
             )
         )
     else:
@@ -116,11 +129,20 @@ def _client_level_rows(run: RunSummary) -> list[tuple[str, str]]:
             "composition and conversion",
             f"one query per round for {privacy.rounds} rounds, charged to every client whether sampled or not, "
             f"composed by the {privacy.accountant} accountant ({_ACCOUNTANTS.get(str(privacy.accountant), 'its own')})"
-            f" with amplification by the server's Poisson sampling of clients at q = {fmt(privacy.client_fraction)} "
-            "(the sample is drawn from the server's secret and must stay with the server), converted to "
-            "(epsilon, delta)",
+            + (
+                f" with amplification by the server's Poisson sampling of clients at q = {fmt(privacy.client_fraction)}"
+                " (the sample is drawn from the server's secret and must stay with the server)"
+                if _samples_clients(privacy.client_fraction)
+                else " without amplification: every client takes part in every round (q = 1)"
+            )
+            + ", converted to (epsilon, delta)",
         ),
     ]
+
+
+def _samples_clients(fraction: float | None) -> bool:
+    """Whether the server samples clients (q < 1), which is what amplifies a client-level guarantee."""
+    return fraction is not None and fraction < 1
 
 
 def _public(run: RunSummary) -> str:
@@ -204,6 +226,11 @@ def _trust(run: RunSummary) -> str:
             "crafted model could read features of records through those numbers"
             if deployment
             else ", each from its own site's file, read as that site would read it"
+        )
+    if run.privacy.dp and not protected:
+        return (
+            f"{where}; the clients trained with DP noise, but without the ledger privacy.json nothing here states "
+            "what it protects"
         )
     if not protected:
         return (
@@ -293,6 +320,32 @@ def _noise_holders(run: RunSummary, deployment: bool) -> str:
         "each client drew its noise from the run seed (trained before fedaudit kept client secrets): whoever holds "
         "the run's configuration, the server included, can remove it, so the guarantee holds only against those who "
         "see just the final model"
+    )
+
+
+# How the threat model names each membership signal: what it reads and from where.
+SIGNAL_WORDS = {
+    "loss": "the per-record loss (black-box)",
+    "confidence": "the confidence in the true label (black-box)",
+    "logit-confidence": "the logit-scaled confidence (black-box)",
+    "grad-norm": "the per-record gradient norm (white-box)",
+    "synthetic-distance": "the distance to the nearest synthetic image that crossed the wire",
+}
+
+
+def attacks_sentence(run: RunSummary) -> str:
+    """What the membership attacks of this report read, from the results it holds (not from the defaults)."""
+    order = list(SIGNAL_WORDS)
+    signals = sorted({a.signal for a in run.attacks}, key=lambda s: (order.index(s) if s in order else len(order), s))
+    if not signals:
+        return (
+            "No membership attack has been run on this run yet, so nothing in this report bounds its leakage from "
+            "below (the table of attack families gives the command)."
+        )
+    words = [SIGNAL_WORDS.get(s, f"the {s} signal") for s in signals]
+    listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+    return (
+        f"The membership attacks in this report score each record by {listed}; they give lower bounds on the leakage."
     )
 
 

@@ -17,7 +17,7 @@ from markupsafe import Markup, escape
 
 from fedaudit.reports import figures
 from fedaudit.reports.collect import ReportError, RunSummary
-from fedaudit.reports.guarantee import coverage_table, guarantees_table
+from fedaudit.reports.guarantee import attacks_sentence, coverage_table, guarantees_table
 from fedaudit.reports.policy import Check, Policy, check_run, overall
 from fedaudit.reports.summary import (
     attack_table,
@@ -219,6 +219,7 @@ def _run_context(run: RunSummary, checks: list[Check] | None, draw: bool) -> dic
         "exceeds": _exceeds(run),
         "promise": promise(run),
         "coverage": coverage_table(run),
+        "attacks_sentence": attacks_sentence(run),
         "reconstruction": reconstruction_table(run.reconstruction_rounds, run.privacy.dp)
         if run.reconstructions
         else None,

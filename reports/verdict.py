@@ -59,6 +59,8 @@ def _promises(run: RunSummary) -> str:
             f"promises epsilon {fmt(privacy.epsilon)} at {delta} per {privacy.unit_words} after {run.rounds_done} "
             "rounds"
         )
+    if privacy.dp:
+        return "was trained with DP, but its ledger privacy.json is missing, so no epsilon is stated"
     budget = str(run.setup.get("privacy budget", ""))
     if "label DP" in budget:
         return f"promises only {budget}, no record-level guarantee"
@@ -79,13 +81,16 @@ def _attacks(run: RunSummary, exceeds: dict[str, Any] | None, not_shown: list[st
         return "no attack was run on its final model"
     pieces = []
     if strongest is not None:
-        ci = "" if strongest.auc_ci is None else f" [{fmt(strongest.auc_ci[0])}, {fmt(strongest.auc_ci[1])}]"
-        pieces.append(
-            f"the strongest of {run.attacks_compared} attacks, {strongest.label}, reaches AUC {fmt(strongest.auc)}{ci}"
-        )
+        compared = run.attacks_compared
+        joint = strongest.simultaneous_ci(compared)
+        ci = "" if joint is None else f" [{fmt(joint[0])}, {fmt(joint[1])}]"
+        if compared > 1 and joint is not None:
+            ci += f" (95% over all {compared})"
+        who = f"the strongest of {compared} attacks" if compared > 1 else "the one attack"
+        pieces.append(f"{who}, {strongest.label}, reaches AUC {fmt(strongest.auc)}{ci}")
     if canary is not None:
         pieces.append(f"the canary audit proves epsilon ≥ {fmt(canary.epsilon_lower_bound)} (95%)")
-    if not run.privacy.dp:
+    if not (run.privacy.dp and run.privacy.epsilon_per_round):  # no accountant's epsilon to hold them against
         return ", ".join(pieces)
     bound, count = run.epsilon_lower_bound()
     if bound is not None:

@@ -397,6 +397,31 @@ def test_an_inverted_score_is_reported_as_measured_and_named_inverted():
     assert direction([0.45, 0.55]) == "undetermined"
 
 
+def test_a_client_of_an_easy_class_is_not_called_exposed():
+    """Class 0 of 10 scores higher for members and non-members alike, and no client's members score above their
+    classes' non-members; each client holds two classes, half and half. Judged among non-members of every class,
+    client 0 (classes 0 and 1) shows a TPR at 1% FPR of about 7%, since class 0's non-members pass that threshold
+    far more often than 1%; judged among its own classes' non-members, no client shows more than chance."""
+    from fedaudit.attacks.metrics import risk
+
+    rng = np.random.default_rng(9)
+    n = 16000
+    member = (np.arange(n) < n // 2).astype(int)
+    client = np.where(member == 1, rng.integers(0, 5, n), -1)
+    label = np.where(member == 1, 2 * client + rng.integers(0, 2, n), rng.integers(0, 10, n))
+    score = rng.normal(size=n) + 2.0 * (label == 0)
+    select = rng.permutation(n) < n // 2
+    table = risk(
+        member, score, report=~select, select=select, client=client, label=label, record=np.arange(n),
+        source=np.full(n, "test"),
+    )  # fmt: skip
+    for k in range(5):
+        rate = table["tpr_at_fpr_per_client"][str(k)]["0.01"]
+        assert rate["tpr"] < 0.025, (k, rate)  # chance: 1% and what a threshold from ~800 non-members adds
+    every_class = np.quantile(score[select & (member == 0)], 0.99, method="higher")
+    assert (score[(client == 0) & ~select] > every_class).mean() > 0.05
+
+
 def test_risk_equals_a_slow_loop_over_clients_classes_and_records():
     from fedaudit.attacks.metrics import rates_at_fpr, risk
 
@@ -404,7 +429,7 @@ def test_risk_equals_a_slow_loop_over_clients_classes_and_records():
     n = 3000
     member = (np.arange(n) < n // 2).astype(int)
     client = np.where(member == 1, rng.integers(0, 4, n), -1)
-    label = rng.integers(0, 3, n)
+    label = np.where(member == 1, (client + rng.integers(0, 2, n)) % 3, rng.integers(0, 3, n))  # 2 classes a client
     score = rng.normal(size=n) + member * (client == 2)
     select = rng.permutation(n) < n // 2
     report = ~select
@@ -413,11 +438,12 @@ def test_risk_equals_a_slow_loop_over_clients_classes_and_records():
         source=np.full(n, "test"),
     )  # fmt: skip
     for k in range(4):
-        keep = (client == k) | (member == 0)
+        classes = {int(label[i]) for i in range(n) if client[i] == k and member[i] == 1}
+        keep = np.array([client[i] == k or (member[i] == 0 and int(label[i]) in classes) for i in range(n)])
         expected = rates_at_fpr(member[keep], score[keep], select[keep], 0.01)
         assert table["tpr_at_fpr_per_client"][str(k)]["0.01"] == expected
     for c in range(3):
-        keep = ((label == c) & (member == 1)) | (member == 0)
+        keep = (label == c) & ((member == 1) | (member == 0))
         assert table["tpr_at_fpr_per_class"][str(c)]["0.001"] == rates_at_fpr(
             member[keep], score[keep], select[keep], 0.001
         )
