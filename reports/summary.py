@@ -645,17 +645,21 @@ def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
             else "some intervals overlap, so this study cannot order those"
         )
         sentences.append(f"Test accuracy at {budget}: {text} (95% intervals; {verdict}).")
-        order = [name for name, *_ in shown]
-        if "FedLAP-DP" in order and "DP-FedAvg" in order and order.index("FedLAP-DP") > order.index("DP-FedAvg"):
-            (_, _, lap, lap_eps), (_, _, avg, avg_eps) = (
-                shown[order.index("FedLAP-DP")],
-                shown[order.index("DP-FedAvg")],
-            )
-            # below at a smaller epsilon is no evidence against the paper's ordering at equal epsilon
-            if lap_eps is None or avg_eps is None or lap_eps >= 0.99 * avg_eps:
-                below.append(str(budget))
-                if lap is not None and avg is not None and lap[1] < avg[0]:
-                    separated.append(str(budget))
+        algorithms = list(ranked["algorithm"])
+        # FedLAP-DP ranked below a DP-FedAvg setting; below at a smaller epsilon is no evidence against the paper's
+        # ordering at equal epsilon
+        pairs = [
+            (shown[i], shown[j])
+            for i, lap_name in enumerate(algorithms)
+            if lap_name == "FedLAP-DP"
+            for j, avg_name in enumerate(algorithms[:i])
+            if avg_name == "DP-FedAvg"
+            and (shown[i][3] is None or shown[j][3] is None or shown[i][3] >= 0.99 * shown[j][3])
+        ]
+        if pairs:
+            below.append(str(budget))
+            if any(lap is not None and avg is not None and lap[1] < avg[0] for (*_, lap, _), (*_, avg, _) in pairs):
+                separated.append(str(budget))
     if below:
         sentences.append(_fedlap_below(rows, below, separated))
     dp_rows, plain_rows = rows[rows["dp"].astype(bool)], rows[~rows["dp"].astype(bool)]

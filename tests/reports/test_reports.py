@@ -808,3 +808,68 @@ def test_a_run_of_many_rounds_is_reported_in_kilobytes(plain_run, tmp_path):
     assert len(shown) == 200 and shown[0] == 1 and shown[-1] == rounds
     assert "200 of the run's 50000 rounds are shown, evenly spaced" in (tmp_path / "report" / "report.md").read_text()
     assert (tmp_path / "report" / "report.html").stat().st_size < 5 << 20
+
+
+def test_the_threat_model_names_the_signals_the_attacks_read(audited, plain_run, tmp_path, cli):
+    """The audited run was attacked with the loss alone: the threat model says so, and names no gradient norm; a run
+    without attacks says nothing bounds its leakage from below."""
+    assert cli("report", audited, "--out", tmp_path / "a.md").exit_code == 0
+    threat = (tmp_path / "a.md").read_text().split("### Threat model", 1)[1].split("###", 1)[0]
+    assert "score each record by the per-record loss (black-box);" in threat and "gradient norm" not in threat
+    assert cli("report", plain_run, "--out", tmp_path / "b" / "b.md").exit_code == 0
+    threat = (tmp_path / "b" / "b.md").read_text().split("### Threat model", 1)[1].split("###", 1)[0]
+    assert "No membership attack has been run on this run yet" in threat and "per-record loss" not in threat
+
+
+def test_a_dp_run_whose_ledger_is_missing_is_not_called_a_run_without_dp(audited, tmp_path, cli):
+    run = Path(shutil.copytree(audited, tmp_path / "run"))
+    (run / "privacy.json").unlink()
+    assert cli("report", run, "--out", tmp_path / "r.md").exit_code == 1  # its files are not those fedaudit wrote
+    text = (tmp_path / "r.md").read_text()
+    assert "promises no differential privacy" not in text and "trained without differential privacy" not in text
+    assert "was trained with DP, but its ledger privacy.json is missing" in text
+    assert "without DP noise" not in text and "restore it from a copy of the run" in text
+
+
+def test_a_client_level_run_that_samples_every_client_claims_no_amplification(trained, tmp_path, cli):
+    run = trained("--dp", "--dp-level", "client", "--max-update-norm", "0.5", "--rounds", "2")
+    assert cli("report", run, "--out", tmp_path / "r.md").exit_code == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "with amplification" not in text and "without amplification: every client takes part" in text
+    row = pd.read_csv(tmp_path / "summary.csv").iloc[0]
+    assert row["unit"] == "client" and row["max_update_norm"] == 0.5 and pd.isna(row["max_grad_norm"])
+    assert row["sample_rate"] == 1.0
+
+
+def test_a_simultaneous_interval_is_never_narrower_than_the_attack_s_own():
+    """One attack: its own (bootstrap) interval. Several: the Bonferroni normal interval, widened where a skewed
+    bootstrap interval reaches beyond it."""
+    skewed = _attack("skewed", 0.512, (0.486, 0.552))  # auc_se from the width: the normal interval ends at 0.545
+    assert skewed.simultaneous_ci(1) == (0.486, 0.552)
+    for k in (2, 4, 8):
+        low, high = skewed.simultaneous_ci(k)
+        assert low <= 0.486 and high >= 0.552
+    low, high = skewed.simultaneous_ci(8)
+    assert low < 0.486 - 0.005 and high > 0.552  # eight attacks: wider than its own on both sides
+
+
+def test_at_a_sigma_budget_each_epsilon_is_stated_and_a_cheaper_fedlap_says_nothing_of_the_paper():
+    """sigma 1 is not one epsilon: FedLAP-DP below DP-FedAvg at half its epsilon is no evidence against the paper's
+    ordering at equal epsilon; two settings of one algorithm are named by their groups."""
+    from fedaudit.reports.summary import findings
+
+    no_attacks = pd.DataFrame({"dp": [True], "attack_auc": [np.nan]})
+    groups = _groups(
+        ("DP-FedAvg", "sigma 1", [0.40], (0.35, 0.45)),
+        ("DP-FedAvg", "sigma 1", [0.30], (0.25, 0.35)),
+        ("FedLAP-DP", "sigma 1", [0.10], (0.05, 0.15)),
+    ).assign(
+        epsilon_mean=[5.376, 5.376, 2.723],
+        group=["DP-FedAvg, sigma 1", "DP-FedAvg, sigma 1 (2)", "FedLAP-DP, sigma 1"],
+    )
+    (said,) = [s for s in findings(no_attacks, groups) if s.startswith("Test accuracy at sigma 1")]
+    assert "DP-FedAvg, sigma 1 0.400 [0.350, 0.450] at epsilon 5.376 > DP-FedAvg, sigma 1 (2) 0.300" in said
+    assert "FedLAP-DP 0.100 [0.050, 0.150] at epsilon 2.723" in said
+    assert not any("opposite of the ordering" in s for s in findings(no_attacks, groups))
+    richer = groups.assign(epsilon_mean=[5.376, 5.376, 6.0])  # FedLAP-DP spent more and is still below
+    assert any("opposite of the ordering" in s for s in findings(no_attacks, richer))
