@@ -592,6 +592,43 @@ def _fedlap_below(rows: pd.DataFrame, below: list[str], apart: list[str]) -> str
     )
 
 
+def _ordering(budget: str, part: pd.DataFrame) -> tuple[str, bool, bool]:
+    """The accuracy ordering of the groups at one budget, in one sentence with their intervals; whether FedLAP-DP
+    ranks below a DP-FedAvg setting at an equal or larger epsilon, and whether with the intervals apart."""
+    ranked = part.sort_values("final_accuracy_mean", ascending=False)
+    twice = ranked["algorithm"].duplicated(keep=False)  # two settings of one algorithm: named by their group
+    # a budget set by sigma is not one epsilon: each algorithm's own is stated, and orderings judged by it
+    by_sigma = budget.startswith("sigma")
+    shown = [
+        (
+            row["group"] if is_twice else row["algorithm"],
+            float(row["final_accuracy_mean"]),
+            _accuracy_interval(row),
+            float(row["epsilon_mean"]) if by_sigma and pd.notna(row["epsilon_mean"]) else None,
+        )
+        for (_, row), is_twice in zip(ranked.iterrows(), twice)
+    ]
+    text = " > ".join(
+        f"{name} {fmt(mean)} {interval(ci)}" + ("" if eps is None else f" at epsilon {fmt(eps)}")
+        for name, mean, ci, eps in shown
+    )
+    apart = all(a is not None and b is not None and a[0] > b[1] for (_, _, a, _), (_, _, b, _) in zip(shown, shown[1:]))
+    verdict = (
+        "every interval apart from the next" if apart else "some intervals overlap, so this study cannot order those"
+    )
+    algorithms = list(ranked["algorithm"])
+    # below at a smaller epsilon is no evidence against the paper's ordering at equal epsilon
+    pairs = [
+        (shown[i], shown[j])
+        for i, lap_name in enumerate(algorithms)
+        if lap_name == "FedLAP-DP"
+        for j, avg_name in enumerate(algorithms[:i])
+        if avg_name == "DP-FedAvg" and (shown[i][3] is None or shown[j][3] is None or shown[i][3] >= 0.99 * shown[j][3])
+    ]
+    lap_apart = any(lap is not None and avg is not None and lap[1] < avg[0] for (*_, lap, _), (*_, avg, _) in pairs)
+    return f"Test accuracy at {budget}: {text} (95% intervals; {verdict}).", bool(pairs), lap_apart
+
+
 def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
     """What a study's comparison shows, each in one sentence with its intervals: the ordering of the algorithms at each
     privacy budget, whether it is the FedLAP-DP paper's, and whether the attacks can tell DP from no DP at this size."""
@@ -619,47 +656,10 @@ def findings(rows: pd.DataFrame, groups: pd.DataFrame) -> list[str]:
         part = part[part["final_accuracy_n"] > 0]
         if part["algorithm"].nunique() < 2:
             continue
-        ranked = part.sort_values("final_accuracy_mean", ascending=False)
-        twice = ranked["algorithm"].duplicated(keep=False)  # two settings of one algorithm: named by their group
-        # a budget set by sigma is not one epsilon: each algorithm's own is stated, and orderings judged by it
-        by_sigma = str(budget).startswith("sigma")
-        shown = [
-            (
-                row["group"] if is_twice else row["algorithm"],
-                float(row["final_accuracy_mean"]),
-                _accuracy_interval(row),
-                float(row["epsilon_mean"]) if by_sigma and pd.notna(row["epsilon_mean"]) else None,
-            )
-            for (_, row), is_twice in zip(ranked.iterrows(), twice)
-        ]
-        text = " > ".join(
-            f"{name} {fmt(mean)} {interval(ci)}" + ("" if eps is None else f" at epsilon {fmt(eps)}")
-            for name, mean, ci, eps in shown
-        )
-        apart = all(
-            a is not None and b is not None and a[0] > b[1] for (_, _, a, _), (_, _, b, _) in zip(shown, shown[1:])
-        )
-        verdict = (
-            "every interval apart from the next"
-            if apart
-            else "some intervals overlap, so this study cannot order those"
-        )
-        sentences.append(f"Test accuracy at {budget}: {text} (95% intervals; {verdict}).")
-        algorithms = list(ranked["algorithm"])
-        # FedLAP-DP ranked below a DP-FedAvg setting; below at a smaller epsilon is no evidence against the paper's
-        # ordering at equal epsilon
-        pairs = [
-            (shown[i], shown[j])
-            for i, lap_name in enumerate(algorithms)
-            if lap_name == "FedLAP-DP"
-            for j, avg_name in enumerate(algorithms[:i])
-            if avg_name == "DP-FedAvg"
-            and (shown[i][3] is None or shown[j][3] is None or shown[i][3] >= 0.99 * shown[j][3])
-        ]
-        if pairs:
-            below.append(str(budget))
-            if any(lap is not None and avg is not None and lap[1] < avg[0] for (*_, lap, _), (*_, avg, _) in pairs):
-                separated.append(str(budget))
+        sentence, lap_below, lap_apart = _ordering(str(budget), part)
+        sentences.append(sentence)
+        below += [str(budget)] if lap_below else []
+        separated += [str(budget)] if lap_apart else []
     if below:
         sentences.append(_fedlap_below(rows, below, separated))
     dp_rows, plain_rows = rows[rows["dp"].astype(bool)], rows[~rows["dp"].astype(bool)]
