@@ -28,8 +28,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fedaudit.attacks.options import AttackOptions, ReconstructionOptions
+from fedaudit.attacks.registry import CANARY, REFERENCE, family_of
 from fedaudit.attacks.registry import RECONSTRUCTION_METHOD as RECONSTRUCTION
-from fedaudit.attacks.registry import REFERENCE
 from fedaudit.attacks.runner import expected_results, results_current, run_attacks, target_round
 from fedaudit.config import MAX_SEED, ConfigError, RunConfig, load_config_file
 from fedaudit.preparation import Setup, data_access, prepare
@@ -107,8 +107,16 @@ class Study(StudySettings):
                 "The base configuration must not set privacy.dp, noise_multiplier or target_epsilon: "
                 "a study's budgets set them for every run."
             )
+        if self.base.seed != RunConfig().seed:
+            raise StudyError(
+                f"The base configuration sets seed {self.base.seed!r}, but a study's seeds set every run's: give "
+                f"seeds: [{self.base.seed!r}] instead."
+            )
         if any(budget.client_level for budget in self.budgets):
             _check_client_level(self)
+        elif self.max_update_norm is not None and not _positive(self.max_update_norm):
+            raise StudyError(f"max_update_norm must be a positive number, got {self.max_update_norm!r}.")
+        self.attack.reconstruction.validate()  # given in the study file, checked even where no method reads it
         if self.equal_data_access:
             if EQUAL_ACCESS_REFERENCE not in self.algorithms:
                 raise StudyError(
@@ -126,7 +134,7 @@ class Study(StudySettings):
 def _check_client_level(study: Study) -> None:
     """A study with client-level budgets needs their clipping norm and an algorithm that has a client level."""
     norm = study.max_update_norm
-    if norm is None or isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 < norm < math.inf:
+    if not _positive(norm):
         raise StudyError(
             f"A client-level budget needs --max-update-norm (max_update_norm in a study file), a positive number, got "
             f"{norm!r}."
@@ -136,6 +144,11 @@ def _check_client_level(study: Study) -> None:
             f"No algorithm of the study has a client level ({', '.join(client_dp_algorithms())} have), so its "
             "client-level budgets would train nothing."
         )
+
+
+def _positive(value: Any) -> bool:
+    """A finite positive number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 @dataclass(frozen=True)
@@ -353,12 +366,19 @@ def run_study(
     output_paths(folder, study.formats, folder_only=True)
     policy = load_policy(study.policy) if study.policy else None
     setups = [prepare(run.config) for run in planned]
+    if study.attack.of(CANARY) and all(attack_for(study.attack, s.config) is not study.attack for s in setups):
+        raise StudyError(
+            "--method canary audits runs trained with canaries, and no run of this study has any: give the base "
+            "audit.canaries N (record-level budgets) or audit.canary_clients N (client-level budgets)."
+        )
     target = target_round(study.attack)
     if target is not None and any(target > setup.config.federated.rounds for setup in setups):
         raise StudyError(f"--target round:{target} asks for a round after the last one the study trains.")
     _check_folder(folder)
     actions = [_action(folder / RUNS_DIR / run.name, setup, overwrite) for run, setup in zip(planned, setups)]
     attack = replace(study.attack, device=study.base.device, progress=False)
+    if any(action != "keep" for action in actions) or attack.of(REFERENCE):
+        echo("timing a first round of each algorithm, with and without DP, to estimate the study's time (Ctrl-C stops)")
     expected = estimate_study(planned, setups, actions, folder, attack)
     for line in expected.lines(len(planned), actions.count("keep")):
         echo(line)
@@ -402,12 +422,19 @@ def _carry_out(
             say(_train(directory, setup, action, say))
             bar.update()
             bar.set_postfix_str(f"attack {run.name}")
-            if results_current(directory, attack):
+            own = attack_for(attack, setup.config)
+            if own is not attack:
+                say(
+                    "no canary audit: the run has no canaries (it has no DP, or is client level without canary clients)"
+                )
+            if own is None:
+                say("no attack asked for applies to this run")
+            elif results_current(directory, own):
                 _settle_results(directory)
                 say("attack results are up to date")
             else:
-                run_attacks([directory], attack, echo=say)
-            stale = _prune_results(directory, attack)
+                run_attacks([directory], own, echo=say)
+            stale = _prune_results(directory, own)
             if stale:
                 say(f"removed attack results the study no longer asks for: {', '.join(stale)}")
             bar.update()
@@ -466,6 +493,11 @@ def _claim(folder: Path, study: Study, names: list[str]) -> None:
 
 def _action(directory: Path, setup: Setup, overwrite: bool) -> str:
     """What the run at ``directory`` needs: "train", "retrain", "resume" or "keep" (checked before anything runs)."""
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise StudyError(
+            f"{directory} is {'a symbolic link' if directory.is_symlink() else 'not a directory'}, where the study "
+            "keeps one of its runs: remove it (the study will train the run there)."
+        )
     run = RunDirectory(directory)
     if not run.is_run():
         return "retrain" if directory.exists() else "train"  # a run that crashed before its manifest: nothing to keep
@@ -529,6 +561,7 @@ def estimate_study(
     for run, setup, action in zip(planned, setups, actions):
         directory = folder / RUNS_DIR / run.name
         rounds = setup.config.federated.rounds
+        own = attack_for(attack, setup.config)
         key = (setup.config.federated.algorithm, setup.config.privacy.dp)
         left = 0 if action == "keep" else rounds
         if action == "resume":
@@ -540,13 +573,16 @@ def estimate_study(
             train += per_round[key] * left
             to_train += 1
             rounds_left += left
-        if left or not results_current(directory, attack):
+        if own is not None and (left or not results_current(directory, own)):
             if signal_seconds is None:
                 signal_seconds = _time_signals(setup, attack)
             records = 2 * min(attack.max_records, sum(len(c) for c in setup.partition.clients))
             attacks += signal_seconds * records
-            if attack.of(REFERENCE):  # reference models: a run's training each
-                attacks += attack.references * per_round.get(key, 0.0) * rounds
+            if attack.of(REFERENCE):  # reference models: a run's training each, kept runs' too
+                if key not in per_round:
+                    per_round[key] = time_first_round(setup)
+                    labels[algorithm_label(*key)] = per_round[key]
+                attacks += attack.references * per_round[key] * rounds
             if RECONSTRUCTION in attack.methods:
                 if key not in rebuild_seconds:
                     rebuild_seconds[key] = _time_reconstruction(setup, attack)
@@ -606,11 +642,22 @@ def _train(directory: Path, setup: Setup, action: str, echo: Echo) -> str:
     return f"trained {result.rounds_done} rounds: {_outcome(result.test_accuracy, result.epsilon)}"
 
 
-def _prune_results(directory: Path, options: AttackOptions) -> list[str]:
-    """Remove attack results of this study's run that the study no longer asks for, so its report shows only the
-    study."""
+def attack_for(attack: AttackOptions, config: RunConfig) -> AttackOptions | None:
+    """The study's attack options for one of its runs: the canary audit only where the run has canaries to audit (a
+    run without DP has none, nor a client-level run without canary clients: a budget of none or client level drops
+    the base's record-level canaries); None when nothing asked for is left."""
+    privacy, audit = config.privacy, config.audit
+    if not attack.of(CANARY) or (privacy.dp and (audit.canary_clients if privacy.client_level else audit.canaries)):
+        return attack
+    methods = tuple(m for m in attack.methods if family_of(m) != CANARY)
+    return replace(attack, methods=methods) if methods else None
+
+
+def _prune_results(directory: Path, options: AttackOptions | None) -> list[str]:
+    """Remove attack results of this study's run that the study no longer asks for (every one, for ``options``
+    None), so its report shows only the study."""
     run = RunDirectory(directory)
-    expected = set(expected_results(run, options))
+    expected = set(expected_results(run, options)) if options is not None else set()
     folder = run.attacks_dir
     stale = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name not in expected) if folder.is_dir() else []
     with run.staged():

@@ -384,6 +384,11 @@ def clopper_pearson_upper(successes: np.ndarray, trials: int, *, confidence: flo
     return np.where(k < trials, bound, 1.0)
 
 
+def rate_level(confidence: float) -> float:
+    """The level of each of an epsilon bound's two one-sided rate bounds, so that both hold at ``confidence``."""
+    return 1.0 - (1.0 - confidence) / 2.0
+
+
 def threshold_bounds(
     true_positives: np.ndarray,
     false_positives: np.ndarray,
@@ -398,13 +403,17 @@ def threshold_bounds(
     A test calls a record a member when its score is at or above the threshold;
     ``true_positives[i]`` and ``false_positives[i]`` are its counts. Each entry is a
     valid bound at ``confidence`` only for a test fixed before these counts were seen.
+    The bound needs both of its rates to hold, so each one-sided Clopper-Pearson bound
+    is taken at 1 - (1 - ``confidence``) / 2 (Bonferroni): at 95% each, the two together
+    held with probability 90% only.
     """
     tp = np.asarray(true_positives, dtype=float)
     fp = np.asarray(false_positives, dtype=float)
-    tpr_lo = clopper_pearson_lower(tp, positives, confidence=confidence)
-    fpr_hi = clopper_pearson_upper(fp, negatives, confidence=confidence)
-    tnr_lo = clopper_pearson_lower(negatives - fp, negatives, confidence=confidence)
-    fnr_hi = clopper_pearson_upper(positives - tp, positives, confidence=confidence)
+    each = rate_level(confidence)
+    tpr_lo = clopper_pearson_lower(tp, positives, confidence=each)
+    fpr_hi = clopper_pearson_upper(fp, negatives, confidence=each)
+    tnr_lo = clopper_pearson_lower(negatives - fp, negatives, confidence=each)
+    fnr_hi = clopper_pearson_upper(positives - tp, positives, confidence=each)
     with np.errstate(divide="ignore", invalid="ignore"):
         bounds = {"tpr": np.log((tpr_lo - delta) / fpr_hi), "tnr": np.log((tnr_lo - delta) / fnr_hi)}
     return {name: np.where(np.isnan(b), -np.inf, b) for name, b in bounds.items()}
@@ -417,7 +426,7 @@ class EpsilonBound:
     ``epsilon`` is 0 when the chosen test gives no positive bound on the bound records, and
     when no test gives a finite bound on the selection records (``threshold`` and
     ``inequality`` are then None). Counts and rates are those of the bound records;
-    ``rate_lower`` is TPR_lo or TNR_lo, ``rate_upper`` FPR_hi or FNR_hi.
+    ``rate_lower`` is TPR_lo or TNR_lo, ``rate_upper`` FPR_hi or FNR_hi, each at :func:`rate_level`.
     """
 
     epsilon: float
@@ -513,12 +522,13 @@ def epsilon_lower_bound(
     bound = threshold_bounds(np.array([tp]), np.array([fp]), positives, negatives, delta=delta, confidence=confidence)[
         inequality
     ][0]
+    each = rate_level(confidence)
     if inequality == "tpr":
-        lower = clopper_pearson_lower(np.array([tp]), positives, confidence=confidence)[0]
-        upper = clopper_pearson_upper(np.array([fp]), negatives, confidence=confidence)[0]
+        lower = clopper_pearson_lower(np.array([tp]), positives, confidence=each)[0]
+        upper = clopper_pearson_upper(np.array([fp]), negatives, confidence=each)[0]
     else:
-        lower = clopper_pearson_lower(np.array([negatives - fp]), negatives, confidence=confidence)[0]
-        upper = clopper_pearson_upper(np.array([positives - tp]), positives, confidence=confidence)[0]
+        lower = clopper_pearson_lower(np.array([negatives - fp]), negatives, confidence=each)[0]
+        upper = clopper_pearson_upper(np.array([positives - tp]), positives, confidence=each)[0]
     return EpsilonBound(
         max(0.0, float(bound)),
         confidence,

@@ -31,6 +31,7 @@ SYNTHETIC_SIGNAL = "synthetic-distance"  # read from what crossed the wire, not 
 DEFAULT_MAX_RECORDS = 2000  # members audited at most, and as many non-members
 DEFAULT_RESAMPLES = 1000  # bootstrap resamples of an AUC interval
 MIN_RESAMPLES = 40  # the fewest whose 2.5% and 97.5% quantiles are not their smallest and largest
+MAX_RESAMPLES = 100_000  # a hundred times the default: the interval's quantiles move by less than its rounding
 DEFAULT_REFERENCES = 4  # reference models of rmia and lira
 MAX_REFERENCES = 256
 NONMEMBER_SOURCES: tuple[str, ...] = ("holdout", "test", "both")
@@ -161,6 +162,12 @@ class AttackOptions:
             self.reconstruction.validate()
         if self.membership:
             parse_target(self.membership_target)
+            final_only = [name for name in self.methods if ATTACKS[name].final_only]
+            if final_only and parse_target(self.membership_target) != "final":
+                raise AttackError(
+                    f"--method {' and '.join(final_only)} attack{'s' if len(final_only) == 1 else ''} only the final "
+                    f"model: use --target final (or leave --target out), not {self.membership_target}."
+                )
         if self.nonmembers not in NONMEMBER_SOURCES:
             raise AttackError(f"Unknown --nonmembers {self.nonmembers!r}; choose from {', '.join(NONMEMBER_SOURCES)}.")
         for each in dataclasses.fields(self):  # a choice the command line's click.Choice would refuse (--device)
@@ -189,8 +196,11 @@ class AttackOptions:
             self._validate_references()
         if self.seed is not None and self.seed > MAX_SEED:
             raise AttackError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}.")
-        if not isinstance(self.per_layer, bool):
-            raise AttackError(f"--per-layer must be true or false, got {self.per_layer!r}.")
+        if isinstance(self.resamples, int) and self.resamples > MAX_RESAMPLES:
+            raise AttackError(f"--bootstrap must be at most {MAX_RESAMPLES:,}, got {self.resamples:,}.")
+        for option, value in (("--per-layer", self.per_layer), ("--online", self.online)):
+            if not isinstance(value, bool):
+                raise AttackError(f"{option} must be true or false, got {value!r}.")
 
     def _validate_references(self) -> None:
         """The reference-model attacks' options: K, --online and the signals and target they need."""
@@ -203,12 +213,6 @@ class AttackOptions:
         if self.online and self.references % 2:
             raise AttackError(
                 f"--online needs an even number of --references (each audited record in half), got {self.references}."
-            )
-        final_only = [name for name, entry in ATTACKS.items() if entry.final_only]
-        if parse_target(self.membership_target) != "final" and set(final_only) & set(self.methods):
-            raise AttackError(
-                f"--method {' and '.join(final_only)} attack the final model (--target final), whose recipe the "
-                "reference models repeat."
             )
         for name in self.methods:
             if attack(name).output_signals_only and not set(self.signals) & set(OUTPUT_SIGNALS):

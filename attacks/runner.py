@@ -29,7 +29,7 @@ from fedaudit.attacks.membership.evaluation import (
     build_evaluation_set,
 )
 from fedaudit.attacks.membership.methods import MethodOutput, run_method
-from fedaudit.attacks.membership.references import reference_signals, references
+from fedaudit.attacks.membership.references import MIN_POPULATION, reference_signals, references
 from fedaudit.attacks.membership.signals import (
     OUTPUT_SIGNALS,
     SYNTHETIC_SIGNAL,
@@ -552,8 +552,12 @@ def _client_attack(prepared: PreparedRun, options: AttackOptions, device: torch.
         found = compute_signals(model, x[chosen], y[chosen], ["loss"], batch_size=options.batch_size, device=device)
         return np.asarray(found.values["loss"], dtype=np.float64)
 
+    partition = prepared.partition
+    planted = _planted_records(run, len(y))
+    if planted is not None:  # input canaries: held-out records of which half were trained on, with another label
+        partition = Partition(partition.clients, partition.holdout[~np.isin(partition.holdout, planted)])
     metrics, scores, curve = client_membership(
-        prepared.partition,
+        partition,
         y.numpy(),
         loss_of,
         seed=derive_seed(prepared.seed, Stream.ATTACK, Draw.CLIENT_MEMBERSHIP),
@@ -573,6 +577,8 @@ def _client_attack(prepared: PreparedRun, options: AttackOptions, device: torch.
         "seed": prepared.seed,
         "accountant_epsilon": prepared.accountant_epsilon[done - 1] if comparable else None,
     }
+    if prepared.accountant_epsilon is not None and not comparable:
+        header["accountant_epsilon_not_comparable"] = "the run's epsilon is per record, this attack's unit a client"
     footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
     return AttackResult(name=CLIENT_RESULT, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
 
@@ -614,6 +620,7 @@ def _reference_attacks(
         seed=prepared.seed,
         device=str(device),
         progress=options.progress,
+        population=MIN_POPULATION if "rmia" in methods else 0,
     )
     x, y = records
     compared = reference_signals(
@@ -969,7 +976,8 @@ def _verify_canary_run(prepared: PreparedRun, echo: Echo) -> None:
 
 
 def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
-    """One row per result: the headline numbers of metrics.json ("eps" is the accountant's, "no DP" without DP;
+    """One row per result: the headline numbers of metrics.json ("eps" is the accountant's, "no DP" without DP,
+    "per record" for a client-level attack on a record-level run, whose epsilon does not bound it;
     the advantage is the held-out one, with its interval)."""
     rows = []
     for result in results:
@@ -990,7 +998,11 @@ def results_table(results: Sequence[AttackResult]) -> pd.DataFrame:
                 "TPR@0.1%FPR": _rate(m["tpr_at_fpr"]["0.001"]) if "tpr_at_fpr" in m else "-",
                 "adv held-out [95%]": _held_out(m.get("advantage_held_out")),
                 "eps_lb": m["epsilon_lower_bound"],
-                "eps": "no DP" if m["accountant_epsilon"] is None else f"{m['accountant_epsilon']:.3f}",
+                "eps": f"{m['accountant_epsilon']:.3f}"
+                if m["accountant_epsilon"] is not None
+                else "per record"
+                if "accountant_epsilon_not_comparable" in m
+                else "no DP",
             }
         )
     return pd.DataFrame(rows)

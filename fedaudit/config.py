@@ -137,6 +137,11 @@ class ModelConfig:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
         require_positive_integers(self, "width", optional=True)
         require(
+            self.width is None or self.width <= MAX_WIDTH,
+            f"--width must be at most {MAX_WIDTH:,} (a ConvNet of that width already has hundreds of millions of "
+            f"parameters), got {self.width!r}.",
+        )
+        require(
             self.depth is None or (is_int(self.depth) and self.depth >= 0),
             f"--depth must be a non-negative integer, got {self.depth!r}.",
         )
@@ -181,7 +186,15 @@ class FederatedConfig:
         )
         require_positive_numbers(self, "server_lr")
         require_positive_integers(self, "local_epochs")
+        require(
+            self.local_epochs <= MAX_LOCAL_EPOCHS,
+            f"--local-epochs must be at most {MAX_LOCAL_EPOCHS:,}, got {self.local_epochs:,}.",
+        )
         require_positive_integers(self, "local_steps", optional=True)
+        require(
+            self.local_steps is None or self.local_steps <= MAX_LOCAL_STEPS,
+            f"--local-steps must be at most {MAX_LOCAL_STEPS:,}, got {self.local_steps!r}.",
+        )
         require(
             self.client_lr is None or (is_number(self.client_lr) and self.client_lr > 0),
             f"--lr must be positive, got {self.client_lr!r}.",
@@ -984,6 +997,9 @@ def _host_port(address: Any) -> bool:
 
 
 MAX_ROUNDS = 100_000  # more is a typo, not a study: every round keeps a checkpoint unless --keep-checkpoints
+MAX_LOCAL_EPOCHS = 10_000  # a client's epochs in one round (the paper's studies take 1 to 10)
+MAX_LOCAL_STEPS = 1_000_000  # a client's steps in one round
+MAX_WIDTH = 4096  # ConvNet channels or MLP units: 4096 is 450 million parameters at depth 3
 
 
 _SECTION_TYPES: dict[str, type] = {

@@ -46,7 +46,7 @@ class Budget:
         kind, _, number = spec.partition(":")
         kind = {"eps": "epsilon", "epsilon": "epsilon", "sigma": "sigma", "noise": "sigma"}.get(kind, "")
         try:
-            value = float(number)
+            value = float(number) if "_" not in number else math.nan  # float reads 1_0 as 10: a typo, not a number
         except ValueError:
             value = math.nan
         if not kind or not math.isfinite(value) or value <= 0:

@@ -687,7 +687,9 @@ def _setup(config: RunConfig, manifest: Manifest) -> dict[str, Any]:
         if ":" in model.arch
         else f"{model.arch} (width {model.width}, depth {model.depth}, {manifest.model.num_parameters} parameters)",
         "batch size": federated.batch_size,
-        "local epochs": federated.local_epochs,
+        "local epochs": federated.local_epochs
+        if federated.local_steps is None
+        else f"none: {federated.local_steps} local steps a round instead (--local-steps; a study's equal data access)",
         "seed": config.seed,
         "engine": manifest.engine,
         "versions": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),

@@ -31,9 +31,18 @@ def _masked_mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def _pooled_std(values: np.ndarray, mask: np.ndarray, means: np.ndarray) -> float:
-    """One standard deviation for all records: the residuals of every masked entry from its column's mean."""
-    residuals = (values - means)[mask & np.isfinite(means)[None, :]]
-    return float(np.sqrt(np.mean(residuals**2))) if residuals.size else 0.0
+    """One standard deviation for all records (the paper's fixed variance): the residuals of every masked entry from
+    its column's mean, over their degrees of freedom (each record's count less one). Where no record has two masked
+    entries (one reference offline, two online) that within-record spread cannot be estimated (it was 0, and every
+    score 0 or -1e60): then the spread of all masked entries about their common mean, as Carlini et al.'s code
+    computes its global variance."""
+    valid = mask & np.isfinite(means)[None, :]
+    freedom = int(np.maximum(valid.sum(axis=0) - 1, 0).sum())
+    if freedom > 0:
+        residuals = (values - means)[valid]
+        return float(np.sqrt(np.sum(residuals**2) / freedom))
+    entries = values[valid]
+    return float(np.std(entries)) if entries.size > 1 else 0.0
 
 
 def lira_scores(target: np.ndarray, refs: np.ndarray, refs_in: np.ndarray | None = None) -> np.ndarray:

@@ -229,8 +229,10 @@ def references(
     device: str,
     progress: bool = False,
     echo: Callable[[str], None] = print,
+    population: int = 0,
 ) -> References:
-    """K reference models for ``evaluation``, from the cache under references/ where it still fits, else trained."""
+    """K reference models for ``evaluation``, from the cache under references/ where it still fits, else trained.
+    ``population``: the fewest records RMIA needs in the pool besides the audited ones (checked before training)."""
     if online and count % 2:
         raise AttackError(f"--online needs an even number of --references (each record in half), got {count}.")
     if not 1 <= count <= MAX_REFERENCES:
@@ -241,6 +243,12 @@ def references(
         raise AttackError(
             f"{run.path} leaves {len(pool)} records outside the audited ones, too few for reference models of "
             f"{config.data.num_clients} clients; lower --max-records."
+        )
+    if len(pool) - pool.audited < population:
+        raise AttackError(
+            f"{run.path} leaves {len(pool) - pool.audited} records besides the audited ones in the online references' "
+            f"pool, and RMIA compares each audited record with at least {population} such population records; "
+            "lower --max-records."
         )
     included = inclusion_matrix(len(pool), count, online=online, seed=seed, train_size=train_size)
     folder = run.path / "references"
@@ -293,6 +301,7 @@ def _read_cache(folder: Path, key: dict, included: np.ndarray) -> list[dict[str,
 
 
 MAX_POPULATION = 2000  # population records z that RMIA compares each audited record with
+MIN_POPULATION = 50  # the fewest: its score is a fraction of them, in steps of 1 / their number
 DEFAULT_A = 0.3  # RMIA's offline a when it cannot be tuned (one reference): the paper's value for CIFAR-10
 
 
@@ -332,7 +341,8 @@ class ReferenceSignals:
                 "count": self.count,
                 "mode": "online" if self.online else "offline",
                 "trained_now": self.trained,
-                "population_records": int(self.refs_z.shape[1]),
+                # those compared: offline, a population record every reference trained on has no p(z)
+                "population_records": int(self.refs_z.shape[1] if self.online else (~self.z_in).any(axis=0).sum()),
             }
         }
 

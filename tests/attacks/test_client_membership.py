@@ -147,3 +147,37 @@ def test_scores_independent_of_membership_prove_nothing_over_many_seeds() -> Non
         low, high = metrics["auc_ci95"]
         outside += not low <= 0.5 <= high
     assert bounded <= 4 and outside <= 5, (bounded, outside)
+
+
+def test_no_twin_is_a_planted_input_canary_and_a_record_level_epsilon_is_not_called_no_dp(tmp_path, monkeypatch):
+    """Input canaries are held-out records of which half were trained on, with another label: the record-level
+    audit leaves them out of its non-members, and the client attack's twins must too. A record-level DP run's
+    epsilon does not bound a client attack: the console says so instead of "no DP"."""
+    import fedaudit.attacks.runner as runner
+
+    run = tmp_path / "run"
+    args = (
+        *FAST_ARGS,
+        "--dp",
+        "--rounds",
+        "1",
+        "--partition",
+        "iid",
+        "--num-clients",
+        "8",
+        "--holdout-fraction",
+        "0.3",
+    )
+    assert invoke("train", *args, "--canaries", "100", "--canary-kind", "input", "--out", run).exit_code == 0
+    planted = RunDirectory(run).read_canaries()["record"]
+    seen = []
+    real = runner.client_membership
+    monkeypatch.setattr(
+        runner, "client_membership", lambda partition, *a, **k: seen.append(partition) or real(partition, *a, **k)
+    )
+    result = invoke("attack", run, "--method", "client", "--no-progress")
+    assert result.exit_code == 0, result.output
+    (partition,) = seen
+    assert len(planted) and not np.isin(partition.holdout, planted).any()
+    assert np.isin(planted, RunDirectory(run).read_membership()["holdout"]).all()  # they were held out
+    assert "per record" in result.stdout and "no DP" not in result.stdout

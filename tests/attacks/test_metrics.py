@@ -91,8 +91,9 @@ def test_perfectly_separated_scores() -> None:
     held_out = metrics["advantage_held_out"]
     assert held_out["advantage"] == 1.0 and held_out["ci95"][1] == pytest.approx(1.0) and held_out["ci95"][0] > 0.99
     # No error at all: the bound is limited by the 750 records per side it is judged on. The chosen test has
-    # TP = 750 and FP = 0 there, whose one-sided 95% Clopper-Pearson bounds are 0.05^(1/750) and 1 - 0.05^(1/750).
-    a = 0.05 ** (1 / 750)
+    # TP = 750 and FP = 0 there, whose one-sided Clopper-Pearson bounds, each at 97.5% so that both hold at 95%,
+    # are 0.025^(1/750) and 1 - 0.025^(1/750).
+    a = 0.025 ** (1 / 750)
     assert metrics["epsilon_lower_bound"] == pytest.approx(math.log((a - DELTA) / (1 - a)))
     test = metrics["epsilon_lower_bound_test"]
     assert (test["bound_members"], test["bound_nonmembers"], test["selection_members"]) == (750, 750, 750)
@@ -272,7 +273,8 @@ def test_clopper_pearson_closed_forms_and_scipy() -> None:
 
 def test_the_bound_is_one_fixed_test_judged_on_the_other_half() -> None:
     """The slow, obvious computation: pick the test on the selection half by brute force over every threshold,
-    then apply that one test to the other half and bound it with scipy's exact binomial interval."""
+    then apply that one test to the other half and bound it with scipy's exact binomial interval (two-sided 95%:
+    each end one-sided at 97.5%, so that the two rates hold together at 95%)."""
     rng = np.random.default_rng(6)
     member = labels(400, 400)
     score = np.round(np.concatenate([rng.normal(1.5, 1, 400), rng.normal(0, 1, 400)]), 2)
@@ -281,7 +283,7 @@ def test_the_bound_is_one_fixed_test_judged_on_the_other_half() -> None:
     got = epsilon_lower_bound(member, score, select, delta=delta)
 
     def one_sided(k: int, n: int) -> tuple[float, float]:
-        ci = binomtest(k, n).proportion_ci(confidence_level=0.90, method="exact")
+        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
         return ci.low, ci.high
 
     def bounds(m: np.ndarray, s: np.ndarray, t: float) -> dict[str, float]:
@@ -330,7 +332,9 @@ def test_bound_covers_the_truth_where_it_is_tight_and_the_old_procedure_did_not(
         score = np.concatenate([rng.normal(mu, 1, n), rng.normal(0, 1, n)])
         above += bound(labels(n, n), score, delta=delta, seed=seed) > true_eps
         curve = roc(labels(n, n), score)
-        every = threshold_bounds(np.rint(curve.tpr * n), np.rint(curve.fpr * n), n, n, delta=delta)
+        every = threshold_bounds(  # the old procedure, with its rates at 95% each
+            np.rint(curve.tpr * n), np.rint(curve.fpr * n), n, n, delta=delta, confidence=0.90
+        )
         above_old += max(b.max() for b in every.values()) > true_eps
     assert above <= 15 < above_old
     above = 0

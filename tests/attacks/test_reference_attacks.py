@@ -41,12 +41,12 @@ def slow_lira(target, refs, refs_in=None):
     inside = np.zeros((k, n), bool) if refs_in is None else refs_in
     out_means = [np.mean([refs[r, i] for r in range(k) if not inside[r, i]]) for i in range(n)]
     out_res = [refs[r, i] - out_means[i] for i in range(n) for r in range(k) if not inside[r, i]]
-    sigma_out = np.sqrt(np.mean(np.square(out_res)))
+    sigma_out = np.sqrt(np.sum(np.square(out_res)) / (len(out_res) - n))  # n means estimated
     if refs_in is None:
         return np.array([norm.logcdf(target[i], out_means[i], sigma_out) for i in range(n)])
     in_means = [np.mean([refs[r, i] for r in range(k) if inside[r, i]]) for i in range(n)]
     in_res = [refs[r, i] - in_means[i] for i in range(n) for r in range(k) if inside[r, i]]
-    sigma_in = np.sqrt(np.mean(np.square(in_res)))
+    sigma_in = np.sqrt(np.sum(np.square(in_res)) / (len(in_res) - n))
     return np.array(
         [
             norm.logpdf(target[i], in_means[i], sigma_in) - norm.logpdf(target[i], out_means[i], sigma_out)
@@ -76,6 +76,34 @@ def test_lira_equals_the_slow_loop(online):
     refs, target = rng.normal(size=(k, n)), rng.normal(size=n)
     refs_in = np.argsort(rng.random((k, n)), axis=0) < k // 2 if online else None
     np.testing.assert_allclose(lira_scores(target, refs, refs_in), slow_lira(target, refs, refs_in))
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_lira_with_one_value_per_record_uses_the_spread_of_all_of_them(online):
+    """One reference offline (two online: one in, one out per record) leaves no within-record spread to estimate:
+    the fixed variance is then that of all the references' values (it was 0, every score 0 or about -1e60), and the
+    scores rank as (target - mean) / sigma does."""
+    rng = np.random.default_rng(3)
+    n = 200
+    difficulty = rng.normal(0, 2, n)
+    member = np.arange(n) < n // 2
+    target = difficulty + member + rng.normal(size=n)
+    if online:
+        refs_in = np.zeros((2, n), bool)
+        refs_in[rng.integers(0, 2, n), np.arange(n)] = True
+        refs = difficulty + refs_in + rng.normal(size=(2, n))
+        out_values, in_values = refs[~refs_in], refs[refs_in]
+        scores = lira_scores(target, refs, refs_in)
+        mu_in = np.where(refs_in[0], refs[0], refs[1])
+        mu_out = np.where(refs_in[0], refs[1], refs[0])
+        expected = norm.logpdf(target, mu_in, np.std(in_values)) - norm.logpdf(target, mu_out, np.std(out_values))
+    else:
+        refs_in = None
+        refs = (difficulty + rng.normal(size=n))[None, :]
+        scores = lira_scores(target, refs)
+        expected = norm.logcdf(target, refs[0], np.std(refs))
+    np.testing.assert_allclose(scores, expected)
+    assert np.isfinite(scores).all() and np.abs(scores).max() < 1e3
 
 
 def test_lira_reaches_the_optimal_test_of_a_gaussian_shift_and_a_global_threshold_does_not():

@@ -89,6 +89,39 @@ def test_bad_reference_options_are_one_sentence(run, tmp_path):
     assert "holdout_fraction 0.0" not in line and "use fewer clients" not in line  # not the recipe's own advice
 
 
+def test_online_rmia_without_population_records_is_one_sentence_before_any_reference_trains(tmp_path):
+    """Two clients of an IID split and half the records held out: every member is audited and as many non-members,
+    which fill the online pool to twice the target's size; no record is left for RMIA's population (it trained the
+    references, then ended in a traceback)."""
+    run = tmp_path / "run"
+    args = (*FAST_ARGS, "--rounds", "1", "--num-clients", "2", "--partition", "iid", "--holdout-fraction", "0.5")
+    assert invoke("train", *args, "--out", run).exit_code == 0
+    line = assert_user_error(
+        invoke("attack", run, "--signal", "loss", "--method", "rmia", "--references", "2", "--online"),
+        mentions="population records",
+    )
+    assert "lower --max-records" in line
+    assert not (run / "attacks").exists() and not (run / "references").exists()
+
+
+def test_the_final_model_attacks_refuse_another_target_naming_only_those_given(run):
+    line = assert_user_error(invoke("attack", run, "--method", "client", "--target", "round:1"), mentions="client")
+    assert "--target final" in line and "rmia" not in line and "lira" not in line
+    line = assert_user_error(invoke("attack", run, "--signal", "loss", "--method", "lira", "--target", "all"))
+    assert line.count("lira") == 1 and "client" not in line and "rmia" not in line
+
+
+def test_population_records_counts_those_compared():
+    from fedaudit.attacks.membership.references import ReferenceSignals
+
+    z_in = np.array([[True, True, False, True], [True, False, False, True]])  # z 0 and 3: in every reference
+    common = dict(values={}, x_in=None, target_z=np.ones(4), refs_z=np.ones((2, 4)), z_in=z_in, a=0.3, a_tuned=False)
+    offline = ReferenceSignals(**common, online=False, trained=0)
+    online = ReferenceSignals(**common, online=True, trained=0)
+    assert offline.details()["references"]["population_records"] == 2
+    assert online.details()["references"]["population_records"] == 4
+
+
 def test_a_result_is_current_only_for_the_references_it_used(run):
     from fedaudit.attacks.runner import AttackOptions, results_current
 

@@ -67,14 +67,18 @@ def test_defaults_write_one_directory_per_signal_and_method(overfit_attacked):
 
 
 def test_an_overfit_run_leaks(overfit_attacked):
+    """Both signals' AUC intervals lie above 0.6; an epsilon bound above 0 (judged on 20 records a side, each rate
+    at 97.5%) comes from the loss: the gradient norm's chosen test (TPR 14/20 at FPR 8/20) proves none at that size."""
     run, stdout = overfit_attacked
+    bounds = []
     for signal in ("loss", "grad-norm"):
         threshold = read_json(run / "attacks" / f"{signal}-threshold" / "metrics.json")
         assert threshold["auc_ci95"][0] > 0.6, threshold["auc_ci95"]
         assert threshold["accountant_epsilon"] is None and threshold["epsilon_lower_bound_exceeds_accountant"] is None
-        assert threshold["epsilon_lower_bound"] > 0
+        bounds.append(threshold["epsilon_lower_bound"])
         classifier = read_json(run / "attacks" / f"{signal}-classifier" / "metrics.json")
         assert classifier["auc"] > 0.6
+    assert bounds[0] > 0
     header = stdout.splitlines()[1]
     assert "AUC" in header and "eps_lb" in header
 

@@ -143,6 +143,13 @@ def test_systems_without_record_level_dp_are_planned_beside_the_budgets(tmp_path
         ({"base": {**BASE, "privacy": {"dp": True}}}, "budgets set them"),
         ({"report": {"formats": ["docx"]}}, "docx"),
         ({"attack": {"signals": ["loss"], "methods": ["magic"]}}, "magic"),
+        ({"budgets": ["sigma:1_0"]}, "sigma:1_0"),  # float() reads 1_0 as 10
+        ({"base": {**BASE, "seed": 5}}, "seeds: [5]"),
+        ({"max_update_norm": -1}, "max_update_norm"),
+        ({"attack": {**STUDY["attack"], "reconstruction": {"iterations": -5}}}, "--iterations"),
+        ({"attack": {"signals": ["loss"], "methods": ["threshold", "canary"]}}, "no run of this study has any"),
+        ({"base": {**BASE, "federated": {**BASE["federated"], "local_epochs": 100_000}}}, "--local-epochs"),
+        ({"base": {**BASE, "model": {**BASE["model"], "width": 100_000}}}, "--width"),
     ],
 )
 def test_a_study_that_cannot_work_is_refused_before_anything_runs(tmp_path, changes, mentions):
@@ -200,8 +207,10 @@ def test_every_run_is_trained_and_attacked(study):
         metrics = read_json(run / "attacks" / "loss-threshold" / "metrics.json")
         assert metrics["round"] == 2 and metrics["num_members"] == 200
     assert stdout.count("trained 2 rounds") == len(NAMES)
-    assert stdout.startswith("plan: 8 runs, 8 to train or resume (16 rounds in all), 0 kept as they are\n")
-    assert "estimated time here: about" in stdout and "FedLAP-DP" in stdout.splitlines()[1]
+    timing, planned, estimate = stdout.splitlines()[:3]  # what it is doing before the plan, while it times
+    assert timing.startswith("timing a first round of each algorithm")
+    assert planned == "plan: 8 runs, 8 to train or resume (16 rounds in all), 0 kept as they are"
+    assert "estimated time here: about" in estimate and "FedLAP-DP" in estimate
     assert f"Wrote {out / 'report.html'}" in stdout and (out / "report.md").is_file()
 
 
@@ -322,6 +331,8 @@ def test_outputs_and_targets_that_cannot_work_are_refused_first(study, tmp_path,
         ({"target": 5}, "--target"),
         ({"seed": -1}, "--seed"),
         ({"per_layer": "yes"}, "--per-layer"),
+        ({"online": "no", "methods": ["lira"], "references": 2}, "--online"),  # a non-empty string is no boolean
+        ({"bootstrap": 10_000_000_000}, "--bootstrap"),
     ],
 )
 def test_malformed_attack_settings_are_one_sentence(tmp_path, attack, mentions):
@@ -526,3 +537,51 @@ def test_two_budgets_that_would_share_their_runs_names_are_refused(tmp_path):
     assert not (tmp_path / "s").exists()
     study = Study(budgets=(Budget.parse("sigma:1"), Budget.parse("sigma:1.0")), algorithms=("fedavg",))
     assert [run.name for run in plan(study)] == ["fedavg-sigma1-seed0"]
+
+
+def test_a_canary_study_audits_the_runs_that_have_canaries_and_attacks_the_others_without(tmp_path):
+    """A budget of none drops the base's canaries: that run gets the other attacks, not a canary audit that cannot
+    work (it failed the whole study after training, every time it was run)."""
+    base = {**BASE, "audit": {"canaries": 16}}
+    attack = {"signals": ["loss"], "methods": ["threshold", "canary"], "max_records": 200, "bootstrap": 50}
+    study = write_study(tmp_path, algorithms=["fedavg"], budgets=["sigma:1", "none"], seeds=[0], base=base,
+                        attack=attack, equal_data_access=False)  # fmt: skip
+    result = compare("--study", study, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "no canary audit: the run has no canaries" in result.output
+    runs = tmp_path / "out" / "runs"
+    assert (runs / "fedavg-sigma1-seed0" / "attacks" / "update-projection-canary").is_dir()
+    assert sorted(p.name for p in (runs / "fedavg-nodp-seed0" / "attacks").iterdir()) == ["loss-threshold"]
+
+
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_a_link_or_a_file_where_a_run_belongs_is_one_sentence(tmp_path, kind):
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    victim.mkdir()
+    args = ("--out", out, "--algorithm", "fedavg", "--budget", "none", "--width", "8", "--rounds", "1")
+    assert compare(*args, "--signal", "loss", "--method", "threshold").exit_code == 0
+    where = out / "runs" / "fedavg-nodp-seed0"
+    shutil.rmtree(where)
+    where.symlink_to(victim) if kind == "link" else where.write_text("x")
+    before = (out / "study.json").read_bytes()
+    result = compare(*args, "--signal", "loss", "--method", "threshold")
+    assert_user_error(result, mentions="symbolic link" if kind == "link" else "not a directory")
+    assert list(victim.iterdir()) == [] and (out / "study.json").read_bytes() == before
+
+
+def test_the_estimate_counts_reference_models_of_runs_it_keeps(study, tmp_path, monkeypatch):
+    """A finished study asked again for LiRA trains K reference models per run: the estimate counts them, timing a
+    first round although no run is left to train."""
+    import fedaudit.study as study_module
+
+    study_file, out, _ = study
+    copy = Path(shutil.copytree(out, tmp_path / "copy"))
+    monkeypatch.setattr(study_module, "time_first_round", lambda setup: 2.0)
+    monkeypatch.setattr(study_module, "_time_signals", lambda setup, attack: 0.0)
+    monkeypatch.setattr(study_module, "CONFIRM_SECONDS", 30)
+    monkeypatch.delenv("CI", raising=False)
+    lira = {**STUDY["attack"], "methods": ["threshold", "lira"], "references": 4}
+    result = compare("--study", write_study(tmp_path, attack=lira), "--out", copy)
+    assert_user_error(result, mentions="--yes")
+    # 8 runs x 4 references x 2 rounds x 2 s
+    assert "attacks 2 min;" in result.stdout, result.stdout
