@@ -579,8 +579,14 @@ def _client_attack(prepared: PreparedRun, options: AttackOptions, device: torch.
     }
     if prepared.accountant_epsilon is not None and not comparable:
         header["accountant_epsilon_not_comparable"] = "the run's epsilon is per record, this attack's unit a client"
+    accountant = header["accountant_epsilon"]
+    judged = {  # a client-level run's epsilon per client bounds this attack; a record-level one's does not
+        "epsilon_lower_bound_exceeds_accountant": None
+        if accountant is None
+        else metrics["epsilon_lower_bound"] > accountant
+    }
     footer = {"fedaudit_version": fedaudit.__version__, "created": now_iso()}
-    return AttackResult(name=CLIENT_RESULT, scores=scores, roc=curve, metrics={**header, **metrics, **footer})
+    return AttackResult(name=CLIENT_RESULT, scores=scores, roc=curve, metrics={**header, **metrics, **judged, **footer})
 
 
 def _attack(

@@ -105,6 +105,7 @@ def test_it_finds_the_clients_of_a_run_that_memorised_them_and_not_of_a_noisy_cl
     quiet = _client_attack(noisy)
     assert quiet["accountant_epsilon"] is not None  # an epsilon per client: the bound is judged against it
     assert quiet["epsilon_lower_bound"] <= quiet["accountant_epsilon"]
+    assert quiet["epsilon_lower_bound_exceeds_accountant"] is False
 
 
 def test_against_an_epsilon_per_record_its_bound_is_not_compared(tmp_path) -> None:
@@ -122,7 +123,9 @@ def test_against_an_epsilon_per_record_its_bound_is_not_compared(tmp_path) -> No
         "1",
     )
     assert invoke("train", *args, "--out", run).exit_code == 0
-    assert _client_attack(run)["accountant_epsilon"] is None
+    record_level = _client_attack(run)
+    assert record_level["accountant_epsilon"] is None and record_level["epsilon_lower_bound_exceeds_accountant"] is None
+    assert "per record" in record_level["accountant_epsilon_not_comparable"]
     assert invoke("attack", run, "--signal", "loss", "--method", "threshold").exit_code == 0
     (summary,) = collect_runs([run])
     assert {a.name for a in summary.final_attacks} == {"loss-client", "loss-threshold"}
