@@ -186,7 +186,7 @@ def main() -> None:
     "--resume",
     "resume_dir",
     type=click.Path(),
-    help="Continue the interrupted run in this directory (only --rounds may change).",
+    help="Continue the interrupted run in this directory (only --rounds, --device and where clients run may change).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing run at --out.")
 @click.option("--progress/--no-progress", default=None, help="Show progress bars. [default: only on a terminal]")

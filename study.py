@@ -368,8 +368,8 @@ def run_study(
     setups = [prepare(run.config) for run in planned]
     if study.attack.of(CANARY) and all(attack_for(study.attack, s.config) is not study.attack for s in setups):
         raise StudyError(
-            "--method canary audits runs trained with canaries, and no run of this study has any: give the base "
-            "audit.canaries N (record-level budgets) or audit.canary_clients N (client-level budgets)."
+            "--method canary audits DP runs trained with canaries, and no run of this study has any: a record-level "
+            "budget with the base's audit.canaries N, or a client-level one with audit.canary_clients N."
         )
     target = target_round(study.attack)
     if target is not None and any(target > setup.config.federated.rounds for setup in setups):
@@ -377,9 +377,7 @@ def run_study(
     _check_folder(folder)
     actions = [_action(folder / RUNS_DIR / run.name, setup, overwrite) for run, setup in zip(planned, setups)]
     attack = replace(study.attack, device=study.base.device, progress=False)
-    if any(action != "keep" for action in actions) or attack.of(REFERENCE):
-        echo("timing a first round of each algorithm, with and without DP, to estimate the study's time (Ctrl-C stops)")
-    expected = estimate_study(planned, setups, actions, folder, attack)
+    expected = estimate_study(planned, setups, actions, folder, attack, echo=echo)
     for line in expected.lines(len(planned), actions.count("keep")):
         echo(line)
     for skipped in skipped_runs(study):
@@ -548,7 +546,13 @@ class Estimate:
 
 
 def estimate_study(
-    planned: Sequence[PlannedRun], setups: Sequence[Setup], actions: Sequence[str], folder: Path, attack: AttackOptions
+    planned: Sequence[PlannedRun],
+    setups: Sequence[Setup],
+    actions: Sequence[str],
+    folder: Path,
+    attack: AttackOptions,
+    *,
+    echo: Echo | None = None,
 ) -> Estimate:
     """Time one first round of each algorithm (with or without DP) that still has rounds to train, and the attacks'
     signals on a few hundred records, and scale them to the study's remaining rounds and attacked records."""
@@ -558,6 +562,15 @@ def estimate_study(
     to_train = rounds_left = 0
     signal_seconds: float | None = None
     rebuild_seconds: dict[tuple[str, bool], float] = {}
+
+    def first_round(setup: Setup) -> float:
+        if not per_round and echo is not None:  # the first timing: say what the wait is
+            echo(
+                "timing a first round of each algorithm, with and without DP, to estimate the study's time "
+                "(Ctrl-C stops)"
+            )
+        return time_first_round(setup)
+
     for run, setup, action in zip(planned, setups, actions):
         directory = folder / RUNS_DIR / run.name
         rounds = setup.config.federated.rounds
@@ -568,7 +581,7 @@ def estimate_study(
             left = rounds - RunDirectory(directory).read_manifest().rounds_done
         if left:
             if key not in per_round:
-                per_round[key] = time_first_round(setup)
+                per_round[key] = first_round(setup)
                 labels[algorithm_label(*key)] = per_round[key]
             train += per_round[key] * left
             to_train += 1
@@ -580,7 +593,7 @@ def estimate_study(
             attacks += signal_seconds * records
             if attack.of(REFERENCE):  # reference models: a run's training each, kept runs' too
                 if key not in per_round:
-                    per_round[key] = time_first_round(setup)
+                    per_round[key] = first_round(setup)
                     labels[algorithm_label(*key)] = per_round[key]
                 attacks += attack.references * per_round[key] * rounds
             if RECONSTRUCTION in attack.methods:

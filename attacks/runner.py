@@ -85,7 +85,7 @@ from fedaudit.seeding import Stream, derive_seed, numpy_rng, repeatable
 # small clients has many such; the audit says so instead of computing an interval that means nothing).
 MIN_CLIENT_MEMBERS = 5
 RESULT_FORMAT = "fedaudit-attack"
-RESULT_FORMAT_VERSION = 2
+RESULT_FORMAT_VERSION = 3  # 3: epsilon bounds with each rate at 97.5%; per-client TPR among the classes' non-members
 
 Echo = Callable[[str], None]
 
@@ -626,7 +626,7 @@ def _reference_attacks(
         seed=prepared.seed,
         device=str(device),
         progress=options.progress,
-        population=MIN_POPULATION if "rmia" in methods else 0,
+        population=MIN_POPULATION if "rmia" in methods and options.online else 0,
     )
     x, y = records
     compared = reference_signals(

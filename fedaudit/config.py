@@ -137,9 +137,9 @@ class ModelConfig:
         """The section's own values (:class:`ConfigError` for the first invalid one)."""
         require_positive_integers(self, "width", optional=True)
         require(
-            self.width is None or self.width <= MAX_WIDTH,
-            f"--width must be at most {MAX_WIDTH:,} (a ConvNet of that width already has hundreds of millions of "
-            f"parameters), got {self.width!r}.",
+            self.width is None or self.arch != "convnet" or self.width <= MAX_WIDTH,
+            f"--width must be at most {MAX_WIDTH:,} for the ConvNet (of that width it already has hundreds of "
+            f"millions of parameters), got {self.width!r}.",
         )
         require(
             self.depth is None or (is_int(self.depth) and self.depth >= 0),

@@ -78,8 +78,10 @@ class Budget:
         a DP accountant, are dropped; at client level the clients' updates are clipped to ``max_update_norm`` and
         the record-level clipping norm and canaries are dropped)."""
         privacy = config.privacy
-        if self.kind == "none" or self.client_level:
+        if self.kind == "none" or self.client_level:  # record-level canaries audit a record-level DP run
             config = replace(config, audit=replace(config.audit, canaries=0))
+        if not self.client_level:  # canary clients audit a client-level one
+            config = replace(config, audit=replace(config.audit, canary_clients=0))
         if self.kind == "none":
             privacy = replace(privacy, dp=False, noise_multiplier=None, target_epsilon=None, max_grad_norm=None)
         elif self.kind == "epsilon":

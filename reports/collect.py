@@ -888,6 +888,9 @@ def _attacks(path: Path, notes: list[Note], untrusted: frozenset[str] = frozense
     return tuple(sorted(results, key=lambda a: (a.signal, a.method, a.round or 0)))
 
 
+BOUND_RATES_VERSION = 3  # the attack results' format from which each epsilon bound's rates are at 97.5%
+
+
 def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> AttackSummary:
     test = record.epsilon_lower_bound_test
     canary = record.canary_audit is not None
@@ -915,7 +918,7 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
             )
         )
     members, nonmembers = record.num_members, record.num_nonmembers
-    return AttackSummary(
+    summary = AttackSummary(
         name=record.name,
         signal=record.signal,
         method=record.method,
@@ -942,6 +945,10 @@ def _attack(run: RunDirectory, record: AttackRecord, notes: list[Note]) -> Attac
         references=None if record.references is None else dict(record.references),
         unit=record.unit,
     )
+    if test is not None and not canary and (record.format_version or 0) < BOUND_RATES_VERSION:
+        # written when each rate was at 95%, which held the bound at 90% only: recomputed from its test
+        summary = replace(summary, epsilon_lower_bound=summary.epsilon_bound_at(float(test["confidence"])))
+    return summary
 
 
 RECONSTRUCTION = RECONSTRUCTION_METHOD  # the method of attack --method reconstruction's results

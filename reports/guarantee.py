@@ -336,17 +336,25 @@ SIGNAL_WORDS = {
 def attacks_sentence(run: RunSummary) -> str:
     """What the membership attacks of this report read, from the results it holds (not from the defaults)."""
     order = list(SIGNAL_WORDS)
-    signals = sorted({a.signal for a in run.attacks}, key=lambda s: (order.index(s) if s in order else len(order), s))
-    if not signals:
+    records = [a for a in run.attacks if a.method != "canary" and a.unit == "record"]
+    signals = sorted({a.signal for a in records}, key=lambda s: (order.index(s) if s in order else len(order), s))
+    clients = any(a.unit == "client" for a in run.attacks)
+    canaries = any(a.method == "canary" for a in run.attacks)
+    if not signals and not clients:
         return (
             "No membership attack has been run on this run yet, so nothing in this report bounds its leakage from "
-            "below (the table of attack families gives the command)."
+            "below (the table of attack families gives the command)"
+            + ("; its canary audit, below, audits the DP mechanism." if canaries else ".")
         )
     words = [SIGNAL_WORDS.get(s, f"the {s} signal") for s in signals]
-    listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
-    return (
-        f"The membership attacks in this report score each record by {listed}; they give lower bounds on the leakage."
+    parts = (
+        [f"score each record by {', '.join(words[:-1]) + ' and ' if len(words) > 1 else ''}{words[-1]}"]
+        if words
+        else []
     )
+    if clients:
+        parts.append("score each client by its records' mean loss on the final model (the client attack)")
+    return f"The membership attacks in this report {'; they '.join(parts)}; they give lower bounds on the leakage."
 
 
 def coverage_table(run: RunSummary) -> pd.DataFrame:

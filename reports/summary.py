@@ -119,7 +119,9 @@ def attack_table(attacks: tuple[AttackSummary, ...], dp: bool = True) -> pd.Data
                     if a.method == "canary" and a.epsilon_lower_bound is not None
                     else ""
                 ),
-                "accountant epsilon": epsilon_cell(a.accountant_epsilon, dp),
+                "accountant epsilon": "per record: does not bound a client"
+                if dp and a.unit == "client" and a.accountant_epsilon is None
+                else epsilon_cell(a.accountant_epsilon, dp),
             }
             for a in attacks
         ]

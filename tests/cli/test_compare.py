@@ -149,7 +149,7 @@ def test_systems_without_record_level_dp_are_planned_beside_the_budgets(tmp_path
         ({"attack": {**STUDY["attack"], "reconstruction": {"iterations": -5}}}, "--iterations"),
         ({"attack": {"signals": ["loss"], "methods": ["threshold", "canary"]}}, "no run of this study has any"),
         ({"base": {**BASE, "federated": {**BASE["federated"], "local_epochs": 100_000}}}, "--local-epochs"),
-        ({"base": {**BASE, "model": {**BASE["model"], "width": 100_000}}}, "--width"),
+        ({"base": {**BASE, "model": {"arch": "convnet", "width": 100_000}}}, "--width"),
     ],
 )
 def test_a_study_that_cannot_work_is_refused_before_anything_runs(tmp_path, changes, mentions):
@@ -421,6 +421,16 @@ def test_canaries_go_to_every_dp_run_of_a_study():
     }
     for run in plan(study):
         run.config.resolved()  # every planned configuration is valid
+
+
+def test_canary_clients_go_only_to_the_client_level_runs_of_a_study():
+    base = RunConfig().with_overrides({"audit.canary_clients": 4})
+    budgets = tuple(Budget.parse(b) for b in ("none", "sigma:1", "client:sigma:1"))
+    study = Study(algorithms=("fedavg",), budgets=budgets, base=base, max_update_norm=1.0)
+    planted = {run.name: run.config.audit.canary_clients for run in plan(study)}
+    assert planted == {"fedavg-nodp-seed0": 0, "fedavg-sigma1-seed0": 0, "fedavg-client-sigma1-seed0": 4}
+    for run in plan(study):
+        run.config.resolved()  # every planned configuration is valid (none was before)
 
 
 def test_a_study_can_ask_for_reference_model_attacks(tmp_path):

@@ -337,3 +337,11 @@ def test_a_key_given_twice_a_number_too_long_or_a_date_that_is_none_is_one_sente
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError, match=rf"^The configuration file {tmp_path / name} "):
             load_config_file(tmp_path / name)
+
+
+def test_the_width_limit_is_the_convnet_s_and_an_mlp_may_be_wider():
+    from fedaudit.config import MAX_WIDTH
+
+    RunConfig().with_overrides({"model.arch": "mlp", "model.width": 5000, "model.depth": 1}).resolved()
+    with pytest.raises(ConfigError, match="--width must be at most"):
+        RunConfig().with_overrides({"model.width": MAX_WIDTH + 1}).resolved()

@@ -829,6 +829,7 @@ def test_a_dp_run_whose_ledger_is_missing_is_not_called_a_run_without_dp(audited
     assert "promises no differential privacy" not in text and "trained without differential privacy" not in text
     assert "was trained with DP, but its ledger privacy.json is missing" in text
     assert "without DP noise" not in text and "restore it from a copy of the run" in text
+    assert "The unit protected" not in text and "what it protects and at what epsilon cannot be read" in text
 
 
 def test_a_client_level_run_that_samples_every_client_claims_no_amplification(trained, tmp_path, cli):
@@ -873,3 +874,31 @@ def test_at_a_sigma_budget_each_epsilon_is_stated_and_a_cheaper_fedlap_says_noth
     assert not any("opposite of the ordering" in s for s in findings(no_attacks, groups))
     richer = groups.assign(epsilon_mean=[5.376, 5.376, 6.0])  # FedLAP-DP spent more and is still below
     assert any("opposite of the ordering" in s for s in findings(no_attacks, richer))
+
+
+def test_a_result_written_when_each_rate_was_at_95_percent_is_reported_at_the_bound_s_level(audited, tmp_path):
+    """Attack results of format 2 bounded epsilon with each Clopper-Pearson rate at 95% (both together: 90%): the
+    report recomputes the bound from its recorded test, as format 3 computes it."""
+    from fedaudit.reports.collect import collect_runs
+
+    run = Path(shutil.copytree(audited, tmp_path / "run"))
+    path = run / "attacks" / "loss-threshold-round-3" / "metrics.json"
+    metrics = read_json(path)
+    (now,) = [a for a in collect_runs([audited])[0].attacks if a.name == "loss-threshold-round-3"]
+    assert metrics["format_version"] == 3 and now.epsilon_lower_bound == metrics["epsilon_lower_bound"]
+    path.write_text(json.dumps({**metrics, "format_version": 2, "epsilon_lower_bound": 99.0}))
+    rehash(run)
+    (old,) = [a for a in collect_runs([run])[0].attacks if a.name == "loss-threshold-round-3"]
+    assert old.epsilon_lower_bound == pytest.approx(now.epsilon_lower_bound)
+
+
+def test_the_threat_model_names_the_client_attack_and_leaves_canary_views_out():
+    from fedaudit.reports.guarantee import attacks_sentence
+
+    client = replace(_attack("loss-client", 0.6, (0.5, 0.7)), signal="loss", method="client", unit="client")
+    canary = replace(_attack("query-sum-canary", 0.6, (0.5, 0.7)), signal="query-sum", method="canary")
+    said = attacks_sentence(_run_with(client, canary))
+    assert "score each client by its records' mean loss" in said and "query-sum" not in said
+    assert "per-record loss" not in said
+    said = attacks_sentence(_run_with(canary))
+    assert said.startswith("No membership attack has been run") and "canary audit" in said
