@@ -119,3 +119,18 @@ def test_a_child_in_a_session_of_its_own_is_stopped_with_its_group(tmp_path: Pat
         assert log.read_text().splitlines()[:3] == ["before", "out", "err"]
     finally:
         zygote.close()
+
+
+def test_a_child_of_a_zygote_that_imported_flower_sends_no_telemetry(tmp_path: Path) -> None:
+    """Flower reads FLWR_TELEMETRY_ENABLED once, when it is imported, which for a forked SuperNode is when the zygote
+    imported it: the zygote itself runs with telemetry off, so that no test's SuperNode posts to Flower's server."""
+    script = tmp_path / "telemetry.py"
+    script.write_text("import flwr.supercore.telemetry as t\nprint('enabled', t.FLWR_TELEMETRY_ENABLED, flush=True)\n")
+    zygote = Zygote(tmp_path / "zygote", {str(script): str(script)}, ["flwr.supercore.telemetry"])
+    try:
+        out = tmp_path / "out"
+        env = {k: v for k, v in os.environ.items() if k != "FLWR_TELEMETRY_ENABLED"}
+        assert zygote.start(str(script), [], env=env, stdout=out).wait(timeout=60) == 0
+        assert out.read_text() == "enabled 0\n"
+    finally:
+        zygote.close()

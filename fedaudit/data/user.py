@@ -18,6 +18,7 @@ data it was trained on. Every problem is one sentence naming the file (docs/your
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from pathlib import Path
@@ -301,18 +302,54 @@ def _split(
     """The given test split, or a stratified 20% of the records (fixed seed)."""
     if x_test is not None and y_test is not None:
         return x, y, x_test, y_test
-    from sklearn.model_selection import train_test_split
-
-    _, counts = np.unique(y, return_counts=True)
-    if len(y) < 10 or counts.min() < 2:
+    values, counts = np.unique(y, return_counts=True)
+    n_test = math.ceil(TEST_FRACTION * len(y))
+    if len(y) < 10 or counts.min() < 2 or min(n_test, len(y) - n_test) < len(values):
         raise DataError(
-            f"{path} has too few records to hold out a test split ({len(y)} records, a class with "
-            f"{counts.min()}); give x_test and y_test, or more records (at least 2 per class)."
+            f"{path} has too few records to hold out a test split ({len(y)} records in {len(values)} classes, the "
+            f"smallest with {counts.min()}); give x_test and y_test, or more records (at least 2 per class and 5 "
+            "times as many records as classes)."
         )
-    train_x, test_x, train_y, test_y = train_test_split(
-        x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED
-    )
-    return train_x, train_y, test_x, test_y
+    train, test = stratified_split(y, n_test, SPLIT_SEED)
+    return x[train], y[train], x[test], y[test]
+
+
+def stratified_split(y: np.ndarray, n_test: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train and test positions of scikit-learn's ``train_test_split(test_size=n_test, stratify=y,
+    random_state=seed)``, drawn as its StratifiedShuffleSplit draws them (the same RandomState calls in the same
+    order), without importing scikit-learn: its import takes over a second, which every Flower ClientApp process of
+    a site that keeps its records paid on every message. A test holds it to scikit-learn's own split."""
+    rng = np.random.RandomState(seed)
+    n_train = len(y) - n_test
+    _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
+    by_class = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(counts)[:-1])
+    in_train = _approximate_mode(counts, n_train, rng)
+    in_test = _approximate_mode(counts - in_train, n_test, rng)
+    train: list[np.ndarray] = []
+    test: list[np.ndarray] = []
+    for members, count, k, t in zip(by_class, counts, in_train, in_test):
+        shuffled = members.take(rng.permutation(count), mode="clip")
+        train.append(shuffled[:k])
+        test.append(shuffled[k : k + t])
+    return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
+
+
+def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of ``draws`` records each class gives: its share of ``draws`` rounded down, then one more for the
+    classes with the largest remainders, ties broken at random (scikit-learn's ``_approximate_mode``)."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    missing = int(draws - floored.sum())
+    if missing > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (tied,) = np.where(remainder == value)
+            now = min(len(tied), missing)
+            floored[rng.choice(tied, size=now, replace=False)] += 1
+            missing -= now
+            if missing == 0:
+                break
+    return floored.astype(int)
 
 
 def _classes(path: Path, y: np.ndarray, y_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -54,6 +54,34 @@ def test_without_a_test_split_a_stratified_fifth_is_held_out(tmp_path):
     assert np.allclose(per_feature.std(0, unbiased=False).numpy(), 1, atol=1e-4)
 
 
+def test_the_held_out_fifth_is_scikit_learn_s_stratified_split_drawn_without_it():
+    """The known answer: scikit-learn's ``train_test_split(test_size=0.2, stratify=y, random_state=seed)``, position
+    for position, on label arrays of many shapes (balanced, skewed, classes of two records, ties in the remainders,
+    labels that are not 0..K-1), for seeds 0-2: fedaudit's split draws the same numbers without importing it."""
+    from sklearn.model_selection import train_test_split
+
+    from fedaudit.data.user import stratified_split
+
+    rng = np.random.default_rng(7)
+    cases = [np.arange(10) % 2, np.arange(200) % 4, np.repeat([3, -1, 9], [2, 2, 96]), np.repeat([0, 1], [5, 6])]
+    for _ in range(60):
+        classes = int(rng.integers(2, 12))
+        counts = rng.integers(2, int(rng.choice([3, 10, 80])) + 2, size=classes)
+        labels = rng.choice(10_000, size=classes, replace=False) - 5_000
+        cases.append(rng.permutation(np.repeat(labels, counts)))
+    compared = 0
+    for y in cases:
+        n_test = int(np.ceil(0.2 * len(y)))
+        if min(n_test, len(y) - n_test) < len(np.unique(y)):
+            continue  # scikit-learn refuses these too (fedaudit with one sentence)
+        for seed in range(3):
+            train, test = train_test_split(np.arange(len(y)), test_size=0.2, stratify=y, random_state=seed)
+            ours = stratified_split(y, n_test, seed)
+            assert ours[0].tolist() == train.tolist() and ours[1].tolist() == test.tolist(), (y, seed)
+            compared += 1
+    assert compared >= 120  # 45 of the 64 label arrays, three seeds each
+
+
 class _Payload:
     """A pickle that would leave a file behind if it were ever loaded."""
 
@@ -92,6 +120,7 @@ def test_a_pickled_or_ragged_array_is_refused_and_never_loaded(tmp_path):
         ({"x": np.array(["a"] * 10), "y": np.arange(10) % 2}, "real numbers"),
         ({"x": np.zeros((10, 4)), "y": np.zeros(10)}, "a single class"),
         ({"x": np.zeros((3, 4)), "y": np.arange(3)}, "too few records"),
+        ({"x": np.zeros((10, 4)), "y": np.arange(10) % 5}, "too few records"),  # 2 test records for 5 classes
         ({"x": np.zeros((10, 4)), "y": np.arange(10) % 2, "x_test": np.zeros((4, 4))}, "only one of x_test"),
         (
             {"x": np.zeros((10, 4)), "y": np.arange(10) % 2, "x_test": np.zeros((4, 3)), "y_test": np.zeros(4)},

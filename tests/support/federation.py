@@ -58,6 +58,7 @@ SUPERNODE_IMPORTS = [
     "flwr.supernode.fleet_http_connection",
     "flwr.supernode.start_client_internal",
     "flwr.supernode.cli",
+    "httpcore",  # what httpx's transport imports when a SuperNode opens its connection (about 0.5 s each)
 ]
 
 # flower-supernode with two of Flower's constants replaced, each unless its argument is "-": the heartbeat interval it

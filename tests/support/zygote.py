@@ -202,8 +202,14 @@ class Zygote:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 # without PYTHONPATH: a child gets its own, before the interpreter's path (a test process's may name
-                # anything, even site-packages, which the interpreter then leaves out of its own path: Ray adds to it)
-                env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"},
+                # anything, even site-packages, which the interpreter then leaves out of its own path: Ray adds to it).
+                # No Flower telemetry: Flower reads the setting once, when the zygote imports it, so a child's own
+                # environment cannot turn it off (every SuperNode tried to post its start to Flower's server).
+                env={
+                    **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                    "OMP_NUM_THREADS": "1",
+                    "FLWR_TELEMETRY_ENABLED": "0",
+                },
             )
         deadline = time.monotonic() + 120
         while not self.socket.exists():
