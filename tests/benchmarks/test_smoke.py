@@ -44,6 +44,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "own_data.py": ("load_dataset", r"^folder: 100 PNG"),
     "per_client_intervals.py": ("per client (s)", r"^\s+20\s+\d"),
     "per_sample_grads.py": ("GSM/ours", r"^\s+8\s+\d"),
+    "pooling.py": ("plain previous/ours", r"^\s+8\s+8\s+\d+\.\d\d\s+\d+\.\d\d\s"),
     "query_recording.py": ("median (s)", r"^with recording\s+\d"),
     "reconstruction.py": ("null PSNR dB", r"^digits\s+fedsgd\s+1\s+1\s+2\s+none\s+-\s+2\s+\d+\.\d+ \["),
     "scale.py": ("peak RSS (MB)", r"^\s+20\s+2\s+every 2, 100 records\s+\d"),

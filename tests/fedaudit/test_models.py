@@ -76,3 +76,47 @@ def test_inert_parameters_are_those_a_slow_loop_finds_without_effect_on_the_outp
     inert = inert_parameters(model)
     assert len(inert) == expected
     assert inert == _without_effect(model, shape)
+
+
+@pytest.mark.parametrize("width", [2, 8, 32, 128])
+def test_the_convnet_s_pooling_gives_avg_pool2d_s_floats_to_the_bit(width) -> None:
+    """The known answer is torch's own avg_pool2d: on the ConvNet's shapes (batches of 1 to 256, 28x28 down to 3x3,
+    odd sizes whose last row is dropped, values from 2^-20 to 2^20) the CPU's depthwise-convolution pooling, taken
+    wherever the input is large enough (checked), gives the
+    same output, the same input gradient and the same second-order gradient (FedLAP's matching differentiates
+    through it), bit for bit; in float64 and with one channel it is avg_pool2d itself."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    from fedaudit.models import CONV_POOL_ELEMENTS, AvgPool2x2
+
+    pool = AvgPool2x2()
+    generator = torch.Generator().manual_seed(width)
+    convolved = 0
+    for batch, size in [(1, 28), (16, 28), (16, 14), (16, 7), (256, 7), (3, 32), (5, 3), (2, 2), (128, 28), (700, 7)]:
+        scale = 2.0 ** float(torch.randint(-20, 21, (), generator=generator))
+        x = (torch.randn(batch, width, size, size, generator=generator) * scale).requires_grad_(True)
+        with mock.patch.object(F, "conv2d", wraps=F.conv2d) as conv:
+            ours = pool(x)
+        assert conv.called == (x.numel() >= CONV_POOL_ELEMENTS)
+        convolved += conv.called
+        theirs = F.avg_pool2d(x, 2)
+        assert torch.equal(ours, theirs), (batch, size)
+        upstream = torch.randn(ours.shape, generator=generator)
+        (g_ours,) = torch.autograd.grad(ours, x, upstream, create_graph=True)
+        (g_theirs,) = torch.autograd.grad(theirs, x, upstream, create_graph=True)
+        assert torch.equal(g_ours, g_theirs), (batch, size)
+    assert convolved >= 2
+    weight = torch.randn(10, width * 7 * 7, generator=generator, requires_grad=True)
+    x = torch.randn(CONV_POOL_ELEMENTS // (width * 196) + 1, width, 14, 14, generator=generator, requires_grad=True)
+
+    def matching(pooled: torch.Tensor) -> torch.Tensor:  # d/dx of the weight gradient's squared norm
+        (gw,) = torch.autograd.grad((pooled.flatten(1) @ weight.t()).logsumexp(1).sum(), weight, create_graph=True)
+        return torch.autograd.grad(gw.square().sum(), x)[0]
+
+    assert torch.equal(matching(pool(x)), matching(F.avg_pool2d(x, 2)))
+    double = torch.randn(300, width, 14, 14, dtype=torch.float64, generator=generator)
+    assert torch.equal(pool(double), F.avg_pool2d(double, 2))
+    model = build_model(ModelSpec("convnet", (1, 28, 28), 10, width=width, depth=3))
+    assert sum(isinstance(m, AvgPool2x2) for m in model.modules()) == 3
