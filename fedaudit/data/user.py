@@ -320,15 +320,14 @@ def stratified_split(y: np.ndarray, n_test: int, seed: int) -> tuple[np.ndarray,
     order), without importing scikit-learn: its import takes over a second, which every Flower ClientApp process of
     a site that keeps its records paid on every message. A test holds it to scikit-learn's own split."""
     rng = np.random.RandomState(seed)
-    n_train = len(y) - n_test
     _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
     by_class = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(counts)[:-1])
-    in_train = _approximate_mode(counts, n_train, rng)
+    in_train = _approximate_mode(counts, len(y) - n_test, rng)
     in_test = _approximate_mode(counts - in_train, n_test, rng)
     train: list[np.ndarray] = []
     test: list[np.ndarray] = []
     for members, count, k, t in zip(by_class, counts, in_train, in_test):
-        shuffled = members.take(rng.permutation(count), mode="clip")
+        shuffled = members[rng.permutation(count)]
         train.append(shuffled[:k])
         test.append(shuffled[k : k + t])
     return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))

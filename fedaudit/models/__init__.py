@@ -34,16 +34,15 @@ class AvgPool2x2(nn.AvgPool2d):
     :data:`CONV_POOL_ELEMENTS` values, is computed as a depthwise convolution with weights 1/4: the same floats (each
     window's four values summed in the same order, and a quarter is exact; tests/fedaudit/test_models.py compares
     forward, backward and second order), in less time than ATen's pooling kernels, whose backward is slow on one
-    thread (1.0-1.33x a plain ConvNet step, 1.0-1.15x a DP step: benchmarks/pooling.py). Elsewhere it is avg_pool2d
+    thread (1.04-1.33x a plain ConvNet step, 1.00-1.25x a DP step: benchmarks/pooling.py). Elsewhere it is avg_pool2d
     itself: a GPU's pooling is fast, and its convolutions may round through TF32."""
 
     def __init__(self) -> None:
         super().__init__(kernel_size=2, stride=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or x.shape[1] < 2:
-            return super().forward(x)
-        if x.numel() < CONV_POOL_ELEMENTS:
+        cpu_float = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 4
+        if not cpu_float or x.shape[1] < 2 or x.numel() < CONV_POOL_ELEMENTS:
             return super().forward(x)
         channels = x.shape[1]
         return F.conv2d(x, x.new_full((channels, 1, 2, 2), 0.25), stride=2, groups=channels)
