@@ -32,6 +32,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "bootstrap.py": ("previous/ours", r"^\s+100\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d\s+\[0\.\d{3}, 0\.\d{3}\]"),
     "canary_directions.py": ("previous/ours", r"^\s+8\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+True$"),
     "demo_spread.py": ("spread", r"^dp-fedavg\s+accuracy\s+\d"),
+    "dp_step.py": ("ours/plain", r"^\s+8(\s+\d+\.\d\d){5}(\s+-?\d+\.\d\d){2}\s+\d+\.\d{3}$"),
     "dp_price.py": ("DP/no DP", r"^\s+8\s+1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d-\d+\.\d\d$"),
     "engine_overhead.py": ("s_per_round", r"^digits dp-fedavg\s+local\s+\d"),
     "fault_detection.py": ("probe", r"^noise replaced by zeros\s+1\s+1\.00"),
