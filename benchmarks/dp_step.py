@@ -22,7 +22,8 @@ two blocks. The machine's page faults move a harness like this one by 30% (a ste
 allocator gave back), so its allocator is told to keep what it has (``MALLOC_*`` below, set before the process's
 first allocation, by re-running itself).
 
-    python benchmarks/dp_step.py [--widths 32 128] [--blocks 24] [--steps 12] [--records 54] [--smoke]
+    python benchmarks/dp_step.py [--widths 32 128] [--blocks 24] [--steps 12] [--records 54] [--batch 16]
+        [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
