@@ -19,8 +19,8 @@ step's weight gradients cost, to compare with ``norms`` minus ``trace``.
 
 Times are per 16 rows (each step's time scaled by 16 over its batch size), the mean of the steps after the first
 two blocks. The machine's page faults move a harness like this one by 30% (a step freshly faults in what the
-allocator gave back), so its allocator is told to keep what it has (``MALLOC_*`` below, set before the process's
-first allocation, by re-running itself).
+allocator gave back), so its allocator is told to keep what it has (``_machine.keep_allocated_memory``: set before
+the process's first allocation, by running the script again).
 
     python benchmarks/dp_step.py [--widths 32 128] [--blocks 24] [--steps 12] [--records 54] [--batch 16]
         [--threads 1] [--smoke]
@@ -29,18 +29,15 @@ first allocation, by re-running itself).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-KEEP = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_TOP_PAD_": "268435456"}
-if any(os.environ.get(name) != value for name, value in KEEP.items()):
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP})
+from _machine import describe, keep_allocated_memory
+
+keep_allocated_memory()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _machine import describe  # noqa: E402
 
 from fedaudit.models import ConvNet  # noqa: E402
 from fedaudit.privacy import layers  # noqa: E402

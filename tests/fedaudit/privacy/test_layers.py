@@ -195,6 +195,19 @@ def test_clipped_sum_equals_the_per_example_loop(name: str, clip: float) -> None
     torch.testing.assert_close(norms, flat.norm(dim=1), rtol=1e-9, atol=1e-14)
 
 
+def _convolutions_match_the_loop(seed: int) -> None:
+    """The clipped sum and norms of the models with every kind of convolution equal the per-example loop's."""
+    for name in ("convnet", "convnet-rgb", "mixed"):
+        model, x, y = _model_and_batch(name, batch=5, seed=seed)
+        reference = loop_grads(model, x, y)
+        summed, norms = clipped_sum(model, x, y, 0.05)
+        expected = _loop_clipped_sum(reference, 0.05)
+        for key in expected:
+            torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+        flat = torch.cat([g.flatten(1) for g in reference.values()], dim=1)
+        torch.testing.assert_close(norms, flat.norm(dim=1), rtol=1e-9, atol=1e-14)
+
+
 @pytest.mark.parametrize("ghost", [True, False])
 @pytest.mark.parametrize("keep", [True, False])
 def test_both_convolution_rules_on_every_layer(monkeypatch: pytest.MonkeyPatch, ghost: bool, keep: bool) -> None:
@@ -203,15 +216,40 @@ def test_both_convolution_rules_on_every_layer(monkeypatch: pytest.MonkeyPatch, 
     if not keep:
         monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(layers, "GROUPED_ELEMENTS", 1)  # one example per grouped convolution: chunking exercised
-    for name in ("convnet", "convnet-rgb", "mixed"):
-        model, x, y = _model_and_batch(name, batch=5, seed=2)
-        reference = loop_grads(model, x, y)
-        summed, norms = clipped_sum(model, x, y, 0.05)
-        expected = _loop_clipped_sum(reference, 0.05)
-        for key in expected:
-            torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
-        flat = torch.cat([g.flatten(1) for g in reference.values()], dim=1)
-        torch.testing.assert_close(norms, flat.norm(dim=1), rtol=1e-9, atol=1e-14)
+    _convolutions_match_the_loop(seed=2)
+
+
+@pytest.mark.parametrize("patches", [0, 10**9])
+@pytest.mark.parametrize("keep", [True, False])
+def test_both_per_sample_convolution_kernels_on_every_layer(
+    monkeypatch: pytest.MonkeyPatch, patches: int, keep: bool
+) -> None:
+    """Every convolution's per-sample weight gradients by the grouped convolution (PATCH_INPUTS 0) or by the batched
+    product of its patches (every ungrouped one): strided, dilated, several channels, kept for the sum or streamed."""
+    monkeypatch.setattr(layers, "PATCH_INPUTS", patches)
+    monkeypatch.setattr(layers, "uses_ghost_norm", lambda *_: False)
+    if not keep:
+        monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
+    _convolutions_match_the_loop(seed=3)
+
+
+def test_a_first_convolution_on_the_cpu_takes_the_product_of_its_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule: on the CPU, the 3x3 convolutions on one and three channels (9 and 27 inputs an output) take the
+    patches' product, the ones on 8 channels (72) the grouped convolution."""
+    unfolded: list[int] = []
+    unfold = layers.unfold_input
+
+    def spy(module: nn.Conv2d, a: torch.Tensor, *, copies: bool | None = None) -> torch.Tensor:
+        if copies:  # the per-sample product's patches (a ghost norm's are taken on the CPU's own path)
+            unfolded.append(a.shape[1])
+        return unfold(module, a, copies=copies)
+
+    monkeypatch.setattr(layers, "unfold_input", spy)
+    for name, channels in (("convnet", 1), ("convnet-rgb", 3)):
+        unfolded.clear()
+        model, x, y = _model_and_batch(name, batch=4)
+        per_sample_sq_norms(model, x, y)
+        assert unfolded == [channels]  # the first layer alone; the width-8 and width-6 ones have 72 and 54 inputs
 
 
 def test_the_ghost_rule_is_chosen_where_it_is_cheaper() -> None:
