@@ -200,19 +200,25 @@ def _recorded_forward(
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, tuple[torch.Tensor, int]] = {}
 
-    def hook_for(prefix: str) -> Callable[[nn.Module, tuple, object], None]:
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
+    def recorded(prefix: str, forward: Callable[..., object]) -> Callable[..., object]:
+        def forward_recorded(*args: object, **kwargs: object) -> object:
+            output = forward(*args, **kwargs)
             if prefix in outputs:
                 raise Untraceable(f"layer {prefix!r} is called more than once")
             if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
                 raise Untraceable(f"layer {prefix!r} does not map one tensor to one tensor")
             inputs[prefix] = args[0].detach()
             outputs[prefix] = (output, output._version)
+            return output
 
-        return hook
+        return forward_recorded
 
-    handles = [module.register_forward_hook(hook_for(prefix)) for prefix, (module, _) in owners.items()]
+    # Each layer's forward is wrapped on the instance for the pass (its own ``forward`` attribute, put back after):
+    # forward hooks cost about 4 times as much a step (7 hooks: 60 us against 13 on a tiny ConvNet).
+    previous = [(module, module.__dict__.get("forward")) for module, _ in owners.values()]
     try:
+        for prefix, (module, _) in owners.items():
+            module.__dict__["forward"] = recorded(prefix, module.forward)
         with torch.enable_grad():
             if _own_parameters(model, params):  # no parameter swapping: about 5% of a small DP step
                 out = model(x)
@@ -220,8 +226,11 @@ def _recorded_forward(
                 leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
                 out = functional_call(model, (leaves, dict(model.named_buffers())), (x,))
     finally:
-        for handle in handles:
-            handle.remove()
+        for module, forward in previous:
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = forward
     return out, inputs, outputs
 
 

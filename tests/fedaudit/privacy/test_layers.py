@@ -273,6 +273,28 @@ def test_before_a_sum_the_ghost_norm_replaces_kept_gradients_only_at_half_their_
     torch.testing.assert_close(norms["weight"], direct.flatten(1).pow(2).sum(1), rtol=1e-4, atol=1e-4)
 
 
+def test_a_traced_forward_leaves_every_layer_as_it_was() -> None:
+    """The pass records each layer by wrapping its forward on the instance: afterwards no layer holds a wrapper (after
+    a pass that raised Untraceable, too), and a forward a user set on an instance is the one it holds again, and
+    the one the pass ran."""
+    model, x, y = _model_and_batch("mixed")
+    own = model.head.forward
+    ran: list[int] = []
+    model.head.__dict__["forward"] = lambda h: ran.append(len(h)) or own(h)
+    users = model.head.__dict__["forward"]
+    before = per_sample_sq_norms(model, x, y)
+    assert ran == [len(x)]
+    assert model.head.__dict__["forward"] is users
+    assert all("forward" not in module.__dict__ for module in model.modules() if module is not model.head)
+    del model.head.__dict__["forward"]
+    torch.testing.assert_close(per_sample_sq_norms(model, x, y), before, rtol=0, atol=0)
+    for name in ("tied", "inplace"):
+        model, x, y = _model_and_batch(name)
+        with pytest.raises(layers.Untraceable):
+            layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
+        assert all("forward" not in module.__dict__ for module in model.modules())
+
+
 def test_the_fallbacks_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer-wise path uses the vmap fallback for unknown layers and gives up on a layer called twice."""
     calls: list[str] = []
