@@ -38,7 +38,7 @@ TABLES: dict[str, tuple[str, str]] = {
     "fault_detection.py": ("probe", r"^noise replaced by zeros\s+1\s+1\.00"),
     "fedlap_round.py": ("FedLAP-DP (s)", r"^\s+8\s+\d+\s+\d"),
     "flower_canaries.py": ("bound/eps", r"^every client\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+"),
-    "first_layer.py": ("all grouped", r"^\s+8\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d$"),
+    "first_layer.py": ("all grouped", r"^\s+8\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d$"),
     "generator.py": ("generated-trained acc", r"^digits \| 100 \| no DP \|"),
     "integrity.py": ("reference", r"^commit one round"),
     "leakage.py": ("AUC 95% interval", r"^\s*fedavg-nodp-seed0\s+1\s"),
