@@ -410,7 +410,7 @@ def _global_generator(patch: Patcher, seed: int) -> None:
 
     import fedaudit.privacy.primitive as primitive
 
-    patch.set(primitive, "add_gaussian", lambda total, std, source: total + std * torch.randn(total.shape))
+    patch.set(primitive, "add_gaussians", lambda totals, std, source: [t + std * torch.randn(t.shape) for t in totals])
 
 
 CATALOGUE: tuple[Fault, ...] = (

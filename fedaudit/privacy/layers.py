@@ -24,8 +24,9 @@ sum_i f_i g_i, f_i = min(1, C / ||g_i||). Neither needs every per-sample gradien
    chunk by chunk and weighed as soon as the chunk's norms are known (book-keeping, Bu et al. 2023), so that
    each per-sample gradient is computed once.
 
-A model this cannot follow (a parameterised layer called twice, a layer output changed in place, a parameter
-used outside its layer's forward) raises :class:`Untraceable`; the primitive then takes the whole-model vmap path.
+A model this cannot follow (a parameterised layer called twice, a parameter used outside its layer's forward)
+raises :class:`Untraceable`; the primitive then takes the whole-model vmap path. A layer output changed in place
+later (an in-place ReLU) is followed: each output's hook and gradient edge are taken as the layer returns.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
 TensorDict = dict[str, torch.Tensor]
@@ -144,14 +146,19 @@ def _trace(
     *,
     every_output: bool,
 ) -> list[LayerTrace] | None:
-    """:func:`trace_layers` by one forward and one backward. Hooks on the layer outputs take each output gradient
-    as the backward computes it; the backward asks for the first traced layer's output gradient alone (every
-    other layer's lies on its way in a chain of layers) unless ``every_output``. None when some layer's gradient
-    did not arrive that way (the caller then asks for every output)."""
-    out, inputs, outputs = _recorded_forward(model, x, params, owners)
+    """:func:`trace_layers` by one forward and one backward. As each traced layer returns, a hook on its output
+    is registered to take the output gradient as the backward computes it, and the output's gradient edge is kept
+    where the backward is to ask for it: the first traced layer's alone (every other layer's lies on its way in a
+    chain of layers) unless ``every_output``. No layer output is held past its own use in the forward: holding
+    them cost about a tenth of a small DP step's forward (their memory is not reused). Hook and edge are taken
+    before anything after the layer runs, so an output changed in place later (an in-place ReLU) still gives the
+    gradient of the layer's own output. None when some layer's gradient did not arrive that way (the caller then
+    asks for every output)."""
+    inputs: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
-    traces: dict[str, LayerTrace] = {}
     stats: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+    traces: dict[str, LayerTrace] = {}
+    roots: list[GradientEdge] = []
 
     def arrived(prefix: str) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:
@@ -165,25 +172,28 @@ def _trace(
 
         return hook
 
-    if set(outputs) != set(owners):
-        raise Untraceable("some parameters are used outside their layer's forward")
-    for prefix, (output, version) in outputs.items():
-        if output._version != version:
-            raise Untraceable(f"the output of layer {prefix!r} is modified in place")
-        if isinstance(owners[prefix][0], nn.GroupNorm):
-            stats[prefix] = _group_stats(output, owners[prefix][0])
+    def returned(prefix: str, layer_input: torch.Tensor, output: torch.Tensor) -> None:
+        module = owners[prefix][0]
+        inputs[prefix] = layer_input
+        shapes[prefix] = (output.shape, output.dtype, output.device)
+        if isinstance(module, nn.GroupNorm):
+            stats[prefix] = _group_stats(output, module)
         if output.requires_grad:
             output.register_hook(arrived(prefix))
-        shapes[prefix] = (output.shape, output.dtype, output.device)
-    prefixes = list(outputs)
-    roots = [outputs[p][0] for p in (prefixes if every_output else prefixes[:1]) if outputs[p][0].requires_grad]
-    outputs.clear()  # the layers' outputs live as long as the backward needs them, not longer
+            if every_output or len(shapes) == 1:
+                roots.append(get_gradient_edge(output))
+
+    out = _recorded_forward(model, x, params, owners, returned)
+    if set(shapes) != set(owners):
+        raise Untraceable("some parameters are used outside their layer's forward")
     with torch.enable_grad():
         total = loss_fn(out, y) * x.shape[0]
     del out
     if roots:
         torch.autograd.grad(total, roots, allow_unused=True)
-    del roots, total
+    roots.clear()  # the edges hold the graph: it goes with the loss
+    del total
+    prefixes = list(shapes)
     missing = [p for p in prefixes if p not in traces]
     if missing and not every_output:
         return None
@@ -194,21 +204,25 @@ def _trace(
 
 
 def _recorded_forward(
-    model: nn.Module, x: torch.Tensor, params: Mapping[str, torch.Tensor], owners: dict[str, tuple[nn.Module, dict]]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, int]]]:
-    """The model's output at ``params``, and each traced layer's input and (output, its version), in call order."""
-    inputs: dict[str, torch.Tensor] = {}
-    outputs: dict[str, tuple[torch.Tensor, int]] = {}
+    model: nn.Module,
+    x: torch.Tensor,
+    params: Mapping[str, torch.Tensor],
+    owners: dict[str, tuple[nn.Module, dict]],
+    returned: Callable[[str, torch.Tensor, torch.Tensor], None],
+) -> torch.Tensor:
+    """The model's output at ``params``; ``returned(prefix, its input detached, its output)`` is called as each
+    traced layer returns, in call order."""
+    called: set[str] = set()
 
     def recorded(prefix: str, forward: Callable[..., object]) -> Callable[..., object]:
         def forward_recorded(*args: object, **kwargs: object) -> object:
             output = forward(*args, **kwargs)
-            if prefix in outputs:
+            if prefix in called:
                 raise Untraceable(f"layer {prefix!r} is called more than once")
             if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
                 raise Untraceable(f"layer {prefix!r} does not map one tensor to one tensor")
-            inputs[prefix] = args[0].detach()
-            outputs[prefix] = (output, output._version)
+            called.add(prefix)
+            returned(prefix, args[0].detach(), output)
             return output
 
         return forward_recorded
@@ -220,7 +234,7 @@ def _recorded_forward(
         for prefix, (module, _) in owners.items():
             module.__dict__["forward"] = recorded(prefix, module.forward)
         with torch.enable_grad():
-            if _own_parameters(model, params):  # no parameter swapping: about 5% of a small DP step
+            if _own_parameters(params, owners):  # no parameter swapping: about 5% of a small DP step
                 out = model(x)
             else:
                 leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
@@ -231,7 +245,7 @@ def _recorded_forward(
                 module.__dict__.pop("forward", None)
             else:
                 module.__dict__["forward"] = forward
-    return out, inputs, outputs
+    return out
 
 
 def _group_stats(output: torch.Tensor, module: nn.GroupNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -247,24 +261,30 @@ def _group_stats(output: torch.Tensor, module: nn.GroupNorm) -> tuple[torch.Tens
     return mean.detach(), rstd.detach()
 
 
-def _own_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool:
+def _own_parameters(
+    params: Mapping[str, torch.Tensor], owners: Mapping[str, tuple[nn.Module, Mapping[str, str]]]
+) -> bool:
     """Whether ``params`` are the model's own trainable parameters (or detached views of them), so that the forward
-    pass can run the model as it is. Only the layer outputs' gradients are asked for, so the parameters' ``.grad``
-    is left untouched either way."""
-    own = dict(model.named_parameters())
-    for name, value in params.items():
-        mine = own.get(name)
-        if (
-            mine is None
-            or not mine.requires_grad
-            or mine.data_ptr() != value.data_ptr()
-            or mine.shape != value.shape
-            or mine.stride() != value.stride()
-            or mine.dtype != value.dtype
-            or mine.device != value.device
-        ):
-            return False
-    return True
+    pass can run the model as it is: each is the tensor its owning layer holds (``owners``, :func:`_owners`), and
+    every one has an owner. Read from the layers' own parameters, not by a walk of the model (a third of the
+    check's time). Only the layer outputs' gradients are asked for, so the parameters' ``.grad`` is left untouched
+    either way."""
+    owned = 0
+    for module, local in owners.values():
+        for name, full in local.items():
+            mine, value = module._parameters.get(name), params[full]
+            if (
+                mine is None
+                or not mine.requires_grad
+                or mine.data_ptr() != value.data_ptr()
+                or mine.shape != value.shape
+                or mine.stride() != value.stride()
+                or mine.dtype != value.dtype
+                or mine.device != value.device
+            ):
+                return False
+        owned += len(local)
+    return owned == len(params)
 
 
 _OWNERS: weakref.WeakKeyDictionary[
@@ -327,9 +347,10 @@ def layer_weighted_sums(layer: LayerTrace, factors: torch.Tensor) -> TensorDict:
         local, start = {}, 0
         for chunk in layer.kept:
             n = len(next(iter(chunk.values())))
-            f = factors[start : start + n]
+            f = factors if n == len(factors) else factors[start : start + n]
             for name, g in chunk.items():
-                part = (f.to(g.dtype) @ g.reshape(n, -1)).view(g.shape[1:])  # one matrix-vector product
+                weights = f if f.dtype == g.dtype else f.to(g.dtype)
+                part = (weights @ g.reshape(n, -1)).view(g.shape[1:])  # one matrix-vector product
                 local[name] = local[name] + part if name in local else part
             start += n
     elif isinstance(module, nn.Linear):

@@ -35,7 +35,7 @@ from fedaudit.privacy.layers import (
     streamed_chunks,
     trace_layers,
 )
-from fedaudit.privacy.randomness import Source, add_gaussian, source_device, uniform
+from fedaudit.privacy.randomness import Source, add_gaussians, source_device, uniform
 
 TensorDict = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -342,8 +342,8 @@ def noisy_sum(
 
     One draw per tensor, in the order of ``summed``, from the query's own source (a torch generator, or a secure
     stream: :mod:`fedaudit.privacy.randomness`)."""
-    std = noise_multiplier * max_grad_norm
-    return {name: add_gaussian(s, std, generator) for name, s in summed.items()}
+    released = add_gaussians(list(summed.values()), noise_multiplier * max_grad_norm, generator)
+    return dict(zip(summed, released))
 
 
 def client_level_mean(

@@ -212,11 +212,26 @@ def uniform(source: Source, count: int, *, dtype: torch.dtype = torch.float32) -
 def add_gaussian(total: torch.Tensor, std: float, source: Source) -> torch.Tensor:
     """``total`` plus one draw of N(0, std^2 I): torch's generator draws in ``total``'s dtype and adds there; a
     secure stream draws and adds in float64 and rounds once to ``total``'s dtype."""
+    return add_gaussians([total], std, source)[0]
+
+
+def add_gaussians(totals: list[torch.Tensor], std: float, source: Source) -> list[torch.Tensor]:
+    """Each of ``totals`` plus its own draw of N(0, std^2 I), drawn in their order from ``source``: the draws and
+    sums of :func:`add_gaussian` tensor by tensor, with torch's generator's sums in one launch (a DP query's 14
+    additions cost about as much as its draws on a small model)."""
+    if not totals:
+        return []
     if isinstance(source, torch.Generator):
-        noise = torch.normal(0.0, std, size=total.shape, generator=source, device=total.device, dtype=total.dtype)
-        return total + noise
-    noise = torch.from_numpy(source.standard_normal(total.numel())).reshape(total.shape).to(total.device)
-    return (total.to(torch.float64) + std * noise).to(total.dtype)
+        noise = [
+            torch.normal(0.0, std, size=total.shape, generator=source, device=total.device, dtype=total.dtype)
+            for total in totals
+        ]
+        return list(torch._foreach_add(totals, noise))
+    released = []
+    for total in totals:
+        noise = torch.from_numpy(source.standard_normal(total.numel())).reshape(total.shape).to(total.device)
+        released.append((total.to(torch.float64) + std * noise).to(total.dtype))
+    return released
 
 
 # --- where a client's draws come from ------------------------------------------------------------------------------

@@ -91,7 +91,9 @@ def _secret_from_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
 def _noise_from_torchs_global_generator(monkeypatch: pytest.MonkeyPatch) -> None:
     """The noise is drawn from torch's global generator, which the run seeds (the initial model) before every round:
     public, but no stream the check lists. Only its trace to the clients' secrets can catch it."""
-    monkeypatch.setattr(primitive, "add_gaussian", lambda total, std, source: total + std * torch.randn(total.shape))
+    monkeypatch.setattr(
+        primitive, "add_gaussians", lambda totals, std, source: [t + std * torch.randn(t.shape) for t in totals]
+    )
 
 
 @pytest.mark.parametrize(
@@ -137,7 +139,9 @@ def _noise_from_a_fresh_global_generator(monkeypatch: pytest.MonkeyPatch) -> Non
     first."""
     stream = torch.Generator()  # torch's default seed, as a process starts it
     monkeypatch.setattr(
-        primitive, "add_gaussian", lambda total, std, source: total + std * torch.randn(total.shape, generator=stream)
+        primitive,
+        "add_gaussians",
+        lambda totals, std, source: [t + std * torch.randn(t.shape, generator=stream) for t in totals],
     )
 
 

@@ -110,16 +110,21 @@ class Tied(nn.Module):
 
 
 class InPlace(nn.Module):
-    """A layer output changed in place (ReLU(inplace=True)): the whole-model fallback again."""
+    """Layer outputs changed in place after their layer returns: the first traced layer's (the backward's root) by
+    a scaling, a GroupNorm's by ReLU(inplace=True). The layer-wise path follows it: each output's hook, gradient
+    edge and GroupNorm statistics are taken as the layer returns, before the change."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.layer = nn.Linear(6, 6)
+        self.conv = nn.Conv2d(2, 3, kernel_size=3, padding=1)
+        self.norm = nn.GroupNorm(3, 3)
         self.act = nn.ReLU(inplace=True)
-        self.head = nn.Linear(6, 3)
+        self.head = nn.Linear(3 * 5 * 5, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.act(self.layer(x)))
+        h = self.conv(x)
+        h.mul_(2.0)
+        return self.head(self.act(self.norm(h)).flatten(1))
 
 
 class Branched(nn.Module):
@@ -148,7 +153,7 @@ def _model_and_batch(name: str, batch: int = 7, seed: int = 0) -> tuple[nn.Modul
             "mixed": (Mixed, (2, 8, 8), 5),
             "grouped": (Grouped, (2, 4, 4), 4),
             "tied": (Tied, (6,), 3),
-            "inplace": (InPlace, (6,), 3),
+            "inplace": (InPlace, (2, 5, 5), 3),
             "branched": (Branched, (6,), 3),
         }[name]
         model = model()
@@ -288,15 +293,15 @@ def test_a_traced_forward_leaves_every_layer_as_it_was() -> None:
     assert all("forward" not in module.__dict__ for module in model.modules() if module is not model.head)
     del model.head.__dict__["forward"]
     torch.testing.assert_close(per_sample_sq_norms(model, x, y), before, rtol=0, atol=0)
-    for name in ("tied", "inplace"):
-        model, x, y = _model_and_batch(name)
-        with pytest.raises(layers.Untraceable):
-            layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
-        assert all("forward" not in module.__dict__ for module in model.modules())
+    model, x, y = _model_and_batch("tied")
+    with pytest.raises(layers.Untraceable):
+        layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
+    assert all("forward" not in module.__dict__ for module in model.modules())
 
 
 def test_the_fallbacks_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layer-wise path uses the vmap fallback for unknown layers and gives up on a layer called twice."""
+    """The layer-wise path uses the vmap fallback for unknown layers and gives up on a layer called twice, not on
+    layer outputs changed in place after their layer returned."""
     calls: list[str] = []
     fallback = layers._fallback_grads
     monkeypatch.setattr(
@@ -305,10 +310,14 @@ def test_the_fallbacks_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x, y = _model_and_batch("mixed")
     per_sample_sq_norms(model, x, y)
     assert calls.count("layer") == 3  # LayerNorm, Scale, Block
-    for name in ("tied", "inplace"):
-        model, x, y = _model_and_batch(name)
-        with pytest.raises(layers.Untraceable):
-            layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
+    model, x, y = _model_and_batch("tied")
+    with pytest.raises(layers.Untraceable):
+        layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
+    model, x, y = _model_and_batch("inplace")
+    traces = layers.trace_layers(model, x, y, trainable_params(model), F.cross_entropy)
+    assert [type(layer.module).__name__ for layer in traces] == ["Conv2d", "GroupNorm", "Linear"]
+    assert traces[1].stats is not None  # read from the GroupNorm's own node, before the in-place ReLU replaced it
+    assert all("forward" not in module.__dict__ for module in model.modules())
 
 
 @pytest.mark.parametrize("name", ["convnet", "mixed"])
@@ -422,9 +431,15 @@ def test_the_module_s_own_parameters_are_traced_without_swapping_them() -> None:
     their ``.grad`` alone; the result is the functional path's (parameters passed as copies)."""
     model, x, y = _model_and_batch("convnet", seed=7)
     own = trainable_params(model)
-    assert layers._own_parameters(model, own)
+    owners = layers._owners(model, frozenset(own))
+    assert layers._own_parameters(own, owners)
     copies = {name: p.clone() for name, p in own.items()}
-    assert not layers._own_parameters(model, copies)
+    assert not layers._own_parameters(copies, owners)
+    assert not layers._own_parameters({**own, "stranger": torch.zeros(1)}, owners)  # a parameter no layer owns
+    first = next(iter(own))
+    model.get_parameter(first).requires_grad_(False)
+    assert not layers._own_parameters(own, owners)  # a frozen one: it would take no gradient
+    model.get_parameter(first).requires_grad_(True)
     summed, norms = clipped_sum(model, x, y, 0.3)
     assert all(p.grad is None for p in model.parameters())
     again, again_norms = clipped_sum(model, x, y, 0.3, params=copies)
