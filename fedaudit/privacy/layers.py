@@ -178,10 +178,13 @@ def _trace(
         shapes[prefix] = (output.shape, output.dtype, output.device)
         if isinstance(module, nn.GroupNorm):
             stats[prefix] = _group_stats(output, module)
-        if output.requires_grad:
+        if not output.requires_grad:
+            return
+        if every_output or len(shapes) == 1:  # a root: its node does not run, its gradient is captured
             output.register_hook(arrived(prefix))
-            if every_output or len(shapes) == 1:
-                roots.append(get_gradient_edge(output))
+            roots.append(get_gradient_edge(output))
+        else:
+            _on_gradient(output, arrived(prefix))
 
     out = _recorded_forward(model, x, params, owners, returned)
     if set(shapes) != set(owners):
@@ -201,6 +204,25 @@ def _trace(
         shape, dtype, device = shapes[prefix]
         arrived(prefix)(torch.zeros(shape, dtype=dtype, device=device))
     return [traces[p] for p in prefixes]
+
+
+def _on_gradient(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Have ``hook`` called with ``output``'s gradient when the backward runs the node that made ``output`` (not
+    at all if no gradient reaches it): a pre-hook on that node, taken now, so that an in-place change of ``output``
+    later does not move it. The same gradient as ``Tensor.register_hook``'s, without its handle and hook dictionary
+    (about 5 us a layer); a leaf (no node) takes the tensor hook. Not for a root of the backward, whose node does
+    not run."""
+    node = output.grad_fn
+    if node is None:
+        output.register_hook(hook)
+        return
+    index = output.output_nr
+
+    def prehook(grads: tuple[torch.Tensor | None, ...]) -> None:
+        if grads[index] is not None:
+            hook(grads[index])
+
+    node.register_prehook(prehook)
 
 
 def _recorded_forward(
@@ -344,13 +366,13 @@ def layer_weighted_sums(layer: LayerTrace, factors: torch.Tensor) -> TensorDict:
     """sum_i factors_i g_i for each of the layer's parameters (the clipped sum when factors are the clip factors)."""
     module, a, b = layer.module, layer.inputs, layer.output_grads
     if layer.kept:
-        local, start = {}, 0
+        local, start, batch = {}, 0, factors.shape[0]
         for chunk in layer.kept:
-            n = len(next(iter(chunk.values())))
-            f = factors if n == len(factors) else factors[start : start + n]
+            n = next(iter(chunk.values())).shape[0]
+            f = (factors if n == batch else factors[start : start + n]).view(1, n)
             for name, g in chunk.items():
                 weights = f if f.dtype == g.dtype else f.to(g.dtype)
-                part = (weights @ g.reshape(n, -1)).view(g.shape[1:])  # one matrix-vector product
+                part = torch.mm(weights, g.reshape(n, -1)).view(g.shape[1:])  # what f @ g computes, in fewer calls
                 local[name] = local[name] + part if name in local else part
             start += n
     elif isinstance(module, nn.Linear):
