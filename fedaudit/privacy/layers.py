@@ -35,6 +35,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -309,22 +310,26 @@ def _own_parameters(
     return owned == len(params)
 
 
+_Edge = tuple["weakref.ref[nn.Module]", str, "weakref.ref[nn.Module]"]
 _OWNERS: weakref.WeakKeyDictionary[
-    nn.Module, dict[frozenset[str], dict[str, tuple[weakref.ref[nn.Module], dict[str, str]]]]
+    nn.Module, dict[frozenset[str], tuple[dict[str, tuple[weakref.ref[nn.Module], dict[str, str]]], tuple[_Edge, ...]]]
 ] = weakref.WeakKeyDictionary()
-"""Per model and set of parameter names, the layers that own them, held by weak references: a model whose own
-parameters are at its top (its prefix is "") is one of its layers, and must not keep its own entry alive."""
+"""Per model and set of parameter names, the layers that own them and every (parent, name, child) step of the paths
+from the model to them, held by weak references: a model whose own parameters are at its top (its prefix is "") is
+one of its layers, and must not keep its own entry alive."""
 
 
 def _owners(model: nn.Module, names: frozenset[str]) -> dict[str, tuple[nn.Module, dict[str, str]]]:
     """The layers that own the parameters ``names``: prefix -> (layer, its local name -> params-dict name). Kept per
-    model and set of names, since walking the modules on every DP step cost about 3% of a small step."""
+    model and set of names, since walking the modules on every DP step cost about 3% of a small step; the kept ones
+    are used while every step of the paths to them still holds the same child (what ``get_submodule`` would find:
+    3 us against 26 for a ConvNet)."""
     by_names = _OWNERS.setdefault(model, {})
     known = by_names.get(names)
     if known is not None:
-        found = {prefix: (layer(), local) for prefix, (layer, local) in known.items()}
-        if all(module is model.get_submodule(prefix) for prefix, (module, _) in found.items()):
-            return found  # each layer is alive: the model holds it
+        layers, edges = known
+        if all(_holds(parent(), name, child()) for parent, name, child in edges):
+            return {prefix: (layer(), local) for prefix, (layer, local) in layers.items()}
     found = {}
     for prefix, module in model.named_modules():
         local = {
@@ -334,8 +339,21 @@ def _owners(model: nn.Module, names: frozenset[str]) -> dict[str, tuple[nn.Modul
         }
         if local:
             found[prefix] = (module, local)
-    by_names[names] = {prefix: (weakref.ref(module), local) for prefix, (module, local) in found.items()}
+    edges: dict[tuple[int, str], _Edge] = {}
+    for prefix in found:
+        parent = model
+        for name in prefix.split(".") if prefix else []:
+            child = parent.get_submodule(name)
+            edges[(id(parent), name)] = (weakref.ref(parent), name, weakref.ref(child))
+            parent = child
+    layers = {prefix: (weakref.ref(module), local) for prefix, (module, local) in found.items()}
+    by_names[names] = (layers, tuple(edges.values()))
     return found
+
+
+def _holds(parent: nn.Module | None, name: str, child: nn.Module | None) -> bool:
+    """Whether ``parent`` (alive) holds the live module ``child`` as its submodule ``name``."""
+    return parent is not None and child is not None and parent._modules.get(name) is child
 
 
 def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor], *, for_sum: bool = True) -> TensorDict:
@@ -347,10 +365,11 @@ def layer_sq_norms(layer: LayerTrace, params: Mapping[str, torch.Tensor], *, for
     if isinstance(module, nn.Linear):
         local = _linear_sq_norms(a, b)
     elif isinstance(module, nn.Conv2d) and _plain_conv(module):
-        layer.streamed = for_sum and "weight" in layer.names and _streams(module, a, b)
+        rules = _conv_rules(module, a, b, keep=for_sum)
+        layer.streamed = for_sum and "weight" in layer.names and rules.streams
         if layer.streamed:  # the weight's norms come with its chunks
             return {layer.names["bias"]: b.flatten(2).sum(2).pow(2).sum(1)} if "bias" in layer.names else {}
-        local, layer.kept = _conv2d_sq_norms(module, a, b, keep=for_sum)
+        local, layer.kept = _conv2d_sq_norms(module, a, b, keep=for_sum, rules=rules)
     else:
         grads = (
             _group_norm_grads(module, a, b, layer.stats)
@@ -395,7 +414,7 @@ def _linear_sq_norms(a: torch.Tensor, b: torch.Tensor) -> TensorDict:
 
 
 def _conv2d_sq_norms(
-    module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool
+    module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool, rules: ConvRules | None = None
 ) -> tuple[TensorDict, list[TensorDict]]:
     """Squared per-sample norms of a convolution's weight and bias, and the per-sample gradients where a sum
     follows and they are small enough to keep: then the clipped sum is a weighted sum of them. The ghost norm is
@@ -403,15 +422,11 @@ def _conv2d_sq_norms(
     per-sample gradients (its clipped sum is a second weight gradient; measured in docs/performance.md: at width
     128 the 7x7 layer's ghost norm is the faster, at widths 64 and 256 the 14x14 one's kept gradients)."""
     batch = a.shape[0]
-    positions, d, p = _conv_sizes(module, b)
+    rules = rules or _conv_rules(module, a, b, keep=keep)
     bias = b.flatten(2).sum(2)
-    ghost = uses_ghost_norm(positions, d, p)
-    keep = (
-        keep and batch * module.weight.numel() <= _limits(a)[0] and not (ghost and uses_ghost_norm(2 * positions, d, p))
-    )
-    if not keep and ghost:
+    keep, chunk = rules.keep, rules.chunk
+    if rules.ghost_only:
         return {"weight": _conv2d_ghost_sq_norms(module, a, b), "bias": bias.pow(2).sum(1)}, []
-    chunk = _grouped_chunk(module, a)
     squares, kept = [], []
     for start in range(0, batch, chunk):
         grads = _per_sample_conv2d_weight(module, a[start : start + chunk], b[start : start + chunk])
@@ -420,6 +435,43 @@ def _conv2d_sq_norms(
             kept.append({"weight": grads, "bias": bias[start : start + chunk]})
     norms = {"weight": torch.cat(squares) if len(squares) > 1 else squares[0], "bias": bias.pow(2).sum(1)}
     return norms, kept
+
+
+class ConvRules(NamedTuple):
+    """How a convolution's per-example norms are taken for one batch shape (:func:`_conv_rules`)."""
+
+    streams: bool
+    """Before a clipped sum, its per-sample weight gradients are streamed (:func:`_streams`)."""
+    keep: bool
+    """Its per-sample gradients are kept for the clipped sum."""
+    ghost_only: bool
+    """Its weight's norms are ghost norms, nothing is kept (the clipped sum is a second weight gradient)."""
+    chunk: int
+    """Examples a grouped per-sample convolution takes at once (:func:`_grouped_chunk`)."""
+
+
+_CONV_RULES: dict[tuple, ConvRules] = {}
+
+
+def _conv_rules(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool) -> ConvRules:
+    """The cost rules of :func:`_conv2d_sq_norms` and :func:`_streams` for this layer and batch shape (``keep``: a
+    clipped sum follows), worked out once per shape and the rules' current bounds: working them out took about 14 us
+    a layer on every DP step (a query has three convolutions at most shapes)."""
+    weight = module.weight
+    key = (weight.shape, module.groups, tuple(a.shape), tuple(b.shape[2:]), a.device.type, keep)
+    key += (CHUNK_ELEMENTS, GROUPED_ELEMENTS, GROUPED_CHUNK, GPU_ELEMENTS, uses_ghost_norm)
+    rules = _CONV_RULES.get(key)
+    if rules is not None:
+        return rules
+    positions, d, p = _conv_sizes(module, b)
+    ghost = uses_ghost_norm(positions, d, p)
+    kept = (
+        keep and a.shape[0] * weight.numel() <= _limits(a)[0] and not (ghost and uses_ghost_norm(2 * positions, d, p))
+    )
+    rules = ConvRules(keep and _streams(module, a, b), kept, not kept and ghost, _grouped_chunk(module, a))
+    if len(_CONV_RULES) < 4096:  # a few shapes a run (Poisson batches of a few dozen sizes); a bound all the same
+        _CONV_RULES[key] = rules
+    return rules
 
 
 def _conv_sizes(module: nn.Conv2d, b: torch.Tensor) -> tuple[int, int, int]:
