@@ -405,6 +405,52 @@ def test_a_layer_replaced_after_a_query_is_traced_anew(monkeypatch: pytest.Monke
         torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
 
 
+def test_a_convolution_s_rules_follow_the_bounds_they_were_worked_out_under(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost rules kept per batch shape are those of the bounds in force: changing a bound or the ghost-norm rule
+    (as the tests above do) is not answered from what was worked out before."""
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    a, b = torch.randn(6, 8, 5, 5), torch.randn(6, 8, 5, 5)
+    first = layers._conv_rules(conv, a, b, keep=True)
+    assert first == layers._conv_rules(conv, a, b, keep=True)
+    assert first.keep and not first.streams and not first.ghost_only and first.chunk == layers.GROUPED_CHUNK
+    monkeypatch.setattr(layers, "GROUPED_ELEMENTS", 1)
+    assert layers._conv_rules(conv, a, b, keep=True).chunk == 1
+    monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
+    assert layers._conv_rules(conv, a, b, keep=True).streams
+    monkeypatch.setattr(layers, "uses_ghost_norm", lambda *_: True)
+    ghost = layers._conv_rules(conv, a, b, keep=True)
+    assert ghost.ghost_only and not ghost.keep and not ghost.streams
+    monkeypatch.undo()
+    assert layers._conv_rules(conv, a, b, keep=True) == first
+    assert not layers._conv_rules(conv, a, b, keep=False).keep
+
+
+def test_a_container_replaced_after_a_query_is_traced_anew() -> None:
+    """The kept owners are checked step by step along their paths: a container (the ConvNet's ``features``) swapped
+    for a copy with other weights, whose layers have the same names, is seen, and the next clipped sum and norms are
+    the new model's (against the per-example loop); the kept owners are then the new layers."""
+    import copy
+
+    model, x, y = _model_and_batch("convnet", batch=5, seed=4)
+    clipped_sum(model, x, y, 0.05)
+    before = layers._owners(model, frozenset(trainable_params(model)))
+    features = copy.deepcopy(model.features)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in features.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.features = features
+    summed, norms = clipped_sum(model, x, y, 0.05)
+    expected = _loop_clipped_sum(loop_grads(model, x, y), 0.05)
+    for key in expected:
+        torch.testing.assert_close(summed[key], expected[key], rtol=1e-9, atol=1e-13)
+    after = layers._owners(model, frozenset(trainable_params(model)))
+    assert after.keys() == before.keys()
+    for prefix, (module, _) in after.items():
+        assert module is model.get_submodule(prefix)
+        assert prefix == "classifier" or module is not before[prefix][0]
+
+
 def test_group_norm_gradients_hold_in_float32_on_inputs_far_from_zero() -> None:
     """The per-example GroupNorm rule subtracts the group mean from sums over positions: on inputs whose mean is a
     thousand times their spread it still agrees with a float64 loop to float32 precision."""
