@@ -441,7 +441,8 @@ class ConvRules(NamedTuple):
     """How a convolution's per-example norms are taken for one batch shape (:func:`_conv_rules`)."""
 
     streams: bool
-    """Before a clipped sum, its per-sample weight gradients are streamed (:func:`_streams`)."""
+    """Before a clipped sum, its per-sample weight gradients are too large to keep for the whole batch and the ghost
+    norm is not cheaper: they are streamed (:func:`streamed_chunks`)."""
     keep: bool
     """Its per-sample gradients are kept for the clipped sum."""
     ghost_only: bool
@@ -454,7 +455,7 @@ _CONV_RULES: dict[tuple, ConvRules] = {}
 
 
 def _conv_rules(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bool) -> ConvRules:
-    """The cost rules of :func:`_conv2d_sq_norms` and :func:`_streams` for this layer and batch shape (``keep``: a
+    """The cost rules of :func:`_conv2d_sq_norms` and of streaming for this layer and batch shape (``keep``: a
     clipped sum follows), worked out once per shape and the rules' current bounds: working them out took about 14 us
     a layer on every DP step (a query has three convolutions at most shapes)."""
     weight = module.weight
@@ -465,10 +466,9 @@ def _conv_rules(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor, *, keep: bo
         return rules
     positions, d, p = _conv_sizes(module, b)
     ghost = uses_ghost_norm(positions, d, p)
-    kept = (
-        keep and a.shape[0] * weight.numel() <= _limits(a)[0] and not (ghost and uses_ghost_norm(2 * positions, d, p))
-    )
-    rules = ConvRules(keep and _streams(module, a, b), kept, not kept and ghost, _grouped_chunk(module, a))
+    fits = a.shape[0] * weight.numel() <= _limits(a)[0]
+    kept = keep and fits and not (ghost and uses_ghost_norm(2 * positions, d, p))
+    rules = ConvRules(keep and not fits and not ghost, kept, not kept and ghost, _grouped_chunk(module, a))
     if len(_CONV_RULES) < 4096:  # a few shapes a run (Poisson batches of a few dozen sizes); a bound all the same
         _CONV_RULES[key] = rules
     return rules
@@ -516,12 +516,6 @@ def unfold_input(module: nn.Conv2d, a: torch.Tensor, *, copies: bool | None = No
     patches = F.pad(a, (pw, pw, ph, ph)).unfold(2, kh, sh).unfold(3, kw, sw)  # [N, C, H', W', kh, kw], a view
     n, channels, rows, cols = patches.shape[:4]
     return patches.permute(0, 1, 4, 5, 2, 3).reshape(n, channels * kh * kw, rows * cols)
-
-
-def _streams(module: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a convolution before a clipped sum takes per-sample weight gradients it cannot keep for the whole
-    batch (and the ghost norm is not cheaper): they are then streamed."""
-    return a.shape[0] * module.weight.numel() > _limits(a)[0] and not uses_ghost_norm(*_conv_sizes(module, b))
 
 
 def streamed_chunks(layers: list[LayerTrace]) -> Iterator[tuple[int, int, list[LayerTrace]]]:

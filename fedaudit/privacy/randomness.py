@@ -31,6 +31,7 @@ rounded once.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -126,26 +127,22 @@ def keyed_generator(key: bytes, device: torch.device | str = "cpu") -> torch.Gen
     if generator.device.type != "cpu":
         generator.manual_seed(_seed_of(key))
         return generator
-    raw = _blank_state(generator).copy()
+    raw = _blank_state().copy()
     raw[:_MT_LEFT] = np.frombuffer(_seed_of(key).to_bytes(8, "little"), dtype=np.uint8)  # what initial_seed() says
     raw[_MT_STATE : _MT_STATE + 8 * MT_WORDS].view("<u8")[:] = _mt_state_words(key)
     generator.set_state(torch.from_numpy(raw))
     return generator
 
 
-_BLANK_STATE: list[np.ndarray] = []
-
-
-def _blank_state(generator: torch.Generator) -> np.ndarray:
+@functools.cache
+def _blank_state() -> np.ndarray:
     """A CPU generator's state with every field zero but "left" and "seeded" (1: the first draw twists first), and
-    no Gaussian of a previous draw waiting: what :func:`keyed_generator` fills in. Made once from a generator's own
-    state, so that its size and layout are torch's."""
-    if not _BLANK_STATE:
-        raw = generator.get_state().numpy().copy()
-        raw[:] = 0
-        raw[_MT_LEFT:_MT_NEXT] = np.frombuffer((1).to_bytes(4, "little") * 2, dtype=np.uint8)
-        _BLANK_STATE.append(raw)
-    return _BLANK_STATE[0]
+    no Gaussian of a previous draw waiting: what :func:`keyed_generator` fills in (a copy of it). Made once from a
+    generator's own state, so that its size and layout are torch's."""
+    raw = torch.Generator().get_state().numpy().copy()
+    raw[:] = 0
+    raw[_MT_LEFT:_MT_NEXT] = np.frombuffer((1).to_bytes(4, "little") * 2, dtype=np.uint8)
+    return raw
 
 
 def client_key(secret: bytes, run_id: str, client: int) -> bytes:
